@@ -1,0 +1,20 @@
+"""simcomm: simulate, visualize and verify differentiable collectives.
+
+>>> import simcomm
+>>> world = simcomm.World(4)
+>>> outs = world.run(program)        # program(comm) on 4 virtual ranks
+"""
+from torch.distributed import ReduceOp
+
+from . import collectives
+from .communicator import Communicator
+from .errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
+from .trace import Trace, TraceEvent
+from .transport import Transport
+from .world import World
+
+__all__ = [
+    "World", "ReduceOp", "Communicator", "Transport", "Trace", "TraceEvent", "collectives",
+    "CollectiveMismatchError", "DeadlockError", "RankError", "RunTimeoutError", "SimcommError",
+]
+__version__ = "0.1.0"

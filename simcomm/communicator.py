@@ -1,0 +1,212 @@
+"""The communicator a program receives: the seed's API with autograd on every collective.
+
+One :class:`Communicator` exists per rank and group. It checks arguments
+(:mod:`simcomm.checks`), makes inputs contiguous, and calls the autograd rules
+of :mod:`simcomm.autograd`, which call its transport. The same class serves the
+simulator (:class:`simcomm.sim.SimTransport`) and real processes
+(``real.transport.DistTransport``).
+
+Every method leaves its input unmodified and blocks until this rank's part of
+the call is done. ``src``/``dst`` are ranks *within the group*. Gradients
+follow the sum-of-per-rank-losses convention; see :mod:`simcomm.autograd`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed import ReduceOp
+
+from . import autograd as rules
+from .checks import check_4d, check_divisible, check_partition, check_peer, normalize_dim
+from .collectives import reduce_op_name
+from .transport import Transport
+
+__all__ = ["Communicator"]
+
+
+class Communicator:
+    """Differentiable collectives for one rank of one group."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+
+    @property
+    def rank(self) -> int:
+        """This rank's index within the group."""
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the group."""
+        return self.transport.world_size
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global ranks of the group's members, in group order."""
+        return self.transport.ranks
+
+    @property
+    def global_rank(self) -> int:
+        return self.transport.ranks[self.transport.rank]
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's tensors live on."""
+        return self.transport.device
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+                f"ranks={list(self.ranks)}, device={self.device})")
+
+    # -- collectives -----------------------------------------------------------------
+
+    def all_reduce(self, input_: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``input_`` over the group; every rank gets the result.
+
+        Backward: SUM/AVG all-reduce the gradients; MAX/MIN send the summed
+        gradient to the rank(s) holding the extreme (ties share it evenly);
+        PRODUCT multiplies the summed gradient by the product of the other
+        ranks' values (exact with zeros).
+        """
+        return rules._AllReduce.apply(self.transport, input_.contiguous(), reduce_op_name(op))
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate the ranks' tensors along ``dim`` in rank order.
+
+        Backward: reduce-scatter (sum) of the gradient along ``dim``.
+        """
+        dim = normalize_dim("all_gather", input_, dim, self.rank)
+        return rules._AllGather.apply(self.transport, input_.contiguous(), dim)
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1, op: ReduceOp | str = ReduceOp.SUM
+                       ) -> torch.Tensor:
+        """Reduce over the group, then rank ``r`` keeps chunk ``r`` along ``dim``.
+
+        ``input_.shape[dim]`` must be divisible by the world size. Backward:
+        all-gather of the gradient along ``dim`` (with the MAX/MIN/PRODUCT
+        factors of :meth:`all_reduce`).
+        """
+        dim = normalize_dim("reduce_scatter", input_, dim, self.rank)
+        check_divisible("reduce_scatter", input_, dim, self.world_size, self.rank)
+        return rules._ReduceScatter.apply(self.transport, input_.contiguous(), dim, reduce_op_name(op))
+
+    def slice(self, input_: torch.Tensor, dim: int = -1, *, scale_grad: bool) -> torch.Tensor:
+        """Keep this rank's chunk of a tensor every rank holds the same copy of.
+
+        No communication forward. Backward: all-gather of the gradients, so
+        every rank's input gradient is the full gradient of the summed losses;
+        divided by the world size when ``scale_grad`` (for a replicated loss).
+        """
+        dim = normalize_dim("slice", input_, dim, self.rank)
+        check_divisible("slice", input_, dim, self.world_size, self.rank)
+        return rules._Slice.apply(self.transport, input_, dim, scale_grad)
+
+    def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """Split along ``scatter_dim``, send chunk ``j`` to rank ``j``, concatenate what
+        arrives along ``gather_dim``. Backward: the same with the two dims swapped."""
+        scatter_dim = normalize_dim("all_to_all", input_, scatter_dim, self.rank, "scatter_dim")
+        gather_dim = normalize_dim("all_to_all", input_, gather_dim, self.rank, "gather_dim")
+        check_divisible("all_to_all", input_, scatter_dim, self.world_size, self.rank, "scatter_dim")
+        return rules._AllToAll.apply(self.transport, input_.contiguous(), scatter_dim, gather_dim)
+
+    def all_to_all_4D(self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1) -> torch.Tensor:
+        """Ulysses re-sharding of ``(batch, seq, heads, head_dim)`` tensors.
+
+        ``(2, 1)``: sequence shards ``(b, s/P, h, d)`` -> head shards ``(b, s, h/P, d)``.
+        ``(1, 2)``: the inverse. Backward: the all-to-all with the dims swapped.
+        """
+        check_4d("all_to_all_4D", input_, self.rank)
+        if (scatter_dim, gather_dim) not in ((2, 1), (1, 2)):
+            raise ValueError(
+                f"all_to_all_4D: (scatter_dim, gather_dim)=({scatter_dim}, {gather_dim}) on rank "
+                f"{self.rank}; only (2, 1) (sequence -> heads) and (1, 2) (heads -> sequence) exist")
+        what = "heads" if scatter_dim == 2 else "sequence"
+        check_divisible("all_to_all_4D", input_, scatter_dim, self.world_size, self.rank,
+                        f"scatter_dim ({what})")
+        return rules._AllToAll.apply(self.transport, input_.contiguous(), scatter_dim, gather_dim)
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate the ranks' tensors along ``dim`` on rank ``dst``; ``None`` elsewhere.
+
+        Not differentiable: the other ranks hold no output to call backward
+        on. Use :meth:`all_gather` when gradients must flow.
+        """
+        dim = normalize_dim("gather", input_, dim, self.rank)
+        check_peer("gather", dst, self.world_size, self.rank, "dst")
+        return self.transport.gather(input_.detach().contiguous(), dst, dim)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Every rank gets a copy of rank ``src``'s tensor (all ranks pass the same shape).
+
+        Backward: the gradients summed onto ``src``, zero on the other ranks.
+        """
+        check_peer("broadcast", src, self.world_size, self.rank, "src")
+        return rules._Broadcast.apply(self.transport, input_.contiguous(), src)
+
+    def copy_to_group(self, input_: torch.Tensor) -> torch.Tensor:
+        """Megatron's *f*: identity forward, all-reduce of the gradients backward.
+
+        Put it where a replicated activation enters a tensor-parallel region.
+        """
+        return rules._CopyToGroup.apply(self.transport, input_.contiguous())
+
+    def reduce_from_group(self, input_: torch.Tensor) -> torch.Tensor:
+        """Megatron's *g*: all-reduce (sum) forward, identity backward.
+
+        Put it where partial sums leave a tensor-parallel region and every
+        rank then computes the same replicated loss.
+        """
+        return rules._ReduceFromGroup.apply(self.transport, input_.contiguous())
+
+    # -- point to point and control ----------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Send ``tensor`` to rank ``dst`` (default: the next rank). Blocks.
+
+        In the simulator a send returns once the matching :meth:`recv` has
+        taken the data, the strictest behaviour real backends may show, so
+        a program that works here cannot rely on buffering. Not
+        differentiable: pipeline code passes gradients by hand.
+        """
+        if dst is None:
+            dst = (self.rank + 1) % self.world_size
+        check_peer("send", dst, self.world_size, self.rank, "dst")
+        if dst == self.rank:
+            raise ValueError(f"send: dst={dst} on rank {self.rank} is the sending rank itself")
+        self.transport.send(tensor.detach().contiguous(), dst)
+
+    def recv(self, size: Sequence[int] | torch.Size, dtype: torch.dtype = torch.float32,
+             src: int | None = None) -> torch.Tensor:
+        """Receive a tensor of ``size`` and ``dtype`` from rank ``src`` (default: the previous rank). Blocks."""
+        if src is None:
+            src = (self.rank - 1) % self.world_size
+        check_peer("recv", src, self.world_size, self.rank, "src")
+        if src == self.rank:
+            raise ValueError(f"recv: src={src} on rank {self.rank} is the receiving rank itself")
+        return self.transport.recv(tuple(size), dtype, src)
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group has reached this call."""
+        self.transport.barrier()
+
+    def compute(self, seconds: float | None = None, *, flops: float | None = None) -> None:
+        """Declare compute work at this point of the program (no communication).
+
+        Adds a ``compute`` event to the trace, so :func:`simcomm.cost.annotate`
+        can place it on a modelled timeline: ``seconds`` as given, or ``flops``
+        divided by the topology's compute rate.
+        """
+        if (seconds is None) == (flops is None):
+            raise ValueError(f"compute: rank {self.rank} must give exactly one of seconds= and flops=")
+        self.transport.compute(seconds, flops)
+
+    def subgroup(self, groups: Sequence[Sequence[int]]) -> Communicator:
+        """Split this group; return the communicator of the part this rank belongs to.
+
+        A collective: every rank of the group calls it with the same
+        ``groups``, a partition of the group's ranks (group-local numbering),
+        e.g. ``[[0, 1], [2, 3]]``.
+        """
+        normalized = check_partition("subgroup", groups, self.world_size, self.rank)
+        return Communicator(self.transport.subgroup(normalized))

@@ -1,0 +1,55 @@
+"""The errors the simulator raises instead of hanging.
+
+Real NCCL shows a mismatched collective or a missing ``recv`` as a job that
+hangs until a watchdog fires minutes later. The simulator sees every rank at
+once, so it names the problem as soon as it exists:
+
+* :class:`CollectiveMismatchError` - the ranks of one group called different
+  collectives, or the same collective with incompatible arguments, at the
+  same step.
+* :class:`DeadlockError` - every rank that has not finished is blocked.
+* :class:`RankError` - a rank's own program raised; the original exception is
+  the ``__cause__``.
+"""
+from __future__ import annotations
+
+import traceback
+
+
+class SimcommError(RuntimeError):
+    """Base class of the errors :meth:`simcomm.World.run` raises."""
+
+
+class CollectiveMismatchError(SimcommError):
+    """Ranks of one group disagree on the collective they are calling."""
+
+
+class DeadlockError(SimcommError):
+    """Every unfinished rank waits for another one: nothing can progress."""
+
+
+class RankError(SimcommError):
+    """A rank's program raised an exception.
+
+    ``rank`` is the global rank that raised first, ``others`` the ranks that
+    raised afterwards, and ``__cause__`` the original exception.
+    """
+
+    def __init__(self, rank: int, error: BaseException, others: tuple[int, ...] = ()):
+        self.rank = rank
+        self.error = error
+        self.others = others
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        also = f" (ranks {list(others)} raised too)" if others else ""
+        super().__init__(
+            f"rank {rank} raised {type(error).__name__}: {error}{also}\n"
+            f"--- traceback of rank {rank} ---\n{tb.rstrip()}"
+        )
+        self.__cause__ = error
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.error, self.others))
+
+
+class RunTimeoutError(SimcommError, TimeoutError):
+    """A run did not finish within its timeout; the message says where each rank is."""

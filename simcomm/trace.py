@@ -1,0 +1,196 @@
+"""What every transport call did: one :class:`TraceEvent` per rank per call.
+
+An event records the op, the group (global ranks), the rank, the step (the
+call's position in the group's sequence of collectives, equal on every
+member), the phase (``forward`` or ``backward``: the autograd rules mark their
+backward calls), shapes, dtype, the bytes sent to and received from each peer,
+and start/end times. :meth:`Trace.to_chrome_trace` writes the JSON that
+Perfetto and ``chrome://tracing`` open.
+
+Bytes per peer follow each op's *definition* as a direct exchange, not a
+particular algorithm (ring, tree): with ``b`` bytes per rank on ``n`` ranks,
+
+=================  =========================================================
+all_gather         each rank sends its ``b`` to every other rank
+reduce_scatter     each rank sends peer ``j`` the chunk ``j`` owns: ``b/n``
+all_reduce         reduce-scatter then all-gather: ``2 b/n`` to every peer
+all_to_all         ``b/n`` to every peer
+broadcast          the source sends ``b`` to every other rank
+gather             every other rank sends its ``b`` to the destination
+send / recv        ``b`` from sender to receiver
+barrier, subgroup  nothing
+=================  =========================================================
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["TraceEvent", "Trace", "backward_phase", "current_phase", "peer_bytes"]
+
+_local = threading.local()
+
+
+def current_phase() -> str:
+    """``"backward"`` inside an autograd rule's backward on this thread, else ``"forward"``."""
+    return getattr(_local, "phase", "forward")
+
+
+@contextlib.contextmanager
+def backward_phase() -> Iterator[None]:
+    """Mark the transport calls made inside this block as backward-phase calls."""
+    previous = current_phase()
+    _local.phase = "backward"
+    try:
+        yield
+    finally:
+        _local.phase = previous
+
+
+def peer_bytes(op: str, nbytes: int, ranks: tuple[int, ...], rank: int, root: int | None = None
+               ) -> tuple[dict[int, int], dict[int, int]]:
+    """Bytes ``rank`` sends to and receives from each peer (global ranks) in one call.
+
+    ``nbytes`` is the size of the rank's input (for ``recv``: of the received
+    tensor); ``root`` is the global rank of the source/destination where the op
+    has one, and the peer for ``send``/``recv``.
+    """
+    world_size = len(ranks)
+    peers = [peer for peer in ranks if peer != rank]
+    if op == "all_gather":
+        return dict.fromkeys(peers, nbytes), dict.fromkeys(peers, nbytes)
+    if op in ("reduce_scatter", "all_to_all"):
+        share = nbytes // world_size
+        return dict.fromkeys(peers, share), dict.fromkeys(peers, share)
+    if op == "all_reduce":
+        share = 2 * nbytes // world_size
+        return dict.fromkeys(peers, share), dict.fromkeys(peers, share)
+    if op == "broadcast":
+        return (dict.fromkeys(peers, nbytes), {}) if rank == root else ({}, {root: nbytes})
+    if op == "gather":
+        return ({}, dict.fromkeys(peers, nbytes)) if rank == root else ({root: nbytes}, {})
+    if op == "send":
+        return {root: nbytes}, {}
+    if op == "recv":
+        return {}, {root: nbytes}
+    return {}, {}
+
+
+@dataclass
+class TraceEvent:
+    """One transport call on one rank. Times are seconds since the run started."""
+
+    op: str
+    group: tuple[int, ...]
+    rank: int
+    step: int
+    phase: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    nbytes: int
+    start: float
+    end: float = 0.0
+    out_shape: tuple[int, ...] | None = None
+    root: int | None = None
+    args: dict = field(default_factory=dict)
+    #: modelled duration on a topology, filled by :func:`simcomm.cost.annotate` (seconds)
+    modelled: float | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def sent(self) -> dict[int, int]:
+        """Bytes sent to each peer (global rank)."""
+        return peer_bytes(self.op, self.nbytes, self.group, self.rank, self.root)[0]
+
+    @property
+    def received(self) -> dict[int, int]:
+        """Bytes received from each peer (global rank)."""
+        return peer_bytes(self.op, self.nbytes, self.group, self.rank, self.root)[1]
+
+
+class Trace:
+    """The events of one run, ordered by start time, with summaries and export."""
+
+    def __init__(self, events: list[TraceEvent] | None = None):
+        self.events: list[TraceEvent] = sorted(events or [], key=lambda e: (e.start, e.rank))
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self) -> Iterator[TraceEvent]:
+        return iter(self.events)
+
+    def __repr__(self) -> str:
+        counts = Counter(f"{e.op}/{e.phase}" for e in self.events)
+        return f"Trace({len(self.events)} events: {dict(counts)})"
+
+    def filter(self, *, op: str | None = None, phase: str | None = None, rank: int | None = None
+               ) -> Trace:
+        """The events matching every given field."""
+        return Trace([e for e in self.events
+                      if (op is None or e.op == op) and (phase is None or e.phase == phase)
+                      and (rank is None or e.rank == rank)])
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events})
+
+    def ops(self) -> list[tuple[int, str, str]]:
+        """The sequence of (step, op, phase) one rank saw: rank 0, or the lowest traced rank."""
+        if not self.events:
+            return []
+        first = self.ranks[0]
+        return [(e.step, e.op, e.phase) for e in self.events if e.rank == first]
+
+    def comm_matrix(self, op: str | None = None) -> list[list[int]]:
+        """``matrix[i][j]``: bytes rank ``i`` sent to rank ``j``, summed over the trace."""
+        size = max((max(e.group) for e in self.events), default=-1) + 1
+        matrix = [[0] * size for _ in range(size)]
+        for event in self.events:
+            if op is not None and event.op != op:
+                continue
+            for peer, nbytes in event.sent.items():
+                matrix[event.rank][peer] += nbytes
+        return matrix
+
+    def bytes_by_op(self) -> dict[str, int]:
+        """Total bytes sent, per op."""
+        totals: Counter[str] = Counter()
+        for event in self.events:
+            totals[event.op] += sum(event.sent.values())
+        return dict(totals)
+
+    def to_chrome_trace(self, path: str | os.PathLike | None = None) -> dict:
+        """The trace as Chrome trace JSON (complete ``"X"`` events, one track per rank).
+
+        Writes it to ``path`` when given; returns the JSON object either way.
+        """
+        events: list[dict] = [
+            {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "simcomm"}}]
+        for rank in self.ranks:
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                           "args": {"name": f"rank {rank}"}})
+        for e in self.events:
+            events.append({
+                "name": e.op, "cat": e.phase, "ph": "X", "pid": 0, "tid": e.rank,
+                "ts": e.start * 1e6, "dur": max(e.duration, 0.0) * 1e6,
+                "args": {"step": e.step, "group": list(e.group), "shape": e.shape,
+                         "out_shape": e.out_shape, "dtype": e.dtype, "bytes": e.nbytes,
+                         "sent": {str(k): v for k, v in e.sent.items()},
+                         "received": {str(k): v for k, v in e.received.items()},
+                         **({"modelled_us": e.modelled * 1e6} if e.modelled is not None else {}),
+                         **e.args},
+            })
+        data = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        return data
