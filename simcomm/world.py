@@ -53,6 +53,16 @@ class World:
     def __repr__(self) -> str:
         return f"World(world_size={self.world_size}, device={self.device})"
 
+    # A World holds no resources between runs; the context manager only mirrors real.Cluster.
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
     def run(self, program: Callable[..., Any], *args: Any, timeout: float | None = None,
             **kwargs: Any) -> list[Any]:
         """Run ``program(comm, *args, **kwargs)`` on every rank; return the ranks' results."""
