@@ -1,0 +1,156 @@
+"""The lessons are tests: nbval runs every notebook once per backend.
+
+Each notebook runs in a fresh kernel with ``--nbval-lax --nbval-current-env``:
+every cell must run without error, and the ``assert`` statements in the cells
+are the checks. Cells whose printed text is deterministic have that text in
+their source (``# %% expect`` in ``notebooks/src/``); the committed notebooks
+hold no outputs, so each run works on a temporary copy whose checked cells
+carry the expected text as stored output and the ``nbval-check-output`` tag,
+and nbval compares them.
+
+``SIMCOMM_BACKEND=sim`` runs the programs on virtual ranks in the kernel;
+``SIMCOMM_BACKEND=real`` runs them on gloo worker processes through
+``real.Cluster``. The real run is skipped, with the reason, when ``real``
+cannot start workers on this machine. Each run must finish within
+``SIMCOMM_LESSON_BUDGET_S`` seconds (default 60), kernel start included.
+
+Also checked: every committed notebook is stripped (no outputs, execution
+counts or widget state) and equals what ``notebooks/build.py`` makes from its
+source.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+LESSONS = ("00_start_here", "01_collectives", "02_autograd_through_collectives",
+           "03_ring_allreduce_and_cost", "04_tensor_parallel_mlp", "05_ulysses_sequence_parallel")
+
+#: wall-clock budget of one lesson on one backend, kernel start included (seconds)
+BUDGET_S = float(os.environ.get("SIMCOMM_LESSON_BUDGET_S", "60"))
+
+
+def test_every_lesson_exists():
+    assert [nb.stem for nb in NOTEBOOKS] == list(LESSONS)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_committed_stripped(notebook: Path):
+    nb = json.loads(notebook.read_text())
+    assert "widgets" not in nb.get("metadata", {}), f"{notebook.name} holds widget state"
+    for index, cell in enumerate(nb["cells"]):
+        where = f"{notebook.name} cell {index}"
+        assert "widgets" not in cell.get("metadata", {}), f"{where} holds widget state"
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs") == [], f"{where} holds outputs"
+            assert cell.get("execution_count") is None, f"{where} holds an execution count"
+
+
+def test_notebooks_match_their_sources():
+    result = subprocess.run([sys.executable, str(NOTEBOOK_DIR / "build.py"), "--check"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def _load_build():
+    spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOK_DIR / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build = _load_build()
+
+
+def with_expected_outputs(notebook: Path, folder: Path) -> tuple[Path, int]:
+    """Copy ``notebook`` into ``folder`` with its checked cells' expected text as stored output."""
+    nb = json.loads(notebook.read_text())
+    expected = build.expected_outputs(build.source_of(notebook))
+    for index, cell in enumerate(nb["cells"]):
+        if cell.get("id") in expected:
+            cell["metadata"].setdefault("tags", []).append("nbval-check-output")
+            cell["execution_count"] = index + 1  # nbval compares only cells that were run
+            cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": expected[cell["id"]]}]
+    copy = folder / notebook.name
+    copy.write_text(json.dumps(nb, indent=1))
+    return copy, len(expected)
+
+
+def test_checked_cells_get_their_expected_text(tmp_path: Path):
+    checked = 0
+    for notebook in NOTEBOOKS:
+        copy, count = with_expected_outputs(notebook, tmp_path)
+        cells = json.loads(copy.read_text())["cells"]
+        tagged = [c for c in cells if "nbval-check-output" in c["metadata"].get("tags", [])]
+        assert len(tagged) == count
+        assert all(c["outputs"][0]["text"].endswith("\n") for c in tagged)
+        checked += count
+    assert checked >= len(LESSONS), "every lesson should check at least one printed result"
+
+
+def _real_unavailable() -> str | None:
+    """Why the real backend cannot run the lessons here, or None when it can."""
+    try:
+        import real
+        import simcomm
+    except Exception as error:  # noqa: BLE001 - any import failure means: skip with its text
+        return f"import real failed: {type(error).__name__}: {error}"
+    missing = [name for module, name in ((real, "Cluster"), (real, "run"), (simcomm, "configured_backend"))
+               if not hasattr(module, name)]
+    if missing:
+        return "not provided yet: " + ", ".join(missing)
+    probe = ("import torch, real\n"
+             "def program(comm):\n"
+             "    return comm.all_reduce(torch.ones(2) * (comm.rank + 1))\n"
+             "outs = real.run(program, world_size=2)\n"
+             "assert all(o.tolist() == [3.0, 3.0] for o in outs), outs\n")
+    try:
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                timeout=180, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return "real.run(world_size=2) did not finish a 2-rank all-reduce within 180 s"
+    if result.returncode != 0:
+        return "real.run(world_size=2) failed: " + result.stderr.strip().splitlines()[-1]
+    return None
+
+
+@pytest.fixture(scope="module")
+def real_unavailable() -> str | None:
+    return _real_unavailable()
+
+
+def _run_nbval(notebook: Path, backend: str, folder: Path) -> tuple[subprocess.CompletedProcess, float]:
+    notebook, _ = with_expected_outputs(notebook, folder)
+    env = dict(os.environ, SIMCOMM_BACKEND=backend, PYTHONDONTWRITEBYTECODE="1")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+               "--nbval-current-env", "--nbval-cell-timeout=300", str(notebook)]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    return result, time.perf_counter() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sim", pytest.param("real", marks=pytest.mark.real)])
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_lesson_runs(notebook: Path, backend: str, real_unavailable: str | None,
+                     record_property, tmp_path: Path):
+    if backend == "real" and real_unavailable:
+        pytest.skip(f"SIMCOMM_BACKEND=real: {real_unavailable}")
+    result, seconds = _run_nbval(notebook, backend, tmp_path)
+    record_property("seconds", round(seconds, 1))
+    print(f"{notebook.stem} [SIMCOMM_BACKEND={backend}]: {seconds:.1f} s")
+    if result.returncode != 0:
+        pytest.fail(f"nbval failed on {notebook.name} with SIMCOMM_BACKEND={backend}:\n"
+                    + result.stdout[-8000:] + result.stderr[-2000:], pytrace=False)
+    assert seconds < BUDGET_S, (f"{notebook.name} took {seconds:.1f} s with SIMCOMM_BACKEND={backend};"
+                                f" the budget is {BUDGET_S:.0f} s")
