@@ -7,6 +7,7 @@
 from torch.distributed import ReduceOp
 
 from . import collectives
+from .backend import configured_backend
 from .communicator import Communicator
 from .errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
 from .trace import Trace, TraceEvent
@@ -14,6 +15,7 @@ from .transport import Transport
 from .world import World
 
 __all__ = [
+    "configured_backend",
     "World", "ReduceOp", "Communicator", "Transport", "Trace", "TraceEvent", "collectives",
     "CollectiveMismatchError", "DeadlockError", "RankError", "RunTimeoutError", "SimcommError",
 ]
