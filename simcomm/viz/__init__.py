@@ -1,0 +1,25 @@
+"""Figures and widgets that show where every element and every gradient of a collective goes.
+
+Every figure function returns a ``plotly.graph_objects.Figure`` and prints
+nothing. Provenance tensors (:mod:`simcomm.viz.provenance`) encode each
+element's source rank and position in its value, so figures colour each
+element by the rank it came from.
+
+=========================  =====================================================
+``collective_figure``      one op on every rank: input, output, incoming grad, input grad
+``rank_grid``              one heatmap panel per rank's tensor
+``ring_allreduce_figure``  ring or tree all-reduce step by step (animation frames)
+``timeline_figure``        one row per rank, a bar per traced call
+``comm_matrix_figure``     bytes from rank i to rank j, per op on a selector
+``explore``                ipywidgets panel that redraws ``collective_figure``
+=========================  =====================================================
+"""
+from .collective import OPS, CollectiveRun, collective_figure, collective_run_figure, run_collective
+from .grids import as_grid, grid_layout, rank_grid
+from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
+
+__all__ = [
+    "OPS", "CollectiveRun", "collective_figure", "collective_run_figure", "run_collective",
+    "as_grid", "grid_layout", "rank_grid",
+    "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
+]

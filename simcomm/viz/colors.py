@@ -1,0 +1,57 @@
+"""The colours every figure shares: one light colour per rank, a grey scale for mixed values.
+
+Rank colours are light enough for dark cell text and distinct for ten ranks;
+rank ``r`` and rank ``r + 10`` share a colour (their codes still differ, and
+hover text names the rank).
+"""
+from __future__ import annotations
+
+import plotly.colors
+
+__all__ = ["RANK_COLOURS", "MIXED_COLOURSCALE", "EMPTY_COLOUR", "rank_colour", "rank_colourscale", "colour_at"]
+
+#: plotly's "Pastel" qualitative palette without its grey, which marks mixed values here
+RANK_COLOURS: tuple[str, ...] = tuple(plotly.colors.qualitative.Pastel[:10])
+
+#: values that combine several ranks (sums, averages, products, scaled gradients): near-white to grey
+MIXED_COLOURSCALE: list[list] = [[0.0, "rgb(250, 250, 250)"], [1.0, "rgb(160, 160, 160)"]]
+
+#: the fill of a panel that holds nothing (``None`` outputs of gather)
+EMPTY_COLOUR = "rgb(245, 245, 245)"
+
+
+def rank_colour(rank: int) -> str:
+    """The colour of rank ``rank`` in every figure."""
+    return RANK_COLOURS[rank % len(RANK_COLOURS)]
+
+
+def rank_colourscale(world_size: int) -> list[list]:
+    """A stepped colour scale over ``[0, 1]``: band ``r`` of ``world_size`` equal bands is rank ``r``'s colour.
+
+    With ``cmin=-0.5`` and ``cmax=world_size * base - 0.5`` it colours every
+    provenance code ``r * base + i`` (``0 <= i < base``) by its source rank
+    ``r``, and no code falls on a band edge.
+    """
+    scale = []
+    for rank in range(world_size):
+        scale.append([rank / world_size, rank_colour(rank)])
+        scale.append([(rank + 1) / world_size, rank_colour(rank)])
+    return scale
+
+
+def colour_at(colourscale: list[list], fraction: float) -> str:
+    """The colour a plotly colour scale gives ``fraction`` in ``[0, 1]``.
+
+    On a stepped scale, the colour of the band holding ``fraction``; the
+    figures keep values off band edges (see :func:`rank_colourscale`).
+    """
+    fraction = min(max(fraction, 0.0), 1.0)
+    for (low, low_colour), (high, high_colour) in zip(colourscale, colourscale[1:]):
+        if low <= fraction <= high and high > low:
+            if low_colour == high_colour:
+                return low_colour
+            mixed = plotly.colors.find_intermediate_color(
+                plotly.colors.unlabel_rgb(low_colour), plotly.colors.unlabel_rgb(high_colour),
+                (fraction - low) / (high - low))
+            return plotly.colors.label_rgb(tuple(round(c) for c in mixed))
+    return colourscale[-1][1]

@@ -1,0 +1,303 @@
+"""Per-rank tensor grids: one heatmap panel per rank's tensor, on shared colour scales.
+
+:func:`rank_grid` is the public entry; :func:`draw_panels` lays out any table of
+:class:`Panel` (ranks down, stages across) and is what
+:func:`simcomm.viz.collective_figure` draws with.
+
+Tensors of any rank are shown as 2-D grids, row-major, so the flat position of
+an element is the same in the tensor and in the grid:
+
+=====  ==================================  ===================================
+ndim   grid                                 layout named in the figure
+=====  ==================================  ===================================
+0      1 x 1                                scalar
+1      1 x n                                one row: dim 0
+2      as is                                rows: dim 0, columns: dim 1
+3      (d0 d1) x d2                         rows: dim 0 x dim 1, columns: dim 2
+4      (d0 d1) x (d2 d3)                    rows: dim 0 x dim 1, columns: dim 2 x dim 3
+>4     (all but last) x last
+=====  ==================================  ===================================
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+import torch
+
+from .colors import MIXED_COLOURSCALE, rank_colourscale
+from .provenance import decode
+
+__all__ = ["Panel", "as_grid", "grid_layout", "draw_panels", "rank_grid"]
+
+_MAX_CELL_PX = 34
+_MIN_CELL_PX = 6
+_GAP_PX = 28
+
+
+def _dim_name(dim: int, dim_names: Sequence[str] | None) -> str:
+    return dim_names[dim] if dim_names is not None else f"dim {dim}"
+
+
+def grid_layout(shape: Sequence[int], dim_names: Sequence[str] | None = None) -> str:
+    """In words, how a tensor of ``shape`` is laid out as a grid (see the module's table)."""
+    ndim = len(shape)
+    if dim_names is not None and len(dim_names) != ndim:
+        raise ValueError(f"grid_layout: dim_names={list(dim_names)} names {len(dim_names)} dims but "
+                         f"shape {tuple(shape)} has {ndim}")
+    names = [_dim_name(dim, dim_names) for dim in range(ndim)]
+    if ndim == 0:
+        return "scalar"
+    if ndim == 1:
+        return f"one row: {names[0]}"
+    if ndim == 2:
+        return f"rows: {names[0]}, columns: {names[1]}"
+    if ndim == 4:
+        return f"rows: {names[0]} x {names[1]}, columns: {names[2]} x {names[3]}"
+    return f"rows: {' x '.join(names[:-1])}, columns: {names[-1]}"
+
+
+def as_grid(tensor: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The 2-D float64 grid a tensor is drawn as (row-major; see the module's table)."""
+    if isinstance(tensor, torch.Tensor):
+        tensor = tensor.detach().cpu().to(torch.float64).numpy()
+    array = np.asarray(tensor, dtype=np.float64)
+    shape = array.shape
+    if array.ndim == 0:
+        return array.reshape(1, 1)
+    if array.ndim == 1:
+        return array.reshape(1, -1)
+    if array.ndim == 4:
+        return array.reshape(shape[0] * shape[1], shape[2] * shape[3])
+    return array.reshape(-1, shape[-1])
+
+
+@dataclass
+class Panel:
+    """One heatmap of a figure: a rank's tensor at one stage.
+
+    ``coded``: the values are provenance codes (colour by source rank; hover
+    names the source rank and the element's position in ``source_shape``).
+    Otherwise they mix several ranks and are drawn on the grey value scale.
+    ``tensor=None`` draws an empty panel showing ``note``.
+    """
+
+    tensor: torch.Tensor | None
+    name: str
+    rank: int
+    coded: bool = True
+    source_shape: tuple[int, ...] | None = None
+    note: str = ""
+
+
+def _index_labels(shape: tuple[int, ...]) -> list[str]:
+    """``"(i, j)"`` for every flat position of ``shape``."""
+    if not shape:
+        return ["()"]
+    indices = np.unravel_index(np.arange(math.prod(shape)), shape)
+    if len(shape) == 1:
+        return [f"({i},)" for i in indices[0]]
+    return ["(" + ", ".join(str(int(part[k])) for part in indices) + ")" for k in range(indices[0].size)]
+
+
+def _format_value(value: float) -> str:
+    return str(int(value)) if value == round(value) and abs(value) < 1e15 else f"{value:.4g}"
+
+
+def _panel_cells(panel: Panel, base: int | None, world_size: int, function: str
+                 ) -> tuple[np.ndarray, list[list[str]], list[list[str]]]:
+    """The grid, cell texts and hover texts of one panel."""
+    grid = as_grid(panel.tensor)
+    shape = tuple(panel.tensor.shape)
+    flat = grid.reshape(-1)
+    labels = _index_labels(shape)
+    texts = [_format_value(v) for v in flat]
+    head = [f"rank {panel.rank} {panel.name}{labels[k]} = {texts[k]}" for k in range(flat.size)]
+    if panel.coded:
+        try:
+            ranks, positions = decode(flat, base)
+        except ValueError as error:
+            raise ValueError(f"{function}: {panel.name} on rank {panel.rank} is not provenance-coded "
+                             f"with base={base}: {error}") from None
+        if ranks.size and ranks.max() >= world_size:
+            raise ValueError(f"{function}: {panel.name} on rank {panel.rank} holds code "
+                             f"{_format_value(flat[ranks.argmax()])}, from rank {ranks.max()}, but "
+                             f"world_size={world_size}")
+        source_labels = _index_labels(panel.source_shape or shape)
+        hover = [f"{head[k]}<br>came from rank {ranks[k]}, element "
+                 f"{source_labels[positions[k]] if positions[k] < len(source_labels) else positions[k]}"
+                 for k in range(flat.size)]
+    else:
+        hover = [f"{line}<br>mixes several ranks' values" for line in head]
+    columns = grid.shape[1]
+    rows = lambda items: [items[i:i + columns] for i in range(0, len(items), columns)]  # noqa: E731
+    return grid, rows(texts), rows(hover)
+
+
+def _axis_name(kind: str, index: int) -> str:
+    return kind if index == 1 else f"{kind}{index}"
+
+
+def _domains(sizes_px: Sequence[float], total: float) -> list[tuple[float, float]]:
+    """Paper fractions ``(start, end)`` of consecutive spans of ``sizes_px`` pixels out of ``total``, gaps between."""
+    domains, offset = [], 0.0
+    for size in sizes_px:
+        domains.append((offset / total, min(1.0, (offset + size) / total)))
+        offset += size + _GAP_PX
+    return domains
+
+
+def _text_px(text: str, size: int = 12) -> float:
+    """Rough pixel width of the longest line of ``text`` (``<br>`` separates lines)."""
+    return max((len(line) for line in text.split("<br>")), default=0) * size * 0.55 + 8
+
+
+def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int | None,
+                title: str = "", column_titles: Sequence[str] | None = None,
+                row_titles: Sequence[str] | None = None, panel_titles: Sequence[Sequence[str]] | None = None,
+                show_values: bool | None = None, function: str = "draw_panels") -> go.Figure:
+    """A figure with ``panels[row][column]`` laid out as a table of heatmaps.
+
+    Coded panels share one colour axis that colours each value by its source
+    rank; the others share a grey value scale. Cells are square and the same
+    size in every panel, so a tensor twice as long is drawn twice as long.
+    The layout is built as one dict and validated once: figures with dozens
+    of panels build in tens of milliseconds.
+    """
+    row_count = len(panels)
+    col_count = max((len(row) for row in panels), default=0)
+    if row_count == 0 or col_count == 0:
+        raise ValueError(f"{function}: no panels to draw")
+    if any(panel.coded and panel.tensor is not None for row in panels for panel in row) and base is None:
+        raise ValueError(f"{function}: coded panels need base= (the provenance base)")
+    cells = [[_panel_cells(panel, base, world_size, function) if panel.tensor is not None else None
+              for panel in row] for row in panels]
+    grid_rows = [max((c[0].shape[0] for c in row if c is not None), default=1) for row in cells]
+    grid_cols = [max((cells[r][c][0].shape[1] for r in range(row_count)
+                      if c < len(cells[r]) and cells[r][c] is not None), default=1)
+                 for c in range(col_count)]
+    cell_px = max(_MIN_CELL_PX, min(_MAX_CELL_PX, 1100 / sum(grid_cols), 1300 / sum(grid_rows)))
+    # a column is as wide as its widest grid, or its title when that is wider (the grid is centred)
+    titles_of = [[column_titles[c]] if column_titles and c < len(column_titles) else [] for c in range(col_count)]
+    for row_titles_ in panel_titles or []:
+        for c, text in enumerate(row_titles_):
+            titles_of[c].append(text)
+    col_px = [max([grid_cols[c] * cell_px] + [_text_px(t) for t in titles_of[c]]) for c in range(col_count)]
+    row_px = [rows * cell_px for rows in grid_rows]
+    plot_width = sum(col_px) + (col_count - 1) * _GAP_PX
+    plot_height = sum(row_px) + (row_count - 1) * _GAP_PX
+    longest = max((len(t) for row in cells for c in row if c is not None for line in c[1] for t in line),
+                  default=1)
+    if show_values is None:
+        show_values = cell_px >= 20 and longest * 7 + 4 <= cell_px * 1.6
+    # colour bars need room for one label per rank: a short figure gets white space below its panels
+    has_coded = any(p.coded and p.tensor is not None for row in panels for p in row)
+    has_mixed = any(not p.coded and p.tensor is not None for row in panels for p in row)
+    plot_height = max(plot_height, 30 * world_size * has_coded + 90 * has_mixed)
+    x_domains = _domains(col_px, plot_width)
+    y_domains = [(1 - end, 1 - start) for start, end in _domains(row_px, plot_height)]
+    layout: dict[str, Any] = {}
+    traces, annotations = [], []
+    mixed_values = []
+    text_font = dict(size=max(8, min(12, int(cell_px * 0.42))), color="rgb(40, 40, 40)")
+    for r, row in enumerate(panels):
+        for c, panel in enumerate(row):
+            index = r * col_count + c + 1
+            x_name, y_name = _axis_name("x", index), _axis_name("y", index)
+            axis = dict(showticklabels=False, showgrid=False, zeroline=False, constrain="domain")
+            layout[_axis_name("xaxis", index)] = dict(axis, domain=x_domains[c], anchor=y_name)
+            layout[_axis_name("yaxis", index)] = dict(axis, domain=y_domains[r], anchor=x_name,
+                                                     autorange="reversed", scaleanchor=x_name)
+            if panel_titles is not None and panel_titles[r][c]:
+                annotations.append(dict(text=panel_titles[r][c], xref=f"{x_name} domain",
+                                        yref=f"{y_name} domain", x=0.5, y=1.0, xanchor="center", yanchor="bottom",
+                                        showarrow=False, font=dict(size=12)))
+            if cells[r][c] is None:  # an axis without a trace is not drawn: place the note on the paper
+                annotations.append(dict(text=panel.note or "None", xref="paper", yref="paper",
+                                        x=sum(x_domains[c]) / 2, y=sum(y_domains[r]) / 2, xanchor="center",
+                                        showarrow=False, font=dict(size=11, color="rgb(110, 110, 110)")))
+                layout[_axis_name("xaxis", index)]["visible"] = False
+                layout[_axis_name("yaxis", index)]["visible"] = False
+                continue
+            grid, texts, hover = cells[r][c]
+            if not panel.coded:
+                mixed_values.append(grid)
+            traces.append(dict(
+                type="heatmap", z=grid, customdata=hover, hovertemplate="%{customdata}<extra></extra>",
+                text=texts, texttemplate="%{text}" if show_values else "", textfont=text_font,
+                coloraxis="coloraxis" if panel.coded else "coloraxis2", xgap=1, ygap=1,
+                name=f"rank {panel.rank} {panel.name}", xaxis=x_name, yaxis=y_name))
+    for c, text in enumerate(column_titles or []):
+        annotations.append(dict(text=text, xref="paper", yref="paper", x=sum(x_domains[c]) / 2, y=1.0,
+                                xanchor="center", yanchor="bottom", yshift=4, showarrow=False, font=dict(size=12)))
+    for r, text in enumerate(row_titles or []):
+        layout[_axis_name("yaxis", r * col_count + 1)]["title"] = dict(text=text, font=dict(size=12))
+    if has_coded:
+        layout["coloraxis"] = dict(
+            colorscale=rank_colourscale(world_size), cmin=-0.5, cmax=world_size * base - 0.5,
+            colorbar=dict(title=dict(text="came from", side="top"), thickness=14,
+                          tickvals=[(rank + 0.5) * base - 0.5 for rank in range(world_size)],
+                          ticktext=[f"rank {rank}" for rank in range(world_size)],
+                          len=0.48 if mixed_values else 1.0, y=1.0, yanchor="top"))
+    if mixed_values:
+        low = min(0.0, min(float(v.min()) for v in mixed_values))
+        high = max(float(v.max()) for v in mixed_values)
+        layout["coloraxis2"] = dict(
+            colorscale=MIXED_COLOURSCALE, cmin=low, cmax=high if high > low else low + 1.0,
+            colorbar=dict(title=dict(text="mixed value", side="top"), thickness=14,
+                          len=0.48 if has_coded else 1.0, y=0.0, yanchor="bottom"))
+    title_lines = title.count("<br>") + 1 if title else 0
+    heading_lines = max([t.count("<br>") + 1 for ts in titles_of for t in ts], default=0)
+    top = 36 + 20 * title_lines + 16 * heading_lines + 8
+    right = max(110, _text_px(title.split("<sup>")[0], 14) + 20 - plot_width - 70)  # room for the title
+    layout.update(
+        title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)) if title else None,
+        width=int(plot_width + 70 + right), height=int(plot_height + top + 20),
+        margin=dict(l=70, r=right, t=top, b=20), plot_bgcolor="white", paper_bgcolor="white",
+        annotations=annotations)
+    return go.Figure(data=traces, layout=layout)
+
+
+def rank_grid(tensors: Sequence[torch.Tensor | None], *, base: int | None = None,
+              world_size: int | None = None, titles: Sequence[str] | None = None, title: str = "",
+              dim_names: Sequence[str] | None = None, columns: int | None = None,
+              show_values: bool | None = None) -> go.Figure:
+    """One heatmap panel per rank's tensor, on one shared colour scale, values on hover.
+
+    ``tensors[r]`` is rank ``r``'s tensor (``None`` draws an empty panel).
+    With ``base`` the tensors are provenance codes (see
+    :mod:`simcomm.viz.provenance`): each element is coloured by the rank it
+    came from, and hover shows where it sat. Without it, values share one grey
+    scale. Tensors that are not 2-D are drawn as grids named in the title
+    (``dim_names`` names the dims, e.g. ``("batch", "seq", "heads", "head_dim")``).
+    Panels wrap after ``columns`` (default: up to 4 per row).
+    """
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("rank_grid: tensors is empty; pass one tensor per rank")
+    for rank, tensor in enumerate(tensors):
+        if tensor is not None and not isinstance(tensor, (torch.Tensor, np.ndarray)):
+            raise ValueError(f"rank_grid: tensors[{rank}] is a {type(tensor).__name__}, not a tensor")
+    world_size = len(tensors) if world_size is None else world_size
+    if titles is not None and len(titles) != len(tensors):
+        raise ValueError(f"rank_grid: {len(titles)} titles for {len(tensors)} tensors")
+    columns = min(len(tensors), 4) if columns is None else columns
+    if not isinstance(columns, int) or columns < 1:
+        raise ValueError(f"rank_grid: columns={columns!r} must be a positive int")
+    first = next((t for t in tensors if t is not None), None)
+    shapes = {tuple(t.shape) for t in tensors if t is not None}
+    layout = grid_layout(tuple(first.shape), dim_names) if first is not None and len(shapes) == 1 else ""
+    panels = [Panel(torch.as_tensor(t) if t is not None else None, "x", rank, coded=base is not None,
+                    note="None") for rank, t in enumerate(tensors)]
+    rows = [panels[i:i + columns] for i in range(0, len(panels), columns)]
+    panel_titles = list(titles) if titles is not None else [f"rank {rank}" for rank in range(len(tensors))]
+    full_title = title or ("tensors per rank" + (", coloured by source rank" if base is not None else ""))
+    if layout and (first is None or first.dim() != 2):
+        full_title += f"<br><sup>grid layout: {layout}</sup>"
+    titles_by_row = [panel_titles[i:i + columns] for i in range(0, len(panel_titles), columns)]
+    return draw_panels(rows, world_size=world_size, base=base, title=full_title, panel_titles=titles_by_row,
+                       show_values=show_values, function="rank_grid")
