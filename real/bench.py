@@ -84,6 +84,11 @@ def _shape(op: str, size: int, world_size: int, itemsize: int) -> tuple[int, int
     return count, count
 
 
+# flat-buffer all-gather / reduce-scatter: the newer names where torch has them
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _Case:
     """Buffers and the call of one op at one size on this rank, and its expected output."""
 
@@ -127,9 +132,9 @@ class _Case:
         if op == "all_reduce":
             dist.all_reduce(self.input, group=group)
         elif op == "all_gather":
-            dist.all_gather_into_tensor(self.output, self.input, group=group)
+            _all_gather_flat(self.output, self.input, group=group)
         elif op == "reduce_scatter":
-            dist.reduce_scatter_tensor(self.output, self.input, group=group)
+            _reduce_scatter_flat(self.output, self.input, group=group)
         elif op == "all_to_all":
             dist.all_to_all_single(self.output, self.input, group=group)
         elif op == "broadcast":
