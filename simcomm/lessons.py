@@ -299,8 +299,9 @@ def check_tp_mlp(world, layer: Callable, *, batch: int = 3, hidden: int = 4, ffn
     world_size = len(results)
     for rank, (out, x_grad, grads) in enumerate(results):
         expected = shard_mlp({name: p.grad for name, p in ref_params.items()}, rank, world_size)
-        for what, got, want in [("output", out, ref_out), ("input gradient", x_grad, ref_x.grad),
-                                *[(f"gradient of {name}", grads[name], expected[name]) for name in expected]]:
+        for what, got, want in [("output", out, ref_out),
+                                *[(f"gradient of {name}", grads[name], expected[name]) for name in expected],
+                                ("input gradient", x_grad, ref_x.grad)]:
             if got is None:
                 raise AssertionError(f"rank {rank}: no {what} (is the parameter used?)")
             error = max_error(got, want)

@@ -1,0 +1,223 @@
+"""Lesson 04 source; build the notebook with `python notebooks/build.py`."""
+
+# %% [markdown]
+# # Lesson 4: a tensor-parallel MLP
+#
+# **Goal:** split the two weight matrices of a transformer MLP across ranks the way Megatron-LM
+# does, so each rank stores and computes a quarter of it, and get *exactly* the outputs and
+# gradients of the single-device MLP, with one all-reduce forward and one backward.
+#
+# The MLP is `out = gelu(x @ w1.T + b1) @ w2.T + b2`, with `w1` of shape `(ffn, hidden)` and
+# `w2` of shape `(hidden, ffn)`. Every check compares with the single-device MLP in float64.
+
+# %%
+import torch
+import simcomm
+from simcomm import lessons, viz
+from simcomm.models import make_mlp, mlp, shard_mlp, tp_mlp
+
+world_size, batch, hidden, ffn = 4, 3, 8, 16
+world = simcomm.configured_backend(world_size)
+params = make_mlp(hidden, ffn, seed=0)                  # float64 weights of the whole MLP
+x = torch.randn(batch, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+reference = mlp(x, params)                               # (batch, hidden), on one device
+print({name: tuple(p.shape) for name, p in params.items()})
+
+# %% expect
+# {'w1': (16, 8), 'b1': (16,), 'w2': (8, 16), 'b2': (8,)}
+
+# %% [markdown]
+# ## 1. Column-parallel: split `w1` by rows
+#
+# Rank `r` keeps rows `r*ffn/P ... (r+1)*ffn/P` of `w1` (and of `b1`). With the whole input `x`
+# it computes its own columns of the hidden activation: `h_r = gelu(x @ w1_r.T + b1_r)`, of
+# shape `(batch, ffn/P)`. No communication is needed: GELU acts element by element, so each
+# rank's columns are finished on their own.
+
+# %%
+def column_parallel(comm, x, params):
+    shards = shard_mlp(params, comm.rank, comm.world_size)       # this rank's slices, as leaves
+    h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])   # (batch, ffn / P)
+    return {name: tuple(p.shape) for name, p in shards.items()}, h.detach()
+
+outs = world.run(column_parallel, x, params)
+print("rank 0 holds", outs[0][0], "and computes h of shape", tuple(outs[0][1].shape))
+full_h = torch.nn.functional.gelu(x @ params["w1"].T + params["b1"])       # (batch, ffn)
+print(lessons.assert_close(torch.cat([h for _, h in outs], dim=-1), full_h, "the ranks' h side by side"))
+
+# %% expect
+# rank 0 holds {'w1': (4, 8), 'b1': (4,), 'w2': (8, 4), 'b2': (8,)} and computes h of shape (3, 4)
+# the ranks' h side by side: matches the reference
+
+# %% [markdown]
+# ## 2. Row-parallel: split `w2` by columns, then add up
+#
+# `h @ w2.T` is a sum over the `ffn` dimension. Rank `r` holds the columns of `w2` that match its
+# columns of `h`, so it can compute its share of that sum: `partial_r = h_r @ w2_r.T`, already of
+# the full output shape `(batch, hidden)`. The output is the **sum** of the partials over ranks:
+# an all-reduce. So the whole MLP needs a single all-reduce, and no all-gather in between.
+
+# %%
+def partial_sums(comm, x, params):
+    shards = shard_mlp(params, comm.rank, comm.world_size)
+    h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])   # (batch, ffn / P)
+    return (h @ shards["w2"].T).detach()                              # (batch, hidden): a share
+
+partials = world.run(partial_sums, x, params)
+print(lessons.assert_close(sum(partials) + params["b2"], reference, "sum of the partials + b2"))
+assert all(lessons.max_error(p, reference) > 1e-3 for p in partials), "no single rank has the answer alone"
+
+# %% expect
+# sum of the partials + b2: matches the reference
+
+# %% [markdown]
+# ## 3. Forward and backward, with a replicated loss
+#
+# In a transformer, the MLP's output is the same on every rank and every rank computes the same
+# loss from it. As lesson 2 showed, that calls for Megatron's conjugate pair:
+#
+# * **f** = `copy_to_group` where the replicated `x` enters: identity forward, all-reduce
+#   backward (each rank's `x.grad` only holds its own shard's contribution; the all-reduce adds
+#   the others);
+# * **g** = `reduce_from_group` where the partial sums leave: all-reduce forward, identity
+#   backward.
+#
+# `simcomm.models.tp_mlp(comm, x, shards, conjugate=True)` is exactly that (read its source with
+# `tp_mlp??`). Now compare everything with the single-device MLP.
+
+# %%
+def train_step(comm, x, params, conjugate, loss_scale=1.0):
+    shards = shard_mlp(params, comm.rank, comm.world_size)
+    x = x.clone().requires_grad_()
+    out = tp_mlp(comm, x, shards, conjugate=conjugate)
+    (out.pow(2).sum() * loss_scale).backward()       # the same loss on every rank
+    return out.detach(), x.grad, {name: p.grad for name, p in shards.items()}
+
+ref_params = {name: p.clone().requires_grad_() for name, p in params.items()}
+ref_x = x.clone().requires_grad_()
+mlp(ref_x, ref_params).pow(2).sum().backward()
+ref_grads = {name: p.grad for name, p in ref_params.items()}
+ref_shards = [shard_mlp(ref_grads, rank, world_size) for rank in range(world_size)]  # slices of the grads
+
+outs = world.run(train_step, x, params, True)
+print(lessons.assert_close([out for out, _, _ in outs], [reference] * world_size, "output on every rank"))
+print(lessons.assert_close([g for _, g, _ in outs], [ref_x.grad] * world_size, "x.grad on every rank"))
+print(lessons.assert_close([grads for _, _, grads in outs], ref_shards, "every shard's gradient"))
+
+# %% expect
+# output on every rank: matches the reference
+# x.grad on every rank: matches the reference
+# every shard's gradient: matches the reference
+
+# %% [markdown]
+# What did that cost in communication? One all-reduce forward (from *g*) and one backward
+# (from *f*), each of one `(batch, hidden)` activation:
+
+# %%
+calls = [(op, phase) for _, op, phase in world.trace.ops()]
+assert calls == [("all_reduce", "forward"), ("all_reduce", "backward")], calls
+activation_bytes = batch * hidden * 8                                  # float64
+assert all(e.nbytes == activation_bytes for e in world.trace), "each all-reduce moves one activation"
+print(calls, f"each on {activation_bytes} bytes per rank")
+
+# %% expect
+# [('all_reduce', 'forward'), ('all_reduce', 'backward')] each on 192 bytes per rank
+
+# %% [markdown]
+# The timeline shows the two collectives on every rank (the real backend shows measured times,
+# the simulator its own thread timings):
+
+# %% ignore-output
+viz.timeline_figure(world.trace)
+
+# %% [markdown]
+# ## 4. The same code without the conjugate pair
+#
+# `conjugate=False` uses the plain differentiable `all_reduce` where *g* was, and no *f*. With
+# the same replicated loss, the all-reduce's backward adds up the `world_size` identical copies
+# of the loss's gradient:
+
+# %%
+outs = world.run(train_step, x, params, False)
+sharded = [{name: g for name, g in grads.items() if name != "b2"} for _, _, grads in outs]
+expected = [{name: world_size * g for name, g in ref.items() if name != "b2"} for ref in ref_shards]
+print(lessons.assert_close(sharded, expected, "w1, b1, w2 gradients = world_size x reference"))
+print(lessons.assert_close([grads["b2"] for _, _, grads in outs], [ref_grads["b2"]] * world_size,
+                           "b2 gradient (after the all-reduce) unchanged"))
+print(lessons.assert_close(sum(g for _, g, _ in outs), world_size * ref_x.grad,
+                           "x.grad summed over ranks = world_size x reference"))
+assert lessons.max_error(outs[0][1], ref_x.grad) > 1e-3, "without f, one rank's x.grad is incomplete"
+
+# %% expect
+# w1, b1, w2 gradients = world_size x reference: matches the reference
+# b2 gradient (after the all-reduce) unchanged: matches the reference
+# x.grad summed over ranks = world_size x reference: matches the reference
+
+# %% [markdown]
+# The seed communicator this project grew from has only the plain all-reduce. Its gradients are
+# right under the other convention: the objective is the **sum of per-rank losses**, so each
+# rank scales its loss by `1 / world_size`. Then the sharded weights get exact gradients, but a
+# replicated parameter such as `b2` gets only its rank's share, and must be all-reduced
+# separately (as data parallelism does for every parameter):
+
+# %%
+outs = world.run(train_step, x, params, False, 1 / world_size)
+sharded = [{name: g for name, g in grads.items() if name != "b2"} for _, _, grads in outs]
+print(lessons.assert_close(sharded, [{k: v for k, v in ref.items() if k != "b2"} for ref in ref_shards],
+                           "w1, b1, w2 gradients with loss / world_size"))
+print(lessons.assert_close(sum(grads["b2"] for _, _, grads in outs), ref_grads["b2"],
+                           "b2 gradient summed over ranks"))
+
+# %% expect
+# w1, b1, w2 gradients with loss / world_size: matches the reference
+# b2 gradient summed over ranks: matches the reference
+
+# %% [markdown]
+# ## Exercise: write the tensor-parallel MLP yourself
+#
+# Write `my_tp_mlp(comm, x, shards)` for a replicated loss: `x` is the same on every rank,
+# `shards` is this rank's `{"w1", "b1", "w2", "b2"}` from `shard_mlp`, and the output must be
+# the full `(batch, hidden)` MLP output on every rank. Use `comm.copy_to_group` and
+# `comm.reduce_from_group`. The check compares your output, `x.grad` and every shard's gradient
+# with the single-device MLP.
+
+# %%
+def my_tp_mlp(comm, x, shards):
+    raise NotImplementedError   # your code
+
+print(lessons.check_tp_mlp(world, my_tp_mlp))
+
+# %% expect
+# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
+
+# %% [markdown]
+# Solution (expand the cell to see it):
+
+# %% solution
+def tp_mlp_solution(comm, x, shards):
+    x = comm.copy_to_group(x)                                            # f
+    h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
+    return comm.reduce_from_group(h @ shards["w2"].T) + shards["b2"]     # g, then the bias once
+
+print(lessons.check_tp_mlp(world, tp_mlp_solution))
+# the plain all-reduce gives world_size times the gradients, and the check says so:
+plain = lambda comm, x, shards: tp_mlp(comm, x, shards, conjugate=False)
+failure = lessons.expect_error(lambda: lessons.check_tp_mlp(world, plain), AssertionError,
+                               "differs from the single-device MLP", f"= {world_size}")
+
+# %% expect
+# Correct: output and every gradient equal the single-device MLP on every rank.
+
+# %% [markdown]
+# ## Takeaway
+#
+# * Column-parallel first (split `w1` by rows), row-parallel second (split `w2` by columns): the
+#   activation between them never needs to be gathered, so an MLP costs **one all-reduce forward
+#   and one backward**, each of one activation.
+# * Each rank stores `1 / world_size` of `w1` and `w2` and does `1 / world_size` of the work.
+# * For a replicated loss, put *f* (`copy_to_group`) where the input enters and *g*
+#   (`reduce_from_group`) where the output leaves. A plain all-reduce there is only right if each
+#   rank's loss is scaled by `1 / world_size` and replicated parameters are all-reduced.
+
+# %%
+world.close()
