@@ -1,0 +1,193 @@
+"""The conformance cases of ``real.verify``: SPMD programs and their single-device references.
+
+A :class:`Case` pairs a program (run on every rank of any backend; it returns
+this rank's outputs and input gradients) with a reference that computes what
+every rank should get on one device, in float64, without communication.
+Inputs are seeded by (case, rank), so every process builds the same data, and
+rounded to halves, so MAX/MIN see ties and PRODUCT sees zeros.
+
+The per-rank programs sum their losses (the convention of simcomm's backward
+rules); the model cases use the convention their model states.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from simcomm import collectives as math
+from simcomm.communicator import Communicator
+
+__all__ = ["Case", "collective_cases", "RankResult"]
+
+#: (outputs, input gradients) of one rank; ``None`` for an output a rank does not get
+RankResult = tuple[list, list]
+
+
+@dataclass(frozen=True)
+class Case:
+    """``program(comm) -> RankResult`` on every rank; ``reference(world_size) -> [RankResult]``."""
+
+    name: str
+    program: Callable[[Communicator], RankResult]
+    reference: Callable[[int], list[RankResult]]
+    has_grads: bool = True
+
+
+def _data(key: str, shape: tuple[int, ...], rank: int) -> torch.Tensor:
+    """Seeded float64 data with many ties and zeros: multiples of 0.5 in [-2, 2]."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{key}/{rank}".encode()))
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * 2).round().clamp(-4, 4) / 2
+
+
+def _smooth(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def _cpu(tensors: list) -> list:
+    return [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+# -- collectives on per-rank inputs: loss_r = sum(y_r * w_r) ------------------------------
+
+def _per_rank_program(key: str, shape_fn, forward, comm: Communicator) -> RankResult:
+    x = _data(key, shape_fn(comm.world_size), comm.rank).to(comm.device).requires_grad_()
+    y = forward(comm, x)
+    (y * _data(key + "/w", tuple(y.shape), comm.rank).to(comm.device)).sum().backward()
+    return _cpu([y]), _cpu([x.grad])
+
+
+def _per_rank_reference(key: str, shape_fn, forward_math, world_size: int) -> list[RankResult]:
+    xs = [_data(key, shape_fn(world_size), r).requires_grad_() for r in range(world_size)]
+    ys = forward_math(xs)
+    sum((y * _data(key + "/w", tuple(y.shape), r)).sum() for r, y in enumerate(ys)).backward()
+    # an input with no path to any output (broadcast off the source) has gradient zero
+    grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs]
+    return [([ys[r].detach()], [grads[r]]) for r in range(world_size)]
+
+
+def _per_rank_case(name: str, shape_fn, forward, forward_math) -> Case:
+    return Case(name, partial(_per_rank_program, name, shape_fn, forward),
+                partial(_per_rank_reference, name, shape_fn, forward_math))
+
+
+def _fixed(shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    return shape
+
+
+def _split(world_size: int) -> tuple[int, ...]:
+    return (2 * world_size, 3, 2 * world_size)          # divisible along dims 0 and 2
+
+
+def _seq_shards(world_size: int) -> tuple[int, ...]:
+    return (2, 3, 2 * world_size, 4)                    # (b, s/P, h, d)
+
+
+def _head_shards(world_size: int) -> tuple[int, ...]:
+    return (2, 2 * world_size, 3, 4)                    # (b, s, h/P, d)
+
+
+def _call(method: str, comm: Communicator, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    return getattr(comm, method)(x, **kwargs)
+
+
+def _apply_math(function: str, xs: list, **kwargs) -> list:
+    return getattr(math, function)(xs, **kwargs)
+
+
+def collective_cases() -> list[Case]:
+    """Every collective: each reduce op, several dims (negative too), both roots."""
+    out = []
+    for op in math.REDUCE_OPS:
+        out.append(_per_rank_case(f"all_reduce[{op}]", partial(_fixed, (3, 4)),
+                                  partial(_call, "all_reduce", op=op), partial(_apply_math, "all_reduce", op=op)))
+    for dim in (0, 1, -1):
+        out.append(_per_rank_case(f"all_gather[dim={dim}]", partial(_fixed, (2, 3, 4)),
+                                  partial(_call, "all_gather", dim=dim), partial(_apply_math, "all_gather", dim=dim)))
+    for dim in (0, -1):
+        for op in math.REDUCE_OPS:
+            out.append(_per_rank_case(
+                f"reduce_scatter[dim={dim},{op}]", _split, partial(_call, "reduce_scatter", dim=dim, op=op),
+                partial(_apply_math, "reduce_scatter", dim=dim, op=op)))
+    for scatter_dim, gather_dim in ((0, 1), (2, 0), (-1, -2)):
+        kwargs = {"scatter_dim": scatter_dim, "gather_dim": gather_dim}
+        out.append(_per_rank_case(f"all_to_all[{scatter_dim}->{gather_dim}]", _split,
+                                  partial(_call, "all_to_all", **kwargs), partial(_apply_math, "all_to_all", **kwargs)))
+    for (scatter_dim, gather_dim), shape_fn in (((2, 1), _seq_shards), ((1, 2), _head_shards)):
+        kwargs = {"scatter_dim": scatter_dim, "gather_dim": gather_dim}
+        out.append(_per_rank_case(f"all_to_all_4D[{scatter_dim}->{gather_dim}]", shape_fn,
+                                  partial(_call, "all_to_all_4D", **kwargs), partial(_apply_math, "all_to_all", **kwargs)))
+    for src in ("first", "last"):
+        out.append(Case(f"broadcast[src={src}]", partial(_root_program, "broadcast", src),
+                        partial(_root_reference, "broadcast", src)))
+    for dst in ("first", "last"):
+        for dim in (0, -1):
+            out.append(Case(f"gather[dst={dst},dim={dim}]", partial(_root_program, "gather", dst, dim=dim),
+                            partial(_root_reference, "gather", dst, dim=dim), has_grads=False))
+    for dim in (0, -1):
+        for scale in (False, True):
+            out.append(Case(f"slice[dim={dim},scale_grad={scale}]", partial(_slice_program, dim, scale),
+                            partial(_slice_reference, dim, scale)))
+    out.append(Case("send/recv[ring]", _ring_program, _ring_reference, has_grads=False))
+    return out
+
+
+def _root(which: str, world_size: int) -> int:
+    return 0 if which == "first" else world_size - 1
+
+
+def _root_program(op: str, which: str, comm: Communicator, **kwargs) -> RankResult:
+    root = _root(which, comm.world_size)
+    key = f"{op}/{which}"
+    if op == "gather":
+        x = _data(key, (2, 3), comm.rank).to(comm.device)
+        return _cpu([comm.gather(x, dst=root, **kwargs)]), []
+    return _per_rank_program(key, partial(_fixed, (3, 4)), partial(_call, "broadcast", src=root), comm)
+
+
+def _root_reference(op: str, which: str, world_size: int, **kwargs) -> list[RankResult]:
+    root = _root(which, world_size)
+    key = f"{op}/{which}"
+    if op == "gather":
+        xs = [_data(key, (2, 3), r) for r in range(world_size)]
+        return [([y], []) for y in math.gather(xs, dst=root, **kwargs)]
+    return _per_rank_reference(key, partial(_fixed, (3, 4)), partial(_apply_math, "broadcast", src=root),
+                               world_size)
+
+
+def _slice_program(dim: int, scale_grad: bool, comm: Communicator) -> RankResult:
+    key = f"slice/{dim}/{scale_grad}"
+    x = _data(key, _split(comm.world_size), 0).to(comm.device).requires_grad_()   # replicated
+    y = comm.slice(x, dim, scale_grad=scale_grad)
+    (y * _data(key + "/w", tuple(y.shape), comm.rank).to(comm.device)).sum().backward()
+    return _cpu([y]), _cpu([x.grad])
+
+
+def _slice_reference(dim: int, scale_grad: bool, world_size: int) -> list[RankResult]:
+    key = f"slice/{dim}/{scale_grad}"
+    x = _data(key, _split(world_size), 0).requires_grad_()                       # one shared leaf
+    ys = math.scatter(x, world_size, dim)
+    sum((y * _data(key + "/w", tuple(y.shape), r)).sum() for r, y in enumerate(ys)).backward()
+    grad = x.grad / world_size if scale_grad else x.grad
+    return [([ys[r].detach()], [grad]) for r in range(world_size)]
+
+
+def _ring_program(comm: Communicator) -> RankResult:
+    x = _data("ring", (2, 5), comm.rank).to(comm.device)
+    if comm.world_size == 1:
+        return [x.cpu()], []
+    if comm.rank % 2 == 0:                       # even ranks send first, odd ranks receive first
+        comm.send(x)
+        y = comm.recv((2, 5), torch.float64)
+    else:
+        y = comm.recv((2, 5), torch.float64)
+        comm.send(x)
+    return _cpu([y]), []
+
+
+def _ring_reference(world_size: int) -> list[RankResult]:
+    return [([_data("ring", (2, 5), (r - 1) % world_size)], []) for r in range(world_size)]
