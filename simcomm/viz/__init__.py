@@ -14,12 +14,14 @@ element by the rank it came from.
 ``explore``                ipywidgets panel that redraws ``collective_figure``
 =========================  =====================================================
 """
+from .algorithms import allreduce_steps, ring_allreduce_figure
 from .collective import OPS, CollectiveRun, collective_figure, collective_run_figure, run_collective
+from .explore import Explorer, explore
 from .grids import as_grid, grid_layout, rank_grid
 from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
 
 __all__ = [
     "OPS", "CollectiveRun", "collective_figure", "collective_run_figure", "run_collective",
-    "as_grid", "grid_layout", "rank_grid",
+    "as_grid", "grid_layout", "rank_grid", "allreduce_steps", "ring_allreduce_figure", "Explorer", "explore",
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
 ]
