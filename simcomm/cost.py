@@ -29,12 +29,13 @@ for the slowest hop.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from .topology import GB, PRESETS, Reference, Topology, get_topology, validation_table
 from .trace import Trace, TraceEvent
 
-__all__ = ["Estimate", "estimate", "busbw_factor", "annotate", "ALGORITHMS", "OPS",
+__all__ = ["Estimate", "estimate", "busbw_factor", "annotate", "modelled_timeline", "ALGORITHMS", "OPS",
            "Topology", "Reference", "PRESETS", "get_topology", "validation_table", "GB"]
 
 #: the algorithms each op can be modelled with; the first is the default when only one applies
@@ -276,3 +277,59 @@ def annotate(trace: Trace, topology: str | Topology) -> Trace:
     for event in trace.events:
         event.modelled = _event_duration(event, topology)
     return trace
+
+
+def _matches(event: TraceEvent, other: TraceEvent) -> bool:
+    """Is ``other`` (at the head of another rank's queue) the same call as ``event``?"""
+    if event.op in ("send", "recv"):
+        partner = "recv" if event.op == "send" else "send"
+        return (other.op == partner and other.root == event.rank and other.rank == event.root
+                and other.group == event.group and other.step == event.step)
+    return other.op == event.op and other.group == event.group and other.step == event.step
+
+
+def modelled_timeline(trace: Trace) -> list[tuple[TraceEvent, float, float]]:
+    """Lay an annotated trace out in modelled time: ``(event, start, end)`` in seconds.
+
+    Each rank runs its events in order. A collective starts when the last
+    member of its group reaches it and all members leave together; a send
+    and its recv start when both ranks have reached them (both block). Compute
+    events and calls on one-rank groups only advance their own rank. Raises
+    ``ValueError`` when an event is not annotated (:func:`annotate` first) or
+    its partners are missing from the trace.
+    """
+    queues: dict[int, deque[TraceEvent]] = {}
+    for event in trace.events:
+        if event.modelled is None:
+            raise ValueError(f"modelled_timeline: {event.op} of rank {event.rank} (step {event.step}) "
+                             f"has no modelled duration; call simcomm.cost.annotate(trace, topology) first")
+        queues.setdefault(event.rank, deque()).append(event)
+    clock = dict.fromkeys(queues, 0.0)
+    placed: list[tuple[TraceEvent, float, float]] = []
+    while any(queues.values()):
+        progressed = False
+        for rank, queue in queues.items():
+            while queue:
+                event = queue[0]
+                if event.op in ("send", "recv"):
+                    members = [event.rank, event.root]
+                elif event.op == "compute" or len(event.group) < 2:
+                    members = [event.rank]
+                else:
+                    members = list(event.group)
+                heads = [queues.get(m) for m in members]
+                if not all(q and (q[0] is event or _matches(event, q[0])) for q in heads):
+                    break
+                calls = [q.popleft() for q in heads]
+                start = max(clock[m] for m in members)
+                end = start + max(call.modelled for call in calls)
+                for member, call in zip(members, calls):
+                    clock[member] = end
+                    placed.append((call, start, end))
+                progressed = True
+        if not progressed:
+            stuck = {rank: f"{q[0].op} step {q[0].step} group {q[0].group}" for rank, q in queues.items() if q}
+            raise ValueError(f"modelled_timeline: the ranks' events do not match up (each rank's next "
+                             f"event: {stuck}); is the trace filtered or incomplete?")
+    placed.sort(key=lambda item: (item[1], item[0].rank))
+    return placed

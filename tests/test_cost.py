@@ -248,3 +248,45 @@ def test_annotate_flops_needs_a_compute_rate():
     no_rate = dataclasses.replace(PRESETS["pcie-2gpu"], compute_flops=0.0)
     with pytest.raises(ValueError, match="flops=1000000000.0.*compute_flops=0.0"):
         annotate(world.trace, no_rate)
+
+
+# --- modelled timeline -----------------------------------------------------------------------
+
+def test_modelled_timeline_waits_for_the_last_rank():
+    def program(comm):
+        comm.compute(seconds=1e-3 * (comm.rank + 1))     # rank 1 arrives 1 ms later
+        comm.all_reduce(torch.ones(1024))
+        if comm.rank == 0:
+            comm.send(torch.ones(256), dst=1)
+        else:
+            comm.compute(seconds=5e-3)
+            comm.recv((256,), torch.float32, src=0)
+
+    world = simcomm.World(2)
+    world.run(program)
+    topology = PRESETS["pcie-2gpu"]
+    timeline = cost.modelled_timeline(annotate(world.trace, topology))
+    assert len(timeline) == len(world.trace)
+    reduce_time = estimate("all_reduce", 4096, 2, topology).time
+    p2p_time = estimate("send_recv", 1024, 2, topology).time
+    by_rank_op = {}
+    for event, start, end in timeline:
+        by_rank_op.setdefault((event.rank, event.op), []).append((start, end))
+    assert by_rank_op[(0, "all_reduce")] == by_rank_op[(1, "all_reduce")] == [
+        (2e-3, pytest.approx(2e-3 + reduce_time))]
+    after_reduce = 2e-3 + reduce_time
+    assert by_rank_op[(1, "compute")][1] == (pytest.approx(after_reduce), pytest.approx(after_reduce + 5e-3))
+    # rank 0's send waits for rank 1 to reach its recv
+    assert by_rank_op[(0, "send")] == by_rank_op[(1, "recv")]
+    assert by_rank_op[(0, "send")][0][0] == pytest.approx(after_reduce + 5e-3)
+    assert by_rank_op[(0, "send")][0][1] == pytest.approx(after_reduce + 5e-3 + p2p_time)
+
+
+def test_modelled_timeline_needs_annotated_complete_traces():
+    world = simcomm.World(2)
+    world.run(lambda comm: comm.all_reduce(torch.ones(4)))
+    with pytest.raises(ValueError, match="all_reduce of rank 0.*annotate"):
+        cost.modelled_timeline(world.trace)
+    annotate(world.trace, "pcie-2gpu")
+    with pytest.raises(ValueError, match="do not match up.*all_reduce step 0"):
+        cost.modelled_timeline(world.trace.filter(rank=0))
