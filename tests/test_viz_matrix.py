@@ -1,0 +1,61 @@
+"""comm_matrix_figure: bytes from rank i to rank j, checked against the ops' definitions by hand."""
+import numpy as np
+import pytest
+import torch
+
+import simcomm
+from simcomm.viz import comm_matrix_figure
+
+
+def traced(world_size, program):
+    world = simcomm.World(world_size)
+    world.run(program)
+    return world.trace
+
+
+def test_all_gather_sends_every_rank_b_bytes_to_every_other_rank():
+    world_size, numel = 4, 6  # float32: b = 24 bytes per rank
+    trace = traced(world_size, lambda comm: comm.all_gather(torch.ones(numel), dim=0))
+    b = numel * 4
+    by_hand = [[0 if i == j else b for j in range(world_size)] for i in range(world_size)]
+    fig = comm_matrix_figure(trace)
+    assert np.array_equal(fig.data[0].z, by_hand)
+    assert fig.data[0].visible is True
+    assert "96 B" not in fig.data[0].text[0][0]  # the diagonal is blank
+    assert fig.data[0].text[0][1] == "24 B"
+    assert "288 B in all" in fig.layout.title.text  # 4 ranks x 3 peers x 24 B
+
+
+def test_selector_has_one_entry_per_op_that_moved_bytes():
+    world_size, numel = 4, 8  # b = 32 bytes per rank
+
+    def program(comm):
+        x = torch.ones(numel)
+        comm.all_gather(x, dim=0)
+        comm.all_reduce(x)
+        comm.broadcast(x, src=2)
+        comm.barrier()
+
+    fig = comm_matrix_figure(traced(world_size, program))
+    menu = fig.layout.updatemenus[0]
+    assert [b.label for b in menu.buttons] == ["all ops", "all_gather", "all_reduce", "broadcast"]
+    b = numel * 4
+    # by definition: all-reduce = reduce-scatter + all-gather, 2b/n to each peer; broadcast: src sends b to each
+    all_reduce = [[0 if i == j else 2 * b // world_size for j in range(4)] for i in range(4)]
+    broadcast = [[b if i == 2 and j != 2 else 0 for j in range(4)] for i in range(4)]
+    all_gather = [[0 if i == j else b for j in range(4)] for i in range(4)]
+    by_name = {trace.name: np.asarray(trace.z) for trace in fig.data}
+    assert np.array_equal(by_name["all_reduce"], all_reduce)
+    assert np.array_equal(by_name["broadcast"], broadcast)
+    assert np.array_equal(by_name["all ops"], np.add(np.add(all_reduce, broadcast), all_gather))
+    for k, button in enumerate(menu.buttons):
+        assert button.method == "update"
+        assert button.args[0]["visible"] == [i == k for i in range(4)]
+        assert button.label in button.args[1]["title.text"]
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="comm_matrix_figure: the trace has no events"):
+        comm_matrix_figure(simcomm.Trace())
+    with pytest.raises(ValueError, match="comm_matrix_figure: trace must be a simcomm.Trace, got list"):
+        comm_matrix_figure([])
