@@ -12,9 +12,11 @@ element by the rank it came from.
 ``timeline_figure``        one row per rank, a bar per traced call
 ``comm_matrix_figure``     bytes from rank i to rank j, per op on a selector
 ``explore``                ipywidgets panel that redraws ``collective_figure``
+``busbw_figure``           bus bandwidth per message size: cost model curves and measured rows
 =========================  =====================================================
 """
 from .algorithms import allreduce_steps, ring_allreduce_figure
+from .busbw import busbw_figure
 from .collective import OPS, CollectiveRun, collective_figure, collective_run_figure, run_collective
 from .explore import Explorer, explore
 from .grids import as_grid, grid_layout, rank_grid
@@ -25,6 +27,6 @@ from .timeline import human_bytes, timeline_figure
 __all__ = [
     "OPS", "CollectiveRun", "collective_figure", "collective_run_figure", "run_collective",
     "as_grid", "grid_layout", "rank_grid", "allreduce_steps", "ring_allreduce_figure", "Explorer", "explore",
-    "comm_matrix_figure", "timeline_figure", "human_bytes",
+    "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure",
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
 ]
