@@ -32,11 +32,11 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .topology import GB, PRESETS, Reference, Topology, get_topology, validation_table
+from .topology import CROSS_CHECKS, GB, PRESETS, Reference, Topology, get_topology, validation_table
 from .trace import Trace, TraceEvent
 
 __all__ = ["Estimate", "estimate", "busbw_factor", "annotate", "modelled_timeline", "ALGORITHMS", "OPS",
-           "Topology", "Reference", "PRESETS", "get_topology", "validation_table", "GB"]
+           "Topology", "Reference", "PRESETS", "CROSS_CHECKS", "get_topology", "validation_table", "GB"]
 
 #: the algorithms each op can be modelled with; the first is the default when only one applies
 ALGORITHMS: dict[str, tuple[str, ...]] = {
@@ -261,7 +261,8 @@ def _event_duration(event: TraceEvent, topology: Topology) -> float:
         return 0.0          # a group of one communicates with nobody
     if op == "barrier":
         return estimate("all_reduce", 0, len(event.group), topology, ranks=event.group).time
-    return estimate(op, _nccl_size(event), len(event.group), topology, ranks=event.group).time
+    return estimate(op, _nccl_size(event), len(event.group), topology,
+                    ranks=event.group).time
 
 
 def annotate(trace: Trace, topology: str | Topology) -> Trace:
