@@ -29,6 +29,7 @@ for the slowest hop.
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass
 
@@ -70,9 +71,9 @@ def busbw_factor(op: str, world_size: int) -> float:
     ``(n-1)/n``; broadcast, reduce, send_recv ``1``.
     """
     name = _canonical(op)
-    if not isinstance(world_size, int) or world_size < 1:
+    n = _integer(world_size)
+    if n is None or n < 1:
         raise ValueError(f"busbw_factor({op!r}): world_size must be a positive int, got {world_size!r}")
-    n = world_size
     if name == "all_reduce":
         return 2 * (n - 1) / n
     if name in ("all_gather", "reduce_scatter", "all_to_all", "gather"):
@@ -111,10 +112,22 @@ class _Placement:
         return self.nodes > 1
 
 
+def _integer(value) -> int | None:
+    """``value`` as an int when it is an integer (numpy ints included, bools not), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _placement(op: str, world_size: int, topology: Topology, ranks) -> _Placement:
-    if not isinstance(world_size, int) or world_size < 2:
+    checked = _integer(world_size)
+    if checked is None or checked < 2:
         raise ValueError(f"estimate({op!r}): world_size must be an int >= 2 (one rank "
                          f"communicates with nobody), got {world_size!r}")
+    world_size = checked
     if ranks is None:
         if world_size > topology.max_ranks:
             raise ValueError(f"estimate({op!r}): world_size={world_size} exceeds the "
@@ -206,9 +219,12 @@ def estimate(op: str, nbytes: int, world_size: int, topology: str | Topology,
     """
     name = _canonical(op)
     topology = get_topology(topology)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+    checked = _integer(nbytes)
+    if checked is None or checked < 0:
         raise ValueError(f"estimate({op!r}): nbytes must be an int >= 0, got {nbytes!r}")
+    nbytes = checked
     place = _placement(op, world_size, topology, ranks)
+    world_size = place.world_size
     allowed = ALGORITHMS[name]
     if algorithm is not None and algorithm not in allowed:
         raise ValueError(f"estimate({op!r}): algorithm={algorithm!r} is not modelled for "

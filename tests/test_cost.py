@@ -312,3 +312,15 @@ def test_modelled_timeline_needs_annotated_complete_traces():
     annotate(world.trace, "pcie-2gpu")
     with pytest.raises(ValueError, match="do not match up.*all_reduce step 0"):
         cost.modelled_timeline(world.trace.filter(rank=0))
+
+
+def test_integer_arguments_may_be_numpy_or_torch_integers():
+    import numpy as np
+
+    expected = estimate("all_reduce", 1 << 20, 8, "h100-nvswitch")
+    assert estimate("all_reduce", np.int64(1 << 20), np.int32(8), "h100-nvswitch") == expected
+    assert estimate("all_reduce", torch.tensor(1 << 20).item(), 8, "h100-nvswitch") == expected
+    with pytest.raises(ValueError, match="nbytes must be an int >= 0, got 1.5"):
+        estimate("all_reduce", 1.5, 8, "h100-nvswitch")
+    with pytest.raises(ValueError, match="world_size must be an int >= 2.*True"):
+        estimate("all_reduce", 8, True, "h100-nvswitch")
