@@ -28,11 +28,18 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 _ALIASES = {"mean": "avg", "prod": "product", "premul_sum": None}
 
 
+_NAMES: dict = {getattr(ReduceOp, name.upper()): name for name in REDUCE_OPS}
+
+
 def reduce_op_name(op: ReduceOp | str) -> str:
     """The canonical name (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``) of ``op``.
 
     Accepts ``torch.distributed.ReduceOp`` members and their names as strings.
     """
+    try:
+        return _NAMES[op]
+    except (KeyError, TypeError):
+        pass
     if isinstance(op, str):
         name = _ALIASES.get(op.lower(), op.lower())
         if name in REDUCE_OPS:
@@ -62,22 +69,26 @@ def check_same(op: str, inputs: Sequence[torch.Tensor]) -> None:
             )
 
 
+_STACK_LIMIT = 256 << 20  # bytes of stacked inputs above which sums accumulate in place
+
+
 def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> torch.Tensor:
     """Elementwise reduction of the ranks' tensors: one new tensor of the common shape."""
     name = reduce_op_name(op)
     if len(inputs) == 1:
-        out = inputs[0].clone()
-        return out
-    if name == "sum":
-        out = inputs[0] + inputs[1]
+        return inputs[0].clone()
+    if name == "avg" and not (inputs[0].is_floating_point() or inputs[0].is_complex()):
+        raise ValueError(f"reduce: ReduceOp.AVG needs a floating-point dtype, got {inputs[0].dtype}")
+    if name == "sum" and len(inputs) * inputs[0].nbytes > _STACK_LIMIT:
+        out = inputs[0] + inputs[1]  # accumulate: no (world, ...) copy of large inputs
         for tensor in inputs[2:]:
             out += tensor
         return out
-    if name == "avg":
-        if not (inputs[0].is_floating_point() or inputs[0].is_complex()):
-            raise ValueError(f"reduce: ReduceOp.AVG needs a floating-point dtype, got {inputs[0].dtype}")
-        return torch.stack(list(inputs)).mean(0)
     stacked = torch.stack(list(inputs))  # (world, *shape)
+    if name == "sum":
+        return stacked.sum(0)
+    if name == "avg":
+        return stacked.mean(0)
     if name == "max":
         return stacked.amax(0)
     if name == "min":

@@ -25,6 +25,27 @@ from .transport import Transport
 __all__ = ["Communicator"]
 
 
+class _NoGradContext:
+    """Stands in for autograd's ctx when no gradient can flow: attributes are dropped."""
+
+    def __setattr__(self, name, value) -> None:
+        pass
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+
+_NO_GRAD_CTX = _NoGradContext()
+
+
+def _apply(rule: type[torch.autograd.Function], transport: Transport, input_: torch.Tensor, *args):
+    """``rule.apply`` when a gradient can flow through ``input_``; else its forward alone,
+    which computes the same values without autograd's bookkeeping."""
+    if input_.requires_grad and torch.is_grad_enabled():
+        return rule.apply(transport, input_, *args)
+    return rule.forward(_NO_GRAD_CTX, transport, input_, *args)
+
+
 class Communicator:
     """Differentiable collectives for one rank of one group."""
 
@@ -69,7 +90,7 @@ class Communicator:
         PRODUCT multiplies the summed gradient by the product of the other
         ranks' values (exact with zeros).
         """
-        return rules._AllReduce.apply(self.transport, input_.contiguous(), reduce_op_name(op))
+        return _apply(rules._AllReduce, self.transport, input_.contiguous(), reduce_op_name(op))
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate the ranks' tensors along ``dim`` in rank order.
@@ -77,7 +98,7 @@ class Communicator:
         Backward: reduce-scatter (sum) of the gradient along ``dim``.
         """
         dim = normalize_dim("all_gather", input_, dim, self.rank)
-        return rules._AllGather.apply(self.transport, input_.contiguous(), dim)
+        return _apply(rules._AllGather, self.transport, input_.contiguous(), dim)
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1, op: ReduceOp | str = ReduceOp.SUM
                        ) -> torch.Tensor:
@@ -89,7 +110,7 @@ class Communicator:
         """
         dim = normalize_dim("reduce_scatter", input_, dim, self.rank)
         check_divisible("reduce_scatter", input_, dim, self.world_size, self.rank)
-        return rules._ReduceScatter.apply(self.transport, input_.contiguous(), dim, reduce_op_name(op))
+        return _apply(rules._ReduceScatter, self.transport, input_.contiguous(), dim, reduce_op_name(op))
 
     def slice(self, input_: torch.Tensor, dim: int = -1, *, scale_grad: bool) -> torch.Tensor:
         """Keep this rank's chunk of a tensor every rank holds the same copy of.
@@ -100,7 +121,7 @@ class Communicator:
         """
         dim = normalize_dim("slice", input_, dim, self.rank)
         check_divisible("slice", input_, dim, self.world_size, self.rank)
-        return rules._Slice.apply(self.transport, input_, dim, scale_grad)
+        return _apply(rules._Slice, self.transport, input_, dim, scale_grad)
 
     def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split along ``scatter_dim``, send chunk ``j`` to rank ``j``, concatenate what
@@ -108,7 +129,7 @@ class Communicator:
         scatter_dim = normalize_dim("all_to_all", input_, scatter_dim, self.rank, "scatter_dim")
         gather_dim = normalize_dim("all_to_all", input_, gather_dim, self.rank, "gather_dim")
         check_divisible("all_to_all", input_, scatter_dim, self.world_size, self.rank, "scatter_dim")
-        return rules._AllToAll.apply(self.transport, input_.contiguous(), scatter_dim, gather_dim)
+        return _apply(rules._AllToAll, self.transport, input_.contiguous(), scatter_dim, gather_dim)
 
     def all_to_all_4D(self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1) -> torch.Tensor:
         """Ulysses re-sharding of ``(batch, seq, heads, head_dim)`` tensors.
@@ -124,7 +145,7 @@ class Communicator:
         what = "heads" if scatter_dim == 2 else "sequence"
         check_divisible("all_to_all_4D", input_, scatter_dim, self.world_size, self.rank,
                         f"scatter_dim ({what})")
-        return rules._AllToAll.apply(self.transport, input_.contiguous(), scatter_dim, gather_dim)
+        return _apply(rules._AllToAll, self.transport, input_.contiguous(), scatter_dim, gather_dim)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate the ranks' tensors along ``dim`` on rank ``dst``; ``None`` elsewhere.
@@ -142,14 +163,14 @@ class Communicator:
         Backward: the gradients summed onto ``src``, zero on the other ranks.
         """
         check_peer("broadcast", src, self.world_size, self.rank, "src")
-        return rules._Broadcast.apply(self.transport, input_.contiguous(), src)
+        return _apply(rules._Broadcast, self.transport, input_.contiguous(), src)
 
     def copy_to_group(self, input_: torch.Tensor) -> torch.Tensor:
         """Megatron's *f*: identity forward, all-reduce of the gradients backward.
 
         Put it where a replicated activation enters a tensor-parallel region.
         """
-        return rules._CopyToGroup.apply(self.transport, input_.contiguous())
+        return _apply(rules._CopyToGroup, self.transport, input_.contiguous())
 
     def reduce_from_group(self, input_: torch.Tensor) -> torch.Tensor:
         """Megatron's *g*: all-reduce (sum) forward, identity backward.
@@ -157,7 +178,7 @@ class Communicator:
         Put it where partial sums leave a tensor-parallel region and every
         rank then computes the same replicated loss.
         """
-        return rules._ReduceFromGroup.apply(self.transport, input_.contiguous())
+        return _apply(rules._ReduceFromGroup, self.transport, input_.contiguous())
 
     # -- point to point and control ----------------------------------------------------
 

@@ -5,7 +5,10 @@
 * :func:`gradcheck_across_ranks`, a finite-difference check of the gradients
   every rank gets, through the real collectives;
 * :func:`ring_all_reduce`, the ring algorithm written with ``send``/``recv``;
-* one checker per exercise (``check_*``). A checker given the untouched
+* one checker per exercise (``check_*``), each running on the simulator
+  (an exercise checks the learner's understanding, whatever the backend;
+  a placeholder that raises inside a rank would otherwise cost real
+  workers a restart). A checker given the untouched
   placeholder (``...`` or a function raising ``NotImplementedError``) returns
   a hint instead of failing, so a notebook runs top to bottom before the
   learner has answered; a wrong answer raises ``AssertionError`` saying what
@@ -17,14 +20,13 @@ backend's workers can import them.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
-    "backend_name", "max_error", "assert_close", "expect_error", "gradcheck_across_ranks",
+    "per_rank", "check_prediction", "check_count_ranks", "max_error", "assert_close", "expect_error", "gradcheck_across_ranks",
     "ring_all_reduce", "ring_schedule", "check_shapes", "check_all_gather_backward",
     "check_ring_counts", "check_tp_mlp", "check_ulysses_bytes", "NOT_ANSWERED",
 ]
@@ -33,9 +35,23 @@ __all__ = [
 NOT_ANSWERED = "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."
 
 
-def backend_name() -> str:
-    """``"sim"`` or ``"real"``: the backend ``SIMCOMM_BACKEND`` selects (default ``"sim"``)."""
-    return os.environ.get("SIMCOMM_BACKEND", "sim").strip().lower() or "sim"
+def _format(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().tolist()
+    if isinstance(value, list):
+        return "[" + ", ".join(_format(v) for v in value) + "]"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_format(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def per_rank(outs: Sequence[Any]) -> str:
+    """One line per rank: ``rank r: <its result>``, numbers as ``1`` or ``2.5`` (not ``1.0``)."""
+    return "\n".join(f"rank {rank}: {_format(out)}" for rank, out in enumerate(outs))
 
 
 def _flat(values: Any) -> list[torch.Tensor]:
@@ -185,6 +201,43 @@ def _unanswered(answer: Any) -> bool:
     return answer is ... or (isinstance(answer, dict) and any(value is ... for value in answer.values()))
 
 
+def check_prediction(prediction: Any, actual: Any, what: str) -> str:
+    """Compare a learner's predicted value (a number, list or tensor) with the actual one."""
+    if _unanswered(prediction):
+        return NOT_ANSWERED
+    actual = actual.detach().cpu() if isinstance(actual, torch.Tensor) else torch.as_tensor(actual)
+    try:
+        predicted = torch.as_tensor(prediction, dtype=actual.dtype)
+    except (TypeError, ValueError, RuntimeError):
+        raise AssertionError(f"{what}: {prediction!r} is not a number or a list of numbers") from None
+    if predicted.shape != actual.shape or not torch.allclose(predicted, actual):
+        raise AssertionError(f"{what}: you said {_format(predicted)}, it is {_format(actual)}")
+    return f"Correct: {what} is {_format(actual)}."
+
+
+def _count_ranks_program(comm, count_ranks: Callable):
+    return count_ranks(comm)
+
+
+def check_count_ranks(count_ranks: Callable, *, world_sizes: Sequence[int] = (1, 2, 3, 5)) -> str:
+    """Lesson 00: ``count_ranks(comm)`` must return the world size, found with a collective."""
+    from .world import World
+    for world_size in world_sizes:
+        world = World(world_size)
+        try:
+            outs = world.run(_count_ranks_program, count_ranks)
+        except Exception as error:
+            if "NotImplementedError" in f"{error!r} {error}" or isinstance(error.__cause__, NotImplementedError):
+                return NOT_ANSWERED
+            raise
+        values = [float(out) for out in outs]
+        if values != [float(world_size)] * world_size:
+            raise AssertionError(f"on {world_size} ranks your program returned {values}")
+        if not any(event.op == "all_reduce" for event in world.trace):
+            raise AssertionError("use comm.all_reduce to count (your program called no all-reduce)")
+    return f"Correct: right on {', '.join(map(str, world_sizes))} ranks."
+
+
 def _shape_of(op: str, world_size: int, shape: tuple[int, ...], args: dict) -> tuple[int, ...]:
     from .world import World
 
@@ -225,9 +278,11 @@ def _all_gather_grads(comm, mine: Callable, shape: tuple[int, ...], dim: int):
         return x.grad, mine(comm, grad_out, dim)
 
 
-def check_all_gather_backward(world, my_backward: Callable, *, shape: tuple[int, ...] = (2, 3),
-                              dims: Sequence[int] = (0, 1)) -> str:
+def check_all_gather_backward(my_backward: Callable, *, world_size: int = 4,
+                              shape: tuple[int, ...] = (2, 3), dims: Sequence[int] = (0, 1)) -> str:
     """Lesson 02: ``my_backward(comm, grad_out, dim)`` must return the gradient of an all-gather's input."""
+    from .world import World
+    world = World(world_size)
     try:
         results = [world.run(_all_gather_grads, my_backward, shape, dim) for dim in dims]
     except Exception as error:  # the placeholder raises NotImplementedError inside a rank
@@ -277,13 +332,16 @@ def _tp_mlp_grads(comm, layer: Callable, x: torch.Tensor, params: dict):
     return out.detach(), x.grad, {name: p.grad for name, p in shards.items()}
 
 
-def check_tp_mlp(world, layer: Callable, *, batch: int = 3, hidden: int = 4, ffn: int = 8) -> str:
+def check_tp_mlp(layer: Callable, *, world_size: int = 4, batch: int = 3, hidden: int = 4, ffn: int = 8
+                 ) -> str:
     """Lesson 04: ``layer(comm, x, shards)`` must be the tensor-parallel MLP for a replicated loss.
 
     Compares the output, the input gradient and every shard's gradient with
     the single-device MLP (:func:`simcomm.models.mlp`) in float64.
     """
     from .models import make_mlp, mlp, shard_mlp
+    from .world import World
+    world = World(world_size)
     params = make_mlp(hidden, ffn, seed=7)
     x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     try:

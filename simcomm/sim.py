@@ -1,10 +1,11 @@
 """Virtual ranks: the in-process transport and the rendezvous that never hangs.
 
-Every rank of a :class:`simcomm.World` is a thread running the program. A
-collective is a *rendezvous*: each rank deposits its tensor in the group's
-slot for that step and blocks on a lock of its own; the last rank to arrive
-checks nothing is left to wait for, computes the collective with
-:mod:`simcomm.collectives` and wakes each waiting rank exactly once.
+Every rank of a :class:`simcomm.World` is a thread running the program, and
+the ranks take turns (see :class:`RunState`). A collective is a *rendezvous*:
+each rank deposits its tensor in the group's slot for that step and blocks on
+a lock of its own; the last rank to arrive computes the collective with
+:mod:`simcomm.collectives` and marks each waiting rank ready, to be woken
+exactly once when its turn comes.
 
 Because the simulator sees every rank at once, it can tell at once what real
 NCCL shows as a hang:
@@ -68,8 +69,20 @@ def program_location(frame) -> str:
     return "<unknown location>"
 
 
+def _private(outputs: list) -> list:
+    """``outputs`` with every repeated tensor object replaced by a copy of its own."""
+    seen: set[int] = set()
+    for index, out in enumerate(outputs):
+        if isinstance(out, torch.Tensor):
+            if id(out) in seen:
+                outputs[index] = out.clone()
+            else:
+                seen.add(id(out))
+    return outputs
+
+
 def _format_args(sig: tuple) -> str:
-    return ", ".join(f"{name}={value}" for name, value in sig)
+    return ", ".join(f"{name}={str(value).removeprefix('torch.')}" for name, value in sig)
 
 
 # -- shared state of one run ---------------------------------------------------------------
@@ -78,26 +91,31 @@ def _format_args(sig: tuple) -> str:
 class _Wait:
     """What a blocked rank waits for (for the deadlock message)."""
 
-    what: str
+    op: str                           # collective name, or "send to rank 3 (float32 (2,))"
     frame: object
     slot: _Slot | None = None
     group_ranks: tuple[int, ...] = ()
-    peer: int | None = None
+    step: int = 0
+
+    @property
+    def what(self) -> str:
+        if self.slot is None:
+            return self.op
+        return f"{self.op}(step {self.step}, group {list(self.group_ranks)})"
 
 
 class _Slot:
     """One collective of one group at one step: where the members meet."""
 
-    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "failed")
+    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "failed")
 
     def __init__(self, op: str, sig: tuple, world_size: int):
         self.op, self.sig = op, sig
         self.inputs: list = [None] * world_size
         self.frames: list = [None] * world_size
-        self.arrived: list[int] = []
-        self.waiting: list[int] = []
+        self.arrived: list[int] = []      # group-local ranks, in arrival order
+        self.waiting: list[int] = []      # global ranks blocked on this slot
         self.outputs: list | None = None
-        self.shared: list[bool] = []
         self.failed = False
 
 
@@ -124,7 +142,15 @@ class _Group:
 
 
 class RunState:
-    """Everything the ranks of one run share: the lock, who is blocked, the first error."""
+    """Everything the ranks of one run share: the lock, whose turn it is, the first error.
+
+    Ranks take turns: exactly one rank thread runs at a time, and it hands the
+    turn on only when it blocks in a communication call or finishes. A rank
+    woken by a completed collective joins the ``ready`` queue instead of
+    running at once, so every handoff wakes exactly one thread and no two rank
+    threads compete for the interpreter lock. Runs are therefore
+    deterministic, and a deadlock is simply "nobody ready, everybody blocked".
+    """
 
     def __init__(self, world_size: int, device: torch.device, trace: bool):
         self.lock = threading.Lock()
@@ -134,6 +160,7 @@ class RunState:
         for waiter in self.waiters:
             waiter.acquire()
         self.blocked: dict[int, _Wait] = {}
+        self.ready: deque[int] = deque()
         self.running = world_size
         self.finished: set[int] = set()
         self.error: BaseException | None = None
@@ -143,12 +170,30 @@ class RunState:
         self.clock_zero = time.perf_counter()
         self.world = _Group(("world",), range(world_size))
 
+    def start(self) -> None:
+        """Give rank 0 the first turn; the others are ready in rank order."""
+        with self.lock:
+            self.ready.extend(range(1, self.world_size))
+            self.waiters[0].release()
+
+    def wait_turn(self, rank: int) -> None:
+        """Called by a rank thread before its program: wait for the first turn."""
+        self.waiters[rank].acquire()
+        if self.error is not None:
+            raise _Aborted
+
     # All methods ending in _locked are called with self.lock held.
+
+    def _pass_turn_locked(self) -> bool:
+        if self.ready:
+            self.waiters[self.ready.popleft()].release()
+            return True
+        return False
 
     def wait_locked(self, rank: int, wait: _Wait) -> None:
         """Block ``rank`` until woken; releases the lock. Raises :class:`_Aborted` on abort."""
         self.blocked[rank] = wait
-        if len(self.blocked) == self.running:
+        if not self._pass_turn_locked() and len(self.blocked) == self.running:
             self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
             self.lock.release()
             raise _Aborted
@@ -158,14 +203,17 @@ class RunState:
             raise _Aborted
 
     def wake_locked(self, rank: int) -> None:
+        """``rank`` may continue: it runs when the current rank hands on its turn."""
         del self.blocked[rank]
-        self.waiters[rank].release()
+        self.ready.append(rank)
 
     def abort_locked(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
-        for rank in list(self.blocked):
-            self.wake_locked(rank)
+        for rank in [*self.blocked, *self.ready]:
+            self.waiters[rank].release()
+        self.blocked.clear()
+        self.ready.clear()
         self.done.set()
 
     def abort(self, error: BaseException) -> None:
@@ -189,7 +237,8 @@ class RunState:
             self.finished.add(rank)
             if self.running == 0:
                 self.done.set()
-            elif self.error is None and len(self.blocked) == self.running:
+            elif (self.error is None and not self._pass_turn_locked()
+                  and len(self.blocked) == self.running):
                 self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
 
     def describe_deadlock_locked(self) -> str:
@@ -247,35 +296,27 @@ class SimTransport(TransportBase):
         slot.frames[me] = frame
         slot.arrived.append(me)
         if len(slot.arrived) < self.world_size:
-            slot.waiting.append(me)
-            state.wait_locked(self.global_rank, _Wait(
-                f"{op}(step {step}, group {list(group.ranks)})", frame, slot, group.ranks))
+            slot.waiting.append(self.global_rank)
+            state.wait_locked(self.global_rank, _Wait(op, frame, slot, group.ranks, step))
             if slot.failed:
                 raise _Aborted
+            return slot.outputs[me]
+        # The last rank to arrive does all the tensor work while the others sleep, so
+        # no woken rank competes for the interpreter lock with a torch call.
+        state.lock.release()
+        try:
+            outputs = _private(compute(slot.inputs))
+        except BaseException:
+            slot.failed = True
+            raise
         else:
-            state.lock.release()
-            try:
-                outputs = compute(slot.inputs)
-            except BaseException:
-                slot.failed = True
-                with state.lock:
-                    del group.slots[step]
-                    for rank in slot.waiting:
-                        state.wake_locked(group.ranks[rank])
-                raise
-            seen: set[int] = set()
-            for out in outputs:
-                slot.shared.append(id(out) in seen)
-                seen.add(id(out))
             slot.outputs = outputs
+        finally:
             with state.lock:
                 del group.slots[step]
                 for rank in slot.waiting:
-                    state.wake_locked(group.ranks[rank])
-        out = slot.outputs[me]
-        if slot.shared[me] and isinstance(out, torch.Tensor):
-            out = out.clone()
-        return out
+                    state.wake_locked(rank)
+        return outputs[me]
 
     def _mismatch_locked(self, slot: _Slot, op: str, sig: tuple, frame) -> None:
         ranks = self._group.ranks
@@ -294,8 +335,7 @@ class SimTransport(TransportBase):
 
     @staticmethod
     def _sig(tensor: torch.Tensor, **args) -> tuple:
-        return (("shape", tuple(tensor.shape)), ("dtype", str(tensor.dtype).removeprefix("torch.")),
-                *args.items())
+        return (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype), *args.items())
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self._collective("all_reduce", tensor, self._sig(tensor, op=op),

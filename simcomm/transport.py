@@ -48,6 +48,16 @@ class Transport(Protocol):
     def compute(self, seconds: float | None = None, flops: float | None = None) -> None: ...
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 class TransportBase:
     """What both transports share: identity, the step counter and trace recording."""
 
@@ -75,7 +85,7 @@ class TransportBase:
         event = TraceEvent(
             op=op, group=self.ranks, rank=self.global_rank, step=step, phase=current_phase(),
             shape=tuple(tensor.shape) if tensor is not None else None,
-            dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else None,
+            dtype=_dtype_name(tensor.dtype) if tensor is not None else None,
             nbytes=(tensor.numel() * tensor.element_size() if tensor is not None else 0)
             if nbytes is None else nbytes,
             start=time.perf_counter() - self._clock_zero,

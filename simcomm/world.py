@@ -75,6 +75,7 @@ class World:
         try:
             for thread in threads:
                 thread.start()
+            state.start()
             if not state.done.wait(timeout):
                 state.abort(RunTimeoutError(_describe_timeout(timeout, threads, state)))
         except BaseException as interrupt:  # KeyboardInterrupt in a notebook: stop the ranks too
@@ -95,6 +96,7 @@ def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwarg
                results: list) -> None:
     comm = Communicator(SimTransport(state, state.world, rank))
     try:
+        state.wait_turn(rank)
         results[rank] = program(comm, *args, **kwargs)
     except _Aborted:
         pass

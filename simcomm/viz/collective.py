@@ -104,7 +104,7 @@ OPS: dict[str, _Op] = {
         forward_moves=lambda a: True,
         backward_moves=lambda a: False,
         forward=lambda a: f"all_gather(x, dim={a['dim']})",
-        backward=lambda a: f"reduce_scatter(dL/dy, dim={a['dim']})",
+        backward=lambda a: "reduce_scatter(dL/dy)",
         title=lambda a, n: (
             f"all_gather forward: rank r's output = concat of every rank's input along dim {a['dim']}"
             "<br>backward (reduce-scatter): rank r's input grad = sum over ranks of chunk r of their "
@@ -116,7 +116,7 @@ OPS: dict[str, _Op] = {
         forward_moves=lambda a: a["reduce_op"] in ("max", "min"),
         backward_moves=lambda a: a["reduce_op"] == "sum",
         forward=lambda a: f"reduce_scatter(x, dim={a['dim']}, {a['reduce_op']})",
-        backward=lambda a: f"all_gather(dL/dy, dim={a['dim']})" + ("" if a["reduce_op"] == "sum" else " x factor"),
+        backward=lambda a: "all_gather(dL/dy)" + ("" if a["reduce_op"] == "sum" else " x factor"),
         title=lambda a, n: (
             f"reduce_scatter forward: reduce ({a['reduce_op']}) over ranks, then rank r keeps chunk r along "
             f"dim {a['dim']}<br>backward (all-gather): rank r's input grad = concat of every rank's "
@@ -128,7 +128,7 @@ OPS: dict[str, _Op] = {
         forward_moves=lambda a: True,
         backward_moves=lambda a: not a["scale_grad"],
         forward=lambda a: f"slice(x, dim={a['dim']})",
-        backward=lambda a: f"all_gather(dL/dy, dim={a['dim']})" + (" / n" if a["scale_grad"] else ""),
+        backward=lambda a: "all_gather(dL/dy)" + (" / n" if a["scale_grad"] else ""),
         title=lambda a, n: (
             f"slice forward: every rank holds the same x and keeps chunk r along dim {a['dim']} "
             "(no communication)<br>backward (all-gather): rank r's input grad = concat of every rank's "

@@ -34,9 +34,11 @@ from .provenance import decode
 
 __all__ = ["Panel", "as_grid", "grid_layout", "draw_panels", "rank_grid"]
 
-_MAX_CELL_PX = 34
+_MAX_CELL_PX = 30
 _MIN_CELL_PX = 6
-_GAP_PX = 28
+_GAP_PX = 24
+_WIDTH_PX = 800   # panels of a figure fit a JupyterLab output area next to the file browser
+_HEIGHT_PX = 1000
 
 
 def _dim_name(dim: int, dim_names: Sequence[str] | None) -> str:
@@ -180,13 +182,21 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
     grid_cols = [max((cells[r][c][0].shape[1] for r in range(row_count)
                       if c < len(cells[r]) and cells[r][c] is not None), default=1)
                  for c in range(col_count)]
-    cell_px = max(_MIN_CELL_PX, min(_MAX_CELL_PX, 1100 / sum(grid_cols), 1300 / sum(grid_rows)))
     # a column is as wide as its widest grid, or its title when that is wider (the grid is centred)
     titles_of = [[column_titles[c]] if column_titles and c < len(column_titles) else [] for c in range(col_count)]
     for row_titles_ in panel_titles or []:
         for c, text in enumerate(row_titles_):
             titles_of[c].append(text)
-    col_px = [max([grid_cols[c] * cell_px] + [_text_px(t) for t in titles_of[c]]) for c in range(col_count)]
+    title_px = [max([0.0] + [_text_px(t) for t in titles_of[c]]) for c in range(col_count)]
+
+    def widths(cell: float) -> list[float]:
+        return [max(grid_cols[c] * cell, title_px[c]) for c in range(col_count)]
+
+    # the largest cell (up to _MAX_CELL_PX) that keeps the panels within _WIDTH_PX and _HEIGHT_PX
+    cell_px = max(_MIN_CELL_PX, min(_MAX_CELL_PX, _HEIGHT_PX / sum(grid_rows)))
+    while cell_px > _MIN_CELL_PX and sum(widths(cell_px)) + (col_count - 1) * _GAP_PX > _WIDTH_PX:
+        cell_px -= 0.5
+    col_px = widths(cell_px)
     row_px = [rows * cell_px for rows in grid_rows]
     plot_width = sum(col_px) + (col_count - 1) * _GAP_PX
     plot_height = sum(row_px) + (row_count - 1) * _GAP_PX
@@ -253,11 +263,11 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
     title_lines = title.count("<br>") + 1 if title else 0
     heading_lines = max([t.count("<br>") + 1 for ts in titles_of for t in ts], default=0)
     top = 36 + 20 * title_lines + 16 * heading_lines + 8
-    right = max(110, _text_px(title.split("<sup>")[0], 14) + 20 - plot_width - 70)  # room for the title
+    right = max(95, _text_px(title.split("<sup>")[0], 14) + 20 - plot_width - 60)  # room for the title
     layout.update(
         title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)) if title else None,
-        width=int(plot_width + 70 + right), height=int(plot_height + top + 20),
-        margin=dict(l=70, r=right, t=top, b=20), plot_bgcolor="white", paper_bgcolor="white",
+        width=int(plot_width + 60 + right), height=int(plot_height + top + 20),
+        margin=dict(l=60, r=right, t=top, b=20), plot_bgcolor="white", paper_bgcolor="white",
         annotations=annotations)
     return go.Figure(data=traces, layout=layout)
 

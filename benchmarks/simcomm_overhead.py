@@ -1,0 +1,193 @@
+"""Per-collective cost of the simulator, side by side with two anchors, in one run.
+
+For each op (all_reduce, all_gather, reduce_scatter, all_to_all), world size and
+per-rank message size, three timings of one collective:
+
+* ``simcomm``  - ``World(n).run`` with a program calling the communicator (autograd
+  Function, argument checks, trace recording, rendezvous), the way a lesson runs it;
+* ``threaded`` - PyTorch's threaded process group
+  (``torch.testing._internal.distributed.multi_threaded_pg``): one thread per rank,
+  ``torch.distributed`` calls;
+* ``ideal``    - the same math on one stacked ``(world, ...)`` tensor with no threads,
+  materialising every rank's output (the floor for any simulator).
+
+Printed as microseconds and as the ratios simcomm/threaded and simcomm/ideal; the
+machine is shared and noisy, so only ratios measured in the same run mean much.
+
+    python benchmarks/simcomm_overhead.py                 # full table
+    python benchmarks/simcomm_overhead.py --quick         # 1 KiB only, fewer repeats
+    python benchmarks/simcomm_overhead.py --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import simcomm
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+SIZES = {"1KiB": 1 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+WORLD_SIZES = (2, 8, 64, 256)
+MEMORY_BUDGET = 3 << 30   # bytes of inputs + outputs a configuration may allocate
+TARGET_SECONDS = 0.25     # aim for this much timed work per measurement
+
+
+def footprint(op: str, world_size: int, nbytes: int) -> int:
+    outputs = world_size * world_size * nbytes if op == "all_gather" else world_size * nbytes
+    return world_size * nbytes + outputs
+
+
+# -- simcomm ----------------------------------------------------------------------------
+
+def _sim_program(comm, op: str, numel: int, iters: int):
+    x = torch.ones(numel) * comm.rank
+    call = {
+        "all_reduce": lambda: comm.all_reduce(x),
+        "all_gather": lambda: comm.all_gather(x, dim=0),
+        "reduce_scatter": lambda: comm.reduce_scatter(x, dim=0),
+        "all_to_all": lambda: comm.all_to_all(x, scatter_dim=0, gather_dim=0),
+    }[op]
+    call()  # warm-up
+    comm.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    comm.barrier()
+    return time.perf_counter() - start
+
+
+def time_simcomm(op: str, world_size: int, numel: int, iters: int) -> float:
+    world = simcomm.World(world_size)
+    elapsed = world.run(_sim_program, op, numel, iters)
+    return max(elapsed) / iters
+
+
+# -- PyTorch's threaded process group -------------------------------------------------------
+
+def time_threaded(op: str, world_size: int, numel: int, iters: int) -> float:
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    mtpg._install_threaded_pg()
+    store = dist.HashStore()
+    elapsed = [0.0] * world_size
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            x = torch.ones(numel) * rank
+            if op == "all_reduce":
+                call = lambda: dist.all_reduce(x.clone())  # noqa: E731 - clone: all_reduce is in place
+            elif op == "all_gather":
+                out = torch.empty(numel * world_size)
+                call = lambda: dist.all_gather_into_tensor(out, x)  # noqa: E731
+            elif op == "reduce_scatter":
+                out = torch.empty(numel // world_size)
+                call = lambda: dist.reduce_scatter_tensor(out, x)  # noqa: E731
+            else:
+                out = torch.empty(numel)
+                call = lambda: dist.all_to_all_single(out, x)  # noqa: E731
+            call()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                call()
+            dist.barrier()
+            elapsed[rank] = time.perf_counter() - start
+            dist.destroy_process_group()
+        except BaseException as error:  # reported by the caller
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    mtpg._uninstall_threaded_pg()
+    if errors:
+        raise errors[0]
+    return max(elapsed) / iters
+
+
+# -- the stacked-tensor ideal ---------------------------------------------------------------
+
+def time_ideal(op: str, world_size: int, numel: int, iters: int) -> float:
+    stacked = torch.ones(world_size, numel)  # (world, numel): every rank's input
+
+    def call():
+        if op == "all_reduce":
+            return stacked.sum(0).expand(world_size, numel).clone()           # (world, numel)
+        if op == "all_gather":
+            return stacked.reshape(1, -1).expand(world_size, -1).clone()      # (world, world*numel)
+        if op == "reduce_scatter":
+            return stacked.sum(0).reshape(world_size, numel // world_size)    # (world, numel/world)
+        return stacked.reshape(world_size, world_size, -1).transpose(0, 1).contiguous()  # (dst, src, numel/world)
+
+    call()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - start) / iters
+
+
+TIMERS = {"simcomm": time_simcomm, "threaded": time_threaded, "ideal": time_ideal}
+
+
+def measure(timer, op: str, world_size: int, numel: int, repeats: int) -> float:
+    """Median per-call seconds over ``repeats`` runs sized to about TARGET_SECONDS each."""
+    probe = timer(op, world_size, numel, 2)
+    iters = int(min(500, max(3, TARGET_SECONDS / max(probe, 1e-7))))
+    return statistics.median(timer(op, world_size, numel, iters) for _ in range(repeats))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 KiB only, one repeat")
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=list(WORLD_SIZES))
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    sizes = ["1KiB"] if args.quick else args.sizes
+    repeats = 1 if args.quick else args.repeats
+
+    rows = []
+    header = (f"{'op':<15}{'ranks':>6}{'size':>7}{'simcomm us':>12}{'threaded us':>13}{'ideal us':>10}"
+              f"{'sim/threaded':>14}{'sim/ideal':>11}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
+    print(header)
+    print("-" * len(header))
+    for size_name in sizes:
+        nbytes = SIZES[size_name]
+        numel = nbytes // 4  # float32
+        for op in args.ops:
+            for world_size in args.world_sizes:
+                if footprint(op, world_size, nbytes) > MEMORY_BUDGET:
+                    print(f"{op:<15}{world_size:>6}{size_name:>7}   skipped: "
+                          f"{footprint(op, world_size, nbytes) / 2**30:.0f} GiB of buffers")
+                    continue
+                times = {name: measure(timer, op, world_size, numel, repeats) for name, timer in TIMERS.items()}
+                row = {"op": op, "world_size": world_size, "size": size_name,
+                       **{f"{k}_us": v * 1e6 for k, v in times.items()},
+                       "sim_over_threaded": times["simcomm"] / times["threaded"],
+                       "sim_over_ideal": times["simcomm"] / times["ideal"]}
+                rows.append(row)
+                print(f"{op:<15}{world_size:>6}{size_name:>7}{row['simcomm_us']:>12.1f}"
+                      f"{row['threaded_us']:>13.1f}{row['ideal_us']:>10.1f}"
+                      f"{row['sim_over_threaded']:>14.2f}{row['sim_over_ideal']:>11.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Every collective on real gloo processes (2 and 4 ranks): forward, backward, agreement with the
+simulator and with the single-device float64 reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import real
+import simcomm
+from real.verify import all_cases, evaluate, run_cases
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def cluster(request):
+    with real.Cluster(request.param, backend="gloo", timeout=120) as c:
+        yield c
+
+
+def test_every_case_matches_reference_and_simulator(cluster):
+    world_size = cluster.world_size
+    names = [case.name for case in all_cases()]
+    got = cluster.run(run_cases, names)
+    simulated = simcomm.World(world_size).run(run_cases, names)
+    rows = evaluate(world_size, list(got), simulated)
+    failed = [row for row in rows if not row["passed"]]
+    assert len(rows) == len(names) and not failed, failed
+    # the same programs through World.run and real.run: same outputs and gradients
+    for rank in range(world_size):
+        for name in names:
+            (outs, grads), (sim_outs, sim_grads) = got[rank][name], simulated[rank][name]
+            for a, b in zip(outs + grads, sim_outs + sim_grads):
+                assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12), (name, rank)
+
+
+def _readme_program(comm):
+    x = torch.full((2,), float(comm.rank + 1), requires_grad=True)
+    y = comm.all_gather(x, dim=0)
+    (y * torch.arange(2.0 * comm.world_size)).sum().backward()
+    return y.detach(), x.grad
+
+
+def test_all_gather_values_and_gradient_by_hand(cluster):
+    world_size = cluster.world_size
+    outs = cluster.run(_readme_program)
+    gathered = torch.arange(1, world_size + 1, dtype=torch.float32).repeat_interleave(2)
+    weights_sum = world_size * torch.arange(2.0 * world_size)          # every rank's weights, summed
+    for rank, (y, grad) in enumerate(outs):
+        assert torch.equal(y, gathered)
+        assert torch.equal(grad, weights_sum[2 * rank:2 * rank + 2])   # reduce-scatter of the sum
+
+
+def _shapes_and_inputs(comm):
+    x = torch.arange(2 * 4 * comm.world_size * 3, dtype=torch.float32).reshape(2, 4, comm.world_size * 3)
+    x = x + 100 * comm.rank
+    before = x.clone()
+    strided = x.transpose(0, 2)                                         # non-contiguous input
+    out = {
+        "all_gather": comm.all_gather(strided, dim=-1).shape,
+        "reduce_scatter": comm.reduce_scatter(strided, dim=0).shape,
+        # (1, 2P, 3, 4) -> (1, 3, 2P, 4): sequence shards, non-contiguous; -> (1, 3P, 2, 4)
+        "all_to_all_4D": comm.all_to_all_4D(torch.zeros(1, 2 * comm.world_size, 3, 4).transpose(1, 2)).shape,
+        "broadcast": comm.broadcast(x, src=comm.world_size - 1),
+        "device": str(comm.device),
+        "group": type(comm.transport.group).__name__,
+    }
+    out["unmodified"] = torch.equal(x, before)
+    return out
+
+
+def test_shapes_inputs_untouched_and_device(cluster):
+    world_size = cluster.world_size
+    for rank, out in enumerate(cluster.run(_shapes_and_inputs)):
+        assert out["all_gather"] == (3 * world_size, 4, 2 * world_size)
+        assert out["reduce_scatter"] == (3, 4, 2)
+        assert out["all_to_all_4D"] == (1, 3 * world_size, 2, 4)
+        expected = torch.arange(2 * 4 * world_size * 3, dtype=torch.float32).reshape(2, 4, -1) + 100 * (world_size - 1)
+        assert torch.equal(out["broadcast"], expected)
+        assert out["device"] == "cpu" and out["group"] == "ProcessGroup" and out["unmodified"]
+
+
+def _fallbacks(comm):
+    """The emulated paths for a backend without AVG or reduce_scatter: force them and compare."""
+    transport = comm.transport
+    x = torch.arange(4.0 * comm.world_size).reshape(2, 2 * comm.world_size) * (comm.rank + 1)
+    native = [transport.all_reduce(x, "avg"), transport.reduce_scatter(x, 1, "max"),
+              transport.reduce_scatter(x, 1, "avg")]
+    transport._cache.unsupported.update({("all_reduce", "avg"), ("reduce_scatter", "max"),
+                                         ("reduce_scatter", "avg")})
+    try:
+        emulated = [transport.all_reduce(x, "avg"), transport.reduce_scatter(x, 1, "max"),
+                    transport.reduce_scatter(x, 1, "avg")]
+    finally:
+        transport._cache.unsupported.clear()
+    try:
+        transport.all_reduce(torch.ones(2, dtype=torch.int64), "avg")
+        integer_avg = None
+    except ValueError as error:
+        integer_avg = str(error)
+    return native, emulated, integer_avg
+
+
+def test_emulated_reductions_equal_native_ones(cluster):
+    world_size = cluster.world_size
+    scale = sum(range(1, world_size + 1)) / world_size
+    for rank, (native, emulated, integer_avg) in enumerate(cluster.run(_fallbacks)):
+        base = torch.arange(4.0 * world_size).reshape(2, 2 * world_size)
+        assert torch.allclose(native[0], base * scale)
+        assert torch.equal(native[1], (base * world_size)[:, 2 * rank:2 * rank + 2])
+        for a, b in zip(native, emulated):
+            assert torch.allclose(a, b)
+        assert "all_reduce" in integer_avg and f"rank {rank}" in integer_avg and "int64" in integer_avg
+
+
+def _trace_program(comm):
+    x = torch.ones(2, 3, requires_grad=True)
+    y = comm.all_gather(x, dim=0)
+    z = comm.all_reduce(y, op="max")
+    z.sum().backward()
+    comm.barrier()
+    return None
+
+
+def test_trace_in_simcomm_format_matches_simulator(cluster):
+    world_size = cluster.world_size
+    outs = cluster.run(_trace_program)
+    world = simcomm.World(world_size)
+    world.run(_trace_program)
+    assert outs.trace is cluster.trace
+    assert isinstance(cluster.trace, simcomm.Trace) and cluster.trace.ranks == list(range(world_size))
+    assert cluster.trace.ops() == world.trace.ops()
+    real_events = sorted(cluster.trace, key=lambda e: (e.rank, e.step, e.phase, e.op))
+    sim_events = sorted(world.trace, key=lambda e: (e.rank, e.step, e.phase, e.op))
+    for a, b in zip(real_events, sim_events, strict=True):
+        assert (a.op, a.group, a.rank, a.step, a.phase, a.shape, a.dtype, a.nbytes, a.out_shape, a.args) == \
+               (b.op, b.group, b.rank, b.step, b.phase, b.shape, b.dtype, b.nbytes, b.out_shape, b.args)
+        assert 0 <= a.start <= a.end
+    assert cluster.trace.comm_matrix() == world.trace.comm_matrix()
+
+
+def _subgroup_program(comm):
+    pairs = comm.subgroup([[0, 1], [2, 3]] if comm.world_size == 4 else [[0], [1]])
+    again = comm.subgroup([[0, 1], [2, 3]] if comm.world_size == 4 else [[0], [1]])
+    x = torch.tensor([float(comm.rank + 1)], requires_grad=True)
+    y = pairs.all_reduce(x)
+    y.backward()
+    return (pairs.ranks, pairs.rank, y.detach(), x.grad, again.all_reduce(x.detach()),
+            pairs.transport.group is again.transport.group, dist.get_world_size(pairs.transport.group))
+
+
+def test_subgroups_are_real_process_groups(cluster):
+    world_size = cluster.world_size
+    for run in range(2):                                   # the groups persist across runs
+        for rank, (ranks, local, y, grad, y2, same, size) in enumerate(cluster.run(_subgroup_program)):
+            members = [rank - rank % 2, rank - rank % 2 + 1] if world_size == 4 else [rank]
+            assert ranks == tuple(members) and local == members.index(rank) and size == len(members)
+            assert y.item() == sum(m + 1 for m in members) == y2.item()
+            assert grad.item() == len(members) and same

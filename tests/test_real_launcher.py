@@ -1,0 +1,191 @@
+"""real.run and real.Cluster: programs by value, errors within the timeout, nothing left behind."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+import real
+import simcomm
+
+pytestmark = pytest.mark.real
+
+
+def _children() -> list[int]:
+    """Live (not zombie) processes whose parent is this test process, read from /proc."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("PPid", "0")) == me and not fields.get("State", "").strip().startswith("Z"):
+            found.append(int(entry))
+    return found
+
+
+def _listening(port: int) -> bool:
+    """Whether a socket of this machine listens on ``port`` (IPv4 or IPv6)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.readlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+def _assert_nothing_left(pids: list[int], port: int | None) -> None:
+    assert not set(pids) & {child.pid for child in multiprocessing.active_children()}
+    assert not set(pids) & set(_children())
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+    if port is not None:
+        assert not _listening(port)
+
+
+@pytest.mark.timeout(120)
+def test_run_ships_a_closure_and_returns_cpu_tensors():
+    scale = torch.tensor([2.0, 3.0])            # captured by the closure, travels by value
+
+    def program(comm, offset, *, power):
+        x = (scale * (comm.rank + offset)) ** power
+        return {"sum": comm.all_reduce(x), "rank": comm.rank, "nested": [x.requires_grad_()]}
+
+    outs = real.run(program, 1.0, world_size=2, backend="gloo", power=2)
+    assert isinstance(outs, list) and len(outs) == 2
+    total = (scale * 1.0) ** 2 + (scale * 2.0) ** 2
+    for rank, out in enumerate(outs):
+        assert out["rank"] == rank and torch.equal(out["sum"], total)
+        assert out["sum"].device.type == "cpu" and not out["nested"][0].requires_grad
+    assert len(outs.trace.filter(op="all_reduce")) == 2
+    _assert_nothing_left([], None)
+
+
+def _raises_on_rank_one(comm):
+    if comm.rank == 1:
+        raise KeyError("no such shard on purpose")
+    return comm.all_reduce(torch.ones(3))              # rank 0 waits here for rank 1, forever
+
+
+def _hangs_on_rank_one(comm):
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(600)
+    return comm.rank
+
+
+def _dies_on_rank_zero(comm):
+    if comm.rank == 0:
+        os._exit(3)
+    return comm.all_reduce(torch.ones(1))
+
+
+def _same_error_everywhere(comm):
+    return comm.reduce_scatter(torch.ones(3), dim=0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with real.Cluster(2, backend="gloo", timeout=30) as c:
+        c.run(lambda comm: None)                        # workers up before the timed tests
+        yield c
+
+
+@pytest.mark.timeout(60)
+def test_raising_rank_gives_rank_error_with_its_traceback(cluster):
+    pids, port = cluster.pids, cluster._store.port
+    start = time.monotonic()
+    with pytest.raises(simcomm.RankError) as info:
+        cluster.run(_raises_on_rank_one)
+    assert time.monotonic() - start < 10
+    error = info.value
+    assert error.rank == 1 and isinstance(error.__cause__, KeyError)
+    assert "no such shard on purpose" in str(error)
+    assert "_raises_on_rank_one" in str(error) and "test_real_launcher.py" in str(error)
+    assert 'raise KeyError("no such shard on purpose")' in str(error)   # the source line of rank 1
+    _assert_nothing_left(pids, port)
+
+
+@pytest.mark.timeout(60)
+def test_hanging_rank_times_out_naming_it_and_cluster_recovers(cluster):
+    cluster.run(lambda comm: None)
+    pids, port = cluster.pids, cluster._store.port
+    start = time.monotonic()
+    with pytest.raises(simcomm.RunTimeoutError) as info:
+        cluster.run(_hangs_on_rank_one, timeout=2.0)
+    elapsed = time.monotonic() - start
+    assert 2.0 <= elapsed < 10
+    message = str(info.value)
+    assert "ranks still waiting: [1]" in message and "finished: [0]" in message
+    assert "_hangs_on_rank_one" in message                             # where rank 1 is stuck
+    _assert_nothing_left(pids, port)
+    assert list(cluster.run(lambda comm: comm.all_reduce(torch.ones(1)).item())) == [2.0, 2.0]
+
+
+@pytest.mark.timeout(60)
+def test_dead_worker_and_errors_on_every_rank(cluster):
+    cluster.run(lambda comm: None)
+    pids = cluster.pids
+    with pytest.raises(real.WorkerError, match="rank 0 exited with code 3"):
+        cluster.run(_dies_on_rank_zero)
+    _assert_nothing_left(pids, None)
+
+
+@pytest.mark.timeout(60)
+def test_same_error_on_every_rank_keeps_the_workers(cluster):
+    cluster.run(lambda comm: comm.barrier())
+    pids = cluster.pids
+    with pytest.raises(simcomm.RankError) as info:
+        cluster.run(_same_error_everywhere)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "reduce_scatter" in str(info.value) and "not divisible by the world size 2" in str(info.value)
+    assert info.value.rank in (0, 1) and len(info.value.others) == 1
+    assert cluster.pids == pids                          # every collective completed: workers reused
+    assert list(cluster.run(lambda comm: comm.all_reduce(torch.ones(1)).item())) == [2.0, 2.0]
+    assert cluster.pids == pids
+
+
+@pytest.mark.timeout(60)
+def test_further_runs_cost_milliseconds(cluster):
+    cluster.run(lambda comm: None)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        outs = cluster.run(lambda comm, x: comm.all_reduce(x), torch.ones(4))
+        times.append(time.perf_counter() - start)
+        assert torch.equal(outs[1], torch.full((4,), 2.0))
+    assert statistics.median(times) < 0.3, times
+
+
+@pytest.mark.timeout(60)
+def test_close_leaves_nothing_and_rejects_runs(cluster):
+    c = cluster                                          # the module's cluster, closed last
+    assert c.run(lambda comm: comm.world_size) == [2, 2]
+    pids, port = c.pids, c._store.port
+    assert _listening(port)
+    c.close()
+    _assert_nothing_left(pids, port)
+    with pytest.raises(RuntimeError, match="closed"):
+        c.run(lambda comm: None)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size=0"):
+        real.Cluster(0)
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        real.Cluster(2, backend="mpi")
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match="needs one GPU per local rank"):
+            real.Cluster(64, backend="nccl")
