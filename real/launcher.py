@@ -13,16 +13,21 @@ detached, on the CPU.
 Nothing is left behind on failure: when a rank raises, when a worker dies, or
 when the run exceeds its timeout, every worker is killed and reaped and the
 store's port is closed before the error is raised; the Cluster starts fresh
-workers at its next run.
+workers at its next run. One exception keeps the workers: every rank raised
+and their books (:meth:`real.transport.GroupCache.books`) show each collective
+and each send completed on all its ranks, as when every rank fails the same
+argument check; then nothing is half delivered and the next run reuses them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import connection, get_context
 from typing import Any
 
@@ -35,6 +40,7 @@ from simcomm.trace import Trace, TraceEvent
 from . import pickling
 from .process_group import pick_backend
 from .stacks import describe_stacks
+from .transport import books_agree
 from .worker import worker_main
 
 __all__ = ["Cluster", "Results", "run", "WorkerError"]
@@ -66,6 +72,30 @@ class Results(list):
     """The ranks' results in rank order (a list), with the run's :class:`~simcomm.trace.Trace` as ``.trace``."""
 
     trace: Trace
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start workers without re-running the parent's ``__main__`` in them.
+
+    The spawn method normally imports the parent's main script in every child
+    (so a script without an ``if __name__ == "__main__"`` guard would start
+    clusters recursively). Workers receive their program by value and need
+    nothing from ``__main__``, so its file and spec are hidden from
+    :mod:`multiprocessing` while the children start.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _rebuild_error(encoded: tuple) -> BaseException:
@@ -152,6 +182,11 @@ class Cluster:
         self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
         self._tmpdir = tempfile.mkdtemp(prefix="simcomm-real-")
         self._workers = []
+        with _main_module_hidden():
+            self._spawn_workers(context)
+        self._ready = False
+
+    def _spawn_workers(self, context) -> None:
         for rank in range(self.world_size):
             parent_end, child_end = context.Pipe(duplex=True)
             dump_path = os.path.join(self._tmpdir, f"stack-{rank}.txt")
@@ -162,7 +197,6 @@ class Cluster:
             process.start()
             child_end.close()
             self._workers.append(_Worker(rank, process, parent_end, dump_path))
-        self._ready = False
 
     def _await_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -247,8 +281,10 @@ class Cluster:
             for worker in self._workers:
                 worker.conn.send_bytes(message)
             return self._collect(timeout)
+        except (RankError, RunTimeoutError, WorkerError):
+            raise                       # _collect has decided whether the workers can stay
         except BaseException:
-            self._kill()                # KeyboardInterrupt or any failure: leave nothing running
+            self._kill()                # KeyboardInterrupt or any other failure: leave nothing running
             raise
 
     def _collect(self, timeout: float | None) -> Results:
@@ -258,6 +294,7 @@ class Cluster:
         events: list[TraceEvent] = []
         errors: list[tuple[int, BaseException]] = []
         dead: list[tuple[int, int | None]] = []
+        books: dict[int, tuple] = {}
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -271,26 +308,32 @@ class Cluster:
                 elif message[0] == "ok":
                     results[worker.rank] = cloudpickle.loads(message[2])
                     events.extend(message[3])
+                    books[worker.rank] = message[4]
                 else:
                     errors.append((worker.rank, _rebuild_error(message[2])))
                     events.extend(message[3])
+                    books[worker.rank] = message[4]
             if (errors or dead) and pending:
                 grace = time.monotonic() + _ERROR_GRACE_S
                 deadline = grace if deadline is None else min(deadline, grace)
         self.trace = Trace(events)
-        if errors:
-            (rank, error), others = errors[0], tuple(r for r, _ in errors[1:])
-            self._kill()
-            raise RankError(rank, error, others) from error
-        if dead:
+        if pending and not dead and not errors:
+            message_on_timeout = self._describe_timeout(timeout, sorted(pending))   # before the kill
+        if dead:                     # a dead worker first: the other ranks' errors are its echo
             rank, code = dead[0]
             self._kill()
-            raise WorkerError(f"Cluster.run: the worker of rank {rank} exited with code {code} "
-                              f"without reporting a result (ranks still running: {sorted(pending)})")
+            echoes = "".join(f"; rank {r} then raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                             for r, e in errors)
+            raise WorkerError(f"Cluster.run: the worker of rank {rank} exited with code {code} without "
+                              f"reporting a result (ranks still running: {sorted(pending)}){echoes}")
+        in_step = not pending and not dead and books_agree(books)
+        if not in_step:
+            self._kill()             # never reuse process groups with half-finished communication
+        if errors:
+            (rank, error), others = errors[0], tuple(r for r, _ in errors[1:])
+            raise RankError(rank, error, others) from error
         if pending:
-            message = self._describe_timeout(timeout, sorted(pending))
-            self._kill()
-            raise RunTimeoutError(message)
+            raise RunTimeoutError(message_on_timeout)
         out = Results(results)
         out.trace = self.trace
         return out

@@ -18,8 +18,10 @@ all-reduces and keeps this rank's chunk.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ from simcomm.collectives import to_reduce_op
 from simcomm.trace import TraceEvent
 from simcomm.transport import TransportBase
 
-__all__ = ["DistTransport", "GroupCache"]
+__all__ = ["DistTransport", "GroupCache", "books_agree"]
 
 # The names torch gives its single-tensor collectives changed over releases.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -53,12 +55,35 @@ class GroupCache:
     (reused across :meth:`DistTransport.subgroup` calls and across runs of a
     :class:`real.Cluster`). It also remembers which (op, reduction) pairs the
     backend turned down, so the fallback is chosen once.
+
+    And it keeps the books a :class:`real.Cluster` needs to reuse its workers
+    after a program raised: how many collectives this process completed on
+    each group, how many tensors it sent to and received from each peer, and
+    whether a call into the backend ever failed (``broken``). When every rank
+    raised and the books of all ranks agree, no message is half delivered and
+    the process groups can serve the next run.
     """
 
     def __init__(self, world_group: dist.ProcessGroup | None = None):
         self.world_group = world_group if world_group is not None else dist.group.WORLD
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.unsupported: set[tuple[str, str]] = set()
+        self.calls: Counter[tuple] = Counter()
+        self.broken = False
+
+    @contextlib.contextmanager
+    def calling(self, key: tuple) -> Iterator[None]:
+        """Count one completed backend call under ``key``; a call that raises marks the cache broken."""
+        try:
+            yield
+        except BaseException:
+            self.broken = True
+            raise
+        self.calls[key] += 1
+
+    def books(self) -> tuple[bool, dict[tuple, int]]:
+        """``(broken, calls)``: what :func:`books_agree` compares across ranks."""
+        return self.broken, dict(self.calls)
 
     def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         """The process group of exactly ``ranks`` (global, any order); created on first use.
@@ -74,6 +99,30 @@ class GroupCache:
             group = dist.new_group(list(key), use_local_synchronization=True)
             self._groups[key] = group
         return group
+
+
+def books_agree(books: dict[int, tuple[bool, dict[tuple, int]]]) -> bool:
+    """Whether the ranks' :meth:`GroupCache.books` show no half-finished communication.
+
+    ``books`` maps every global rank to its books. True when no call failed,
+    every member of each group completed as many collectives on it as the
+    others, and every rank received from each peer as many tensors as that
+    peer sent it.
+    """
+    if any(broken for broken, _ in books.values()):
+        return False
+    for rank, (_, calls) in books.items():
+        for (group, kind, peer), count in calls.items():
+            if kind == "collective":
+                if any(books[member][1].get((group, kind, None), 0) != count for member in group):
+                    return False
+            elif kind == "send":
+                if books[peer][1].get((group, "recv", rank), 0) != count:
+                    return False
+            elif kind == "recv":
+                if books[peer][1].get((group, "send", rank), 0) != count:
+                    return False
+    return True
 
 
 class DistTransport(TransportBase):
@@ -113,6 +162,10 @@ class DistTransport(TransportBase):
         return self._events
 
     # -- helpers --
+
+    def _calling(self, kind: str = "collective", peer: int | None = None):
+        """Count this call in the books of :class:`GroupCache` (key: group, kind, global peer)."""
+        return self._cache.calling((tuple(sorted(self.ranks)), kind, peer))
 
     def _local_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A private contiguous copy of ``tensor`` on this transport's device (the input stays untouched)."""
@@ -157,7 +210,8 @@ class DistTransport(TransportBase):
         self._check_avg("all_reduce", tensor, op)
         event = self._begin("all_reduce", self._next_step(), tensor, args={"op": op})
         out = self._local_copy(tensor)
-        self._all_reduce_into(out, op)
+        with self._calling():
+            self._all_reduce_into(out, op)
         self._end(event, out)
         return out
 
@@ -165,7 +219,8 @@ class DistTransport(TransportBase):
         event = self._begin("all_gather", self._next_step(), tensor, args={"dim": dim})
         moved = self._on_device(tensor.movedim(dim, 0))          # (d, *rest): dim first
         flat = moved.new_empty((self.world_size * moved.shape[0], *moved.shape[1:]))  # (P*d, *rest)
-        _all_gather_single(flat, moved, group=self.group)        # rank r's block at rows r*d:(r+1)*d
+        with self._calling():
+            _all_gather_single(flat, moved, group=self.group)    # rank r's block at rows r*d:(r+1)*d
         out = flat.movedim(0, dim).contiguous()                  # concatenated along dim
         self._end(event, out)
         return out
@@ -180,10 +235,11 @@ class DistTransport(TransportBase):
         def native() -> None:
             _reduce_scatter_single(out, moved, to_reduce_op(op), group=self.group)
 
-        if not self._native("reduce_scatter", op, native):
-            full = moved.clone()                                 # (d, *rest)
-            self._all_reduce_into(full, op)
-            out = full.narrow(0, self.rank * shard, shard)       # (d/P, *rest): this rank's chunk
+        with self._calling():
+            if not self._native("reduce_scatter", op, native):
+                full = moved.clone()                             # (d, *rest)
+                self._all_reduce_into(full, op)
+                out = full.narrow(0, self.rank * shard, shard)   # (d/P, *rest): this rank's chunk
         out = out.movedim(0, dim).contiguous()                   # chunk r along dim
         self._end(event, out)
         return out
@@ -194,7 +250,8 @@ class DistTransport(TransportBase):
         world = self.world_size
         moved = self._on_device(tensor.movedim(scatter_dim, 0))  # (S, *rest): chunk j of S goes to rank j
         received = torch.empty_like(moved)                       # (S, *rest): chunk i came from rank i
-        dist.all_to_all_single(received, moved, group=self.group)
+        with self._calling():
+            dist.all_to_all_single(received, moved, group=self.group)
         shard = moved.shape[0] // world
         pieces = received.reshape(world, shard, *moved.shape[1:])  # (P, S/P, *rest)
         pieces = pieces.movedim(1, scatter_dim + 1)              # (P, *shape with S/P at scatter_dim)
@@ -207,7 +264,8 @@ class DistTransport(TransportBase):
         event = self._begin("gather", self._next_step(), tensor, root=dst, args={"dst": dst, "dim": dim})
         local = self._on_device(tensor)
         parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == dst else None
-        dist.gather(local, parts, dst=self.ranks[dst], group=self.group)
+        with self._calling():
+            dist.gather(local, parts, dst=self.ranks[dst], group=self.group)
         out = torch.cat(parts, dim) if parts is not None else None   # (.., P*d at dim, ..) on dst
         self._end(event, out)
         return out
@@ -215,16 +273,18 @@ class DistTransport(TransportBase):
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         event = self._begin("broadcast", self._next_step(), tensor, root=src, args={"src": src})
         out = self._local_copy(tensor)
-        dist.broadcast(out, src=self.ranks[src], group=self.group)
+        with self._calling():
+            dist.broadcast(out, src=self.ranks[src], group=self.group)
         self._end(event, out)
         return out
 
     def barrier(self) -> None:
         event = self._begin("barrier", self._next_step(), None)
-        if self.backend == "nccl" and self.device.type == "cuda":
-            dist.barrier(group=self.group, device_ids=[self.device.index])
-        else:
-            dist.barrier(group=self.group)
+        with self._calling():
+            if self.backend == "nccl" and self.device.type == "cuda":
+                dist.barrier(group=self.group, device_ids=[self.device.index])
+            else:
+                dist.barrier(group=self.group)
         self._end(event, None)
 
     def subgroup(self, groups: tuple[tuple[int, ...], ...]) -> DistTransport:
@@ -253,12 +313,14 @@ class DistTransport(TransportBase):
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Blocks until the backend has taken the data (gloo may return before the recv is posted)."""
         event = self._p2p_event("send", dst, tensor)
-        dist.send(self._on_device(tensor), dst=self.ranks[dst], group=self.group)
+        with self._calling("send", self.ranks[dst]):
+            dist.send(self._on_device(tensor), dst=self.ranks[dst], group=self.group)
         self._end(event, None)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         event = self._p2p_event("recv", src, None, out.numel() * out.element_size())
-        dist.recv(out, src=self.ranks[src], group=self.group)
+        with self._calling("recv", self.ranks[src]):
+            dist.recv(out, src=self.ranks[src], group=self.group)
         self._end(event, out)
         return out

@@ -5,9 +5,11 @@ until told to close or until the pipe breaks (the parent has gone):
 
 * ``("run", (clock_zero, tracing, blob))``: ``blob`` is the cloudpickled
   ``(program, args, kwargs)``; the worker runs ``program(comm, *args,
-  **kwargs)`` and replies ``("ok", result_blob, events)`` with every tensor of
-  the result detached and moved to the CPU, or ``("error", ...)`` with the
-  exception and its traceback text.
+  **kwargs)`` and replies ``("ok", rank, result_blob, events, books)`` with
+  every tensor of the result detached and moved to the CPU, or ``("error",
+  rank, encoded_error, events, books)`` with the exception and its traceback
+  text. ``books`` (:meth:`real.transport.GroupCache.books`) lets the parent
+  tell whether the process groups are still in step.
 * ``("close", None)``: leave the process group and exit.
 
 Every message is a pickled tuple sent with ``send_bytes``; tensors travel by
@@ -125,6 +127,6 @@ def _serve(conn: Connection, rank: int, device: torch.device, cache: GroupCache)
             result = program(comm, *args, **kwargs)
             result_blob = cloudpickle.dumps(_to_cpu(result))
         except BaseException as error:
-            _send(conn, ("error", rank, encode_error(error, skip_frames=1), events or []))
+            _send(conn, ("error", rank, encode_error(error, skip_frames=1), events or [], cache.books()))
             continue
-        _send(conn, ("ok", rank, result_blob, events or []))
+        _send(conn, ("ok", rank, result_blob, events or [], cache.books()))
