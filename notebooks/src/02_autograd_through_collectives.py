@@ -20,7 +20,7 @@ from simcomm import ReduceOp, lessons, viz
 
 world_size = 4
 world = simcomm.configured_backend(world_size)   # virtual ranks, or real processes if SIMCOMM_BACKEND=real
-print(f"{world_size} ranks, backend {lessons.backend_name()!r}")
+print(f"{world_size} ranks, backend {simcomm.backend.backend_name()!r}")
 
 # %% [markdown]
 # ## 1. All-gather: the forward concatenates, the backward reduce-scatters
@@ -265,13 +265,13 @@ print(f"largest relative error: {error:.1e}")
 #
 # Given `grad_out`, the gradient arriving at the output of `all_gather(x, dim)`, return the
 # gradient of this rank's input `x`. One collective call does it. Replace the
-# `raise NotImplementedError` and run the check.
+# `raise NotImplementedError` and run the check (it runs your function on 4 virtual ranks).
 
 # %%
 def my_all_gather_backward(comm, grad_out, dim):
     raise NotImplementedError   # your code: return the gradient of this rank's x
 
-print(lessons.check_all_gather_backward(world, my_all_gather_backward))
+print(lessons.check_all_gather_backward(my_all_gather_backward))
 
 # %% expect
 # Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
@@ -283,12 +283,12 @@ print(lessons.check_all_gather_backward(world, my_all_gather_backward))
 def all_gather_backward(comm, grad_out, dim):
     return comm.reduce_scatter(grad_out, dim=dim)   # sum over ranks, keep my chunk
 
-print(lessons.check_all_gather_backward(world, all_gather_backward))
+print(lessons.check_all_gather_backward(all_gather_backward))
 # taking only this rank's chunk, without summing over ranks, is not enough:
 def only_my_chunk(comm, grad_out, dim):
     return comm.slice(grad_out, dim=dim, scale_grad=False)
 
-failure = lessons.expect_error(lambda: lessons.check_all_gather_backward(world, only_my_chunk),
+failure = lessons.expect_error(lambda: lessons.check_all_gather_backward(only_my_chunk),
                                AssertionError, "differs from autograd's")
 
 # %% expect

@@ -179,13 +179,13 @@ print(lessons.assert_close(sum(grads["b2"] for _, _, grads in outs), ref_grads["
 # `shards` is this rank's `{"w1", "b1", "w2", "b2"}` from `shard_mlp`, and the output must be
 # the full `(batch, hidden)` MLP output on every rank. Use `comm.copy_to_group` and
 # `comm.reduce_from_group`. The check compares your output, `x.grad` and every shard's gradient
-# with the single-device MLP.
+# with the single-device MLP, running your function on 4 virtual ranks.
 
 # %%
 def my_tp_mlp(comm, x, shards):
     raise NotImplementedError   # your code
 
-print(lessons.check_tp_mlp(world, my_tp_mlp))
+print(lessons.check_tp_mlp(my_tp_mlp))
 
 # %% expect
 # Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
@@ -199,10 +199,10 @@ def tp_mlp_solution(comm, x, shards):
     h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
     return comm.reduce_from_group(h @ shards["w2"].T) + shards["b2"]     # g, then the bias once
 
-print(lessons.check_tp_mlp(world, tp_mlp_solution))
+print(lessons.check_tp_mlp(tp_mlp_solution))
 # the plain all-reduce gives world_size times the gradients, and the check says so:
 plain = lambda comm, x, shards: tp_mlp(comm, x, shards, conjugate=False)
-failure = lessons.expect_error(lambda: lessons.check_tp_mlp(world, plain), AssertionError,
+failure = lessons.expect_error(lambda: lessons.check_tp_mlp(plain), AssertionError,
                                "differs from the single-device MLP", f"= {world_size}")
 
 # %% expect

@@ -1,0 +1,199 @@
+"""Lesson 00 source; build the notebook with `python notebooks/build.py`."""
+
+# %% [markdown]
+# # Lesson 0: start here
+#
+# **Goal:** run your first program on several ranks at once, see what its all-reduce did, run
+# the very same program on real processes, and meet the errors the simulator gives where real
+# hardware would hang.
+#
+# Distributed training runs one copy of your program per GPU; each copy is a **rank**. The ranks
+# exchange tensors through **collectives** (all-reduce, all-gather, ...), and autograd runs
+# backwards through those exchanges. This suite lets you do all of that on a laptop: `simcomm`
+# runs `N` *virtual ranks* inside this notebook, and shows where every element and every
+# gradient goes. The lessons:
+#
+# | lesson | what you learn |
+# |---|---|
+# | 0 start here | programs on virtual ranks, the backend switch, errors instead of hangs |
+# | 1 collectives | what each collective does to every rank's tensor |
+# | 2 autograd through collectives | each collective's backward, and the two loss conventions |
+# | 3 ring all-reduce and cost | how an all-reduce moves its bytes, and how long it takes on real hardware |
+# | 4 tensor-parallel MLP | Megatron's column- and row-parallel layers |
+# | 5 Ulysses sequence parallel | attention over a sequence sharded across ranks |
+
+# %%
+import torch
+import simcomm
+import real
+from simcomm import lessons, viz
+
+# %% [markdown]
+# ## 1. A program runs on every rank
+#
+# A program is an ordinary function `program(comm, ...)`. `World(4).run(program)` calls it once
+# per rank, at the same time, each with its own `comm`: `comm.rank` is 0, 1, 2 or 3 and
+# `comm.world_size` is 4. This style is called SPMD (single program, multiple data): the code is
+# the same, the data depends on the rank. `run` returns what each rank returned, in rank order.
+
+# %%
+def hello(comm):
+    x = torch.tensor([comm.rank + 1.0])          # rank r holds r + 1
+    total = comm.all_reduce(x)                   # every rank gets 1 + 2 + ... + world_size
+    return comm.rank, comm.world_size, total
+
+world = simcomm.World(4)
+outs = world.run(hello)
+print(lessons.per_rank(outs))
+assert all(total.item() == sum(range(1, 5)) for _, _, total in outs)
+
+# %% expect
+# rank 0: (0, 4, [10])
+# rank 1: (1, 4, [10])
+# rank 2: (2, 4, [10])
+# rank 3: (3, 4, [10])
+
+# %% [markdown]
+# Here is that all-reduce drawn for a small 2-D tensor per rank: each rank's input, the
+# output every rank gets, and (right half, for lesson 2) the gradients. Colours say which rank
+# an element came from; grey cells mix ranks.
+
+# %% ignore-output
+viz.collective_figure("all_reduce", world_size=4, shape=(2, 3))
+
+# %% [markdown]
+# ## 2. The trace: what moved where
+#
+# Every collective is recorded, on every rank: the op, the shapes, the bytes sent to each peer,
+# start and end times. `world.trace` holds the last run's events.
+
+# %%
+print(world.trace)
+first = world.trace.filter(rank=0).events[0]
+print(f"rank 0: {first.op} of {first.nbytes} bytes, sent {first.sent}")
+assert first.nbytes == torch.tensor([1.0]).element_size()
+
+# %% expect
+# Trace(4 events: {'all_reduce/forward': 4})
+# rank 0: all_reduce of 4 bytes, sent {1: 2, 2: 2, 3: 2}
+
+# %% [markdown]
+# (How an all-reduce spreads its bytes is lesson 3.) `world.trace.to_chrome_trace(path)` writes
+# the events as JSON that [Perfetto](https://ui.perfetto.dev) opens, one track per rank.
+# `viz.comm_matrix_figure` shows the bytes each rank sent to each other rank:
+
+# %% ignore-output
+viz.comm_matrix_figure(world.trace)
+
+# %% [markdown]
+# ## 3. The backend switch: the same program on real processes
+#
+# Nothing in `hello` is specific to the simulator. `real.run(program, world_size=N)` starts `N`
+# worker processes that talk through `torch.distributed` (gloo on a CPU, NCCL when there is a GPU
+# per rank), sends them the program, and returns their results. Same program, same answers:
+
+# %%
+real_outs = real.run(hello, world_size=2)
+sim_outs = simcomm.World(2).run(hello)
+assert [(r, n, t.item()) for r, n, t in real_outs] == [(r, n, t.item()) for r, n, t in sim_outs]
+print(lessons.per_rank(real_outs))
+
+# %% expect
+# rank 0: (0, 2, [3])
+# rank 1: (1, 2, [3])
+
+# %% [markdown]
+# The lessons do not call `World` or `real` directly: they ask for **the configured backend**,
+# `simcomm.configured_backend(world_size)`, which is a `World` unless the environment variable
+# `SIMCOMM_BACKEND` is `real`, and then a `real.Cluster` whose workers stay up between runs. Both
+# have `run`, `trace` and `close`. To run every lesson on real processes, start JupyterLab with
+# `SIMCOMM_BACKEND=real jupyter lab notebooks/` (or set `os.environ["SIMCOMM_BACKEND"] = "real"`
+# before the call). The test suite runs every lesson both ways.
+
+# %%
+backend = simcomm.configured_backend(4)
+print(f"SIMCOMM_BACKEND={simcomm.backend.backend_name()}: {type(backend).__name__}")
+outs = backend.run(hello)
+assert [total.item() for _, _, total in outs] == [10.0] * 4
+backend.close()
+
+# %% [markdown]
+# ## 4. Errors instead of hangs
+#
+# On real GPUs, a rank that calls a different collective than the others, or waits for a message
+# nobody sends, makes the whole job hang until a watchdog kills it, minutes later, with little
+# to say. The simulator sees every rank at once, so it stops at once and says who did what.
+# (These cells use `simcomm.World` directly: on real processes the same bugs just wait for the
+# timeout.)
+
+# %%
+def mismatched(comm):
+    x = torch.ones(2)
+    return comm.all_reduce(x) if comm.rank == 0 else comm.all_gather(x)   # rank 0 differs
+
+error = lessons.expect_error(lambda: simcomm.World(4).run(mismatched), simcomm.CollectiveMismatchError,
+                             "all_reduce", "all_gather")
+print(error)
+
+# %%
+def waits_forever(comm):
+    if comm.rank == 0:
+        return comm.recv((2,), src=1)                # rank 1 never sends
+    return None
+
+error = lessons.expect_error(lambda: simcomm.World(2).run(waits_forever), simcomm.DeadlockError, "recv")
+print(error)
+
+# %% [markdown]
+# An ordinary exception on one rank stops the others too, and tells you which rank raised:
+
+# %%
+def fails_on_rank_3(comm):
+    return 1 / (comm.rank - 3)
+
+error = lessons.expect_error(lambda: simcomm.World(4).run(fails_on_rank_3), simcomm.RankError)
+assert error.rank == 3 and isinstance(error.__cause__, ZeroDivisionError)
+print(f"rank {error.rank} raised {type(error.__cause__).__name__}")
+
+# %% expect
+# rank 3 raised ZeroDivisionError
+
+# %% [markdown]
+# ## Exercise: count the ranks
+#
+# Write `count_ranks(comm)` that returns the number of ranks, as a number, **without** reading
+# `comm.world_size`: use one `comm.all_reduce`. The check runs it on 1, 2, 3 and 5 virtual ranks.
+
+# %%
+def count_ranks(comm):
+    raise NotImplementedError   # your code
+
+print(lessons.check_count_ranks(count_ranks))
+
+# %% expect
+# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
+
+# %% [markdown]
+# Solution (expand the cell to see it):
+
+# %% solution
+def count_ranks_solution(comm):
+    return comm.all_reduce(torch.ones(1)).item()     # every rank adds 1
+
+print(lessons.check_count_ranks(count_ranks_solution))
+failure = lessons.expect_error(lambda: lessons.check_count_ranks(lambda comm: 4), AssertionError,
+                               "on 1 ranks your program returned [4.0]")
+
+# %% expect
+# Correct: right on 1, 2, 3, 5 ranks.
+
+# %% [markdown]
+# ## Takeaway
+#
+# * A distributed program is one function run on every rank; `comm.rank` tells the copies apart.
+# * `simcomm.World(n).run(program)` runs it on `n` virtual ranks here; `real.run` on real
+#   processes; `simcomm.configured_backend(n)` picks by `SIMCOMM_BACKEND`.
+# * Every collective is traced; mismatched collectives and deadlocks raise at once on the
+#   simulator.
+#
+# Next: [lesson 1, the collectives](01_collectives.ipynb).

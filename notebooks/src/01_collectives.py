@@ -1,0 +1,270 @@
+"""Lesson 01 source; build the notebook with `python notebooks/build.py`."""
+
+# %% [markdown]
+# # Lesson 1: the collectives, one by one
+#
+# **Goal:** know what each collective does to every rank's tensor (all-reduce, all-gather,
+# reduce-scatter, broadcast, gather, slice, all-to-all), well enough to predict the shape and
+# the values every rank gets.
+#
+# A *collective* is a call that every rank of a group makes together; it only returns when
+# the data has moved. Here every rank starts with four numbers that say where they came from:
+# rank `r` holds `[10r, 10r + 1, 10r + 2, 10r + 3]`. Each result is checked against plain torch
+# on the list of all ranks' inputs. This lesson is about the forward pass; lesson 2 is about
+# gradients.
+
+# %%
+import torch
+import simcomm
+from simcomm import ReduceOp, lessons, viz
+
+world_size = 4
+world = simcomm.configured_backend(world_size)
+inputs = [10.0 * rank + torch.arange(4.0) for rank in range(world_size)]   # what each rank holds
+
+def apply(comm, op, kwargs):
+    x = 10.0 * comm.rank + torch.arange(4.0)       # this rank's input, the same as inputs[comm.rank]
+    return getattr(comm, op)(x, **kwargs)
+
+print(lessons.per_rank(inputs))
+
+# %% expect
+# rank 0: [0, 1, 2, 3]
+# rank 1: [10, 11, 12, 13]
+# rank 2: [20, 21, 22, 23]
+# rank 3: [30, 31, 32, 33]
+
+# %% [markdown]
+# ## all_reduce: every rank gets the sum
+#
+# Element by element, add the tensors of all ranks; every rank gets the same result, of the
+# same shape as its input. Data parallelism uses it to add up gradients.
+
+# %%
+outs = world.run(apply, "all_reduce", {})
+assert all(torch.equal(out, sum(inputs)) for out in outs)
+print(lessons.per_rank(outs))
+
+# %% expect
+# rank 0: [60, 64, 68, 72]
+# rank 1: [60, 64, 68, 72]
+# rank 2: [60, 64, 68, 72]
+# rank 3: [60, 64, 68, 72]
+
+# %% [markdown]
+# Other reductions exist: `op=ReduceOp.MAX`, `MIN`, `AVG`, `PRODUCT`.
+
+# %%
+outs = world.run(apply, "all_reduce", {"op": ReduceOp.MAX})
+assert all(torch.equal(out, torch.stack(inputs).amax(0)) for out in outs)
+print(lessons.per_rank(outs[:1]))
+
+# %% expect
+# rank 0: [30, 31, 32, 33]
+
+# %% [markdown]
+# The figure draws the same kind of run: one row per rank, the input on the left, the output
+# next to it, each element coloured by the rank it came from (a sum mixes ranks, so it is grey).
+# The right half is the backward pass, the subject of lesson 2.
+
+# %% ignore-output
+viz.collective_figure("all_reduce", world_size=world_size, shape=(4,))
+
+# %% [markdown]
+# ## all_gather: every rank gets everything, concatenated
+#
+# The output is `world_size` times longer along `dim`, in rank order. Used to rebuild a tensor
+# that is sharded across ranks.
+
+# %%
+outs = world.run(apply, "all_gather", {"dim": 0})
+assert all(torch.equal(out, torch.cat(inputs)) for out in outs)
+print(lessons.per_rank(outs[:1]), "(the same on every rank)")
+
+# %% expect
+# rank 0: [0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 32, 33] (the same on every rank)
+
+# %% ignore-output
+viz.collective_figure("all_gather", world_size=world_size, shape=(2, 2), dim=0)
+
+# %% [markdown]
+# ## reduce_scatter: sum, then each rank keeps one chunk
+#
+# The sum of all ranks' tensors is cut into `world_size` chunks along `dim`; rank `r` keeps
+# chunk `r`. The output is `world_size` times *shorter*. It is an all-reduce in which nobody
+# keeps the whole result (an all-reduce *is* a reduce-scatter followed by an all-gather; lesson 3
+# shows how it is built that way).
+
+# %%
+outs = world.run(apply, "reduce_scatter", {"dim": 0})
+chunks = sum(inputs).chunk(world_size)
+assert all(torch.equal(out, chunks[rank]) for rank, out in enumerate(outs))
+print(lessons.per_rank(outs))
+
+# %% expect
+# rank 0: [60]
+# rank 1: [64]
+# rank 2: [68]
+# rank 3: [72]
+
+# %% [markdown]
+# ## broadcast and gather: one rank is special
+#
+# `broadcast(x, src)` gives every rank a copy of rank `src`'s tensor. `gather(x, dst)`
+# concatenates everything on rank `dst` only; the other ranks get `None`.
+
+# %%
+outs = world.run(apply, "broadcast", {"src": 2})
+assert all(torch.equal(out, inputs[2]) for out in outs)
+print(lessons.per_rank(outs))
+outs = world.run(apply, "gather", {"dst": 1, "dim": 0})
+assert outs[0] is None and outs[2] is None and outs[3] is None and torch.equal(outs[1], torch.cat(inputs))
+print(lessons.per_rank(outs))
+
+# %% expect
+# rank 0: [20, 21, 22, 23]
+# rank 1: [20, 21, 22, 23]
+# rank 2: [20, 21, 22, 23]
+# rank 3: [20, 21, 22, 23]
+# rank 0: None
+# rank 1: [0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 32, 33]
+# rank 2: None
+# rank 3: None
+
+# %% [markdown]
+# ## slice: no communication at all
+#
+# `slice(x, dim, scale_grad=...)` is for a tensor that every rank already holds in the same
+# version (a *replicated* tensor): rank `r` simply keeps chunk `r`. It moves no data forward; its
+# backward does (lesson 2). The trace of the run stays empty.
+
+# %%
+def slice_program(comm):
+    shared = torch.arange(8.0)                       # the same on every rank
+    return comm.slice(shared, dim=0, scale_grad=False)
+
+outs = world.run(slice_program)
+assert all(torch.equal(out, torch.arange(8.0).chunk(world_size)[rank]) for rank, out in enumerate(outs))
+assert len(world.trace) == 0, "slice moved data"
+print(lessons.per_rank(outs))
+
+# %% expect
+# rank 0: [0, 1]
+# rank 1: [2, 3]
+# rank 2: [4, 5]
+# rank 3: [6, 7]
+
+# %% [markdown]
+# ## all_to_all: everyone sends a different chunk to everyone
+#
+# Each rank cuts its tensor into `world_size` chunks along `scatter_dim` and sends chunk `j` to
+# rank `j`; rank `j` concatenates what it receives, in rank order, along `gather_dim`. Read the
+# output as a transpose: rank `j` ends with the `j`-th element of every rank. Lesson 5 uses the
+# 4-D form, `all_to_all_4D`, to switch between sequence shards and head shards.
+
+# %%
+outs = world.run(apply, "all_to_all", {"scatter_dim": 0, "gather_dim": 0})
+assert all(torch.equal(out, torch.stack(inputs)[:, rank]) for rank, out in enumerate(outs))
+print(lessons.per_rank(outs))
+
+# %% expect
+# rank 0: [0, 10, 20, 30]
+# rank 1: [1, 11, 21, 31]
+# rank 2: [2, 12, 22, 32]
+# rank 3: [3, 13, 23, 33]
+
+# %% [markdown]
+# ## Explore
+#
+# Pick an op, a world size, a shape and a dim, and the figure is redrawn on virtual ranks.
+# Hover over an element to see where it came from. Try a shape the world size does not divide
+# for `reduce_scatter`.
+
+# %% ignore-output
+viz.explore("all_gather", world_size=world_size)
+
+# %% [markdown]
+# ## Exercise 1: predict the shapes
+#
+# Every rank passes a tensor of shape `(4, 8)` on 4 ranks. What shape does rank 0 get back from
+# each call? Write tuples (`None` where rank 0 gets nothing), then run the check.
+
+# %%
+calls = {"all_reduce": {}, "all_gather": {"dim": 0}, "reduce_scatter": {"dim": 1},
+         "all_to_all": {"scatter_dim": 1, "gather_dim": 0}, "gather": {"dst": 3, "dim": 1}}
+my_shapes = {"all_reduce": ..., "all_gather": ..., "reduce_scatter": ...,
+             "all_to_all": ..., "gather": ...}
+print(lessons.check_shapes(my_shapes, world_size=4, shape=(4, 8), args=calls))
+
+# %% expect
+# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
+
+# %% [markdown]
+# Solution (expand the cell to see it):
+
+# %% solution
+solution = {"all_reduce": (4, 8), "all_gather": (16, 8), "reduce_scatter": (4, 2),
+            "all_to_all": (16, 2), "gather": None}
+print(lessons.check_shapes(solution, world_size=4, shape=(4, 8), args=calls))
+# a wrong prediction is reported with the right shape:
+wrong = {"reduce_scatter": (1, 8)}
+failure = lessons.expect_error(lambda: lessons.check_shapes(wrong, world_size=4, shape=(4, 8), args=calls),
+                               AssertionError, "you said (1, 8), rank 0 gets (4, 2)")
+
+# %% expect
+# Correct: all 5 shapes.
+
+# %% [markdown]
+# ## Exercise 2: predict the values
+#
+# With the inputs of this lesson (rank `r` holds `[10r, 10r + 1, 10r + 2, 10r + 3]`), what does
+# rank 2 get from `reduce_scatter(x, dim=0)`? And rank 1 from `all_to_all(x, scatter_dim=0,
+# gather_dim=0)`?
+
+# %%
+my_reduce_scatter_rank_2 = ...
+my_all_to_all_rank_1 = ...
+print(lessons.check_prediction(my_reduce_scatter_rank_2, world.run(apply, "reduce_scatter", {"dim": 0})[2],
+                               "reduce_scatter on rank 2"))
+print(lessons.check_prediction(my_all_to_all_rank_1,
+                               world.run(apply, "all_to_all", {"scatter_dim": 0, "gather_dim": 0})[1],
+                               "all_to_all on rank 1"))
+
+# %% expect
+# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
+# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
+
+# %% [markdown]
+# Solution (expand the cell to see it):
+
+# %% solution
+print(lessons.check_prediction([2 + 12 + 22 + 32], world.run(apply, "reduce_scatter", {"dim": 0})[2],
+                               "reduce_scatter on rank 2"))
+print(lessons.check_prediction([1, 11, 21, 31],
+                               world.run(apply, "all_to_all", {"scatter_dim": 0, "gather_dim": 0})[1],
+                               "all_to_all on rank 1"))
+failure = lessons.expect_error(lambda: lessons.check_prediction([60], torch.tensor([68.0]), "a wrong guess"),
+                               AssertionError, "you said [60], it is [68]")
+
+# %% expect
+# Correct: reduce_scatter on rank 2 is [68].
+# Correct: all_to_all on rank 1 is [1, 11, 21, 31].
+
+# %% [markdown]
+# ## Takeaway
+#
+# | call | rank `r` gets | shape along `dim` |
+# |---|---|---|
+# | `all_reduce(x)` | the sum over ranks | same |
+# | `all_gather(x, dim)` | all ranks' tensors, concatenated | `x world_size` |
+# | `reduce_scatter(x, dim)` | chunk `r` of the sum | `/ world_size` |
+# | `broadcast(x, src)` | rank `src`'s tensor | same |
+# | `gather(x, dst, dim)` | all tensors on `dst`, `None` elsewhere | `x world_size` on `dst` |
+# | `slice(x, dim)` | chunk `r` of a replicated tensor, no communication | `/ world_size` |
+# | `all_to_all(x, s, g)` | chunk `r` of every rank, concatenated along `g` | `/ world_size` on `s`, `x world_size` on `g` |
+#
+# Sizes that must be split (`reduce_scatter`, `slice`, `all_to_all`) must be divisible by the
+# world size.
+
+# %%
+world.close()

@@ -1,0 +1,261 @@
+"""Lesson 03 source; build the notebook with `python notebooks/build.py`."""
+
+# %% [markdown]
+# # Lesson 3: the ring all-reduce, and what it costs
+#
+# **Goal:** see how an all-reduce actually moves its data (the ring and the tree algorithms,
+# step by step), count the bytes each rank sends, and use that count to predict how long an
+# all-reduce takes on real hardware and to read the "busbw" numbers that NCCL's benchmarks print.
+#
+# Lesson 1 treated `all_reduce` as one call. Underneath, a library like NCCL runs an *algorithm*:
+# a schedule of point-to-point sends between neighbours. Which one, and how many bytes it
+# sends, decides the time.
+
+# %%
+import torch
+import simcomm
+from simcomm import cost, lessons, viz
+from simcomm.viz import allreduce_steps
+
+world_size = 4
+world = simcomm.configured_backend(world_size)
+
+# %% [markdown]
+# ## 1. The ring, step by step
+#
+# Cut each rank's buffer into `world_size` chunks and arrange the ranks in a ring. In each step,
+# every rank sends one chunk to the next rank and receives one from the previous rank.
+#
+# * **Reduce-scatter**, `n - 1` steps: the receiver *adds* the incoming chunk to its own. After
+#   `n - 1` steps each rank holds one chunk that contains the sum over all ranks.
+# * **All-gather**, `n - 1` more steps: the finished chunks travel around the ring; the receiver
+#   *keeps* them. Now every rank has every summed chunk.
+#
+# Press play, or drag the slider (the animation needs no running kernel, so it also works in an
+# exported HTML file). Each cell shows a chunk's partial sum and the ranks it already contains.
+
+# %% ignore-output
+ring = viz.ring_allreduce_figure(world_size, algorithm="ring")
+assert len(ring.frames) == 2 * (world_size - 1) + 1       # the steps, plus the start
+ring
+
+# %% [markdown]
+# ## 2. The ring, written with `send` and `recv`
+#
+# `lessons.ring_all_reduce(comm, x)` implements exactly that schedule with nothing but
+# `comm.send` and `comm.recv` (read it with `lessons.ring_all_reduce??`). It runs on the
+# configured backend and must agree with the built-in all-reduce:
+
+# %%
+def ring_vs_builtin(comm):
+    x = torch.arange(8.0) + 100 * comm.rank      # 8 numbers = 4 chunks of 2
+    return lessons.ring_all_reduce(comm, x), comm.all_reduce(x)
+
+outs = world.run(ring_vs_builtin)
+assert all(torch.equal(ring_sum, builtin) for ring_sum, builtin in outs)
+print(lessons.per_rank([ring_sum for ring_sum, _ in outs][:1]), "(the same on every rank)")
+
+# %% expect
+# rank 0: [600, 604, 608, 612, 616, 620, 624, 628] (the same on every rank)
+
+# %% [markdown]
+# Now count, from the trace, what rank 0 sent in the ring:
+
+# %%
+sends = world.trace.filter(rank=0, op="send").events
+buffer_bytes = 8 * torch.tensor(0.0).element_size()                     # one rank's x: 8 float32
+ring_bytes = sum(event.nbytes for event in sends)
+assert len(sends) == 2 * (world_size - 1)
+assert all(event.nbytes == buffer_bytes // world_size for event in sends)   # one chunk per step
+assert ring_bytes == 2 * (world_size - 1) / world_size * buffer_bytes
+print(f"{len(sends)} sends of {sends[0].nbytes} bytes: {ring_bytes} bytes for a {buffer_bytes}-byte buffer")
+
+# %% expect
+# 6 sends of 8 bytes: 48 bytes for a 32-byte buffer
+
+# %% [markdown]
+# Each rank sends `2 (n - 1) / n` times its buffer, **whatever the number of ranks**: 1.5x for
+# 4 ranks, 1.75x for 8, never more than 2x. That is why the ring is the algorithm of choice for
+# large messages: adding ranks does not add bytes per link.
+#
+# A detail that matters on real hardware: a rank's `send` may block until the neighbour receives
+# (the simulator always blocks, the strictest case). If every rank sent first, all would wait
+# forever; `ring_all_reduce` lets even ranks send first and odd ranks receive first. The
+# simulator catches the naive version at once:
+
+# %%
+def everyone_sends_first(comm):
+    comm.send(torch.ones(2))              # to the next rank
+    return comm.recv((2,))                # from the previous rank
+
+error = lessons.expect_error(lambda: simcomm.World(world_size).run(everyone_sends_first),
+                             simcomm.DeadlockError, "send")
+print(type(error).__name__)
+
+# %% expect
+# DeadlockError
+
+# %% [markdown]
+# ## 3. The tree: fewer steps, more bytes
+#
+# A tree all-reduce adds buffers up a binary tree to rank 0 and sends the result back down. It
+# takes only `2 log2(n)` steps, but every send carries the *whole* buffer. Step through it:
+
+# %% ignore-output
+viz.ring_allreduce_figure(world_size, algorithm="tree")
+
+# %% [markdown]
+# Both schedules, counted from their step lists for several world sizes: the number of steps
+# (each costs a fixed latency) and the most bytes one rank sends (in buffers):
+
+# %%
+def most_sent(steps, n):
+    sent = [0.0] * n
+    for step in steps:
+        for src, _, chunks in step.sends:
+            sent[src] += len(chunks) / n       # a chunk is 1/n of the buffer
+    return max(sent)
+
+for n in (2, 4, 8, 16):
+    ring_steps, tree_steps = allreduce_steps(n, "ring")[1:], allreduce_steps(n, "tree")[1:]  # [0] is the start
+    assert len(ring_steps) == 2 * (n - 1) and most_sent(ring_steps, n) == 2 * (n - 1) / n
+    print(f"{n:2} ranks: ring {len(ring_steps):2} steps, {most_sent(ring_steps, n):.3g} buffers;"
+          f"  tree {len(tree_steps)} steps, {most_sent(tree_steps, n):.3g} buffers")
+
+# %% expect
+#  2 ranks: ring  2 steps, 1 buffers;  tree 2 steps, 1 buffers
+#  4 ranks: ring  6 steps, 1.5 buffers;  tree 4 steps, 2 buffers
+#  8 ranks: ring 14 steps, 1.75 buffers;  tree 6 steps, 3 buffers
+# 16 ranks: ring 30 steps, 1.88 buffers;  tree 8 steps, 4 buffers
+
+# %% [markdown]
+# The ring's steps grow with `n`, its bytes do not; the tree's steps grow only as `log2(n)`,
+# its bytes do. (NCCL's real tree is a pipelined double binary tree that avoids most of the
+# byte cost; the simple tree shows the trade-off.)
+
+# %% [markdown]
+# ## 4. From bytes to time: the alpha-beta model
+#
+# A simple model predicts the time of a collective well:
+#
+# `time = latency + steps x hop latency + bytes on the busiest link / bandwidth`
+#
+# `simcomm.cost.estimate(op, nbytes, world_size, topology)` evaluates it for presets of real
+# machines (their sources are cited in `simcomm.topology`). For an all-reduce on an 8-GPU H100
+# NVSwitch node:
+
+# %%
+topology = cost.get_topology("h100-nvswitch")
+n = 8
+for nbytes in (2 ** 10, 2 ** 20, 2 ** 30):
+    ring_est = cost.estimate("all_reduce", nbytes, n, topology, algorithm="ring")
+    tree_est = cost.estimate("all_reduce", nbytes, n, topology, algorithm="tree")
+    print(f"{nbytes:>10} B: ring {ring_est.time * 1e6:8.1f} us, tree {tree_est.time * 1e6:8.1f} us")
+
+small = [cost.estimate("all_reduce", 2 ** 10, n, topology, algorithm=a) for a in ("ring", "tree")]
+large = [cost.estimate("all_reduce", 2 ** 30, n, topology, algorithm=a) for a in ("ring", "tree")]
+assert small[1].time < small[0].time, "small messages: fewer steps win (latency)"
+assert large[0].time < large[1].time, "large messages: fewer bytes win (bandwidth)"
+assert small[0].latency / small[0].time > 0.9 and large[0].latency / large[0].time < 0.1
+
+# %% [markdown]
+# For 1 KiB, latency is almost all of the time and the tree's fewer steps win; for 1 GiB the
+# bytes dominate and the ring wins. The bandwidth part of the ring is exactly the byte count of
+# section 2 divided by the link's bandwidth:
+
+# %%
+nbytes = 2 ** 30
+ring_est = cost.estimate("all_reduce", nbytes, n, topology, algorithm="ring")
+bytes_per_link = 2 * (n - 1) / n * nbytes
+assert abs(ring_est.bandwidth_time - bytes_per_link / topology.intra_bandwidth) < 1e-6 * ring_est.time
+print(f"{bytes_per_link / 2 ** 30:.3f} GiB over {topology.intra_bandwidth / 1e9:.0f} GB/s "
+      f"= {ring_est.bandwidth_time * 1e3:.2f} ms")
+
+# %% expect
+# 1.750 GiB over 369 GB/s = 5.09 ms
+
+# %% [markdown]
+# ## 5. algbw and busbw: reading nccl-tests
+#
+# NCCL's benchmark (nccl-tests) prints two bandwidths. **algbw** = size / time: what your program
+# sees. **busbw** = algbw x a factor per op, for the all-reduce `2 (n - 1) / n`: exactly the
+# ring's bytes per buffer from section 2. busbw is therefore the bandwidth each link really
+# carries, and it can be compared across ops and world sizes, and with the hardware's link rate.
+
+# %%
+assert cost.busbw_factor("all_reduce", world_size) == ring_bytes / buffer_bytes   # measured in section 2
+assert cost.busbw_factor("all_gather", world_size) == (world_size - 1) / world_size
+print(f"busbw of a 1 GiB all-reduce: {ring_est.busbw / 1e9:.0f} GB/s, algbw {ring_est.algbw / 1e9:.0f} GB/s")
+assert ring_est.busbw / topology.intra_bandwidth > 0.95, "large messages reach the link's bandwidth"
+
+# %% expect
+# busbw of a 1 GiB all-reduce: 365 GB/s, algbw 209 GB/s
+
+# %% [markdown]
+# busbw against size, from the model (`real.bench --json` results can be drawn on the same
+# axes: `viz.busbw_figure("bench.json", "h100-nvswitch")`):
+
+# %% ignore-output
+viz.busbw_figure(topology="h100-nvswitch", world_size=8, algorithms=True)
+
+# %% [markdown]
+# ## 6. Crossing nodes
+#
+# Inside a node, GPUs talk over NVLink; between nodes, over network cards (InfiniBand) that are
+# several times slower per GPU. A collective over two nodes runs at the slower level. That is why
+# tensor parallelism, which all-reduces activations in every layer, is usually kept inside one
+# node:
+
+# %%
+cluster = cost.get_topology("a100-hdr-cluster")
+one_node = cost.estimate("all_reduce", 2 ** 26, 8, cluster)
+two_nodes = cost.estimate("all_reduce", 2 ** 26, 16, cluster)
+assert (one_node.nodes, two_nodes.nodes) == (1, 2)
+assert two_nodes.time > 2 * one_node.time
+print(f"64 MiB all-reduce: 8 GPUs in one node {one_node.time * 1e3:.2f} ms, "
+      f"16 GPUs on two nodes {two_nodes.time * 1e3:.2f} ms")
+
+# %% [markdown]
+# ## Exercise: steps and bytes of the ring
+#
+# Write `ring_steps(n)`, the number of steps of a ring all-reduce on `n` ranks, and
+# `ring_bytes(n, nbytes)`, the bytes one rank sends in it for a buffer of `nbytes` bytes. The
+# check compares with the ring's schedule for 2 to 16 ranks.
+
+# %%
+def ring_steps(n):
+    raise NotImplementedError   # your formula
+
+def ring_bytes(n, nbytes):
+    raise NotImplementedError   # your formula
+
+print(lessons.check_ring_counts(ring_steps, ring_bytes))
+
+# %% expect
+# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
+
+# %% [markdown]
+# Solution (expand the cell to see it):
+
+# %% solution
+print(lessons.check_ring_counts(lambda n: 2 * (n - 1), lambda n, nbytes: 2 * (n - 1) * nbytes / n))
+# the tree's step count is caught as wrong for a ring:
+tree_steps = lambda n: 2 * (n - 1).bit_length()
+failure = lessons.expect_error(lambda: lessons.check_ring_counts(tree_steps, lambda n, nbytes: 2 * (n - 1) * nbytes / n),
+                               AssertionError, "4 ranks: you said 4 steps, the ring takes 6")
+
+# %% expect
+# Correct: steps and bytes per rank for 2 to 16 ranks.
+
+# %% [markdown]
+# ## Takeaway
+#
+# * An all-reduce is an algorithm of point-to-point steps. The ring = reduce-scatter + all-gather:
+#   `2 (n - 1)` steps, `2 (n - 1) / n` of the buffer sent per rank, however many ranks.
+# * The tree takes fewer steps (`2 log2 n`) but sends whole buffers: better for small messages.
+# * Time = latency x steps + bytes on the busiest link / bandwidth. busbw = algbw x `2 (n - 1) / n`
+#   is the per-link bandwidth, comparable with the hardware's.
+# * Crossing nodes costs several times more: keep the chattiest parallelism inside a node.
+
+# %%
+world.close()
