@@ -143,12 +143,14 @@ OPS: dict[str, _Op] = {
         forward=lambda a: f"all_to_all_4D(x, {a['scatter_dim']}, {a['gather_dim']})",
         backward=lambda a: f"all_to_all_4D(dL/dy, {a['gather_dim']}, {a['scatter_dim']})",
         title=lambda a, n: (
-            ("all_to_all_4D forward (Ulysses): sequence shards (b, s/P, h, d) -> head shards (b, s, h/P, d); "
-             "rank r sends head chunk j to rank j" if a["scatter_dim"] == 2 else
+            ("all_to_all_4D forward (Ulysses): sequence shards (b, s/P, h, d) -> head shards (b, s, h/P, d)"
+             "<br>rank r sends its head chunk j to rank j, which stacks what it gets along the sequence"
+             if a["scatter_dim"] == 2 else
              "all_to_all_4D forward (Ulysses, inverse): head shards (b, s, h/P, d) -> sequence shards "
-             "(b, s/P, h, d); rank r sends sequence chunk j to rank j")
-            + "<br>backward: the all-to-all with the dims swapped sends every gradient element back "
-              "to the rank and position its input came from"),
+             "(b, s/P, h, d)<br>rank r sends its sequence chunk j to rank j, which stacks what it gets "
+             "along the heads")
+            + "<br>backward: the all-to-all with the dims swapped sends every gradient element back to "
+              "where its input sat"),
         dim_names=_ULYSSES_DIMS),
     "gather": _Op(
         call=lambda comm, x, a: comm.gather(x, a["dst"], a["dim"]),

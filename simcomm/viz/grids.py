@@ -37,7 +37,7 @@ __all__ = ["Panel", "as_grid", "grid_layout", "draw_panels", "rank_grid"]
 _MAX_CELL_PX = 30
 _MIN_CELL_PX = 6
 _GAP_PX = 24
-_WIDTH_PX = 800   # panels of a figure fit a JupyterLab output area next to the file browser
+_WIDTH_PX = 740   # panels of a figure fit a JupyterLab output area next to the file browser
 _HEIGHT_PX = 1000
 
 
@@ -262,11 +262,14 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
                           len=0.48 if has_coded else 1.0, y=0.0, yanchor="bottom"))
     title_lines = title.count("<br>") + 1 if title else 0
     heading_lines = max([t.count("<br>") + 1 for ts in titles_of for t in ts], default=0)
-    top = 36 + 20 * title_lines + 16 * heading_lines + 8
+    # plotly places the first line of a multi-line title at its y and lets the rest hang below it
+    top = 36 + 19 * max(title_lines - 1, 0) + 16 * heading_lines + 6
     right = max(95, _text_px(title.split("<sup>")[0], 14) + 20 - plot_width - 60)  # room for the title
+    height = int(plot_height + top + 20)
     layout.update(
-        title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)) if title else None,
-        width=int(plot_width + 60 + right), height=int(plot_height + top + 20),
+        title=dict(text=title, x=0.01, xanchor="left", y=1.0 - 28 / height, yref="container",
+                   yanchor="bottom", font=dict(size=14)) if title else None,
+        width=int(plot_width + 60 + right), height=height,
         margin=dict(l=60, r=right, t=top, b=20), plot_bgcolor="white", paper_bgcolor="white",
         annotations=annotations)
     return go.Figure(data=traces, layout=layout)
