@@ -211,7 +211,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    known = [case.name for case in all_cases()]
+    unknown = [name for name in args.cases or [] if name not in known]
+    if unknown:
+        parser.error(f"--cases: unknown case(s) {unknown}; known: {known}")
     fault = args.inject_fault or os.environ.get(FAULT_ENV) or None
     torchrun = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if torchrun:
