@@ -38,7 +38,7 @@ def test_every_op_draws_one_row_per_rank(op, world_size):
     shape = {"all_to_all_4D": None, "reduce_scatter": (2, 2 * world_size), "slice": (2, 2 * world_size)}.get(op, (2, 2))
     fig = collective_figure(op, world_size, shape)
     names = set(heatmaps(fig))
-    stages = ["x", "y"] if OPS[op].backward_moves is None else ["x", "y", "dL/dy", "dL/dx"]
+    stages = ["x", "y"] if OPS[op].backward_kind is None else ["x", "y", "dL/dy", "dL/dx"]
     expected = {f"rank {r} {stage}" for r in range(world_size) for stage in stages}
     if op == "gather":  # only dst=0 receives; the other output panels are notes
         expected -= {f"rank {r} y" for r in range(1, world_size)}
@@ -137,3 +137,20 @@ def test_errors_name_function_argument_and_value():
         collective_figure("send_recv", 1)
     with pytest.raises(ValueError, match=r"all_reduce reduce_op='median'"):
         collective_figure("all_reduce", reduce_op="median")
+
+
+def test_hover_of_mixed_values_names_the_position_they_combine():
+    panels = heatmaps(collective_figure("all_gather", 4, (2, 2)))
+    # rank 1's dL/dx(0, 1) = sum over s of dL/dy_s(0, 3) = 100 * (0+1+2+3) + 4 * 3
+    assert panels["rank 1 dL/dx"].customdata[0][1] == (
+        "rank 1 dL/dx(0, 1) = 612<br>= sum over ranks 0-3 of their element (0, 3)")
+    panels = heatmaps(collective_figure("all_reduce", 3, (2, 2), op="avg"))
+    assert panels["rank 1 y"].customdata[1][1].endswith("= mean over ranks 0-2 of their element (1, 1)")
+    panels = heatmaps(collective_figure("slice", 2, (2, 4), scale_grad=True))
+    assert panels["rank 1 dL/dx"].customdata[1][3].endswith("= (rank 1's element (1, 1)) / 2: a code divided "
+                                                            "by the world size")
+    panels = heatmaps(collective_figure("reduce_scatter", 3, (2, 6), op="max"))
+    assert panels["rank 2 dL/dx"].coloraxis == "coloraxis"  # the holder gets the codes unchanged
+    assert panels["rank 0 dL/dx"].customdata[0][0].endswith("= 0: nothing reaches this element")
+    panels = heatmaps(collective_figure("all_reduce", 3, (2, 2), op="product"))
+    assert panels["rank 1 y"].customdata[1][1].endswith("mixes several ranks' values")

@@ -48,8 +48,8 @@ class _Op:
     call: Callable[[Any, torch.Tensor, dict], torch.Tensor | None]
     args: dict[str, Any]
     default_shape: Callable[[int, dict], tuple[int, ...]]
-    forward_moves: Callable[[dict], bool]          # forward output holds codes
-    backward_moves: Callable[[dict], bool] | None  # input grad holds codes; None: no backward
+    forward_kind: Callable[[dict], str]            # what the output holds: one of _KINDS
+    backward_kind: Callable[[dict], str] | None    # what the input grad holds; None: no backward
     forward: Callable[[dict], str]                 # expression for the output column
     backward: Callable[[dict], str]                # expression for the input-grad column
     title: Callable[[dict, int], str]              # the lesson, two lines
@@ -70,15 +70,18 @@ def _ulysses_shape(world_size: int, args: dict) -> tuple[int, ...]:
     return (1, 2 * world_size, 1, 2)  # head shards (b, s, h/P, d), s = 2P positions
 
 
-_LINEAR = ("sum", "avg")
+#: what a panel holds: ``coded`` values only moved; ``sum`` / ``avg``: the sum / mean over all ranks
+#: of one position; ``scaled``: a code divided by the world size; ``coded_or_zero``: codes on the
+#: rank(s) the gradient reaches, zeros elsewhere; ``mixed``: anything else (products)
+_KINDS = ("coded", "sum", "avg", "scaled", "coded_or_zero", "mixed")
 
 OPS: dict[str, _Op] = {
     "all_reduce": _Op(
         call=lambda comm, x, a: comm.all_reduce(x, a["reduce_op"]),
         args={"reduce_op": "sum"},
         default_shape=lambda n, a: (2, 3),
-        forward_moves=lambda a: a["reduce_op"] in ("max", "min"),
-        backward_moves=lambda a: False,
+        forward_kind=lambda a: {"sum": "sum", "avg": "avg", "max": "coded", "min": "coded"}.get(a["reduce_op"], "mixed"),
+        backward_kind=lambda a: {"sum": "sum", "avg": "avg", "max": "sum", "min": "sum"}.get(a["reduce_op"], "mixed"),
         forward=lambda a: f"all_reduce(x, {a['reduce_op']})",
         backward=lambda a: {
             "sum": "all_reduce(dL/dy)", "avg": "all_reduce(dL/dy) / n",
@@ -101,8 +104,8 @@ OPS: dict[str, _Op] = {
         call=lambda comm, x, a: comm.all_gather(x, a["dim"]),
         args={"dim": -1},
         default_shape=lambda n, a: (2, 2),
-        forward_moves=lambda a: True,
-        backward_moves=lambda a: False,
+        forward_kind=lambda a: "coded",
+        backward_kind=lambda a: "sum",
         forward=lambda a: f"all_gather(x, dim={a['dim']})",
         backward=lambda a: "reduce_scatter(dL/dy)",
         title=lambda a, n: (
@@ -113,8 +116,9 @@ OPS: dict[str, _Op] = {
         call=lambda comm, x, a: comm.reduce_scatter(x, a["dim"], a["reduce_op"]),
         args={"dim": -1, "reduce_op": "sum"},
         default_shape=_split_shape(2),
-        forward_moves=lambda a: a["reduce_op"] in ("max", "min"),
-        backward_moves=lambda a: a["reduce_op"] == "sum",
+        forward_kind=lambda a: {"sum": "sum", "avg": "avg", "max": "coded", "min": "coded"}.get(a["reduce_op"], "mixed"),
+        backward_kind=lambda a: {"sum": "coded", "avg": "scaled", "max": "coded_or_zero",
+                                 "min": "coded_or_zero"}.get(a["reduce_op"], "mixed"),
         forward=lambda a: f"reduce_scatter(x, dim={a['dim']}, {a['reduce_op']})",
         backward=lambda a: "all_gather(dL/dy)" + ("" if a["reduce_op"] == "sum" else " x factor"),
         title=lambda a, n: (
@@ -125,8 +129,8 @@ OPS: dict[str, _Op] = {
         call=lambda comm, x, a: comm.slice(x, a["dim"], scale_grad=a["scale_grad"]),
         args={"dim": -1, "scale_grad": False},
         default_shape=_split_shape(2),
-        forward_moves=lambda a: True,
-        backward_moves=lambda a: not a["scale_grad"],
+        forward_kind=lambda a: "coded",
+        backward_kind=lambda a: "scaled" if a["scale_grad"] else "coded",
         forward=lambda a: f"slice(x, dim={a['dim']})",
         backward=lambda a: "all_gather(dL/dy)" + (" / n" if a["scale_grad"] else ""),
         title=lambda a, n: (
@@ -138,8 +142,8 @@ OPS: dict[str, _Op] = {
         call=lambda comm, x, a: comm.all_to_all_4D(x, a["scatter_dim"], a["gather_dim"]),
         args={"scatter_dim": 2, "gather_dim": 1},
         default_shape=_ulysses_shape,
-        forward_moves=lambda a: True,
-        backward_moves=lambda a: True,
+        forward_kind=lambda a: "coded",
+        backward_kind=lambda a: "coded",
         forward=lambda a: f"all_to_all_4D(x, {a['scatter_dim']}, {a['gather_dim']})",
         backward=lambda a: f"all_to_all_4D(dL/dy, {a['gather_dim']}, {a['scatter_dim']})",
         title=lambda a, n: (
@@ -156,8 +160,8 @@ OPS: dict[str, _Op] = {
         call=lambda comm, x, a: comm.gather(x, a["dst"], a["dim"]),
         args={"dst": 0, "dim": -1},
         default_shape=lambda n, a: (2, 2),
-        forward_moves=lambda a: True,
-        backward_moves=None,
+        forward_kind=lambda a: "coded",
+        backward_kind=None,
         forward=lambda a: f"gather(x, dst={a['dst']}, dim={a['dim']})",
         backward=lambda a: "",
         title=lambda a, n: (
@@ -168,8 +172,8 @@ OPS: dict[str, _Op] = {
         call=lambda comm, x, a: comm.broadcast(x, a["src"]),
         args={"src": 0},
         default_shape=lambda n, a: (2, 3),
-        forward_moves=lambda a: True,
-        backward_moves=lambda a: False,
+        forward_kind=lambda a: "coded",
+        backward_kind=lambda a: "sum",
         forward=lambda a: f"broadcast(x, src={a['src']})",
         backward=lambda a: f"sum of dL/dy onto rank {a['src']}",
         title=lambda a, n: (
@@ -179,8 +183,8 @@ OPS: dict[str, _Op] = {
         call=lambda comm, x, a: _send_recv(comm, x),
         args={},
         default_shape=lambda n, a: (2, 3),
-        forward_moves=lambda a: True,
-        backward_moves=None,
+        forward_kind=lambda a: "coded",
+        backward_kind=None,
         forward=lambda a: "recv(send(x) from rank r-1)",
         backward=lambda a: "",
         title=lambda a, n: (
@@ -191,8 +195,8 @@ OPS: dict[str, _Op] = {
         call=lambda comm, x, a: comm.copy_to_group(x),
         args={},
         default_shape=lambda n, a: (2, 3),
-        forward_moves=lambda a: True,
-        backward_moves=lambda a: False,
+        forward_kind=lambda a: "coded",
+        backward_kind=lambda a: "sum",
         forward=lambda a: "copy_to_group(x)",
         backward=lambda a: "all_reduce(dL/dy)",
         title=lambda a, n: (
@@ -202,8 +206,8 @@ OPS: dict[str, _Op] = {
         call=lambda comm, x, a: comm.reduce_from_group(x),
         args={},
         default_shape=lambda n, a: (2, 3),
-        forward_moves=lambda a: False,
-        backward_moves=lambda a: True,
+        forward_kind=lambda a: "sum",
+        backward_kind=lambda a: "coded",
         forward=lambda a: "reduce_from_group(x)",
         backward=lambda a: "dL/dy (identity)",
         title=lambda a, n: (
@@ -256,9 +260,9 @@ def _resolve(function: str, op: str, op_args: dict) -> tuple[str, _Op, dict]:
 
 
 def _program(comm, spec: _Op, args: dict, inputs: list[torch.Tensor], base: int):
-    x = inputs[comm.rank].clone().requires_grad_(spec.backward_moves is not None)
+    x = inputs[comm.rank].clone().requires_grad_(spec.backward_kind is not None)
     y = spec.call(comm, x, args)
-    if spec.backward_moves is None or y is None:
+    if spec.backward_kind is None or y is None:
         return (y.detach() if y is not None else None), None, None
     grad_output = provenance_tensor(comm.rank, y.shape, base=base)
     y.backward(grad_output)
@@ -294,7 +298,7 @@ def run_collective(op: str, /, world_size: int = 4, shape: Sequence[int] | None 
         raise ValueError(f"run_collective: {name} with shape={shape}, world_size={world_size}, "
                          f"{', '.join(f'{k}={v!r}' for k, v in args.items())} failed: {cause}") from error
     outputs = [result[0] for result in results]
-    has_backward = spec.backward_moves is not None
+    has_backward = spec.backward_kind is not None
     return CollectiveRun(
         op=name, args=args, world_size=world_size, shape=shape, base=base, inputs=inputs, outputs=outputs,
         grad_outputs=[result[1] for result in results] if has_backward else None,
@@ -325,6 +329,14 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
     return collective_run_figure(run, show_values=show_values)
 
 
+def _panel(tensor: torch.Tensor | None, name: str, rank: int, kind: str, source_shape: tuple[int, ...],
+           note: str = "") -> Panel:
+    if kind == "coded_or_zero":  # the gradient reached this rank unchanged, or not at all
+        kind = "coded" if tensor is not None and bool(tensor.any()) else "sum"
+    return Panel(tensor, name, rank, coded=kind == "coded", mixed=kind if kind != "coded" else "",
+                 source_shape=source_shape, note=note)
+
+
 def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None) -> go.Figure:
     """The figure of :func:`collective_figure` for a :class:`CollectiveRun` already made."""
     spec, args = OPS[run.op], run.args
@@ -332,13 +344,12 @@ def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None
     columns = ["x<br>(input)", f"y =<br>{spec.forward(args)}"]
     rows = []
     for rank in range(run.world_size):
-        row = [Panel(run.inputs[rank], "x", rank, coded=True, source_shape=run.shape),
-               Panel(run.outputs[rank], "y", rank, coded=spec.forward_moves(args), source_shape=run.shape,
-                     note=f"None: only rank {args.get('dst')} receives")]
+        row = [_panel(run.inputs[rank], "x", rank, "coded", run.shape),
+               _panel(run.outputs[rank], "y", rank, spec.forward_kind(args), run.shape,
+                      note=f"None: only rank {args.get('dst')} receives")]
         if run.grad_outputs is not None:
-            row += [Panel(run.grad_outputs[rank], "dL/dy", rank, coded=True, source_shape=out_shape),
-                    Panel(run.grad_inputs[rank], "dL/dx", rank, coded=spec.backward_moves(args),
-                          source_shape=out_shape)]
+            row += [_panel(run.grad_outputs[rank], "dL/dy", rank, "coded", out_shape),
+                    _panel(run.grad_inputs[rank], "dL/dx", rank, spec.backward_kind(args), out_shape)]
         rows.append(row)
     if run.grad_outputs is not None:
         columns += ["dL/dy<br>(incoming grad, coded)", f"dL/dx =<br>{spec.backward(args)}"]

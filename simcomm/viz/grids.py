@@ -84,8 +84,11 @@ class Panel:
 
     ``coded``: the values are provenance codes (colour by source rank; hover
     names the source rank and the element's position in ``source_shape``).
-    Otherwise they mix several ranks and are drawn on the grey value scale.
-    ``tensor=None`` draws an empty panel showing ``note``.
+    Otherwise they mix several ranks and are drawn on the grey value scale;
+    ``mixed`` says how, so hover can still name the position: ``"sum"`` /
+    ``"avg"`` (sum / mean over all ranks of one position), ``"scaled"`` (a
+    code divided by the world size). ``tensor=None`` draws an empty panel
+    showing ``note``.
     """
 
     tensor: torch.Tensor | None
@@ -94,6 +97,7 @@ class Panel:
     coded: bool = True
     source_shape: tuple[int, ...] | None = None
     note: str = ""
+    mixed: str = ""
 
 
 def _index_labels(shape: tuple[int, ...]) -> list[str]:
@@ -108,6 +112,47 @@ def _index_labels(shape: tuple[int, ...]) -> list[str]:
 
 def _format_value(value: float) -> str:
     return str(int(value)) if value == round(value) and abs(value) < 1e15 else f"{value:.4g}"
+
+
+def _mixed_explainer(panel: Panel, base: int | None, world_size: int, shape: tuple[int, ...]):
+    """A function from a mixed value to words: which ranks and which position it combines.
+
+    With codes ``s * base + p`` on ``n`` ranks, a sum over all ranks of
+    position ``p`` is ``base * n(n-1)/2 + n p``, a mean is ``base (n-1)/2 + p``
+    and a scaled code is ``(s * base + p) / n``; ``base`` exceeds ``n`` times
+    every position, so each inverts exactly.
+    """
+    source_shape = panel.source_shape or shape
+    numel = math.prod(source_shape)
+    labels = _index_labels(source_shape)
+    n = world_size
+    everyone = f"ranks 0-{n - 1}" if n > 1 else "rank 0"
+
+    def position(value: float) -> int | None:
+        if base is None:
+            return None
+        if panel.mixed == "sum":
+            q = (value - base * n * (n - 1) / 2) / n
+        elif panel.mixed == "avg":
+            q = value - base * (n - 1) / 2
+        else:
+            return None
+        return int(q) if q == round(q) and 0 <= q < numel else None
+
+    def explain(value: float) -> str:
+        if panel.mixed == "scaled" and base is not None:
+            code = value * n
+            if code == round(code) and 0 <= code < n * base and int(code) % base < numel:
+                return (f"= (rank {int(code) // base}'s element {labels[int(code) % base]}) / {n}: "
+                        f"a code divided by the world size")
+        where = position(value)
+        if where is not None:
+            what = "sum" if panel.mixed == "sum" else "mean"
+            return f"= {what} over {everyone} of their element {labels[where]}"
+        if value == 0:
+            return "= 0: nothing reaches this element"
+        return "mixes several ranks' values"
+    return explain
 
 
 def _panel_cells(panel: Panel, base: int | None, world_size: int, function: str
@@ -134,7 +179,8 @@ def _panel_cells(panel: Panel, base: int | None, world_size: int, function: str
                  f"{source_labels[positions[k]] if positions[k] < len(source_labels) else positions[k]}"
                  for k in range(flat.size)]
     else:
-        hover = [f"{line}<br>mixes several ranks' values" for line in head]
+        explain = _mixed_explainer(panel, base, world_size, shape)
+        hover = [f"{head[k]}<br>{explain(flat[k])}" for k in range(flat.size)]
     columns = grid.shape[1]
     rows = lambda items: [items[i:i + columns] for i in range(0, len(items), columns)]  # noqa: E731
     return grid, rows(texts), rows(hover)
