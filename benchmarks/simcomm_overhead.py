@@ -74,6 +74,7 @@ def time_simcomm(op: str, world_size: int, numel: int, iters: int) -> float:
 def time_threaded(op: str, world_size: int, numel: int, iters: int) -> float:
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # a process-group registry per thread
     mtpg._install_threaded_pg()
     store = dist.HashStore()
     elapsed = [0.0] * world_size
@@ -111,6 +112,7 @@ def time_threaded(op: str, world_size: int, numel: int, iters: int) -> float:
     for t in threads:
         t.join()
     mtpg._uninstall_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(False)
     if errors:
         raise errors[0]
     return max(elapsed) / iters

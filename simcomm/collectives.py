@@ -28,7 +28,8 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 _ALIASES = {"mean": "avg", "prod": "product", "premul_sum": None}
 
 
-_NAMES: dict = {getattr(ReduceOp, name.upper()): name for name in REDUCE_OPS}
+_NAMES: dict = {**{getattr(ReduceOp, name.upper()): name for name in REDUCE_OPS},
+                **{name: name for name in REDUCE_OPS}}
 
 
 def reduce_op_name(op: ReduceOp | str) -> str:

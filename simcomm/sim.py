@@ -33,7 +33,7 @@ import torch
 
 from . import collectives as math
 from .errors import CollectiveMismatchError, DeadlockError
-from .trace import TraceEvent
+
 from .transport import TransportBase
 
 __all__ = ["SimTransport", "RunState", "program_location"]
@@ -166,7 +166,7 @@ class RunState:
         self.error: BaseException | None = None
         self.rank_errors: list[tuple[int, BaseException]] = []
         self.done = threading.Event()
-        self.events: list[TraceEvent] | None = [] if trace else None
+        self.events: list[tuple] | None = [] if trace else None
         self.clock_zero = time.perf_counter()
         self.world = _Group(("world",), range(world_size))
 
@@ -393,7 +393,7 @@ class SimTransport(TransportBase):
         self._end(event, out)
         return out
 
-    def _p2p_event(self, op: str, peer: int, tensor, nbytes: int | None = None) -> TraceEvent | None:
+    def _p2p_event(self, op: str, peer: int, tensor, nbytes: int | None = None) -> list | None:
         key = (self.rank, peer) if op == "send" else (peer, self.rank)
         step = self._p2p_steps.get(key, 0)
         self._p2p_steps[key] = step + 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import threading
 from collections import Counter
@@ -105,6 +106,21 @@ class TraceEvent:
     def duration(self) -> float:
         return self.end - self.start
 
+    @classmethod
+    def from_record(cls, record: tuple) -> TraceEvent:
+        """Build an event from the flat tuple a transport records on its hot path:
+        ``(op, group, rank, step, phase, shape, dtype, nbytes, start, root, args, end, out_shape)``,
+        where ``nbytes`` may be ``None`` (then it is ``numel * itemsize`` of ``shape``/``dtype``)."""
+        op, group, rank, step, phase, shape, dtype, nbytes, start, root, args, end, out_shape = record
+        if nbytes is None:
+            nbytes = math.prod(shape) * dtype.itemsize if shape is not None else 0
+        return cls(op=op, group=group, rank=rank, step=step, phase=phase,
+                   shape=tuple(shape) if shape is not None else None,
+                   dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+                   nbytes=nbytes, start=start, end=end,
+                   out_shape=tuple(out_shape) if out_shape is not None else None,
+                   root=root, args=args or {})
+
     @property
     def sent(self) -> dict[int, int]:
         """Bytes sent to each peer (global rank)."""
@@ -119,8 +135,20 @@ class TraceEvent:
 class Trace:
     """The events of one run, ordered by start time, with summaries and export."""
 
-    def __init__(self, events: list[TraceEvent] | None = None):
-        self.events: list[TraceEvent] = sorted(events or [], key=lambda e: (e.start, e.rank))
+    def __init__(self, events: list[TraceEvent | tuple] | None = None):
+        # transports record flat tuples (cheap on the hot path); events are built on first use
+        self._items = list(events or [])
+        self._events: list[TraceEvent] | None = None
+
+    @property
+    def events(self) -> list[TraceEvent]:
+        """The events, ordered by start time (then rank)."""
+        if self._events is None:
+            events = [item if isinstance(item, TraceEvent) else TraceEvent.from_record(item)
+                      for item in self._items]
+            self._events = sorted(events, key=lambda e: (e.start, e.rank))
+            self._items = []
+        return self._events
 
     def __len__(self) -> int:
         return len(self.events)

@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .trace import TraceEvent, current_phase
+from .trace import current_phase
 
 __all__ = ["Transport", "TransportBase"]
 
@@ -48,21 +48,11 @@ class Transport(Protocol):
     def compute(self, seconds: float | None = None, flops: float | None = None) -> None: ...
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
 class TransportBase:
     """What both transports share: identity, the step counter and trace recording."""
 
     def __init__(self, rank: int, ranks: Sequence[int], device: torch.device,
-                 events: list[TraceEvent] | None, clock_zero: float):
+                 events: list[tuple] | None, clock_zero: float):
         self.rank = rank
         self.ranks = tuple(ranks)
         self.world_size = len(self.ranks)
@@ -78,28 +68,24 @@ class TransportBase:
         return step
 
     def _begin(self, op: str, step: int, tensor: torch.Tensor | None, root: int | None = None,
-               nbytes: int | None = None, args: dict | None = None) -> TraceEvent | None:
-        """Start a trace event for this call (``None`` when tracing is off)."""
+               nbytes: int | None = None, args: dict | None = None) -> list | None:
+        """Start the trace record of this call (``None`` when tracing is off)."""
         if self._events is None:
             return None
-        event = TraceEvent(
-            op=op, group=self.ranks, rank=self.global_rank, step=step, phase=current_phase(),
-            shape=tuple(tensor.shape) if tensor is not None else None,
-            dtype=_dtype_name(tensor.dtype) if tensor is not None else None,
-            nbytes=(tensor.numel() * tensor.element_size() if tensor is not None else 0)
-            if nbytes is None else nbytes,
-            start=time.perf_counter() - self._clock_zero,
-            root=self.ranks[root] if root is not None else None, args=args or {})
-        return event
+        return [op, self.ranks, self.global_rank, step, current_phase(),
+                tensor.shape if tensor is not None else None,
+                tensor.dtype if tensor is not None else None,
+                nbytes, time.perf_counter() - self._clock_zero,
+                self.ranks[root] if root is not None else None, args]
+
+    def _end(self, record: list | None, out: torch.Tensor | None) -> None:
+        """Finish a record and keep it (see :meth:`TraceEvent.from_record` for the layout)."""
+        if record is None:
+            return
+        record.append(time.perf_counter() - self._clock_zero)
+        record.append(out.shape if out is not None else None)
+        self._events.append(tuple(record))
 
     def compute(self, seconds: float | None = None, flops: float | None = None) -> None:
         """Record a compute marker (no communication): a cost model gives it a duration."""
-        event = self._begin("compute", -1, None, args={"seconds": seconds, "flops": flops})
-        self._end(event, None)
-
-    def _end(self, event: TraceEvent | None, out: torch.Tensor | None) -> None:
-        if event is None:
-            return
-        event.end = time.perf_counter() - self._clock_zero
-        event.out_shape = tuple(out.shape) if out is not None else None
-        self._events.append(event)
+        self._end(self._begin("compute", -1, None, args={"seconds": seconds, "flops": flops}), None)
