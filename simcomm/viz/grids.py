@@ -37,7 +37,7 @@ __all__ = ["Panel", "as_grid", "grid_layout", "draw_panels", "rank_grid"]
 _MAX_CELL_PX = 30
 _MIN_CELL_PX = 6
 _GAP_PX = 24
-_WIDTH_PX = 740   # panels of a figure fit a JupyterLab output area next to the file browser
+_WIDTH_PX = 780   # panels of a figure fit a JupyterLab output area next to the file browser
 _HEIGHT_PX = 1000
 
 
@@ -201,7 +201,7 @@ def _domains(sizes_px: Sequence[float], total: float) -> list[tuple[float, float
 
 def _text_px(text: str, size: int = 12) -> float:
     """Rough pixel width of the longest line of ``text`` (``<br>`` separates lines)."""
-    return max((len(line) for line in text.split("<br>")), default=0) * size * 0.55 + 8
+    return max((len(line) for line in text.split("<br>")), default=0) * size * 0.5 + 8
 
 
 def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int | None,
