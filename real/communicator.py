@@ -43,7 +43,7 @@ class DeviceCommunicatorBase(Communicator):
     NCCL group) carries the data when given, else ``cpu_group`` does.
     ``device=None`` means ``cuda:<current device>`` for an NCCL group and the
     CPU otherwise. Tracing is off unless ``trace=True`` (then events collect in
-    ``self.transport.events``).
+    ``self.transport.trace``).
     """
 
     def __init__(self, cpu_group: ProcessGroup, device: torch.device | None = None,

@@ -35,7 +35,7 @@ import cloudpickle
 import torch.distributed as dist
 
 from simcomm.errors import RankError, RunTimeoutError, SimcommError
-from simcomm.trace import Trace, TraceEvent
+from simcomm.trace import Trace
 
 from . import pickling
 from .process_group import pick_backend
@@ -291,7 +291,7 @@ class Cluster:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {w.rank: w for w in self._workers}
         results: list[Any] = [None] * self.world_size
-        events: list[TraceEvent] = []
+        events: list = []          # trace records, in the transports' format
         errors: list[tuple[int, BaseException]] = []
         dead: list[tuple[int, int | None]] = []
         books: dict[int, tuple] = {}

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from simcomm.communicator import Communicator
-from simcomm.trace import TraceEvent
 
 from .transport import DistTransport, GroupCache
 
@@ -62,7 +61,7 @@ def init_from_env(backend: str | None = None, *, timeout: float = 600.0, trace: 
     picks NCCL when this node has a GPU per local rank (``LOCAL_WORLD_SIZE``),
     else gloo. The communicator's device is ``cuda:LOCAL_RANK`` under NCCL and
     the CPU under gloo. With ``trace`` the transport records simcomm trace
-    events in ``comm.transport.events``. Blocks until every rank has joined
+    events, read as a Trace from ``comm.transport.trace``. Blocks until every rank has joined
     (at most ``timeout`` seconds).
     """
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
@@ -80,7 +79,7 @@ def init_from_env(backend: str | None = None, *, timeout: float = 600.0, trace: 
         dist.init_process_group(backend, init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout),
                                 **({"device_id": device} if backend == "nccl" else {}))
-    events: list[TraceEvent] | None = [] if trace else None
+    events: list | None = [] if trace else None
     transport = DistTransport(dist.group.WORLD, device, events=events, clock_zero=time.perf_counter(),
                               cache=GroupCache())
     return Communicator(transport)

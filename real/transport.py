@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from simcomm.collectives import to_reduce_op
-from simcomm.trace import TraceEvent
+from simcomm.trace import Trace
 from simcomm.transport import TransportBase
 
 __all__ = ["DistTransport", "GroupCache", "books_agree"]
@@ -129,13 +129,13 @@ class DistTransport(TransportBase):
     """Raw collectives of this process within ``group`` (a ``torch.distributed`` ProcessGroup).
 
     ``device`` is where every result lives (default: ``cuda:<current device>``
-    for an NCCL group, else the CPU). ``events`` is the list trace events are
-    appended to (``None``: no tracing); ``clock_zero`` the ``time.perf_counter()``
-    value event times count from.
+    for an NCCL group, else the CPU). ``events`` is the list trace records are
+    appended to in :class:`~simcomm.transport.TransportBase`'s format (``None``:
+    no tracing); ``clock_zero`` the ``time.perf_counter()`` value times count from.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                 *, events: list[TraceEvent] | None = None, clock_zero: float | None = None,
+                 *, events: list | None = None, clock_zero: float | None = None,
                  cache: GroupCache | None = None):
         group = group if group is not None else dist.group.WORLD
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -157,9 +157,15 @@ class DistTransport(TransportBase):
                 f"device={self.device})")
 
     @property
-    def events(self) -> list[TraceEvent] | None:
-        """The trace events recorded so far (shared with the subgroups made from this transport)."""
+    def events(self) -> list | None:
+        """The raw trace records so far, shared with the subgroups made from this transport
+        (``None`` when tracing is off); :attr:`trace` turns them into a :class:`~simcomm.trace.Trace`."""
         return self._events
+
+    @property
+    def trace(self) -> Trace:
+        """What this process has recorded so far, as a :class:`~simcomm.trace.Trace`."""
+        return Trace(list(self._events or []))
 
     # -- helpers --
 
@@ -303,8 +309,7 @@ class DistTransport(TransportBase):
 
     # -- point to point --
 
-    def _p2p_event(self, op: str, peer: int, tensor: torch.Tensor | None, nbytes: int | None = None
-                   ) -> TraceEvent | None:
+    def _p2p_event(self, op: str, peer: int, tensor: torch.Tensor | None, nbytes: int | None = None):
         key = (self.rank, peer) if op == "send" else (peer, self.rank)
         step = self._p2p_steps.get(key, 0)
         self._p2p_steps[key] = step + 1

@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from simcomm.communicator import Communicator
-from simcomm.trace import TraceEvent
 
 from .process_group import device_for
 from .transport import DistTransport, GroupCache
@@ -119,7 +118,7 @@ def _serve(conn: Connection, rank: int, device: torch.device, cache: GroupCache)
         if kind == "close":
             return
         clock_zero, tracing, blob = payload
-        events: list[TraceEvent] | None = [] if tracing else None
+        events: list | None = [] if tracing else None
         try:
             program, args, kwargs = cloudpickle.loads(blob)
             comm = Communicator(DistTransport(dist.group.WORLD, device, events=events,
