@@ -1,7 +1,6 @@
 """collective_figure: panel layout, values equal to what a World produces, colours by source rank."""
 import numpy as np
 import pytest
-import torch
 
 import simcomm
 from simcomm.viz import OPS, collective_figure, provenance_tensor

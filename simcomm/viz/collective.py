@@ -331,6 +331,8 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
 
 def _panel(tensor: torch.Tensor | None, name: str, rank: int, kind: str, source_shape: tuple[int, ...],
            note: str = "") -> Panel:
+    if kind not in _KINDS:
+        raise ValueError(f"collective_figure: panel {name} on rank {rank} has kind={kind!r}, not one of {_KINDS}")
     if kind == "coded_or_zero":  # the gradient reached this rank unchanged, or not at all
         kind = "coded" if tensor is not None and bool(tensor.any()) else "sum"
     return Panel(tensor, name, rank, coded=kind == "coded", mixed=kind if kind != "coded" else "",
