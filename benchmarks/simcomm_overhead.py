@@ -125,9 +125,11 @@ def time_ideal(op: str, world_size: int, numel: int, iters: int) -> float:
 
     def call():
         if op == "all_reduce":
-            return stacked.sum(0).expand(world_size, numel).clone()           # (world, numel)
+            total = stacked.sum(0)                                            # (numel,)
+            return [total] + [total.clone() for _ in range(world_size - 1)]   # a copy per rank
         if op == "all_gather":
-            return stacked.reshape(1, -1).expand(world_size, -1).clone()      # (world, world*numel)
+            flat = stacked.reshape(-1)                                        # (world*numel,)
+            return [flat.clone() for _ in range(world_size)]                  # a copy per rank
         if op == "reduce_scatter":
             return stacked.sum(0).reshape(world_size, numel // world_size)    # (world, numel/world)
         return stacked.reshape(world_size, world_size, -1).transpose(0, 1).contiguous()  # (dst, src, numel/world)

@@ -70,7 +70,25 @@ def check_same(op: str, inputs: Sequence[torch.Tensor]) -> None:
             )
 
 
-_STACK_LIMIT = 256 << 20  # bytes of stacked inputs above which sums accumulate in place
+_BLOCK = 1 << 16  # elements per block when reducing large tensors: the partial result stays in cache
+_COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum,
+            "product": torch.mul}
+
+
+def _reduce_blocked(inputs: Sequence[torch.Tensor], name: str) -> torch.Tensor:
+    """Reduce block by block: every input is read once and the result written once,
+    without the ``(world, ...)`` copy that stacking makes. Not differentiable."""
+    flats = [tensor.reshape(-1) for tensor in inputs]  # (numel,) views of contiguous inputs
+    out = torch.empty_like(flats[0])
+    combine = _COMBINE[name]
+    for start in range(0, out.numel(), _BLOCK):
+        block = out[start:start + _BLOCK]
+        combine(flats[0][start:start + _BLOCK], flats[1][start:start + _BLOCK], out=block)
+        for flat in flats[2:]:
+            combine(block, flat[start:start + _BLOCK], out=block)
+    if name == "avg":
+        out /= len(inputs)
+    return out.view(inputs[0].shape)
 
 
 def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> torch.Tensor:
@@ -80,11 +98,9 @@ def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> torch.
         return inputs[0].clone()
     if name == "avg" and not (inputs[0].is_floating_point() or inputs[0].is_complex()):
         raise ValueError(f"reduce: ReduceOp.AVG needs a floating-point dtype, got {inputs[0].dtype}")
-    if name == "sum" and len(inputs) * inputs[0].nbytes > _STACK_LIMIT:
-        out = inputs[0] + inputs[1]  # accumulate: no (world, ...) copy of large inputs
-        for tensor in inputs[2:]:
-            out += tensor
-        return out
+    large = inputs[0].numel() >= 4 * _BLOCK
+    if large and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return _reduce_blocked(inputs, name)
     stacked = torch.stack(list(inputs))  # (world, *shape)
     if name == "sum":
         return stacked.sum(0)
