@@ -33,7 +33,7 @@ from simcomm.communicator import Communicator
 from simcomm.world import World
 
 from .cases import Case, collective_cases
-from .faults import injected
+from .faults import FAULTS, injected
 from .model_cases import model_cases
 
 __all__ = ["all_cases", "run_cases", "evaluate", "format_table", "main"]
@@ -210,6 +210,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def chosen_fault(flag: str | None) -> str | None:
+    """The wrong rule to inject: the hidden ``--inject-fault`` flag, else ``$SIMCOMM_VERIFY_FAULT``."""
+    fault = flag or os.environ.get(FAULT_ENV) or None
+    if fault is not None and fault not in FAULTS:
+        raise SystemExit(f"real.verify: unknown fault {fault!r}; known: {sorted(FAULTS)}")
+    return fault
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -217,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in args.cases or [] if name not in known]
     if unknown:
         parser.error(f"--cases: unknown case(s) {unknown}; known: {known}")
-    fault = args.inject_fault or os.environ.get(FAULT_ENV) or None
+    fault = chosen_fault(args.inject_fault)
     torchrun = args.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if torchrun:
         ok = _under_torchrun(args, fault)

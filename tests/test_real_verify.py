@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from real.verify import all_cases
+from real.verify import all_cases, chosen_fault, main
 
 pytestmark = pytest.mark.real
 
@@ -23,8 +23,8 @@ def _verify(args: list[str], tmp_path, *, torchrun: bool = False, env: dict | No
     else:
         command = [sys.executable, "-m", "real.verify", "--nproc", "2", "--backend", "gloo",
                    "--json", str(report), *args]
-    environment = {**os.environ, **(env or {})}
-    environment.pop("SIMCOMM_VERIFY_FAULT", None) if env is None else None
+    environment = {k: v for k, v in os.environ.items() if k != "SIMCOMM_VERIFY_FAULT"}
+    environment.update(env or {})
     done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=240)
     data = json.loads(report.read_text()) if report.exists() else None
     return done, data
@@ -51,18 +51,24 @@ def test_verify_fails_with_an_injected_wrong_rule(tmp_path):
 
 
 @pytest.mark.timeout(260)
-def test_verify_under_torchrun_and_its_fault_env_var(tmp_path):
+def test_verify_under_torchrun(tmp_path):
     cases = ["all_reduce[max]", "reduce_scatter[dim=0,product]", "ulysses_attention", "2d_tp_x_dp[subgroups]"]
     done, data = _verify(["--cases", *cases], tmp_path, torchrun=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert data["passed"] and [row["case"] for row in data["cases"]] == cases
-    done, data = _verify(["--cases", *cases], tmp_path, torchrun=True,
-                         env={"SIMCOMM_VERIFY_FAULT": "all_reduce_backward"})
-    assert done.returncode != 0
-    assert {row["case"] for row in data["cases"] if not row["passed"]} == {"all_reduce[max]"}
 
 
-def test_unknown_case_is_rejected(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "real.verify", "--cases", "no_such_case"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "unknown case(s) ['no_such_case']" in done.stderr
+def test_fault_from_flag_or_environment(monkeypatch):
+    monkeypatch.delenv("SIMCOMM_VERIFY_FAULT", raising=False)
+    assert chosen_fault(None) is None
+    assert chosen_fault("all_gather_backward") == "all_gather_backward"
+    monkeypatch.setenv("SIMCOMM_VERIFY_FAULT", "all_reduce_backward")
+    assert chosen_fault(None) == "all_reduce_backward"
+    with pytest.raises(SystemExit, match="unknown fault 'nope'"):
+        chosen_fault("nope")
+
+
+def test_unknown_case_is_rejected(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--cases", "no_such_case"])
+    assert info.value.code == 2 and "unknown case(s) ['no_such_case']" in capsys.readouterr().err
