@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import simcomm
-from simcomm.viz import OPS, collective_figure, provenance_tensor
+from simcomm.viz import OPS, collective_figure, provenance_tensor, run_collective
 from simcomm.viz.colors import MIXED_COLOURSCALE, colour_at, rank_colour
 
 
@@ -126,16 +126,21 @@ def test_hover_names_the_source_rank_and_position():
 
 
 def test_errors_name_function_argument_and_value():
-    with pytest.raises(ValueError, match=r"run_collective: op='all_gahter' is not one of"):
+    with pytest.raises(ValueError, match=r"collective_figure: op='all_gahter' is not one of"):
         collective_figure("all_gahter")
     with pytest.raises(ValueError, match=r"all_gather takes dim; got src=1"):
         collective_figure("all_gather", src=1)
-    with pytest.raises(ValueError, match=r"reduce_scatter with shape=\(2, 5\), world_size=4.*not divisible"):
+    with pytest.raises(ValueError, match=r"collective_figure: reduce_scatter with shape=\(2, 5\), world_size=4"
+                                         r".*not divisible"):
         collective_figure("reduce_scatter", 4, (2, 5))
     with pytest.raises(ValueError, match=r"send_recv needs world_size >= 2, got world_size=1"):
         collective_figure("send_recv", 1)
     with pytest.raises(ValueError, match=r"all_reduce reduce_op='median'"):
         collective_figure("all_reduce", reduce_op="median")
+    with pytest.raises(ValueError, match=r"collective_figure: shape=4 must be a non-empty sequence"):
+        collective_figure("all_reduce", 2, 4)
+    with pytest.raises(ValueError, match=r"run_collective: world_size=0 must be a positive int"):
+        run_collective("all_reduce", 0)
 
 
 def test_hover_of_mixed_values_names_the_position_they_combine():

@@ -274,17 +274,25 @@ def run_collective(op: str, /, world_size: int = 4, shape: Sequence[int] | None 
     """Run ``op`` on ``world_size`` virtual ranks with provenance-coded inputs and incoming grads.
 
     ``shape`` is each rank's input shape (default: a small shape that suits the
-    op and the world size). ``op_args`` are the op's arguments (``dim``, ``op``,
-    ``scatter_dim``/``gather_dim``, ``dst``, ``src``, ``scale_grad``).
+    op and the world size). ``op_args`` are the op's arguments (``dim``,
+    ``reduce_op`` (or ``op``), ``scatter_dim``/``gather_dim``, ``dst``, ``src``,
+    ``scale_grad``).
     """
-    name, spec, args = _resolve("run_collective", op, op_args)
+    return _run("run_collective", op, world_size, shape, op_args)
+
+
+def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, op_args: dict) -> CollectiveRun:
+    name, spec, args = _resolve(function, op, op_args)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"run_collective: world_size={world_size!r} must be a positive int")
+        raise ValueError(f"{function}: world_size={world_size!r} must be a positive int")
     if name == "send_recv" and world_size < 2:
-        raise ValueError(f"run_collective: send_recv needs world_size >= 2, got world_size={world_size}")
-    shape = tuple(spec.default_shape(world_size, args) if shape is None else shape)
-    if not shape or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
-        raise ValueError(f"run_collective: shape={shape!r} must be a non-empty sequence of positive ints")
+        raise ValueError(f"{function}: send_recv needs world_size >= 2, got world_size={world_size}")
+    if shape is None:
+        shape = spec.default_shape(world_size, args)
+    if not isinstance(shape, Sequence) or not shape or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
+        raise ValueError(f"{function}: shape={shape!r} must be a non-empty sequence of positive ints")
+    shape = tuple(shape)
     numel = math.prod(shape)
     base = provenance_base(numel * world_size)  # the largest output (all_gather, gather) has n x numel
     inputs = [provenance_tensor(0 if spec.replicated else rank, shape, base=base) for rank in range(world_size)]
@@ -295,7 +303,7 @@ def run_collective(op: str, /, world_size: int = 4, shape: Sequence[int] | None 
         cause = error.__cause__ if error.__cause__ is not None else error
         if not isinstance(cause, ValueError):
             raise
-        raise ValueError(f"run_collective: {name} with shape={shape}, world_size={world_size}, "
+        raise ValueError(f"{function}: {name} with shape={shape}, world_size={world_size}, "
                          f"{', '.join(f'{k}={v!r}' for k, v in args.items())} failed: {cause}") from error
     outputs = [result[0] for result in results]
     has_backward = spec.backward_kind is not None
@@ -325,7 +333,7 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
     ``reduce_from_group``. The reduction may also be given as ``op=``, the
     communicator's name for it: ``collective_figure("all_reduce", op="max")``.
     """
-    run = run_collective(op, world_size, shape, **op_args)
+    run = _run("collective_figure", op, world_size, shape, op_args)
     return collective_run_figure(run, show_values=show_values)
 
 
