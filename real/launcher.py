@@ -24,6 +24,7 @@ import contextlib
 import os
 import pickle
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -112,6 +113,24 @@ def _rebuild_error(encoded: tuple) -> BaseException:
     return error
 
 
+def _loopback_store() -> dist.TCPStore:
+    """The rendezvous store, hosted by the parent, listening on 127.0.0.1 only.
+
+    The listening socket is bound here (port 0: the OS picks a free port, so no
+    race with other jobs) and handed to the store, which owns and closes it.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+
+
 class _Worker:
     __slots__ = ("rank", "process", "conn", "dump_path")
 
@@ -178,8 +197,7 @@ class Cluster:
 
     def _start(self) -> None:
         context = get_context("spawn")
-        # The parent hosts the rendezvous store: port 0 lets the OS pick a free port, no race.
-        self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+        self._store = _loopback_store()
         self._tmpdir = tempfile.mkdtemp(prefix="simcomm-real-")
         self._workers = []
         with _main_module_hidden():

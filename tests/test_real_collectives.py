@@ -66,7 +66,12 @@ def _shapes_and_inputs(comm):
         "device": str(comm.device),
         "group": type(comm.transport.group).__name__,
     }
-    out["unmodified"] = torch.equal(x, before)
+    rows = torch.arange(6.0 * comm.world_size).reshape(2 * comm.world_size, 3)   # contiguous: no copy
+    rows_before = rows.clone()
+    comm.reduce_scatter(rows, dim=0)
+    comm.all_to_all(rows, scatter_dim=0, gather_dim=1)
+    comm.all_gather(rows, dim=0)
+    out["unmodified"] = torch.equal(x, before) and torch.equal(rows, rows_before)
     return out
 
 

@@ -31,8 +31,9 @@ def _children() -> list[int]:
     return found
 
 
-def _listening(port: int) -> bool:
-    """Whether a socket of this machine listens on ``port`` (IPv4 or IPv6)."""
+def _listening(port: int, address: str | None = None) -> bool:
+    """Whether a socket of this machine listens on ``port`` (IPv4 or IPv6; at ``address``, the
+    hex form /proc/net/tcp uses, when given)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -41,9 +42,30 @@ def _listening(port: int) -> bool:
             continue
         for row in rows:
             local, state = row.split()[1], row.split()[3]
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+            host, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port and address in (None, host):
                 return True
     return False
+
+
+def _listening_addresses(pid: int) -> list[str]:
+    """``host:port`` (hex, as /proc/net/tcp writes them) of the sockets process ``pid`` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    found.append(fields[1])
+    return found
 
 
 def _assert_nothing_left(pids: list[int], port: int | None) -> None:
@@ -174,7 +196,12 @@ def test_close_leaves_nothing_and_rejects_runs(cluster):
     c = cluster                                          # the module's cluster, closed last
     assert c.run(lambda comm: comm.world_size) == [2, 2]
     pids, port = c.pids, c._store.port
-    assert _listening(port)
+    assert _listening(port) and _listening(port, "0100007F")           # the store: loopback only
+    assert not _listening(port, "00000000") and not _listening(port, "00000000000000000000000000000000")
+    c.run(lambda comm: comm.subgroup([[0], [1]]).barrier())              # gloo's own sockets too
+    for pid in pids:
+        addresses = _listening_addresses(pid)
+        assert addresses and all(a.startswith("0100007F:") for a in addresses), addresses
     c.close()
     _assert_nothing_left(pids, port)
     with pytest.raises(RuntimeError, match="closed"):
