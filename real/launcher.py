@@ -284,18 +284,20 @@ class Cluster:
         :class:`~simcomm.errors.RunTimeoutError` (``timeout`` passed; the
         message names the ranks still running and where they are) or
         :class:`WorkerError` (a worker died). After an error the workers are
-        gone; the next run starts new ones.
+        killed and the next run starts new ones, unless every rank raised with
+        all its communication completed (then they stay). ``timeout`` (seconds)
+        overrides the Cluster's for this run; it is not passed to the program.
         """
         if self._closed:
             raise RuntimeError("Cluster.run: the cluster is closed")
+        timeout = self.timeout if timeout is None else timeout
+        blob = pickling.dumps((program, args, kwargs))      # an unpicklable program fails here, harmlessly
         if not self._workers:
             self._start()
-        if not self._ready:
-            self._await_ready()
-        timeout = self.timeout if timeout is None else timeout
-        blob = pickling.dumps((program, args, kwargs))
-        message = pickle.dumps(("run", (time.perf_counter(), self.tracing, blob)))
         try:
+            if not self._ready:
+                self._await_ready()
+            message = pickle.dumps(("run", (time.perf_counter(), self.tracing, blob)))
             for worker in self._workers:
                 worker.conn.send_bytes(message)
             return self._collect(timeout)
