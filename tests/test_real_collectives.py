@@ -123,8 +123,13 @@ def _trace_program(comm):
     x = torch.ones(2, 3, requires_grad=True)
     y = comm.all_gather(x, dim=0)
     z = comm.all_reduce(y, op="max")
+    comm.compute(flops=1e6)
     z.sum().backward()
     comm.barrier()
+    if comm.rank == 0:
+        comm.send(torch.zeros(2), dst=1)
+    elif comm.rank == 1:
+        comm.recv((2,), src=0)
     return None
 
 
