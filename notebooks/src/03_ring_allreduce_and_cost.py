@@ -12,11 +12,13 @@
 # sends, decides the time.
 
 # %%
+import plotly.io as pio
 import torch
 import simcomm
 from simcomm import cost, lessons, viz
 from simcomm.viz import allreduce_steps
 
+pio.renderers.default = "plotly_mimetype+notebook"   # figures also work in an exported HTML file
 world_size = 4
 world = simcomm.configured_backend(world_size)
 
