@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 __all__ = [
-    "per_rank", "check_prediction", "check_count_ranks", "max_error", "assert_close", "expect_error", "gradcheck_across_ranks",
-    "ring_all_reduce", "ring_schedule", "check_shapes", "check_all_gather_backward",
-    "check_ring_counts", "check_tp_mlp", "check_ulysses_bytes", "NOT_ANSWERED",
+    "per_rank", "max_error", "assert_close", "expect_error", "gradcheck_across_ranks",
+    "ring_all_reduce", "ring_schedule", "NOT_ANSWERED", "check_prediction", "check_count_ranks",
+    "check_shapes", "check_all_gather_backward", "check_ring_counts", "check_tp_mlp", "check_ulysses_bytes",
 ]
 
 #: what a checker returns while the exercise still holds its placeholder
@@ -297,7 +297,8 @@ def check_all_gather_backward(my_backward: Callable, *, world_size: int = 4,
                                      f"the input has {tuple(autograd_grad.shape)}")
             error = max_error(yours, autograd_grad)
             if error > 1e-10:
-                raise AssertionError(f"dim={dim}, rank {rank}: your gradient differs from autograd's by {error:.3g}")
+                raise AssertionError(f"dim={dim}, rank {rank}: your gradient differs from autograd's "
+                                     f"by {error:.3g}")
     return f"Correct: your backward equals autograd's on every rank, for dim in {tuple(dims)}."
 
 
