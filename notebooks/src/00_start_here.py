@@ -121,7 +121,7 @@ backend.close()
 # ## 4. Errors instead of hangs
 #
 # On real GPUs, a rank that calls a different collective than the others, or waits for a message
-# nobody sends, makes the whole job hang until a watchdog kills it, minutes later, with little
+# nobody sends, can make the whole job hang until a watchdog stops it, minutes later, with little
 # to say. The simulator sees every rank at once, so it stops at once and says who did what.
 # (These cells use `simcomm.World` directly: on real processes the same bugs just wait for the
 # timeout.)

@@ -218,17 +218,17 @@ failure = lessons.expect_error(lambda: lessons.check_shapes(wrong, world_size=4,
 # ## Exercise 2: predict the values
 #
 # With the inputs of this lesson (rank `r` holds `[10r, 10r + 1, 10r + 2, 10r + 3]`), what does
-# rank 2 get from `reduce_scatter(x, dim=0)`? And rank 1 from `all_to_all(x, scatter_dim=0,
-# gather_dim=0)`?
+# rank 3 get from `reduce_scatter(x, dim=0, op=ReduceOp.MAX)`? And rank 1 from
+# `all_reduce(x, op=ReduceOp.MIN)`? Write lists of numbers.
 
 # %%
-my_reduce_scatter_rank_2 = ...
-my_all_to_all_rank_1 = ...
-print(lessons.check_prediction(my_reduce_scatter_rank_2, world.run(apply, "reduce_scatter", {"dim": 0})[2],
-                               "reduce_scatter on rank 2"))
-print(lessons.check_prediction(my_all_to_all_rank_1,
-                               world.run(apply, "all_to_all", {"scatter_dim": 0, "gather_dim": 0})[1],
-                               "all_to_all on rank 1"))
+my_reduce_scatter_max_rank_3 = ...
+my_all_reduce_min_rank_1 = ...
+print(lessons.check_prediction(my_reduce_scatter_max_rank_3,
+                               world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
+                               "reduce_scatter(op=MAX) on rank 3"))
+print(lessons.check_prediction(my_all_reduce_min_rank_1, world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
+                               "all_reduce(op=MIN) on rank 1"))
 
 # %% expect
 # Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
@@ -238,17 +238,19 @@ print(lessons.check_prediction(my_all_to_all_rank_1,
 # Solution (expand the cell to see it):
 
 # %% solution
-print(lessons.check_prediction([2 + 12 + 22 + 32], world.run(apply, "reduce_scatter", {"dim": 0})[2],
-                               "reduce_scatter on rank 2"))
-print(lessons.check_prediction([1, 11, 21, 31],
-                               world.run(apply, "all_to_all", {"scatter_dim": 0, "gather_dim": 0})[1],
-                               "all_to_all on rank 1"))
+# chunk 3 of the element-wise maximum: element 3, largest on the last rank
+print(lessons.check_prediction([10 * (world_size - 1) + 3],
+                               world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
+                               "reduce_scatter(op=MAX) on rank 3"))
+# the element-wise minimum is rank 0's tensor, on every rank
+print(lessons.check_prediction([0, 1, 2, 3], world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
+                               "all_reduce(op=MIN) on rank 1"))
 failure = lessons.expect_error(lambda: lessons.check_prediction([60], torch.tensor([68.0]), "a wrong guess"),
                                AssertionError, "you said [60], it is [68]")
 
 # %% expect
-# Correct: reduce_scatter on rank 2 is [68].
-# Correct: all_to_all on rank 1 is [1, 11, 21, 31].
+# Correct: reduce_scatter(op=MAX) on rank 3 is [33].
+# Correct: all_reduce(op=MIN) on rank 1 is [0, 1, 2, 3].
 
 # %% [markdown]
 # ## Takeaway

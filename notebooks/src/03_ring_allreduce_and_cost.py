@@ -132,8 +132,8 @@ for n in (2, 4, 8, 16):
 
 # %% [markdown]
 # The ring's steps grow with `n`, its bytes do not; the tree's steps grow only as `log2(n)`,
-# its bytes do. (NCCL's real tree is a pipelined double binary tree that avoids most of the
-# byte cost; the simple tree shows the trade-off.)
+# its bytes do. (NCCL's tree is a pipelined double binary tree that sends far fewer bytes than
+# this simple one; the cost model below models NCCL's.)
 
 # %% [markdown]
 # ## 4. From bytes to time: the alpha-beta model
@@ -159,6 +159,8 @@ large = [cost.estimate("all_reduce", 2 ** 30, n, topology, algorithm=a) for a in
 assert small[1].time < small[0].time, "small messages: fewer steps win (latency)"
 assert large[0].time < large[1].time, "large messages: fewer bytes win (bandwidth)"
 assert small[0].latency / small[0].time > 0.9 and large[0].latency / large[0].time < 0.1
+simple_tree_bytes = most_sent(allreduce_steps(n, "tree")[1:], n) * 2 ** 30
+assert large[1].bandwidth_time < simple_tree_bytes / topology.intra_bandwidth   # NCCL's tree sends less
 
 # %% [markdown]
 # For 1 KiB, latency is almost all of the time and the tree's fewer steps win; for 1 GiB the

@@ -42,6 +42,8 @@ def column_parallel(comm, x, params):
 
 outs = world.run(column_parallel, x, params)
 print("rank 0 holds", outs[0][0], "and computes h of shape", tuple(outs[0][1].shape))
+for name in ("w1", "w2"):   # each rank stores a 1 / world_size share of both matrices
+    assert all(shapes[name][0] * shapes[name][1] * world_size == params[name].numel() for shapes, _ in outs)
 full_h = torch.nn.functional.gelu(x @ params["w1"].T + params["b1"])       # (batch, ffn)
 print(lessons.assert_close(torch.cat([h for _, h in outs], dim=-1), full_h, "the ranks' h side by side"))
 
