@@ -8,7 +8,8 @@ one-off Cluster.
 
 The program travels by value (cloudpickle): a function defined in a notebook
 cell, a closure or a lambda works. Every tensor in a rank's result comes back
-detached, on the CPU.
+detached, on the CPU. What a program prints comes back too, each line tagged
+``[rank r]``, written to this process's stdout when the run ends.
 
 Nothing is left behind on failure: when a rank raises, when a worker dies, or
 when the run exceeds its timeout, every worker is killed and reaped and the
@@ -111,6 +112,20 @@ def _rebuild_error(encoded: tuple) -> BaseException:
         error = RemoteError(f"{type_name}: {message}")
     error.__cause__ = RemoteTraceback(text)
     return error
+
+
+def _relay_output(printed: dict[int, str]) -> None:
+    """Write what each rank's program printed to this process's stdout, each line tagged with its rank.
+
+    The workers' own stdout is not the notebook's, so prints would otherwise be lost.
+    """
+    for rank in sorted(printed):
+        text = printed[rank]
+        if text:
+            sys.stdout.write("".join(f"[rank {rank}] {line}" for line in text.splitlines(keepends=True)))
+            if not text.endswith("\n"):
+                sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 def _loopback_store() -> dist.TCPStore:
@@ -315,6 +330,7 @@ class Cluster:
         errors: list[tuple[int, BaseException]] = []
         dead: list[tuple[int, int | None]] = []
         books: dict[int, tuple] = {}
+        printed: dict[int, str] = {}
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -328,15 +344,16 @@ class Cluster:
                 elif message[0] == "ok":
                     results[worker.rank] = cloudpickle.loads(message[2])
                     events.extend(message[3])
-                    books[worker.rank] = message[4]
+                    books[worker.rank], printed[worker.rank] = message[4], message[5]
                 else:
                     errors.append((worker.rank, _rebuild_error(message[2])))
                     events.extend(message[3])
-                    books[worker.rank] = message[4]
+                    books[worker.rank], printed[worker.rank] = message[4], message[5]
             if (errors or dead) and pending:
                 grace = time.monotonic() + _ERROR_GRACE_S
                 deadline = grace if deadline is None else min(deadline, grace)
         self.trace = Trace(events)
+        _relay_output(printed)
         if pending and not dead and not errors:
             message_on_timeout = self._describe_timeout(timeout, sorted(pending))   # before the kill
         if dead:                     # a dead worker first: the other ranks' errors are its echo

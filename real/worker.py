@@ -5,11 +5,12 @@ until told to close or until the pipe breaks (the parent has gone):
 
 * ``("run", (clock_zero, tracing, blob))``: ``blob`` is the cloudpickled
   ``(program, args, kwargs)``; the worker runs ``program(comm, *args,
-  **kwargs)`` and replies ``("ok", rank, result_blob, events, books)`` with
-  every tensor of the result detached and moved to the CPU, or ``("error",
-  rank, encoded_error, events, books)`` with the exception and its traceback
-  text. ``books`` (:meth:`real.transport.GroupCache.books`) lets the parent
-  tell whether the process groups are still in step.
+  **kwargs)`` and replies ``("ok", rank, result_blob, events, books, output)``
+  with every tensor of the result detached and moved to the CPU, or
+  ``("error", rank, encoded_error, events, books, output)`` with the exception
+  and its traceback text. ``books`` (:meth:`real.transport.GroupCache.books`)
+  lets the parent tell whether the process groups are still in step;
+  ``output`` is what the program printed (Python's stdout and stderr).
 * ``("close", None)``: leave the process group and exit.
 
 Every message is a pickled tuple sent with ``send_bytes``; tensors travel by
@@ -18,9 +19,11 @@ behind when a worker is killed.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import faulthandler
+import io
 import os
 import pickle
 import signal
@@ -124,13 +127,16 @@ def _serve(conn: Connection, rank: int, device: torch.device, cache: GroupCache)
             return
         clock_zero, tracing, blob = payload
         events: list | None = [] if tracing else None
+        output = io.StringIO()       # what the program prints goes back to the parent
         try:
-            program, args, kwargs = cloudpickle.loads(blob)
-            comm = Communicator(DistTransport(dist.group.WORLD, device, events=events,
-                                              clock_zero=clock_zero, cache=cache))
-            result = program(comm, *args, **kwargs)
+            with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+                program, args, kwargs = cloudpickle.loads(blob)
+                comm = Communicator(DistTransport(dist.group.WORLD, device, events=events,
+                                                  clock_zero=clock_zero, cache=cache))
+                result = program(comm, *args, **kwargs)
             result_blob = cloudpickle.dumps(_to_cpu(result))
         except BaseException as error:
-            _send(conn, ("error", rank, encode_error(error, skip_frames=1), events or [], cache.books()))
+            _send(conn, ("error", rank, encode_error(error, skip_frames=1), events or [], cache.books(),
+                         output.getvalue()))
             continue
-        _send(conn, ("ok", rank, result_blob, events or [], cache.books()))
+        _send(conn, ("ok", rank, result_blob, events or [], cache.books(), output.getvalue()))

@@ -191,6 +191,20 @@ def test_further_runs_cost_milliseconds(cluster):
     assert statistics.median(times) < 0.3, times
 
 
+def _prints(comm):
+    print(f"rank {comm.rank} says hi")
+    print("no newline at the end", end="")
+    return comm.rank
+
+
+@pytest.mark.timeout(60)
+def test_prints_come_back_tagged_with_the_rank(cluster, capsys):
+    assert cluster.run(_prints) == [0, 1]
+    assert capsys.readouterr().out == (
+        "[rank 0] rank 0 says hi\n[rank 0] no newline at the end\n"
+        "[rank 1] rank 1 says hi\n[rank 1] no newline at the end\n")
+
+
 @pytest.mark.timeout(60)
 def test_close_leaves_nothing_and_rejects_runs(cluster):
     c = cluster                                          # the module's cluster, closed last
