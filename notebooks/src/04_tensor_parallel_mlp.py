@@ -13,7 +13,7 @@
 # %%
 import torch
 import simcomm
-from simcomm import lessons, viz
+from simcomm import cost, lessons, viz
 from simcomm.models import make_mlp, mlp, shard_mlp, tp_mlp
 
 world_size, batch, hidden, ffn = 4, 3, 8, 16
@@ -131,6 +131,20 @@ print(calls, f"each on {activation_bytes} bytes per rank")
 
 # %% ignore-output
 viz.timeline_figure(world.trace)
+
+# %% [markdown]
+# How long would those two all-reduces take on an 8-GPU H100 node? The cost model of lesson 3
+# can put a modelled duration on every traced call (`cost.annotate`). For an activation this
+# small, each all-reduce costs its fixed latency, whatever the bytes:
+
+# %%
+cost.annotate(world.trace, "h100-nvswitch")
+latency = cost.estimate("all_reduce", 0, world_size, "h100-nvswitch").time
+assert all(abs(event.modelled - latency) < 0.05 * latency for event in world.trace)
+print(f"each all-reduce: {world.trace.events[0].modelled * 1e6:.0f} us (of which latency {latency * 1e6:.0f} us)")
+
+# %% ignore-output
+viz.timeline_figure(world.trace, modelled=True)
 
 # %% [markdown]
 # ## 4. The same code without the conjugate pair
