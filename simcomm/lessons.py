@@ -107,7 +107,7 @@ def expect_error(call: Callable[[], Any], error_type: type[BaseException] | tupl
 # -- a finite-difference check through the collectives ----------------------------------------
 
 def _loss_and_grad(comm, loss_fn: Callable, inputs: Sequence[torch.Tensor]):
-    x = inputs[comm.rank].clone().requires_grad_()
+    x = inputs[comm.rank].to(comm.device, copy=True).requires_grad_()
     loss = loss_fn(comm, x)
     loss.backward()
     return loss.detach(), x.grad
@@ -115,7 +115,7 @@ def _loss_and_grad(comm, loss_fn: Callable, inputs: Sequence[torch.Tensor]):
 
 def _loss_only(comm, loss_fn: Callable, inputs: Sequence[torch.Tensor]):
     with torch.no_grad():
-        return loss_fn(comm, inputs[comm.rank].clone())
+        return loss_fn(comm, inputs[comm.rank].to(comm.device, copy=True))
 
 
 def gradcheck_across_ranks(world, loss_fn: Callable, inputs: Sequence[torch.Tensor], *,

@@ -35,10 +35,12 @@ from simcomm import lessons, viz
 # per rank, at the same time, each with its own `comm`: `comm.rank` is 0, 1, 2 or 3 and
 # `comm.world_size` is 4. This style is called SPMD (single program, multiple data): the code is
 # the same, the data depends on the rank. `run` returns what each rank returned, in rank order.
+# Tensors are made on `comm.device` (the CPU here; a rank's own GPU on a GPU node), so the same
+# program runs everywhere.
 
 # %%
 def hello(comm):
-    x = torch.tensor([comm.rank + 1.0])          # rank r holds r + 1
+    x = torch.tensor([comm.rank + 1.0], device=comm.device)   # rank r holds r + 1
     total = comm.all_reduce(x)                   # every rank gets 1 + 2 + ... + world_size
     return comm.rank, comm.world_size, total
 
@@ -178,7 +180,7 @@ print(lessons.check_count_ranks(count_ranks))
 
 # %% solution
 def count_ranks_solution(comm):
-    return comm.all_reduce(torch.ones(1)).item()     # every rank adds 1
+    return comm.all_reduce(torch.ones(1, device=comm.device)).item()     # every rank adds 1
 
 print(lessons.check_count_ranks(count_ranks_solution))
 failure = lessons.expect_error(lambda: lessons.check_count_ranks(lambda comm: 4), AssertionError,

@@ -23,7 +23,7 @@ world = simcomm.configured_backend(world_size)
 inputs = [10.0 * rank + torch.arange(4.0) for rank in range(world_size)]   # what each rank holds
 
 def apply(comm, op, kwargs):
-    x = 10.0 * comm.rank + torch.arange(4.0)       # this rank's input, the same as inputs[comm.rank]
+    x = 10.0 * comm.rank + torch.arange(4.0, device=comm.device)   # the same as inputs[comm.rank]
     return getattr(comm, op)(x, **kwargs)
 
 print(lessons.per_rank(inputs))
@@ -140,7 +140,7 @@ print(lessons.per_rank(outs))
 
 # %%
 def slice_program(comm):
-    shared = torch.arange(8.0)                       # the same on every rank
+    shared = torch.arange(8.0, device=comm.device)   # the same on every rank
     return comm.slice(shared, dim=0, scale_grad=False)
 
 outs = world.run(slice_program)
@@ -227,7 +227,8 @@ my_all_reduce_min_rank_1 = ...
 print(lessons.check_prediction(my_reduce_scatter_max_rank_3,
                                world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
                                "reduce_scatter(op=MAX) on rank 3"))
-print(lessons.check_prediction(my_all_reduce_min_rank_1, world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
+print(lessons.check_prediction(my_all_reduce_min_rank_1,
+                               world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
                                "all_reduce(op=MIN) on rank 1"))
 
 # %% expect

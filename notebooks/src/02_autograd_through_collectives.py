@@ -32,9 +32,9 @@ print(f"{world_size} ranks, backend {simcomm.backend.backend_name()!r}")
 
 # %%
 def gather_then_weigh(comm):
-    x = (torch.arange(2, dtype=torch.float64) + 10 * comm.rank).requires_grad_()  # (2,)
+    x = (torch.arange(2, dtype=torch.float64, device=comm.device) + 10 * comm.rank).requires_grad_()  # (2,)
     full = comm.all_gather(x, dim=0)                                              # (2 * world_size,)
-    weights = torch.arange(full.numel(), dtype=torch.float64) * (comm.rank + 1)   # differs per rank
+    weights = torch.arange(full.numel(), dtype=torch.float64, device=comm.device) * (comm.rank + 1)
     (full * weights).sum().backward()
     return full.detach(), x.grad
 
@@ -98,9 +98,9 @@ viz.collective_figure("all_gather", world_size=world_size, shape=(2, 3), dim=0)
 # %%
 def dot_test(comm, op, kwargs):
     gen = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(2, 4, 4, 3, dtype=torch.float64, generator=gen, requires_grad=True)  # (b, s, h, d)
-    y = getattr(comm, op)(x, **kwargs)
-    g = torch.randn(y.shape, dtype=torch.float64, generator=gen)   # the gradient arriving at y
+    x = torch.randn(2, 4, 4, 3, dtype=torch.float64, generator=gen).to(comm.device).requires_grad_()
+    y = getattr(comm, op)(x, **kwargs)                              # x: (b, s, h, d)
+    g = torch.randn(y.shape, dtype=torch.float64, generator=gen).to(comm.device)  # arriving at y
     y.backward(g)
     return (y * g).sum().item(), (x * x.grad).sum().item()
 
@@ -135,7 +135,7 @@ for op, kwargs in cases.items():
 
 # %%
 def slice_program(comm, scale_grad):
-    x = torch.arange(8, dtype=torch.float64, requires_grad=True)   # the same on every rank
+    x = torch.arange(8, dtype=torch.float64, device=comm.device, requires_grad=True)   # replicated
     mine = comm.slice(x, dim=0, scale_grad=scale_grad)              # (8 / world_size,)
     (mine ** 2).sum().backward()
     return x.grad
@@ -168,7 +168,8 @@ for scale_grad in (False, True):
 
 # %%
 def replicated_loss(comm, conjugate):
-    a = (torch.tensor([1.0, 2.0], dtype=torch.float64) * (comm.rank + 1)).requires_grad_()
+    a = torch.tensor([1.0, 2.0], dtype=torch.float64, device=comm.device) * (comm.rank + 1)
+    a.requires_grad_()
     s = comm.reduce_from_group(a) if conjugate else comm.all_reduce(a)   # the same on every rank
     loss = (s ** 2).sum()                                                # the same number on every rank
     loss.backward()
@@ -183,7 +184,8 @@ plain = world.run(replicated_loss, False)
 megatron = world.run(replicated_loss, True)
 print(lessons.assert_close([l for l, _ in plain], [reference_loss.detach()] * world_size, "loss on every rank"))
 print(lessons.assert_close([g for _, g in megatron], list(a.grad), "grads with reduce_from_group"))
-print(lessons.assert_close([g for _, g in plain], list(world_size * a.grad), "grads with all_reduce = world_size x reference"))
+print(lessons.assert_close([g for _, g in plain], list(world_size * a.grad),
+                           "grads with all_reduce = world_size x reference"))
 
 # %% expect
 # loss on every rank: matches the reference
@@ -214,7 +216,8 @@ print(f"all_reduce gradients / reduce_from_group gradients = {ratio.unique().tol
 # %%
 def max_program(comm):
     r = comm.rank
-    x = torch.tensor([r, 3 - r, 1, 5 * (r == 2)], dtype=torch.float64, requires_grad=True)
+    x = torch.tensor([r, 3 - r, 1, 5 * (r == 2)], dtype=torch.float64, device=comm.device)
+    x.requires_grad_()
     y = comm.all_reduce(x, op=ReduceOp.MAX)
     y.sum().backward()                 # each rank's loss; the objective is their sum
     return x.detach(), y.detach(), x.grad

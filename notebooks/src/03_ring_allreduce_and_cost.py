@@ -50,7 +50,7 @@ ring
 
 # %%
 def ring_vs_builtin(comm):
-    x = torch.arange(8.0) + 100 * comm.rank      # 8 numbers = 4 chunks of 2
+    x = torch.arange(8.0, device=comm.device) + 100 * comm.rank      # 8 numbers = 4 chunks of 2
     return lessons.ring_all_reduce(comm, x), comm.all_reduce(x)
 
 outs = world.run(ring_vs_builtin)
@@ -245,7 +245,8 @@ print(lessons.check_ring_counts(ring_steps, ring_bytes))
 print(lessons.check_ring_counts(lambda n: 2 * (n - 1), lambda n, nbytes: 2 * (n - 1) * nbytes / n))
 # the tree's step count is caught as wrong for a ring:
 tree_steps = lambda n: 2 * (n - 1).bit_length()
-failure = lessons.expect_error(lambda: lessons.check_ring_counts(tree_steps, lambda n, nbytes: 2 * (n - 1) * nbytes / n),
+ring_bytes_right = lambda n, nbytes: 2 * (n - 1) * nbytes / n
+failure = lessons.expect_error(lambda: lessons.check_ring_counts(tree_steps, ring_bytes_right),
                                AssertionError, "4 ranks: you said 4 steps, the ring takes 6")
 
 # %% expect

@@ -36,6 +36,7 @@ print({name: tuple(p.shape) for name, p in params.items()})
 
 # %%
 def column_parallel(comm, x, params):
+    x, params = x.to(comm.device), {name: p.to(comm.device) for name, p in params.items()}
     shards = shard_mlp(params, comm.rank, comm.world_size)       # this rank's slices, as leaves
     h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])   # (batch, ffn / P)
     return {name: tuple(p.shape) for name, p in shards.items()}, h.detach()
@@ -61,6 +62,7 @@ print(lessons.assert_close(torch.cat([h for _, h in outs], dim=-1), full_h, "the
 
 # %%
 def partial_sums(comm, x, params):
+    x, params = x.to(comm.device), {name: p.to(comm.device) for name, p in params.items()}
     shards = shard_mlp(params, comm.rank, comm.world_size)
     h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])   # (batch, ffn / P)
     return (h @ shards["w2"].T).detach()                              # (batch, hidden): a share
@@ -89,8 +91,9 @@ assert all(lessons.max_error(p, reference) > 1e-3 for p in partials), "no single
 
 # %%
 def train_step(comm, x, params, conjugate, loss_scale=1.0):
+    params = {name: p.to(comm.device) for name, p in params.items()}
     shards = shard_mlp(params, comm.rank, comm.world_size)
-    x = x.clone().requires_grad_()
+    x = x.to(comm.device, copy=True).requires_grad_()     # a leaf of this rank's own graph
     out = tp_mlp(comm, x, shards, conjugate=conjugate)
     (out.pow(2).sum() * loss_scale).backward()       # the same loss on every rank
     return out.detach(), x.grad, {name: p.grad for name, p in shards.items()}
@@ -141,7 +144,8 @@ viz.timeline_figure(world.trace)
 cost.annotate(world.trace, "h100-nvswitch")
 latency = cost.estimate("all_reduce", 0, world_size, "h100-nvswitch").time
 assert all(abs(event.modelled - latency) < 0.05 * latency for event in world.trace)
-print(f"each all-reduce: {world.trace.events[0].modelled * 1e6:.0f} us (of which latency {latency * 1e6:.0f} us)")
+print(f"each all-reduce: {world.trace.events[0].modelled * 1e6:.0f} us "
+      f"(of which latency {latency * 1e6:.0f} us)")
 
 # %% ignore-output
 viz.timeline_figure(world.trace, modelled=True)

@@ -34,7 +34,7 @@ labels = (10 * torch.arange(seq).view(1, seq, 1, 1) + torch.arange(heads).view(1
           ).expand(batch, seq, heads, head_dim).double()     # (b, s, h, d)
 
 def to_heads_and_back(comm, labels):
-    mine = labels[:, comm.rank * shard:(comm.rank + 1) * shard]                 # (b, s/P, h, d)
+    mine = labels[:, comm.rank * shard:(comm.rank + 1) * shard].to(comm.device)  # (b, s/P, h, d)
     by_heads = comm.all_to_all_4D(mine, scatter_dim=2, gather_dim=1)           # (b, s, h/P, d)
     back = comm.all_to_all_4D(by_heads, scatter_dim=1, gather_dim=2)           # (b, s/P, h, d)
     return mine, by_heads, back
@@ -58,7 +58,8 @@ for rank, (mine, by_heads, _) in enumerate(outs):
 heads_per_rank = heads // world_size
 expected_heads = [labels[:, :, r * heads_per_rank:(r + 1) * heads_per_rank] for r in range(world_size)]
 print(lessons.assert_close([by_heads for _, by_heads, _ in outs], expected_heads, "head shards"))
-print(lessons.assert_close([back for _, _, back in outs], [mine for mine, _, _ in outs], "back to sequence shards"))
+print(lessons.assert_close([back for _, _, back in outs], [mine for mine, _, _ in outs],
+                           "back to sequence shards"))
 
 # %% expect
 # head shards: matches the reference
@@ -86,9 +87,9 @@ weights = torch.randn(batch, seq, heads, head_dim, dtype=torch.float64,
 
 def ulysses_step(comm, q, k, v, weights, causal):
     mine = slice(comm.rank * shard, (comm.rank + 1) * shard)
-    q, k, v = (t[:, mine].clone().requires_grad_() for t in (q, k, v))   # (b, s/P, h, d)
-    out = ulysses_attention(comm, q, k, v, causal=causal)                # (b, s/P, h, d)
-    (out * weights[:, mine]).sum().backward()
+    q, k, v = (t[:, mine].to(comm.device, copy=True).requires_grad_() for t in (q, k, v))  # (b, s/P, h, d)
+    out = ulysses_attention(comm, q, k, v, causal=causal)                                 # (b, s/P, h, d)
+    (out * weights[:, mine].to(comm.device)).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
 for causal in (False, True):
