@@ -56,6 +56,25 @@ def test_notebook_is_committed_stripped(notebook: Path):
             assert cell.get("execution_count") is None, f"{where} holds an execution count"
 
 
+#: the most lines a code cell of a lesson may have: helpers belong in simcomm.lessons
+MAX_CELL_LINES = 25
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_lesson_has_goal_exercise_solution_takeaway_and_short_cells(notebook: Path):
+    cells = json.loads(notebook.read_text())["cells"]
+    text = ["".join(cell["source"]) for cell in cells]
+    assert cells[0]["cell_type"] == "markdown" and "**Goal:**" in text[0], "the first cell states the goal"
+    assert any(cell["cell_type"] == "markdown" and "## Exercise" in source for cell, source in zip(cells, text))
+    assert any("solution" in cell["metadata"].get("tags", []) for cell in cells), "an exercise has a solution"
+    takeaway = [i for i, source in enumerate(text) if source.startswith("## Takeaway")]
+    assert takeaway and takeaway[0] >= len(cells) - 2, "the takeaway ends the lesson"
+    assert "from simcomm import" in text[1] or "from simcomm import" in text[2]
+    long_cells = [(i, len(source.splitlines())) for i, (cell, source) in enumerate(zip(cells, text))
+                  if cell["cell_type"] == "code" and len(source.splitlines()) > MAX_CELL_LINES]
+    assert not long_cells, f"code cells longer than {MAX_CELL_LINES} lines (index, lines): {long_cells}"
+
+
 def test_notebooks_match_their_sources():
     result = subprocess.run([sys.executable, str(NOTEBOOK_DIR / "build.py"), "--check"],
                             capture_output=True, text=True, timeout=60)
