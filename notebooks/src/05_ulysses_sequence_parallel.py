@@ -113,7 +113,7 @@ for causal in (False, True):
 # causal=True v.grad: matches the reference
 
 # %% [markdown]
-# The backward pass runs the same all-to-alls with the dims swapped (lesson 2), in reverse order:
+# The backward pass runs the all-to-alls again, each with its dims swapped (lesson 2):
 
 # %%
 calls = [(op, phase) for _, op, phase in world.trace.ops()]
@@ -145,21 +145,26 @@ print(str(error).splitlines()[0])
 # world size, so every rank keeps the same number of tokens).
 
 # %%
+def my_tokens(comm, seq_len):
+    per_rank = seq_len // comm.world_size
+    return slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
+
 def allgather_kv_step(comm, q, k, v):
-    mine = slice(comm.rank * (q.shape[1] // comm.world_size), (comm.rank + 1) * (q.shape[1] // comm.world_size))
+    mine = my_tokens(comm, q.shape[1])
     k_all, v_all = comm.all_gather(k[:, mine], dim=1), comm.all_gather(v[:, mine], dim=1)  # (b, s, h, d)
     return attention(q[:, mine], k_all, v_all)                                           # (b, s/P, h, d)
 
 def ulysses_forward(comm, q, k, v):
-    mine = slice(comm.rank * (q.shape[1] // comm.world_size), (comm.rank + 1) * (q.shape[1] // comm.world_size))
+    mine = my_tokens(comm, q.shape[1])
     return ulysses_attention(comm, q[:, mine], k[:, mine], v[:, mine])
 
 def bytes_sent_by_rank_0(trace):
     return sum(sum(event.sent.values()) for event in trace.filter(rank=0))
 
+# %%
 for size in (2, 4, 8):
     sim = simcomm.World(size)                                   # byte counts: the simulator's trace
-    q_n, k_n, v_n = make_qkv(batch, 4 * size, 8, head_dim)      # 4 tokens and 8 heads per rank
+    q_n, k_n, v_n = make_qkv(batch, 4 * size, 8, head_dim)      # 4 tokens per rank, 8 heads
     ours = torch.cat(sim.run(ulysses_forward, q_n, k_n, v_n), dim=1)
     ulysses_bytes = bytes_sent_by_rank_0(sim.trace)
     theirs = torch.cat(sim.run(allgather_kv_step, q_n, k_n, v_n), dim=1)
