@@ -196,7 +196,7 @@ print(lessons.assert_close([g for _, g in plain], list(world_size * a.grad),
 # Neither rule is wrong: they answer different questions. With `all_reduce`, the gradient is
 # exact for the objective `world_size * loss` (the sum of the `world_size` per-rank losses);
 # with `reduce_from_group` it is exact for one copy of the loss. The code must say which one it
-# means. Lesson 4 uses both pairs in a tensor-parallel MLP.
+# means. Lesson 4 compares the two in a tensor-parallel MLP.
 
 # %%
 ratio = torch.stack([g for _, g in plain]) / torch.stack([g for _, g in megatron])
