@@ -70,25 +70,27 @@ def check_same(op: str, inputs: Sequence[torch.Tensor]) -> None:
             )
 
 
-_BLOCK = 1 << 16  # elements per block when reducing large tensors: the partial result stays in cache
-_COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum,
-            "product": torch.mul}
+_ACCUMULATE_FROM = 1 << 16  # elements per rank from which large reductions accumulate in place
+_COMBINE_INPLACE = {"sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "max": None, "min": None,
+                    "product": torch.Tensor.mul_}
 
 
-def _reduce_blocked(inputs: Sequence[torch.Tensor], name: str) -> torch.Tensor:
-    """Reduce block by block: every input is read once and the result written once,
-    without the ``(world, ...)`` copy that stacking makes. Not differentiable."""
-    flats = [tensor.reshape(-1) for tensor in inputs]  # (numel,) views of contiguous inputs
-    out = torch.empty_like(flats[0])
-    combine = _COMBINE[name]
-    for start in range(0, out.numel(), _BLOCK):
-        block = out[start:start + _BLOCK]
-        combine(flats[0][start:start + _BLOCK], flats[1][start:start + _BLOCK], out=block)
-        for flat in flats[2:]:
-            combine(block, flat[start:start + _BLOCK], out=block)
+def _reduce_accumulate(inputs: Sequence[torch.Tensor], name: str) -> torch.Tensor:
+    """Fold the inputs into one new tensor in place: every input is read once and no
+    ``(world, ...)`` stack is allocated (for large tensors the stack's copy costs more
+    than the reduction). Not differentiable."""
+    if name in ("max", "min"):
+        combine = torch.maximum if name == "max" else torch.minimum
+        out = combine(inputs[0], inputs[1])
+        for tensor in inputs[2:]:
+            combine(out, tensor, out=out)
+        return out
+    out = inputs[0] + inputs[1] if name != "product" else inputs[0] * inputs[1]
+    for tensor in inputs[2:]:
+        _COMBINE_INPLACE[name](out, tensor)
     if name == "avg":
         out /= len(inputs)
-    return out.view(inputs[0].shape)
+    return out
 
 
 def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> torch.Tensor:
@@ -98,9 +100,9 @@ def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> torch.
         return inputs[0].clone()
     if name == "avg" and not (inputs[0].is_floating_point() or inputs[0].is_complex()):
         raise ValueError(f"reduce: ReduceOp.AVG needs a floating-point dtype, got {inputs[0].dtype}")
-    large = inputs[0].numel() >= 4 * _BLOCK
+    large = inputs[0].numel() >= _ACCUMULATE_FROM
     if large and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
-        return _reduce_blocked(inputs, name)
+        return _reduce_accumulate(inputs, name)
     stacked = torch.stack(list(inputs))  # (world, *shape)
     if name == "sum":
         return stacked.sum(0)

@@ -69,16 +69,31 @@ def program_location(frame) -> str:
     return "<unknown location>"
 
 
-def _private(outputs: list) -> list:
-    """``outputs`` with every repeated tensor object replaced by a copy of its own."""
-    seen: set[int] = set()
+def _shared_entries(outputs: list, owner: int) -> list[bool]:
+    """Which ranks must copy their output because another rank keeps the same tensor.
+
+    ``owner`` (the rank that computed the outputs) keeps the original of its own
+    entry; the other holders copy it. Each rank copies on its own thread, so a
+    tensor is allocated and later freed by the same thread, which lets the
+    allocator reuse its memory instead of faulting in fresh pages.
+    """
+    first: dict[int, int] = {}
+    shared = [False] * len(outputs)
     for index, out in enumerate(outputs):
         if isinstance(out, torch.Tensor):
-            if id(out) in seen:
-                outputs[index] = out.clone()
+            if id(out) in first:
+                shared[index] = True
             else:
-                seen.add(id(out))
-    return outputs
+                first[id(out)] = index
+    mine = outputs[owner]
+    if shared[owner]:
+        shared[owner], shared[first[id(mine)]] = False, True
+    return shared
+
+
+def _materialize(slot: _Slot, rank: int):
+    out = slot.outputs[rank]
+    return out.clone() if slot.shared[rank] else out
 
 
 def _format_args(sig: tuple) -> str:
@@ -107,7 +122,7 @@ class _Wait:
 class _Slot:
     """One collective of one group at one step: where the members meet."""
 
-    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "failed")
+    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "failed")
 
     def __init__(self, op: str, sig: tuple, world_size: int):
         self.op, self.sig = op, sig
@@ -116,6 +131,7 @@ class _Slot:
         self.arrived: list[int] = []      # group-local ranks, in arrival order
         self.waiting: list[int] = []      # global ranks blocked on this slot
         self.outputs: list | None = None
+        self.shared: list[bool] = []
         self.failed = False
 
 
@@ -300,23 +316,22 @@ class SimTransport(TransportBase):
             state.wait_locked(self.global_rank, _Wait(op, frame, slot, group.ranks, step))
             if slot.failed:
                 raise _Aborted
-            return slot.outputs[me]
+            return _materialize(slot, me)
         # The last rank to arrive does all the tensor work while the others sleep, so
         # no woken rank competes for the interpreter lock with a torch call.
         state.lock.release()
         try:
-            outputs = _private(compute(slot.inputs))
+            slot.outputs = compute(slot.inputs)
+            slot.shared = _shared_entries(slot.outputs, owner=me)
         except BaseException:
             slot.failed = True
             raise
-        else:
-            slot.outputs = outputs
         finally:
             with state.lock:
                 del group.slots[step]
                 for rank in slot.waiting:
                     state.wake_locked(rank)
-        return outputs[me]
+        return _materialize(slot, me)
 
     def _mismatch_locked(self, slot: _Slot, op: str, sig: tuple, frame) -> None:
         ranks = self._group.ranks
