@@ -91,6 +91,18 @@ def _shared_entries(outputs: list, owner: int) -> list[bool]:
     return shared
 
 
+_COPY_HERE_BELOW = 1 << 16  # bytes: smaller shared outputs are copied by the rank that computed them
+
+
+def _copy_small(slot: _Slot) -> None:
+    """Copy small shared outputs right away, while this thread's caches are warm; a
+    woken rank's first touches are the expensive ones. Large ones stay per rank."""
+    for index, shared in enumerate(slot.shared):
+        out = slot.outputs[index]
+        if shared and out.nbytes < _COPY_HERE_BELOW:
+            slot.outputs[index], slot.shared[index] = out.clone(), False
+
+
 def _materialize(slot: _Slot, rank: int):
     out = slot.outputs[rank]
     return out.clone() if slot.shared[rank] else out
@@ -323,6 +335,7 @@ class SimTransport(TransportBase):
         try:
             slot.outputs = compute(slot.inputs)
             slot.shared = _shared_entries(slot.outputs, owner=me)
+            _copy_small(slot)
         except BaseException:
             slot.failed = True
             raise
