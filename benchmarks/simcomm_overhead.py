@@ -144,11 +144,19 @@ def time_ideal(op: str, world_size: int, numel: int, iters: int) -> float:
 TIMERS = {"simcomm": time_simcomm, "threaded": time_threaded, "ideal": time_ideal}
 
 
-def measure(timer, op: str, world_size: int, numel: int, repeats: int) -> float:
-    """Median per-call seconds over ``repeats`` runs sized to about TARGET_SECONDS each."""
-    probe = timer(op, world_size, numel, 2)
-    iters = int(min(500, max(3, TARGET_SECONDS / max(probe, 1e-7))))
-    return statistics.median(timer(op, world_size, numel, iters) for _ in range(repeats))
+def measure(op: str, world_size: int, numel: int, repeats: int) -> dict[str, float]:
+    """Median per-call seconds of each timer over ``repeats`` rounds, each round sized to
+    about TARGET_SECONDS per timer. The timers alternate within a round, so a machine
+    that speeds up or slows down during the run affects them alike."""
+    iters = {}
+    for name, timer in TIMERS.items():
+        probe = timer(op, world_size, numel, 2)
+        iters[name] = int(min(500, max(3, TARGET_SECONDS / max(probe, 1e-7))))
+    samples: dict[str, list[float]] = {name: [] for name in TIMERS}
+    for _ in range(repeats):
+        for name, timer in TIMERS.items():
+            samples[name].append(timer(op, world_size, numel, iters[name]))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     parser.add_argument("--world-sizes", nargs="+", type=int, default=list(WORLD_SIZES))
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     sizes = ["1KiB"] if args.quick else args.sizes
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{op:<15}{world_size:>6}{size_name:>7}   skipped: "
                           f"{footprint(op, world_size, nbytes) / 2**30:.0f} GiB of buffers")
                     continue
-                times = {name: measure(timer, op, world_size, numel, repeats) for name, timer in TIMERS.items()}
+                times = measure(op, world_size, numel, repeats)
                 row = {"op": op, "world_size": world_size, "size": size_name,
                        **{f"{k}_us": v * 1e6 for k, v in times.items()},
                        "sim_over_threaded": times["simcomm"] / times["threaded"],

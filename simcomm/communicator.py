@@ -26,10 +26,8 @@ __all__ = ["Communicator"]
 
 
 class _NoGradContext:
-    """Stands in for autograd's ctx when no gradient can flow: attributes are dropped."""
-
-    def __setattr__(self, name, value) -> None:
-        pass
+    """Stands in for autograd's ctx when no gradient can flow: what a rule stores on it
+    is never read (one instance serves every rank and call)."""
 
     def save_for_backward(self, *tensors) -> None:
         pass

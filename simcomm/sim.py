@@ -305,7 +305,7 @@ class SimTransport(TransportBase):
     def _collective(self, op: str, tensor: torch.Tensor | None, sig: tuple,
                     compute: Callable[[list], list], root: int | None = None):
         step = self._next_step()
-        event = self._begin(op, step, tensor, root, args=dict(sig[2:] if tensor is not None else sig))
+        event = self._begin(op, step, tensor, root, args=sig[2:] if tensor is not None else sig)
         out = self._rendezvous(op, step, tensor, sig, compute)
         self._end(event, out if isinstance(out, torch.Tensor) else None)
         return out
@@ -329,8 +329,7 @@ class SimTransport(TransportBase):
             if slot.failed:
                 raise _Aborted
             return _materialize(slot, me)
-        # The last rank to arrive does all the tensor work while the others sleep, so
-        # no woken rank competes for the interpreter lock with a torch call.
+        # The last rank to arrive does the collective's tensor work, with warm caches.
         state.lock.release()
         try:
             slot.outputs = compute(slot.inputs)

@@ -110,7 +110,8 @@ class TraceEvent:
     def from_record(cls, record: tuple) -> TraceEvent:
         """Build an event from the flat tuple a transport records on its hot path:
         ``(op, group, rank, step, phase, shape, dtype, nbytes, start, root, args, end, out_shape)``,
-        where ``nbytes`` may be ``None`` (then it is ``numel * itemsize`` of ``shape``/``dtype``)."""
+        where ``nbytes`` may be ``None`` (then it is ``numel * itemsize`` of ``shape``/``dtype``)
+        and ``args`` a dict or a tuple of (name, value) pairs."""
         op, group, rank, step, phase, shape, dtype, nbytes, start, root, args, end, out_shape = record
         if nbytes is None:
             nbytes = math.prod(shape) * dtype.itemsize if shape is not None else 0
@@ -119,7 +120,7 @@ class TraceEvent:
                    dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
                    nbytes=nbytes, start=start, end=end,
                    out_shape=tuple(out_shape) if out_shape is not None else None,
-                   root=root, args=args or {})
+                   root=root, args=dict(args) if args else {})
 
     @property
     def sent(self) -> dict[int, int]:

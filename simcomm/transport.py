@@ -68,7 +68,7 @@ class TransportBase:
         return step
 
     def _begin(self, op: str, step: int, tensor: torch.Tensor | None, root: int | None = None,
-               nbytes: int | None = None, args: dict | None = None) -> list | None:
+               nbytes: int | None = None, args: dict | tuple | None = None) -> list | None:
         """Start the trace record of this call (``None`` when tracing is off)."""
         if self._events is None:
             return None
