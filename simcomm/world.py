@@ -107,14 +107,15 @@ def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwarg
         state.rank_finished(rank)
 
 
-def _caused_by_abort(error: BaseException) -> bool:
-    """Whether ``error`` only wraps an abort (autograd may re-raise it as another type)."""
-    seen = 0
-    while error is not None and seen < 20:
-        if isinstance(error, _Aborted) or "_Aborted" in str(type(error)):
+def _caused_by_abort(error: BaseException | None) -> bool:
+    """Whether ``error`` was raised while unwinding from an abort (a program may catch
+    the abort and raise something else from it)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, _Aborted):
             return True
+        seen.add(id(error))
         error = error.__cause__ or error.__context__
-        seen += 1
     return False
 
 
