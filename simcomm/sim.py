@@ -33,7 +33,6 @@ import torch
 
 from . import collectives as math
 from .errors import CollectiveMismatchError, DeadlockError
-
 from .transport import TransportBase
 
 __all__ = ["SimTransport", "RunState", "program_location"]
@@ -46,16 +45,16 @@ class _Aborted(BaseException):
 
 # -- where in the program a rank is -----------------------------------------------------
 
-_SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, torch.__file__, threading.__file__))
+_SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, torch.__file__))
 _SKIP_FILES = (threading.__file__,)
 
 
 def _skip_dirs() -> tuple[str, ...]:
-    extra = []
+    """simcomm's and torch's folders, and real's once it is imported."""
     real = sys.modules.get("real")
     if real is not None and getattr(real, "__file__", None):
-        extra.append(os.path.dirname(real.__file__) + os.sep)
-    return _SKIP_DIRS[:2] + tuple(extra)
+        return (*_SKIP_DIRS, os.path.dirname(real.__file__) + os.sep)
+    return _SKIP_DIRS
 
 
 def program_location(frame) -> str:
@@ -73,9 +72,8 @@ def _shared_entries(outputs: list, owner: int) -> list[bool]:
     """Which ranks must copy their output because another rank keeps the same tensor.
 
     ``owner`` (the rank that computed the outputs) keeps the original of its own
-    entry; the other holders copy it. Each rank copies on its own thread, so a
-    tensor is allocated and later freed by the same thread, which lets the
-    allocator reuse its memory instead of faulting in fresh pages.
+    entry; every other holder gets a copy (made by :func:`_copy_small` at once, or
+    by the holder itself on its own thread for large tensors).
     """
     first: dict[int, int] = {}
     shared = [False] * len(outputs)
