@@ -70,7 +70,7 @@ print(lessons.assert_close([back for _, _, back in outs], [mine for mine, _, _ i
 # simulator): the left panels are sequence shards, the right ones head shards.
 
 # %% ignore-output
-viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(batch, seq, heads, head_dim))
+viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(batch, shard, heads, head_dim))  # per-rank shape
 
 # %% [markdown]
 # ## 2. Ulysses attention equals single-device attention
