@@ -1,4 +1,6 @@
-"""Hardware the cost model runs on: :class:`Topology` and cited presets.
+"""Hardware the cost model runs on: :class:`Topology`, NCCL's protocols, and cited presets.
+
+This module is data: the cost model that reads it is :mod:`simcomm.cost`.
 
 A topology is two levels of links:
 
@@ -10,29 +12,87 @@ A topology is two levels of links:
 
 Line rates come from datasheets; the ``*_efficiency`` fields are the fraction
 of line rate NCCL's Simple protocol reaches (headers, flags, 128-byte stores
-from the SMs). Per-hop latencies are NCCL's own ring/Simple tuning constants
-(``src/graph/tuning.cc``: base 8.4 us; NVLink 3.4 us, PCIe 5.7 us, network
-9.6 us per hop).
+from the SMs).
+
+**Protocols.** NCCL moves data with one of three protocols (:data:`PROTOCOLS`)
+and picks, per call, the one its model predicts fastest: *Simple* (large
+chunks and memory fences: full bandwidth, the highest latency), *LL*
+(low-latency: 8-byte stores of 4 data bytes and a 4-byte flag, so no fence but
+half the bandwidth) and *LL128* (128-byte lines with 8 flag bytes, NVLink
+only: 92% of the bandwidth, latency in between). Their latencies are NCCL's
+own tuning constants (``src/graph/tuning.cc``): the Simple ones are the
+presets' ``base_latency`` / ``link_latency`` / ``nic_latency`` fields (base
+8.4 us; NVLink 3.4 us, PCIe 5.7 us, network 9.6 us per hop, from
+:data:`NCCL_TUNING_OLD`); LL and LL128 from the current table
+(:data:`NCCL_TUNING`). Bandwidth fractions: LL 0.5, LL128 0.92 (same file,
+"model refinements"). NCCL also caps LL/LL128 bandwidth per GPU generation;
+that cap is not modelled.
+
+**NVLink SHARP (NVLS).** On NVSwitch nodes of the Hopper generation the switch
+itself reduces: an all-reduce is one write of every GPU's buffer into the
+switch and one read of the result (multimem instructions), so its busbw is
+above the link rate the ring reaches. A preset with ``nvls_busbw > 0`` offers
+algorithm ``"nvls"`` for all-reduces inside one node: ``nvls_busbw`` is the
+peak busbw NCCL reports for it, with a fixed latency of
+:data:`NVLS_LATENCY` (NCCL's NVLS hardware latency on NVLink, 25 us).
 
 Every preset carries a :class:`Reference`: the published nccl-tests figure its
 efficiencies were set from, which it must reproduce within 20%.
-:data:`CROSS_CHECKS` are further published figures, not used to set any
-parameter, that the presets must also meet within 20% (``tests/test_cost.py``;
-:func:`validation_table` lists both).
+:data:`CALIBRATIONS` holds further figures a parameter was set from (NVLS),
+:data:`CROSS_CHECKS` published figures no parameter was set from, that the
+presets must also meet within 20% (``tests/test_cost.py``;
+:func:`simcomm.cost.validation_table` lists them all).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Reference", "Topology", "PRESETS", "CROSS_CHECKS", "get_topology", "validation_table"]
+__all__ = ["Reference", "Topology", "Protocol", "PROTOCOLS", "PRESETS", "CALIBRATIONS", "CROSS_CHECKS",
+           "NVLS_LATENCY", "get_topology", "GB"]
 
 GB = 1e9  # nccl-tests reports GB/s with GB = 1e9 bytes
 
-# NCCL src/graph/tuning.cc, ring algorithm, Simple protocol (microseconds)
+#: NCCL's tuning table as of NCCL 2.8 (ring/Simple constants of the presets' latency fields)
+NCCL_TUNING_OLD = ("https://github.com/NVIDIA/nccl/blob/01afd20a77b5804e0ecf1042509dd9d20ebf9e93/"
+                   "src/graph/tuning.cc")
+#: NCCL's current tuning table (``ncclTunerConstantsDefaults``: LL, LL128 and NVLS constants)
+NCCL_TUNING = "https://github.com/NVIDIA/nccl/blob/v2.28.3-1/src/graph/tuning.cc"
+
+# NCCL_TUNING_OLD, ring algorithm, Simple protocol (seconds)
 _BASE_LATENCY = 8.4e-6
 _NVLINK_HOP = 3.4e-6
 _PCIE_HOP = 5.7e-6
 _NET_HOP = 9.6e-6
+
+#: NCCL's NVLS hardware latency on NVLink (NCCL_TUNING, NVLS/Simple), seconds
+NVLS_LATENCY = 25e-6
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One of NCCL's protocols: its latencies (seconds) and the fraction of bandwidth it reaches.
+
+    ``hop`` maps a link type (``"nvlink"``, ``"pcie"``, ``"net"``) to the
+    latency of one step over it; ``None`` for a protocol whose latencies are
+    the topology's own fields (Simple). ``links``: the intra-node link types
+    it runs on.
+    """
+
+    name: str
+    base: float | None
+    hop: dict[str, float] | None
+    bandwidth_fraction: float
+    links: tuple[str, ...] = ("nvlink", "pcie")
+
+
+#: NCCL's protocols (module docstring); latencies in seconds from NCCL_TUNING (ring row)
+PROTOCOLS: dict[str, Protocol] = {
+    "Simple": Protocol("Simple", base=None, hop=None, bandwidth_fraction=1.0),
+    "LL": Protocol("LL", base=6.6e-6, hop={"nvlink": 0.6e-6, "pcie": 1.0e-6, "net": 2.7e-6},
+                   bandwidth_fraction=0.5),
+    "LL128": Protocol("LL128", base=14.0e-6, hop={"nvlink": 1.9e-6, "pcie": 2.5e-6, "net": 4.0e-6},
+                      bandwidth_fraction=0.92, links=("nvlink",)),
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +112,7 @@ class Reference:
     url: str
     figure: str             # the quoted figure, in words
     ranks: tuple[int, ...] | None = None
+    algorithm: str | None = None    # as run (e.g. NCCL_ALGO=RING); None: the model's fastest
 
 
 @dataclass(frozen=True)
@@ -60,7 +121,9 @@ class Topology:
 
     Bandwidths are bytes/s per direction, latencies seconds; ``compute_flops``
     is the dense BF16 peak of one GPU (flop/s), used to turn
-    ``comm.compute(flops=...)`` into seconds.
+    ``comm.compute(flops=...)`` into seconds. ``link_type``: ``"nvlink"`` or
+    ``"pcie"``, which of NCCL's per-protocol latencies apply inside a node.
+    ``nvls_busbw``: peak all-reduce busbw of NVLink SHARP (0: no NVLS).
     """
 
     name: str
@@ -75,6 +138,8 @@ class Topology:
     nic_latency: float = _NET_HOP
     base_latency: float = _BASE_LATENCY
     compute_flops: float = 0.0
+    link_type: str = "nvlink"
+    nvls_busbw: float = 0.0
     reference: Reference | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,7 +155,10 @@ class Topology:
             if getattr(self, name) > 1:
                 raise ValueError(f"Topology {self.name!r}: {name} is a fraction of line rate, "
                                  f"got {getattr(self, name)!r}")
-        for name in ("link_latency", "nic_latency", "base_latency", "compute_flops", "nic_bandwidth"):
+        if self.link_type not in ("nvlink", "pcie"):
+            raise ValueError(f"Topology {self.name!r}: link_type must be 'nvlink' or 'pcie', got {self.link_type!r}")
+        for name in ("link_latency", "nic_latency", "base_latency", "compute_flops", "nic_bandwidth",
+                     "nvls_busbw"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"Topology {self.name!r}: {name} must be >= 0, got {value!r}")
@@ -132,9 +200,9 @@ H100_NVSWITCH = _preset(Topology(
     name="h100-nvswitch",
     gpus_per_node=8, nodes=1,
     link_bandwidth=450 * GB, link_efficiency=0.82, link_latency=_NVLINK_HOP,
-    compute_flops=989e12,
+    compute_flops=989e12, nvls_busbw=480 * GB,
     reference=Reference(
-        op="all_reduce", world_size=8, nbytes=8 << 30, busbw=370 * GB,
+        op="all_reduce", world_size=8, nbytes=8 << 30, busbw=370 * GB, algorithm="ring",
         url="https://github.com/NVIDIA/nccl-tests/issues/212",
         figure="8x H100 NVSwitch, NCCL_ALGO=RING: busbw ~370 GB/s at large sizes "
                "(NCCL maintainer: 450 GB/s line rate less ~20% protocol overhead)"),
@@ -148,9 +216,10 @@ H100_NVSWITCH = _preset(Topology(
   the NCCL maintainer), https://github.com/NVIDIA/nccl-tests/issues/212
 * ``compute_flops``: 989 TFLOPS dense BF16 (H100 SXM datasheet).
 
-The model is the ring/tree path; NVLink SHARP (NVLS, ~480 GB/s all-reduce
-busbw on 8 GPUs, same thread; 475 GB/s on H200 in nccl-tests#272) is not
-modelled.
+* ``nvls_busbw`` 480 GB/s: NVLink SHARP all-reduce, "peak busBw of ~480GB/s
+  (algbw ~275GB/s)" on 8 GPUs (NCCL maintainer, same thread;
+  :data:`CALIBRATIONS`). It is NCCL's default all-reduce there at large sizes,
+  above the 370 GB/s the ring reaches: the switch does the reduction.
 """
 
 A100_NVSWITCH = _preset(Topology(
@@ -178,7 +247,7 @@ PCIE_2GPU = _preset(Topology(
     name="pcie-2gpu",
     gpus_per_node=2, nodes=1,
     link_bandwidth=31.5 * GB, link_efficiency=0.70, link_latency=_PCIE_HOP,
-    compute_flops=362e12,
+    compute_flops=362e12, link_type="pcie",
     reference=Reference(
         op="all_reduce", world_size=2, nbytes=1 << 30, busbw=22 * GB,
         url="https://github.com/NVIDIA/nccl/issues/1202",
@@ -239,6 +308,15 @@ H100_NDR_CLUSTER = _preset(Topology(
 """
 
 
+#: further (preset, figure) pairs a parameter was set from, beside each preset's ``reference``
+CALIBRATIONS: list[tuple[str, Reference]] = [
+    ("h100-nvswitch", Reference(
+        op="all_reduce", world_size=8, nbytes=8 << 30, busbw=480 * GB, algorithm="nvls",
+        url="https://github.com/NVIDIA/nccl-tests/issues/212",
+        figure="8x H100 NVSwitch, default algorithm (NVLink SHARP): peak busbw ~480 GB/s "
+               "(algbw ~275 GB/s) at large sizes (NCCL maintainer)")),
+]
+
 #: (preset, figure) pairs held out from calibration: other sizes, node counts and ops
 CROSS_CHECKS: list[tuple[str, Reference]] = [
     ("a100-hdr-cluster", Reference(
@@ -255,6 +333,11 @@ CROSS_CHECKS: list[tuple[str, Reference]] = [
         url="https://github.com/NVIDIA/nccl-tests/issues/212",
         figure="8x H100: ~370 GB/s effective NVLink bandwidth, observed as busbw of the "
                "non-allreduce ops (NCCL maintainer)")),
+    ("h100-nvswitch", Reference(
+        op="all_reduce", world_size=8, nbytes=1024, busbw=0.11 * GB,
+        url="https://github.com/deepseek-ai/DeepEP/issues/303",
+        figure="8x H20 (Hopper, NVLink 4 through NVSwitch as H100) all_reduce_perf: 1 KiB in "
+               "16.38 us, busbw 0.11 GB/s (the LL protocol's latency; Simple alone would take ~56 us)")),
 ]
 
 
@@ -266,26 +349,3 @@ def get_topology(topology: str | Topology) -> Topology:
         return PRESETS[topology]
     except KeyError:
         raise ValueError(f"unknown topology preset {topology!r}; presets: {sorted(PRESETS)}") from None
-
-
-def validation_table() -> list[dict]:
-    """Each preset against its cited figures: the model's busbw and the relative error.
-
-    ``kind`` is ``"calibration"`` for the figure a preset's efficiencies were
-    set from, ``"cross-check"`` for the held-out figures of :data:`CROSS_CHECKS`.
-    """
-    from .cost import estimate
-
-    checks = [(name, t.reference, "calibration") for name, t in PRESETS.items() if t.reference]
-    checks += [(name, ref, "cross-check") for name, ref in CROSS_CHECKS]
-    rows = []
-    for name, ref, kind in checks:
-        topology = PRESETS[name]
-        result = estimate(ref.op, ref.nbytes, ref.world_size, topology, ranks=ref.ranks)
-        rows.append({
-            "preset": name, "kind": kind, "op": ref.op, "world_size": ref.world_size, "nbytes": ref.nbytes,
-            "cited_busbw_GBps": ref.busbw / GB, "model_busbw_GBps": result.busbw / GB,
-            "error": result.busbw / ref.busbw - 1, "algorithm": result.algorithm,
-            "source": ref.url, "figure": ref.figure,
-        })
-    return rows

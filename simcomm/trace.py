@@ -101,6 +101,10 @@ class TraceEvent:
     args: dict = field(default_factory=dict)
     #: modelled duration on a topology, filled by :func:`simcomm.cost.annotate` (seconds)
     modelled: float | None = None
+    #: the call returned a handle instead of blocking
+    async_op: bool = False
+    #: seconds since the run started when the program's ``wait()`` returned; None for blocking calls
+    waited: float | None = None
 
     @property
     def duration(self) -> float:
