@@ -234,6 +234,7 @@ def layout(trace: Trace) -> Timeline:
                          f"event: {stuck}; calls some member never issued: "
                          f"{[f'{k[1]} step {k[-1]}' for k in unplaced]}); is the trace filtered or incomplete?")
     placed.sort(key=lambda p: (p.start, p.event.rank))
+    stalls.sort(key=lambda s: (s.start, s.rank))
     return Timeline(placed, stalls, _summaries(by_rank, placed, stalls, cpu, lane_free))
 
 

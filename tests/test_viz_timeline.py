@@ -1,10 +1,15 @@
-"""timeline_figure: a row per rank, a bar per call, backward hatched; modelled durations from the cost model."""
+"""timeline_figure: measured bars per rank; modelled compute and communication rows, exposed vs hidden."""
+import re
+
 import pytest
 import torch
 
 import simcomm
-from simcomm.cost import annotate
+from simcomm import cost
+from simcomm.cost import annotate, estimate
+from simcomm.trace import Trace, TraceEvent
 from simcomm.viz import timeline_figure
+from simcomm.viz.timeline import MIN_FONT_PX
 
 
 def forward_backward(comm):
@@ -22,6 +27,27 @@ def trace():
     return world.trace
 
 
+def _fonts(fig):
+    """Every font size the figure sets, with where it is set."""
+    sizes = [("layout", fig.layout.font.size), ("title", fig.layout.title.font.size),
+             ("xaxis", fig.layout.xaxis.tickfont.size), ("yaxis", fig.layout.yaxis.tickfont.size),
+             ("xtitle", fig.layout.xaxis.title.font.size), ("legend", fig.layout.legend.font.size)]
+    sizes += [("annotation", a.font.size) for a in fig.layout.annotations]
+    sizes += [("title span", int(px)) for px in re.findall(r"font-size:(\d+)px", fig.layout.title.text)]
+    return sizes
+
+
+def _assert_projector_ready(fig):
+    for where, size in _fonts(fig):
+        assert size is not None and size >= MIN_FONT_PX, (where, size)
+    assert "<sup>" not in fig.layout.title.text          # <sup> shrinks the subtitle
+    html = fig.to_html(full_html=False, include_plotlyjs=False)
+    for bar in fig.data:                                   # the HTML export holds every trace
+        assert f'"name":"{bar.name}"' in html
+
+
+# --- measured ---------------------------------------------------------------------------------
+
 def test_one_bar_per_event_on_its_rank_row(trace):
     fig = timeline_figure(trace)
     bars = [(y, trace_.name) for trace_ in fig.data for y in trace_.y]
@@ -35,6 +61,7 @@ def test_one_bar_per_event_on_its_rank_row(trace):
                      "all_reduce (backward)", "compute"}
     for bar in fig.data:
         assert bar.marker.pattern.shape == ("/" if "(backward)" in bar.name else "")
+    _assert_projector_ready(fig)
 
 
 def test_hover_names_op_phase_shape_and_bytes(trace):
@@ -46,20 +73,96 @@ def test_hover_names_op_phase_shape_and_bytes(trace):
     assert "sent 64 B, received 64 B" in hover  # 32 bytes to each of 2 peers
 
 
-def test_modelled_bars_use_the_cost_model_durations(trace):
+def test_the_subtitle_says_where_measured_times_come_from(trace):
+    real = timeline_figure(trace, source="gloo").layout.title.text
+    assert "real processes (gloo)" in real and "simulated" not in real
+    sim = timeline_figure(trace, source="sim").layout.title.text
+    assert "simulated run" in sim
+    unknown = timeline_figure(trace).layout.title.text
+    assert "simulated" not in unknown and "measured wall-clock time" in unknown
+    trace.backend = "nccl"                                 # a trace that says what recorded it
+    assert "real processes (nccl)" in timeline_figure(trace).layout.title.text
+
+
+# --- modelled ---------------------------------------------------------------------------------
+
+def _event(op, rank, start, *, group=(0, 1), nbytes=1 << 20, **fields):
+    return TraceEvent(op=op, group=group, rank=rank, step=0 if op != "compute" else -1, phase="forward",
+                      shape=(nbytes // 4,), dtype="float32", nbytes=nbytes, start=start, end=start, **fields)
+
+
+def _overlap_trace(async_op):
+    """2 ranks: an all-reduce of 1 MiB at t=0 (async: waited at t=3), then 1 ms of compute."""
+    events = []
+    for rank in (0, 1):
+        events.append(_event("all_reduce", rank, 0.0, async_op=async_op, waited=3.0 if async_op else None))
+        events.append(_event("compute", rank, 1.0, group=(rank,), nbytes=0, args={"seconds": 1e-3}))
+    return Trace(events)
+
+
+def _rows(fig, name):
+    return [bar for bar in fig.data if bar.name == name]
+
+
+def test_modelled_rows_compute_bars_and_exposed_communication():
+    fig = timeline_figure(_overlap_trace(False), modelled=True, topology="pcie-2gpu")
+    duration = estimate("all_reduce", 1 << 20, 2, "pcie-2gpu").time
+    assert list(fig.layout.yaxis.categoryarray) == ["rank 0 compute", "rank 0 comm", "rank 1 compute",
+                                                    "rank 1 comm"]
+    compute, = _rows(fig, "compute")
+    assert list(compute.y) == ["rank 0 compute", "rank 1 compute"]
+    unit = {"µs": 1e6, "ms": 1e3, "s": 1.0}[fig.layout.xaxis.title.text.split("(")[1].rstrip(")")]
+    assert list(compute.x) == pytest.approx([1e-3 * unit] * 2)
+    assert list(compute.base) == pytest.approx([duration * unit] * 2)      # after the blocking call
+    exposed, = _rows(fig, "all_reduce: exposed")
+    assert exposed.marker.pattern.shape == "x"
+    assert list(exposed.y) == ["rank 0 comm", "rank 1 comm"]
+    assert list(exposed.x) == pytest.approx([duration * unit] * 2)
+    assert _rows(fig, "all_reduce: hidden") == []
+    waiting, = _rows(fig, "compute lane waits")
+    assert list(waiting.y) == ["rank 0 compute", "rank 1 compute"]
+    summary = [a.text for a in fig.layout.annotations]
+    assert len(summary) == 2 and all("exposed" in text and "hidden 0" in text for text in summary)
+    _assert_projector_ready(fig)
+
+
+def test_modelled_async_communication_is_hidden_under_compute():
+    fig = timeline_figure(_overlap_trace(True), modelled=True, topology="pcie-2gpu")
+    duration = estimate("all_reduce", 1 << 20, 2, "pcie-2gpu").time
+    unit = {"µs": 1e6, "ms": 1e3, "s": 1.0}[fig.layout.xaxis.title.text.split("(")[1].rstrip(")")]
+    hidden, = _rows(fig, "all_reduce: hidden")
+    assert hidden.marker.pattern.shape == ""
+    assert list(hidden.x) == pytest.approx([duration * unit] * 2)
+    assert list(hidden.base) == [0.0, 0.0]
+    assert _rows(fig, "all_reduce: exposed") == [] and _rows(fig, "compute lane waits") == []
+    compute, = _rows(fig, "compute")
+    assert list(compute.base) == [0.0, 0.0]                                  # overlaps the all-reduce
+    timeline = cost.modelled_timeline(_overlap_trace(True), "pcie-2gpu")
+    for rank, note in zip((0, 1), fig.layout.annotations):
+        summary = timeline.ranks[rank]
+        assert summary.exposed == 0 and summary.hidden == pytest.approx(duration)
+        assert f"exposed {0 * unit:.3g}" in note.text and f"hidden {summary.hidden * unit:.3g}" in note.text
+    _assert_projector_ready(fig)
+
+
+def test_modelled_bars_of_a_world_run_use_the_cost_model_durations(trace):
     with pytest.raises(ValueError, match=r"timeline_figure: modelled=True but .* call simcomm.cost.annotate"):
         timeline_figure(trace, modelled=True)
     annotate(trace, "h100-nvswitch")
     fig = timeline_figure(trace, modelled=True)
-    unit_scale = {"µs": 1e6, "ms": 1e3, "s": 1.0}[fig.layout.xaxis.title.text.split("(")[1].rstrip(")")]
-    widths = sorted(w for t in fig.data for w in t.x)
-    assert widths == pytest.approx(sorted(e.modelled * unit_scale for e in trace.events))
-    compute = next(t for t in fig.data if t.name == "compute")
-    assert list(compute.x) == pytest.approx([1e-3 * unit_scale] * 3)
-    for t in fig.data:  # every rank's calls are laid end to end: no bar starts before zero
+    unit = {"µs": 1e6, "ms": 1e3, "s": 1.0}[fig.layout.xaxis.title.text.split("(")[1].rstrip(")")]
+    comm = sorted(w for t in fig.data if ":" in t.name for w in t.x)      # blocking: all exposed
+    assert comm == pytest.approx(sorted(e.modelled * unit for e in trace.events if e.op != "compute"))
+    compute, = _rows(fig, "compute")
+    assert list(compute.x) == pytest.approx([1e-3 * unit] * 3)
+    assert {t.name for t in fig.data} >= {"all_gather: exposed", "reduce_scatter: exposed",
+                                          "all_reduce: exposed", "compute"}
+    for t in fig.data:
         assert min(t.base) >= 0
 
 
 def test_errors():
     with pytest.raises(ValueError, match="timeline_figure: the trace has no events"):
         timeline_figure(simcomm.Trace())
+    with pytest.raises(ValueError, match="timeline_figure: trace must be a simcomm.Trace, got list"):
+        timeline_figure([])

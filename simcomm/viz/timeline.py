@@ -1,16 +1,32 @@
-"""``timeline_figure``: one row per rank, one bar per traced call, forward and backward told apart."""
+"""``timeline_figure``: where each rank's time went, measured or modelled.
+
+Measured (``modelled=False``): one row per rank, one bar per traced call at its
+recorded start and end. Modelled (``modelled=True``): per rank a compute row
+and a communication row (:func:`simcomm.cost.modelled_timeline`), compute bars,
+communication split into *exposed* (the compute lane waits for it: cross-hatched)
+and *hidden* (it overlaps compute: plain), and a per-rank summary beside the rows.
+Fonts are at least 14 px, for a projector; figures are plain plotly JSON, so an
+HTML export keeps them.
+"""
 from __future__ import annotations
 
 import plotly.colors
 import plotly.graph_objects as go
 
 from ..cost import modelled_timeline
+from ..overlap import Placed, Timeline
+from ..topology import Topology
 from ..trace import Trace, TraceEvent
 
-__all__ = ["timeline_figure", "human_bytes"]
+__all__ = ["timeline_figure", "human_bytes", "MIN_FONT_PX"]
 
+MIN_FONT_PX = 14
 _OP_COLOURS = plotly.colors.qualitative.Set2
-_COMPUTE_COLOUR = "rgb(200, 200, 200)"
+_COMPUTE_COLOUR = "rgb(150, 150, 150)"
+_WAIT_COLOUR = "rgb(255, 255, 255)"
+_EXPOSED_PATTERN = "x"
+_BACKWARD_PATTERN = "/"
+_FONT = dict(size=MIN_FONT_PX, color="rgb(30, 30, 30)")
 
 
 def human_bytes(nbytes: float) -> str:
@@ -29,86 +45,183 @@ def _time_unit(seconds: float) -> tuple[str, float]:
     return "s", 1.0
 
 
-def _hover(event: TraceEvent, start: float, duration: float, unit: str, scale: float) -> str:
-    shape = f"{event.shape} -> {event.out_shape}" if event.shape is not None else "no tensor"
-    lines = [f"<b>{event.op}</b> ({event.phase}), step {event.step}, rank {event.rank}",
-             f"group {list(event.group)}", f"shape {shape} {event.dtype or ''}".rstrip(),
-             f"sent {human_bytes(sum(event.sent.values()))}, received {human_bytes(sum(event.received.values()))}",
-             f"{start * scale:.4g} to {(start + duration) * scale:.4g} {unit}"]
+def _hover(event: TraceEvent, start: float, end: float, unit: str, scale: float, extra: str = "") -> str:
+    lines = [f"<b>{event.op}</b> ({event.phase}), step {event.step}, rank {event.rank}"]
+    if event.op != "compute":
+        shape = f"{event.shape} -> {event.out_shape}" if event.shape is not None else "no tensor"
+        lines += [f"group {list(event.group)}" + (" (async)" if event.async_op else ""),
+                  f"shape {shape} {event.dtype or ''}".rstrip(),
+                  f"sent {human_bytes(sum(event.sent.values()))}, "
+                  f"received {human_bytes(sum(event.received.values()))}"]
+    lines.append(f"{start * scale:.4g} to {end * scale:.4g} {unit}" + extra)
     return "<br>".join(lines)
 
 
-def timeline_figure(trace: Trace, modelled: bool = False) -> go.Figure:
-    """When each rank was in each call: one row per rank, one bar per traced call.
+def _title(headline: str, subtitle: str) -> dict:
+    # a subtitle in a span of its own size: <sup> would shrink it below the projector minimum
+    return dict(text=f"{headline}<br><span style='font-size:{MIN_FONT_PX}px'>{subtitle}</span>",
+                x=0.01, xanchor="left", font=dict(size=18))
 
-    Bars are coloured by op; backward-phase calls are hatched and listed as
-    their own legend entries. Hover shows op, phase, step, group, shapes and
-    bytes sent/received.
 
-    ``modelled=False`` draws the measured start and end times of the run
-    (threads of this process: they show order and overlap, not network
-    speed). ``modelled=True`` draws each event's ``modelled`` duration (set by
-    ``simcomm.cost.annotate(trace, topology)``) with every rank's calls laid
-    end to end in their order, a collective starting when the last member of
-    its group reaches it (:func:`simcomm.cost.modelled_timeline`); a trace
-    whose calls do not match up across ranks (filtered) is laid out rank by
-    rank without that wait.
+def _measured_source(trace: Trace, source: str | None) -> str:
+    backend = source or getattr(trace, "backend", None)
+    if backend in (None, ""):
+        return ("measured wall-clock time of the traced run (seconds since it started); "
+                "modelled=True gives the cost model's picture")
+    if str(backend).lower() in ("sim", "simcomm", "simulator"):
+        return "measured time of the simulated run (threads of one process: order and overlap, not link speed)"
+    return f"measured time on real processes ({backend}), each rank's clock from the start of the run"
+
+
+def _bar(name: str, group: str, items: list[tuple[str, float, float, str]], colour: str, pattern: str,
+         scale: float, show: bool = True) -> dict:
+    return dict(
+        type="bar", orientation="h", name=name, legendgroup=group, showlegend=show,
+        y=[row for row, _, _, _ in items], base=[s * scale for _, s, _, _ in items],
+        x=[(e - s) * scale for _, s, e, _ in items], customdata=[h for *_, h in items],
+        hovertemplate="%{customdata}<extra></extra>",
+        marker=dict(color=colour, line=dict(color="rgb(60, 60, 60)", width=1),
+                    pattern=dict(shape=pattern, fgcolor="rgb(30, 30, 30)", solidity=0.35)),
+        width=0.7)
+
+
+def _layout(rows: list[str], unit: str, title: dict, height_per_row: int, right: int = 30) -> dict:
+    return dict(
+        title=title, barmode="overlay", bargap=0.25, plot_bgcolor="white", paper_bgcolor="white",
+        font=_FONT, hoverlabel=dict(font=dict(size=MIN_FONT_PX)),
+        xaxis=dict(title=dict(text=f"time ({unit})", font=_FONT), tickfont=_FONT, showgrid=True,
+                   gridcolor="rgb(225, 225, 225)", zeroline=False),
+        yaxis=dict(categoryorder="array", categoryarray=rows, autorange="reversed", tickfont=_FONT),
+        legend=dict(font=_FONT, title=dict(font=_FONT)), height=170 + height_per_row * len(rows), width=1100,
+        margin=dict(l=150, r=right, t=110, b=60))
+
+
+def _measured_figure(trace: Trace, source: str | None) -> go.Figure:
+    placed = [(e, e.start, max(e.end, e.start)) for e in trace.events]
+    unit, scale = _time_unit(max(end for _, _, end in placed) or 1e-6)
+    ops = sorted({e.op for e in trace.events if e.op != "compute"})
+    colours = {op: _OP_COLOURS[i % len(_OP_COLOURS)] for i, op in enumerate(ops)}
+    groups: dict[tuple[str, str], list] = {}
+    for event, start, end in placed:
+        groups.setdefault((event.op, event.phase), []).append(
+            (f"rank {event.rank}", start, end, _hover(event, start, end, unit, scale)))
+    traces = []
+    for (op, phase), items in sorted(groups.items(), key=lambda kv: (kv[0][0] == "compute", kv[0])):
+        if op == "compute":
+            traces.append(_bar("compute", op, items, _COMPUTE_COLOUR, "", scale))
+        else:
+            traces.append(_bar(f"{op} ({phase})", op, items, colours[op],
+                               _BACKWARD_PATTERN if phase == "backward" else "", scale))
+    rows = [f"rank {r}" for r in trace.ranks]
+    title = _title("timeline: one row per rank, one bar per call; hatched bars are backward",
+                   _measured_source(trace, source))
+    layout = _layout(rows, unit, title, 48)
+    layout["legend"]["title"]["text"] = "op (phase)"
+    return go.Figure(data=traces, layout=layout)
+
+
+def _split(timeline: Timeline, item: Placed) -> tuple[list, list]:
+    """(exposed, hidden) pieces of a communication bar."""
+    exposed = timeline.exposed_parts(item)
+    hidden, cursor = [], item.start
+    for start, end in sorted(exposed):
+        if start > cursor:
+            hidden.append((cursor, start))
+        cursor = max(cursor, end)
+    if item.end > cursor or item.end == item.start:
+        hidden.append((cursor, item.end))
+    return exposed, hidden
+
+
+def _summary(summary, unit: str, scale: float) -> str:
+    def fmt(seconds: float) -> str:
+        return f"{seconds * scale:.3g}"
+    text = (f"comm {fmt(summary.communication)} {unit}: <b>exposed {fmt(summary.exposed)}</b>, "
+            f"hidden {fmt(summary.hidden)}")
+    if summary.waiting > 0:
+        text += f"<br>waits {fmt(summary.waiting)} {unit} for peers"
+    return text
+
+
+def _modelled_figure(trace: Trace, topology: str | Topology | None) -> go.Figure:
+    timeline = modelled_timeline(trace, topology)
+    end = max([p.end for p in timeline] + [s.end for s in timeline.stalls] + [1e-9])
+    unit, scale = _time_unit(end)
+    ops = sorted({p.event.op for p in timeline if p.lane == "communication"})
+    colours = {op: _OP_COLOURS[i % len(_OP_COLOURS)] for i, op in enumerate(ops)}
+    compute_row, comm_row = "rank {} compute".format, "rank {} comm".format
+    pieces: dict[tuple[str, str], list] = {}
+    for item in timeline:
+        event = item.event
+        if item.lane == "compute":
+            pieces.setdefault(("compute", ""), []).append(
+                (compute_row(event.rank), item.start, item.end, _hover(event, item.start, item.end, unit, scale)))
+            continue
+        exposed, hidden = _split(timeline, item)
+        for kind, parts in (("exposed", exposed), ("hidden", hidden)):
+            for start, stop in parts:
+                pieces.setdefault((event.op, kind), []).append(
+                    (comm_row(event.rank), start, stop,
+                     _hover(event, item.start, item.end, unit, scale, f"<br>{kind}: {start * scale:.4g} "
+                                                                       f"to {stop * scale:.4g} {unit}")))
+    for stall in timeline.stalls:
+        pieces.setdefault(("waiting", ""), []).append(
+            (compute_row(stall.rank), stall.start, stall.end,
+             f"rank {stall.rank} waits for <b>{stall.event.op}</b> (step {stall.event.step})<br>"
+             f"{stall.start * scale:.4g} to {stall.end * scale:.4g} {unit}"))
+    traces = []
+    if ("compute", "") in pieces:
+        traces.append(_bar("compute", "compute", pieces[("compute", "")], _COMPUTE_COLOUR, "", scale))
+    if ("waiting", "") in pieces:
+        traces.append(_bar("compute lane waits", "waiting", pieces[("waiting", "")], _WAIT_COLOUR, ".", scale))
+    for op in ops:
+        for kind in ("exposed", "hidden"):
+            if (op, kind) in pieces:
+                traces.append(_bar(f"{op}: {kind}", op, pieces[(op, kind)], colours[op],
+                                   _EXPOSED_PATTERN if kind == "exposed" else "", scale))
+    ranks = sorted(timeline.ranks)
+    rows = [row for rank in ranks for row in (compute_row(rank), comm_row(rank))]
+    title = _title("modelled timeline: per rank a compute row and a communication row (its own stream)",
+                   "cross-hatched: exposed (the program waits for it); plain: hidden under compute; "
+                   "dotted: the program waits")
+    layout = _layout(rows, unit, title, 40, right=330)
+    layout["legend"].update(title=dict(text="op: exposed / hidden", font=_FONT), orientation="h",
+                            x=0.0, xanchor="left", y=-0.12, yanchor="top")
+    layout["height"] += 60
+    layout["annotations"] = [
+        dict(text=_summary(timeline.ranks[rank], unit, scale), x=1.01, xref="paper", xanchor="left",
+             y=comm_row(rank), yref="y", showarrow=False, align="left", font=_FONT)
+        for rank in ranks]
+    figure = go.Figure(data=traces, layout=layout)
+    figure.layout.meta = {"timeline": {rank: vars(s) for rank, s in timeline.ranks.items()}}
+    return figure
+
+
+def timeline_figure(trace: Trace, modelled: bool = False, *, topology: str | Topology | None = None,
+                    source: str | None = None) -> go.Figure:
+    """Where each rank's time went.
+
+    ``modelled=False`` draws the measured start and end of every call, one row
+    per rank, bars coloured by op, backward calls hatched; the subtitle says
+    where the times come from (``source``, e.g. ``"sim"`` or ``"gloo"``, or the
+    trace's ``backend`` attribute when it has one). ``modelled=True`` draws the
+    cost model's picture (:func:`simcomm.cost.modelled_timeline`): per rank a
+    compute row and a communication row, exposed and hidden communication told
+    apart by pattern and legend, and a summary per rank (communication,
+    exposed, hidden, waiting for peers). ``topology``: annotate the trace for
+    this preset first; without it every event must already have a
+    ``modelled`` duration (``simcomm.cost.annotate``).
     """
     if not isinstance(trace, Trace):
         raise ValueError(f"timeline_figure: trace must be a simcomm.Trace, got {type(trace).__name__}")
     if not trace.events:
         raise ValueError("timeline_figure: the trace has no events; run a program with World(n).run first")
-    placed: list[tuple[TraceEvent, float, float]] = []
-    if modelled:
-        missing = [e for e in trace.events if e.modelled is None]
-        if missing:
-            raise ValueError(
-                f"timeline_figure: modelled=True but {len(missing)} of {len(trace.events)} events have no "
-                f"modelled duration (first: {missing[0].op} on rank {missing[0].rank}); call "
-                f"simcomm.cost.annotate(trace, topology) first")
-        try:  # collectives start when the last member arrives (simcomm.cost.modelled_timeline)
-            placed = [(event, start, end - start) for event, start, end in modelled_timeline(trace)]
-            synchronised = True
-        except ValueError:  # a filtered trace whose calls do not match up: each rank on its own
-            cursor: dict[int, float] = {}
-            for event in trace.events:  # sorted by start time: each rank's calls in program order
-                start = cursor.get(event.rank, 0.0)
-                placed.append((event, start, event.modelled))
-                cursor[event.rank] = start + event.modelled
-            synchronised = False
-    else:
-        placed = [(e, e.start, max(e.duration, 0.0)) for e in trace.events]
-    unit, scale = _time_unit(max(start + duration for _, start, duration in placed) or 1e-6)
-    ops = sorted({e.op for e in trace.events if e.op != "compute"})
-    colours = {op: _OP_COLOURS[i % len(_OP_COLOURS)] for i, op in enumerate(ops)}
-    colours["compute"] = _COMPUTE_COLOUR
-    groups: dict[tuple[str, str], list[tuple[TraceEvent, float, float]]] = {}
-    for item in placed:
-        groups.setdefault((item[0].op, item[0].phase), []).append(item)
-    ranks = trace.ranks
-    traces = []
-    for (op, phase), items in sorted(groups.items(), key=lambda kv: (kv[0][0] == "compute", kv[0])):
-        backward = phase == "backward"
-        traces.append(dict(
-            type="bar", orientation="h", name=f"{op} ({phase})" if op != "compute" else "compute",
-            legendgroup=op, y=[f"rank {e.rank}" for e, _, _ in items], base=[s * scale for _, s, _ in items],
-            x=[d * scale for _, _, d in items], customdata=[_hover(e, s, d, unit, scale) for e, s, d in items],
-            hovertemplate="%{customdata}<extra></extra>",
-            marker=dict(color=colours[op], line=dict(color="rgb(90, 90, 90)", width=0.5),
-                        pattern=dict(shape="/" if backward else "", fgcolor="rgb(80, 80, 80)", solidity=0.25)),
-            width=0.6))
-    what = (("modelled time: each rank's calls end to end with the cost model's durations"
-             + ("; a collective starts when its last member arrives" if synchronised else
-                "; the trace's calls do not match up across ranks, so each rank is laid out alone"))
-            if modelled else
-            "measured time of the simulated run (threads in this process: order and overlap, not link speed)")
-    layout = dict(
-        title=dict(text=f"timeline: one row per rank, one bar per collective; hatched bars are backward<br>"
-                        f"<sup>{what}</sup>", x=0.01, xanchor="left", font=dict(size=14)),
-        barmode="overlay", bargap=0.3, plot_bgcolor="white", paper_bgcolor="white",
-        xaxis=dict(title=f"{'modelled ' if modelled else ''}time ({unit})", showgrid=True,
-                   gridcolor="rgb(235, 235, 235)", zeroline=False),
-        yaxis=dict(categoryorder="array", categoryarray=[f"rank {r}" for r in ranks], autorange="reversed"),
-        legend=dict(title=dict(text="op (phase)")), height=160 + 40 * len(ranks), width=900,
-        margin=dict(l=70, r=20, t=80, b=50))
-    return go.Figure(data=traces, layout=layout)
+    if not modelled:
+        return _measured_figure(trace, source)
+    missing = [e for e in trace.events if e.modelled is None]
+    if missing and topology is None:
+        raise ValueError(
+            f"timeline_figure: modelled=True but {len(missing)} of {len(trace.events)} events have no "
+            f"modelled duration (first: {missing[0].op} on rank {missing[0].rank}); call "
+            f"simcomm.cost.annotate(trace, topology) first or pass topology=")
+    return _modelled_figure(trace, topology)
