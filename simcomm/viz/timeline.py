@@ -186,8 +186,9 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None) -> go.Figure
                    "dotted: the program waits")
     layout = _layout(rows, unit, title, 40, right=330)
     layout["legend"].update(title=dict(text="op: exposed / hidden", font=_FONT), orientation="h",
-                            x=0.0, xanchor="left", y=-0.12, yanchor="top")
-    layout["height"] += 60
+                            x=0.0, xanchor="left", y=1.0, yanchor="bottom")
+    layout["height"] += 50
+    layout["margin"]["t"] += 50
     layout["annotations"] = [
         dict(text=_summary(timeline.ranks[rank], unit, scale), x=1.01, xref="paper", xanchor="left",
              y=comm_row(rank), yref="y", showarrow=False, align="left", font=_FONT)
