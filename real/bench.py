@@ -8,10 +8,12 @@ from the values expected from every rank's known input.
     torchrun --nproc-per-node 8 -m real.bench -b 1M -e 1G -f 4 --model h100-nvswitch
     python -m real.bench --nproc 4 --backend gloo -b 1K -e 1M --json bench.json
 
-Sizes follow nccl-tests (see :mod:`simcomm.cost`): the per-rank buffer for
-all_reduce, broadcast and send_recv; the whole output of all_gather; the whole
-input of reduce_scatter; each rank's send buffer of all_to_all. Sizes are
-rounded down to whole elements per rank. The reported time is the slowest
+Sizes follow nccl-tests (:func:`simcomm.cost.nccl_size`, the one place the
+convention is written: the per-rank buffer for all_reduce, broadcast and
+send_recv; the whole output of all_gather; the whole input of reduce_scatter;
+each rank's send buffer of all_to_all), rounded down to whole elements per rank
+(:func:`simcomm.cost.nccl_counts`). Op names and their other spellings
+(``allreduce``, ``sendrecv``...) come from :mod:`simcomm.ops`. The reported time is the slowest
 rank's average over ``-n`` iterations, between barriers, after ``-w`` warm-up
 iterations. send_recv: every rank sends to the next rank and receives from the
 previous one at once.
@@ -33,7 +35,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from simcomm.cost import GB, PRESETS, busbw_factor, estimate, get_topology
+from simcomm.cost import GB, PRESETS, busbw_factor, estimate, get_topology, nccl_counts
+from simcomm.ops import canonical_op
 
 __all__ = ["OPS", "parse_size", "sizes", "measure", "format_report", "main"]
 
@@ -76,12 +79,7 @@ def _pattern(rank: int, count: int, dtype: torch.dtype, device, offset: int = 0)
 
 def _shape(op: str, size: int, world_size: int, itemsize: int) -> tuple[int, int]:
     """(elements in the nccl-tests size, elements of one rank's input) for ``size`` bytes."""
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        per_rank = max(1, size // (itemsize * world_size))
-        total = per_rank * world_size
-        return total, per_rank if op == "all_gather" else total
-    count = max(1, size // itemsize)
-    return count, count
+    return nccl_counts(op, size, world_size, itemsize)
 
 
 # flat-buffer all-gather / reduce-scatter: the newer names where torch has them
@@ -279,10 +277,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> dict:
-    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    unknown = [op for op in ops if op not in OPS]
-    if unknown:
-        raise SystemExit(f"real.bench: unknown --ops {unknown}; choose from {list(OPS)}")
+    ops = []
+    for op in (op.strip() for op in args.ops.split(",") if op.strip()):
+        try:
+            ops.append(canonical_op(op, OPS, where="real.bench --ops"))
+        except ValueError as error:
+            raise SystemExit(f"real.bench: unknown --ops {op!r}: {error}") from None
     if args.iters < 1 or args.warmup_iters < 0:
         raise SystemExit(f"real.bench: need -n >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup_iters}")
     corrupt = args.corrupt_rank

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from real import bench
+from simcomm import cost, ops
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1"]
@@ -38,6 +39,15 @@ def test_parse_size_and_sizes_follow_nccl_tests():
 ])
 def test_size_to_elements(op, size, world_size, expected):
     assert bench._shape(op, size, world_size, 4) == expected
+    # one convention: the elements make up the cost model's size for the rank's input
+    count, in_count = expected
+    assert cost.nccl_size(op, in_count * 4, world_size) == count * 4
+
+
+def test_ops_accept_the_vocabulary_spellings():
+    config = bench._config(bench._parser().parse_args(["--ops", "allreduce, all-gather,sendrecv", *SMALL]))
+    assert config["ops"] == ["all_reduce", "all_gather", "send_recv"]
+    assert set(bench.OPS) <= set(ops.COST_OPS)
 
 
 def _rows(wrong):

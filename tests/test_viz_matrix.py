@@ -59,3 +59,16 @@ def test_errors():
         comm_matrix_figure(simcomm.Trace())
     with pytest.raises(ValueError, match="comm_matrix_figure: trace must be a simcomm.Trace, got list"):
         comm_matrix_figure([])
+
+
+def test_fonts_are_projector_sized_and_survive_html_export():
+    trace = traced(8, lambda comm: comm.all_reduce(torch.ones(256)))
+    fig = comm_matrix_figure(trace)
+    sizes = [fig.layout.font.size, fig.layout.title.font.size, fig.layout.xaxis.tickfont.size,
+             fig.layout.yaxis.tickfont.size, fig.data[0].textfont.size, fig.layout.updatemenus[0].font.size,
+             *(a.font.size for a in fig.layout.annotations)]
+    assert min(sizes) >= 14, sizes
+    assert "<sup>" not in fig.layout.title.text
+    assert fig.data[0].texttemplate == "%{text}"             # 8 ranks: every cell shows its bytes
+    html = fig.to_html(full_html=False, include_plotlyjs=False)
+    assert '"type":"heatmap"' in html and "256 B" in html    # 2 x 1 KiB / 8 to each peer

@@ -1,4 +1,7 @@
-"""``comm_matrix_figure``: bytes sent from rank i to rank j over a trace, all ops or one op at a time."""
+"""``comm_matrix_figure``: bytes sent from rank i to rank j over a trace, all ops or one op at a time.
+
+Fonts are at least 14 px (cells grow to hold their numbers), for a projector.
+"""
 from __future__ import annotations
 
 import plotly.graph_objects as go
@@ -8,6 +11,7 @@ from .timeline import human_bytes
 
 __all__ = ["comm_matrix_figure"]
 
+_FONT = dict(size=14)
 _COLOURSCALE = [[0.0, "rgb(255, 255, 255)"], [0.15, "rgb(222, 235, 247)"], [1.0, "rgb(107, 174, 214)"]]
 
 
@@ -36,26 +40,28 @@ def comm_matrix_figure(trace: Trace) -> go.Figure:
                  for i, row in enumerate(matrix)]
         traces.append(dict(
             type="heatmap", z=matrix, x=list(range(size)), y=list(range(size)), text=text,
-            texttemplate="%{text}" if size <= 12 else "", textfont=dict(size=11, color="rgb(40, 40, 40)"),
+            texttemplate="%{text}" if size <= 12 else "", textfont=dict(size=14, color="rgb(30, 30, 30)"),
             customdata=hover, hovertemplate="%{customdata}<extra></extra>", name=label,
             colorscale=_COLOURSCALE, zmin=0, xgap=1, ygap=1, visible=index == 0,
-            colorbar=dict(title=dict(text="bytes", side="top"), thickness=14)))
-        titles.append(f"bytes sent from rank i (row) to rank j (column)<br><sup>{label}: "
-                      f"{human_bytes(total)} in all</sup>")
+            colorbar=dict(title=dict(text="bytes", side="top", font=_FONT), thickness=14, tickfont=_FONT)))
+        titles.append(f"bytes sent from rank i (row) to rank j (column)<br><span style='font-size:14px'>"
+                      f"{label}: {human_bytes(total)} in all</span>")
     size = len(traces[0]["z"])
     buttons = [dict(label=label, method="update",
                     args=[{"visible": [i == k for i in range(len(traces))]}, {"title.text": titles[k]}])
                for k, (label, _) in enumerate(selections)]
-    cell_px = max(24, min(70, 560 // max(size, 1)))
+    # numbers like "1.5 KiB" at 14 px need about 64 px; beyond 12 ranks the cells carry colour only
+    cell_px = 66 if size <= 12 else max(24, 800 // size)
     layout = dict(
-        title=dict(text=titles[0], x=0.01, xanchor="left", font=dict(size=14)),
-        xaxis=dict(title="to rank", tickvals=list(range(size)), side="top", showgrid=False, zeroline=False),
-        yaxis=dict(title="from rank", tickvals=list(range(size)), autorange="reversed", showgrid=False,
-                   zeroline=False, scaleanchor="x"),
+        title=dict(text=titles[0], x=0.01, xanchor="left", font=dict(size=18)), font=_FONT,
+        xaxis=dict(title=dict(text="to rank", font=_FONT), tickvals=list(range(size)), side="top",
+                   showgrid=False, zeroline=False, tickfont=_FONT),
+        yaxis=dict(title=dict(text="from rank", font=_FONT), tickvals=list(range(size)), autorange="reversed",
+                   showgrid=False, zeroline=False, scaleanchor="x", tickfont=_FONT),
         updatemenus=[dict(type="dropdown", buttons=buttons, active=0, x=0.0, xanchor="left", y=-0.04,
-                          yanchor="top", showactive=True)],
+                          yanchor="top", showactive=True, font=_FONT)],
         annotations=[dict(text="op:", xref="paper", yref="paper", x=0.0, xanchor="right", y=-0.04,
-                          yanchor="top", showarrow=False, yshift=-4)],
+                          yanchor="top", showarrow=False, yshift=-4, font=_FONT)],
         width=int(max(520, 170 + cell_px * size)), height=int(230 + cell_px * size),
         margin=dict(l=80, r=40, t=110, b=70), plot_bgcolor="white", paper_bgcolor="white")
     return go.Figure(data=traces, layout=layout)
