@@ -49,7 +49,9 @@ def canonical_op(name: str, allowed: Iterable[str] | None = None, *, where: str 
     """The canonical name of ``name`` (an op name or one of its :data:`ALIASES`).
 
     ``allowed`` restricts the answer (e.g. :data:`COST_OPS`); by default every
-    name of :data:`TRACE_OPS` and :data:`COST_OPS` is accepted. ``where`` names
+    name of :data:`TRACE_OPS` and :data:`COST_OPS` is accepted. Where
+    ``allowed`` names ``send_recv`` but not ``send``/``recv``, either end
+    means the pair. ``where`` names
     the caller in the error (``"estimate"``, ``"real.bench --ops"``). Raises
     ``ValueError`` naming the value, the known names and the closest match.
     """
@@ -60,6 +62,8 @@ def canonical_op(name: str, allowed: Iterable[str] | None = None, *, where: str 
     key = ALIASES.get(key, ALIASES.get(key.replace("_", ""), key))
     if key in choices:
         return key
+    if key in P2P_OPS and "send_recv" in choices:      # one end of a message, where only pairs are named
+        return "send_recv"
     spellings = sorted(alias for alias, op in ALIASES.items() if op in choices)
     close = difflib.get_close_matches(key, list(choices) + spellings, n=1)
     hint = f" (did you mean {ALIASES.get(close[0], close[0])!r}?)" if close else ""

@@ -422,6 +422,9 @@ def test_op_names_have_one_home():
     with pytest.raises(ValueError, match="op must be a string, got 3"):
         ops.canonical_op(3)
     assert ops.cost_op("recv") == "send_recv" and ops.cost_op("reduce") == "reduce"
+    # a vocabulary of pairs (the figures of simcomm.viz.collective): either end is the pair
+    assert ops.canonical_op("send", ["all_reduce", "send_recv", "all_to_all_4D"]) == "send_recv"
+    assert ops.canonical_op("send") == "send"
 
 
 @pytest.mark.parametrize("op, per_rank_input, size", [
