@@ -64,6 +64,9 @@ def test_unknown_op_and_bad_arguments_are_named():
     with pytest.raises(ValueError, match="link_efficiency"):
         Topology(name="bad", gpus_per_node=2, nodes=1, link_bandwidth=1e9, link_efficiency=1.5,
                  link_latency=1e-6)
+    with pytest.raises(ValueError, match="link_type must be 'nvlink' or 'pcie', got 'infiniband'"):
+        Topology(name="bad", gpus_per_node=2, nodes=1, link_bandwidth=1e9, link_efficiency=0.5,
+                 link_latency=1e-6, link_type="infiniband")
     with pytest.raises(ValueError, match="3 nodes need nics_per_node"):
         Topology(name="bad", gpus_per_node=2, nodes=3, link_bandwidth=1e9, link_efficiency=0.5,
                  link_latency=1e-6)
