@@ -72,3 +72,33 @@ def test_fonts_are_projector_sized_and_survive_html_export():
     assert fig.data[0].texttemplate == "%{text}"             # 8 ranks: every cell shows its bytes
     html = fig.to_html(full_html=False, include_plotlyjs=False)
     assert '"type":"heatmap"' in html and "256 B" in html    # 2 x 1 KiB / 8 to each peer
+
+
+def test_the_ring_schedule_sends_only_to_the_next_rank():
+    """The same trace counted as NCCL's ring moves it: an all-reduce of b bytes on n ranks sends
+    2(n-1)/n x b to the next rank only; a broadcast from rank 2 runs 2 -> 3 -> 0 -> 1."""
+    world_size, numel = 4, 8                       # b = 32 bytes
+    b = numel * 4
+
+    def program(comm):
+        x = torch.ones(numel)
+        comm.all_reduce(x)
+        comm.broadcast(x, src=2)
+        comm.all_gather(x, dim=0)
+
+    trace = traced(world_size, program)
+    fig = comm_matrix_figure(trace, schedule="ring")
+    by_name = {t.name: np.asarray(t.z) for t in fig.data}
+    ring = [[2 * 3 * b // 4 if j == (i + 1) % 4 else 0 for j in range(4)] for i in range(4)]
+    assert np.array_equal(by_name["all_reduce"], ring)
+    chain = [[b if (i, j) in ((2, 3), (3, 0), (0, 1)) else 0 for j in range(4)] for i in range(4)]
+    assert np.array_equal(by_name["broadcast"], chain)
+    gather = [[3 * b if j == (i + 1) % 4 else 0 for j in range(4)] for i in range(4)]
+    assert np.array_equal(by_name["all_gather"], gather)
+    # the ring moves as many bytes as the direct definition for all-reduce and all-gather
+    direct = {t.name: np.asarray(t.z) for t in comm_matrix_figure(trace).data}
+    for op in ("all_reduce", "all_gather"):
+        assert direct[op].sum() == by_name[op].sum()
+    assert "NCCL's ring" in fig.layout.title.text and "direct exchange" in comm_matrix_figure(trace).layout.title.text
+    with pytest.raises(ValueError, match="schedule must be 'direct' or 'ring', got 'tree'"):
+        comm_matrix_figure(trace, schedule="tree")
