@@ -128,7 +128,7 @@ def _split(timeline: Timeline, item: Placed) -> tuple[list, list]:
         if start > cursor:
             hidden.append((cursor, start))
         cursor = max(cursor, end)
-    if item.end > cursor or item.end == item.start:
+    if item.end > cursor:               # calls of no duration (subgroup) draw nothing
         hidden.append((cursor, item.end))
     return exposed, hidden
 
