@@ -70,8 +70,8 @@ class MLP:
         """``layer(i)`` gives layer ``i``'s flat vector (possibly padded at the end)."""
         for i, (fan_in, fan_out) in enumerate(zip(self.sizes, self.sizes[1:])):
             flat = layer(i)
-            weight = flat[:fan_out * fan_in].view(fan_out, fan_in)       # (out, in)
-            bias = flat[fan_out * fan_in:fan_out * fan_in + fan_out]      # (out,)
+            weight, bias, _padding = flat.split([fan_out * fan_in, fan_out, flat.numel() - fan_out * fan_in - fan_out])
+            weight = weight.view(fan_out, fan_in)                         # (out * in,) -> (out, in)
             x = x @ weight.T + bias                                       # (batch, out)
             if i < len(self.sizes) - 2:
                 x = torch.tanh(x)
