@@ -344,17 +344,18 @@ def track(rank: int, reports: list | None, device: torch.device | str | None = N
                 device_peak=torch.cuda.max_memory_allocated(device) if cuda else None)
 
 
-def run_tracked(rank: int, program: Callable[..., Any], *args: Any,
-                device: torch.device | str | None = None, **kwargs: Any) -> tuple[Any, dict]:
+def run_tracked(rank: int, program: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
+                device: torch.device | str | None = None) -> tuple[Any, dict]:
     """``program(*args, **kwargs)`` with this thread tracked as ``rank``: ``(result, report)``.
 
     ``report`` is :meth:`RankMemory.to_dict` (plain, picklable data); a real
     worker sends it to the parent, which rebuilds the run's report with
-    :meth:`MemoryReport.from_dicts`. Exceptions of ``program`` propagate.
+    :meth:`MemoryReport.from_dicts`. On a CUDA ``device`` it includes
+    ``torch.cuda.max_memory_allocated``. Exceptions of ``program`` propagate.
     """
     reports: list = [None] * (rank + 1)
     with track(rank, reports, device):
-        result = program(*args, **kwargs)
+        result = program(*args, **(kwargs or {}))
     return result, reports[rank].to_dict()
 
 

@@ -204,7 +204,7 @@ def test_run_tracked_returns_the_result_and_a_plain_report():
         memory.mark("m")
         return kept.numel()
 
-    result, report = memory.run_tracked(2, program, 25)
+    result, report = memory.run_tracked(2, program, (25,))
     assert result == 25
     assert report["rank"] == 2 and report["marks"] == [["m", {"parameters": 100}, 100, 100]]
     assert memory.current_bytes() is None            # tracking ended with the call
