@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 __all__ = [
     "LABELS", "DEFAULT_LABEL", "COMMUNICATION",
@@ -69,6 +69,7 @@ COMMUNICATION = "communication"
 _local = threading.local()       # .tracker: the _Tracker of the rank running on this thread
 _lock = threading.RLock()        # guards _storages and the trackers' counters (frees may run on any thread)
 _storages: dict[int, _StorageRef] = {}   # id(untyped storage) -> its record, while it lives
+_active = 0                      # how many ranks are tracked now, in this process
 
 
 # -- one rank's counters -----------------------------------------------------------------------
@@ -76,9 +77,8 @@ _storages: dict[int, _StorageRef] = {}   # id(untyped storage) -> its record, wh
 class _Tracker:
     """Live bytes of one rank by label, the peak, the marks."""
 
-    def __init__(self, rank: int, device: torch.device | None):
+    def __init__(self, rank: int):
         self.rank = rank
-        self.device = device
         self.labels: list[str | None] = [None]     # label stack; None: no label active
         self.paused = 0
         self.live: dict[str, int] = {}
@@ -200,7 +200,14 @@ class _TrackingMode(TorchDispatchMode):
 # -- what programs call ------------------------------------------------------------------------
 
 def _tracker() -> _Tracker | None:
-    return getattr(_local, "tracker", None)
+    """The tracker of the rank running here: this thread's, else the one whose mode is active
+    (autograd's device threads inherit the rank's dispatch modes, not its Python thread-locals)."""
+    tracker = getattr(_local, "tracker", None)
+    if tracker is None and _active:
+        for mode in reversed(_get_current_dispatch_mode_stack()):
+            if isinstance(mode, _TrackingMode):
+                return mode.tracker
+    return tracker
 
 
 @contextlib.contextmanager
@@ -317,7 +324,8 @@ def track(rank: int, reports: list | None, device: torch.device | str | None = N
 
     ``reports=None`` tracks nothing (costs nothing). On a CUDA ``device`` the
     report also holds ``torch.cuda.max_memory_allocated`` for the block (the
-    allocator's statistic covers the whole process: on real workers one rank).
+    allocator's statistic covers the whole process: on a real worker that is one
+    rank; a ``World``'s ranks share the process, so it passes no device).
     Storage still alive at exit stops being counted anywhere.
     """
     if reports is None:
@@ -327,14 +335,19 @@ def track(rank: int, reports: list | None, device: torch.device | str | None = N
     cuda = device is not None and device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    tracker = _Tracker(rank, device)
-    previous = _tracker()
+    tracker = _Tracker(rank)
+    previous = getattr(_local, "tracker", None)
     _local.tracker = tracker
+    global _active
+    with _lock:
+        _active += 1
     try:
         with _TrackingMode(tracker):
             yield
     finally:
         _local.tracker = previous
+        with _lock:
+            _active -= 1
         with _lock:
             for key in [key for key, ref in _storages.items() if ref.tracker is tracker]:
                 del _storages[key]

@@ -103,7 +103,7 @@ def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwarg
     comm = Communicator(SimTransport(state, state.world, rank))
     try:
         state.wait_turn(rank)
-        with _memory.track(rank, reports, state.device):
+        with _memory.track(rank, reports):
             results[rank] = program(comm, *args, **kwargs)
     except _Aborted:
         pass
