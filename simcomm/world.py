@@ -28,6 +28,7 @@ class World:
     >>> outs = world.run(program, *args)   # program(comm, *args) on every rank
     >>> outs[r]                             # what rank r returned
     >>> world.trace                         # the transport calls of that run
+    >>> World(4, memory=True).memory        # after a run: bytes per rank by label (simcomm.memory)
 
     Each rank runs ``program(comm, *args, **kwargs)`` on a thread of its own,
     so rank-dependent control flow, blocking send/recv and per-rank
