@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
+                                          is_traceable_wrapper_subclass)
 
 __all__ = [
     "LABELS", "DEFAULT_LABEL", "COMMUNICATION",
@@ -146,6 +147,7 @@ def _claim(storage: torch.UntypedStorage, tracker: _Tracker, label: str) -> None
 _FRESH, _VIEW, _WRITES = 0, 1, 2
 _KINDS: dict[Any, int] = {}                 # aten overload -> how its results relate to its inputs
 _LIFT = {torch.ops.aten.lift_fresh.default}  # torch.tensor(data): storage made before the dispatcher
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _kind(func) -> int:
@@ -163,6 +165,13 @@ def _kind(func) -> int:
 
 
 def _see(tracker: _Tracker, tensor: torch.Tensor, kind: int, func) -> None:
+    if type(tensor) not in _PLAIN:
+        if is_traceable_wrapper_subclass(tensor):        # e.g. DTensor: count the tensors it wraps
+            for name in tensor.__tensor_flatten__()[0]:
+                _see(tracker, getattr(tensor, name), kind, func)
+            return
+    if tensor.device.type == "meta":                     # shapes only, no bytes
+        return
     storage = tensor.untyped_storage()
     ref = _storages.get(id(storage))
     if ref is None:

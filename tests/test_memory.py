@@ -233,3 +233,19 @@ def test_figure_stacks_each_label_per_rank_and_exports_to_html():
     assert list(grouped.data[0].x[0]) == ["a", "a", "b", "b"]
     with pytest.raises(KeyError, match="no mark"):
         memory_figure(report, "missing")
+
+
+def test_wrapper_subclasses_count_what_they_wrap_and_meta_tensors_count_nothing():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def program():
+        pair = TwoTensor(torch.zeros(10), torch.zeros(10))     # two plain storages of 40 B
+        memory.mark("made")
+        doubled = pair * 2                                      # two new inner storages, no wrapper bytes
+        memory.mark("mul")
+        shape_only = torch.empty(1000, device="meta")
+        memory.mark("meta")
+        return doubled, shape_only
+
+    _, report = memory.run_tracked(0, program)
+    assert [(name, total) for name, _, total, _ in report["marks"]] == [("made", 80), ("mul", 160), ("meta", 160)]
