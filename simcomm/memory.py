@@ -29,7 +29,8 @@ storage is freed. Ops that write their output (``resize_``, ``out=``) update
 the size of a storage already counted. Storage made outside the dispatcher is
 not seen: tensors from ``torch.from_numpy``, from unpickling (a real worker's
 arguments), and a program's arguments on both backends; :func:`tag` counts such
-a tensor explicitly. Resizing a storage object directly
+a tensor explicitly. Sparse tensors are not counted; meta tensors hold no bytes;
+a tensor subclass that wraps tensors (DTensor) counts the tensors it wraps. Resizing a storage object directly
 (``t.untyped_storage().resize_(0)``) is not seen either.
 
 The simulator's transport calls :func:`untracked` around the collective math it
@@ -170,7 +171,7 @@ def _see(tracker: _Tracker, tensor: torch.Tensor, kind: int, func) -> None:
             for name in tensor.__tensor_flatten__()[0]:
                 _see(tracker, getattr(tensor, name), kind, func)
             return
-    if tensor.device.type == "meta":                     # shapes only, no bytes
+    if tensor.layout != torch.strided or tensor.device.type == "meta":   # sparse: not counted; meta: no bytes
         return
     storage = tensor.untyped_storage()
     ref = _storages.get(id(storage))
