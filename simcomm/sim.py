@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from . import collectives as math
+from . import memory
 from .errors import CollectiveMismatchError, DeadlockError
 from .transport import TransportBase
 
@@ -103,7 +104,9 @@ def _copy_small(slot: _Slot) -> None:
 
 def _materialize(slot: _Slot, rank: int):
     out = slot.outputs[rank]
-    return out.clone() if slot.shared[rank] else out
+    # the slot keeps no reference to this rank's tensors or frames: they are freed when the program drops them
+    slot.outputs[rank] = slot.inputs[rank] = slot.frames[rank] = None
+    return memory.received(out.clone() if slot.shared[rank] else out)
 
 
 def _format_args(sig: tuple) -> str:
@@ -330,9 +333,10 @@ class SimTransport(TransportBase):
         # The last rank to arrive does the collective's tensor work, with warm caches.
         state.lock.release()
         try:
-            slot.outputs = compute(slot.inputs)
-            slot.shared = _shared_entries(slot.outputs, owner=me)
-            _copy_small(slot)
+            with memory.untracked():    # outputs are counted on the ranks that receive them
+                slot.outputs = compute(slot.inputs)
+                slot.shared = _shared_entries(slot.outputs, owner=me)
+                _copy_small(slot)
         except BaseException:
             slot.failed = True
             raise
@@ -414,7 +418,7 @@ class SimTransport(TransportBase):
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         event = self._p2p_event("recv", src, None, nbytes)
-        out = self._p2p("recv", src, (src, self.rank), None, torch.Size(shape), dtype)
+        out = memory.received(self._p2p("recv", src, (src, self.rank), None, torch.Size(shape), dtype))
         self._end(event, out)
         return out
 

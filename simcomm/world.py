@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from . import memory as _memory
 from .communicator import Communicator
 from .errors import RankError, RunTimeoutError
 from .sim import RunState, SimTransport, _Aborted, program_location
@@ -27,6 +28,7 @@ class World:
     >>> outs = world.run(program, *args)   # program(comm, *args) on every rank
     >>> outs[r]                             # what rank r returned
     >>> world.trace                         # the transport calls of that run
+    >>> World(4, memory=True).memory        # after a run: bytes per rank by label (simcomm.memory)
 
     Each rank runs ``program(comm, *args, **kwargs)`` on a thread of its own,
     so rank-dependent control flow, blocking send/recv and per-rank
@@ -42,13 +44,16 @@ class World:
     After any error every rank thread has ended and the World can run again.
     """
 
-    def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True):
+    def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
+                 memory: bool = False):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size={world_size!r} must be a positive int")
         self.world_size = world_size
         self.device = torch.device(device)
         self.tracing = trace
         self.trace = Trace()
+        self.track_memory = memory
+        self.memory: _memory.MemoryReport | None = None   # bytes per rank of the last run (memory=True)
 
     def __repr__(self) -> str:
         return f"World(world_size={self.world_size}, device={self.device})"
@@ -68,9 +73,10 @@ class World:
         """Run ``program(comm, *args, **kwargs)`` on every rank; return the ranks' results."""
         state = RunState(self.world_size, self.device, self.tracing)
         results: list[Any] = [None] * self.world_size
+        reports = [None] * self.world_size if self.track_memory else None
         threads = [
             threading.Thread(target=_rank_main, name=f"simcomm-rank-{rank}", daemon=True,
-                             args=(state, rank, program, args, kwargs, results))
+                             args=(state, rank, program, args, kwargs, results, reports))
             for rank in range(self.world_size)]
         try:
             for thread in threads:
@@ -84,6 +90,7 @@ class World:
             raise
         _join(threads)
         self.trace = Trace(state.events)
+        self.memory = _memory.MemoryReport(reports) if reports is not None and None not in reports else None
         if state.rank_errors:
             (rank, error), others = state.rank_errors[0], state.rank_errors[1:]
             raise RankError(rank, error, tuple(r for r, _ in others)) from error
@@ -93,11 +100,12 @@ class World:
 
 
 def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
-               results: list) -> None:
+               results: list, reports: list | None) -> None:
     comm = Communicator(SimTransport(state, state.world, rank))
     try:
         state.wait_turn(rank)
-        results[rank] = program(comm, *args, **kwargs)
+        with _memory.track(rank, reports):
+            results[rank] = program(comm, *args, **kwargs)
     except _Aborted:
         pass
     except BaseException as error:

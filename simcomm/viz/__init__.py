@@ -21,12 +21,13 @@ from .collective import OPS, CollectiveRun, collective_figure, collective_run_fi
 from .explore import Explorer, explore
 from .grids import as_grid, grid_layout, rank_grid
 from .matrix import comm_matrix_figure
+from .memory import memory_figure
 from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
 from .timeline import human_bytes, timeline_figure
 
 __all__ = [
     "OPS", "CollectiveRun", "collective_figure", "collective_run_figure", "run_collective",
     "as_grid", "grid_layout", "rank_grid", "allreduce_steps", "ring_allreduce_figure", "Explorer", "explore",
-    "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure",
+    "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure", "memory_figure",
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
 ]
