@@ -305,8 +305,9 @@ class _Scatter(torch.autograd.Function):
     """Chunk ``r`` of ``src``'s tensor on rank ``r``.
 
     ``x`` is src's tensor on ``src``; on the other ranks a placeholder that
-    requires grad, so their output can require grad too: it does exactly
-    when src's tensor requires grad (src says so in the same call).
+    requires grad (its gradient is ``None``: zero), so their output can
+    require grad too: it does exactly when src's tensor requires grad (src
+    says so in the same call).
     """
 
     @staticmethod
@@ -315,7 +316,8 @@ class _Scatter(torch.autograd.Function):
         is_src = transport.rank == src
         chunk, source_requires_grad = transport.scatter(x if is_src else None, src, dim,
                                                         requires_grad=requires_grad)
-        ctx.transport, ctx.src, ctx.dim = transport, src, dim
+        # off src ``dim`` may be negative: name it as src does, for the backward's gather
+        ctx.transport, ctx.src, ctx.dim = transport, src, dim % chunk.dim()
         if not source_requires_grad:
             ctx.mark_non_differentiable(chunk)
         return chunk

@@ -223,16 +223,17 @@ class Communicator:
         """Rank ``r`` gets chunk ``r`` along ``dim`` of rank ``src``'s tensor.
 
         Only ``src`` needs a tensor (its ``shape[dim]`` divisible by the world
-        size); the other ranks pass ``None`` (or any tensor, which is ignored)
-        and learn the shape and dtype from ``src``. The output requires grad
-        on every rank exactly when ``src``'s tensor does (and grad mode is on
-        there and here). Backward: gather of the ranks' gradients onto ``src``
-        along ``dim``.
+        size); the other ranks pass ``None`` (or any tensor: its values are
+        ignored, its gradient is zero) and learn the shape and dtype from
+        ``src``. The output requires grad on every rank exactly when ``src``'s
+        tensor does (and grad mode is on there and here). Backward: gather of
+        the ranks' gradients onto ``src`` along ``dim``; every rank must run it
+        (``loss.backward()``; ``torch.autograd.grad`` off ``src`` runs it only
+        when asked for the gradient of the tensor the rank passed).
         """
         is_src = check_peer("scatter", src, self.world_size, self.rank, "src") == self.rank
         if not is_src and input_ is not None:
             check_tensor("scatter", input_, self.rank)
-            input_ = None
         if is_src:
             check_tensor("scatter", input_, self.rank)
             dim = normalize_dim("scatter", input_, dim, self.rank)
@@ -246,7 +247,8 @@ class Communicator:
                 return rules._Scatter.apply(self.transport, input_.contiguous(), src, dim, True)
             return self.transport.scatter(input_.detach().contiguous(), src, dim, requires_grad=False)[0]
         if grad_on:   # a placeholder input, so the output can require grad when src's does
-            placeholder = torch.empty(0, device=self.device, requires_grad=True)
+            placeholder = input_ if input_ is not None and input_.requires_grad else \
+                torch.empty(0, device=self.device, requires_grad=True)
             return rules._Scatter.apply(self.transport, placeholder, src, dim, False)
         return self.transport.scatter(None, src, dim)[0]
 
