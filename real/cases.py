@@ -196,7 +196,8 @@ def _ring_reference(world_size: int) -> list[RankResult]:
 
 # -- reduce, scatter, differentiable gather, uneven all-to-all --------------------------------
 
-def _rooted_call(method: str, which: str, arg: str, comm: Communicator, x: torch.Tensor, **kwargs) -> torch.Tensor:
+def _rooted_call(method: str, which: str, arg: str, comm: Communicator, x: torch.Tensor,
+                 **kwargs) -> torch.Tensor:
     return getattr(comm, method)(x, **{arg: _root(which, comm.world_size)}, **kwargs)
 
 

@@ -360,7 +360,8 @@ class DistTransport(TransportBase):
         so the other ranks need not know the shape; a rank whose ``dim`` does not name src's dim
         raises after the data has moved (no rank is left waiting)."""
         # off src the dtype is known once the header arrives; it is added to args then (for the bytes)
-        args = {"src": src, "dim": dim, "dtype": str(tensor.dtype).removeprefix("torch.") if tensor is not None else None}
+        dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
+        args = {"src": src, "dim": dim, "dtype": dtype}
         event = self._begin("scatter", self._next_step(), tensor, root=src, args=args)
         root = self.ranks[src]
         is_src = self.rank == src

@@ -8,7 +8,8 @@ simulator (:class:`simcomm.sim.SimTransport`) and real processes
 
 Every method leaves its input unmodified, returns tensors that alias no input,
 and blocks until this rank's part of the call is done. A non-tensor where a
-tensor belongs raises ``TypeError`` naming the op, the rank and the argument. ``src``/``dst`` are ranks *within the group*. Gradients
+tensor belongs raises ``TypeError`` naming the op, the rank and the argument.
+``src``/``dst`` are ranks *within the group*. Gradients
 follow the sum-of-per-rank-losses convention; see :mod:`simcomm.autograd`.
 """
 from __future__ import annotations
@@ -334,8 +335,10 @@ class Communicator:
         """Split this group; return the communicator of the part this rank belongs to.
 
         A collective: every rank of the group calls it with the same
-        ``groups``, a partition of the group's ranks (group-local numbering),
-        e.g. ``[[0, 1], [2, 3]]``.
+        ``groups``, a partition of the group's ranks (group-local numbering,
+        ints), e.g. ``[[0, 1], [2, 3]]``. Within a part, ranks are numbered in
+        sorted order, as ``torch.distributed.new_group`` numbers them:
+        ``[[1, 0]]`` is the same group as ``[[0, 1]]`` on both backends.
         """
         normalized = check_partition("subgroup", groups, self.world_size, self.rank)
         return Communicator(self.transport.subgroup(normalized))

@@ -477,7 +477,8 @@ class SimTransport(TransportBase):
         ``None`` off ``src``, and each rank's ``dim`` must name src's dim (negative allowed)."""
         step = self._next_step()
         # off src the dtype is known once the data arrives; it is added to args then (for the bytes)
-        args = {"src": src, "dim": dim, "dtype": str(tensor.dtype).removeprefix("torch.") if tensor is not None else None}
+        dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
+        args = {"src": src, "dim": dim, "dtype": dtype}
         event = self._begin("scatter", step, tensor, src, args=args)
 
         def compute(inputs: list) -> list:
@@ -489,7 +490,8 @@ class SimTransport(TransportBase):
                         f"scatter: dim={rank_dim} on rank {rank} does not name the dim "
                         f"dim={source_dim} of the source rank {src}'s "
                         f"{ndim}-D tensor {tuple(source.shape)}")
-            return [(chunk, flag) for chunk in math.scatter_from([entry[0] for entry in inputs], src, source_dim)]
+            chunks = math.scatter_from([entry[0] for entry in inputs], src, source_dim)
+            return [(chunk, flag) for chunk in chunks]
 
         out = self._rendezvous("scatter", step, (tensor, requires_grad, dim), (("src", src),), compute)
         args["dtype"] = str(out[0].dtype).removeprefix("torch.")

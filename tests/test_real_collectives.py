@@ -200,7 +200,8 @@ def test_integer_and_bool_reductions_equal_the_simulators(cluster):
         assert got[rank].keys() == simulated[rank].keys()
         for key, value in got[rank].items():
             assert value.dtype == simulated[rank][key].dtype and torch.equal(value, simulated[rank][key]), (rank, key)
-    assert got[0][("torch.int8", False, "sum", "all_reduce")][0] == (-56 if cluster.world_size == 2 else -112)   # 200, 400 wrapped
+    # 100 on every rank: 200 and 400 wrap around in int8
+    assert got[0][("torch.int8", False, "sum", "all_reduce")][0] == (-56 if cluster.world_size == 2 else -112)
 
 
 def _order_and_edges(comm):

@@ -316,3 +316,19 @@ def test_a_replaced_backward_rule_is_used_inside_the_block_only():
     with pytest.raises(ValueError, match="unknown rule 'nope'"):
         with autograd.replaced_backward("nope", wrong):
             pass
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_no_output_shares_storage_with_an_input(world_size):
+    x = torch.arange(8.0 * world_size).reshape(2 * world_size, 4)   # contiguous: a chunk along dim 0 is a view
+
+    def program(comm):
+        outs = [comm.all_reduce(x), comm.all_gather(x, 0), comm.reduce_scatter(x, 0), comm.broadcast(x),
+                comm.slice(x, 0, scale_grad=False), comm.all_to_all(x, 0, 1), comm.reduce(x), comm.scatter(x, 0, 0),
+                comm.all_to_all_single(x), comm.copy_to_group(x), comm.reduce_from_group(x)]
+        gathered = comm.gather(x, dst=0, dim=0)
+        return [out for out in outs + [gathered] if out is not None]
+
+    pointer = x.untyped_storage().data_ptr()
+    for outs in simcomm.World(world_size).run(program):
+        assert all(out.untyped_storage().data_ptr() != pointer for out in outs)
