@@ -312,3 +312,15 @@ def test_gradcheck_uneven_all_to_all_single(world_size):
         if rows[perturbed] == 0:
             continue
         assert _gradcheck_case("all_to_all_single", world_size, kw, rows, perturbed) == [True] * world_size
+
+
+def test_peer_bytes_of_the_new_ops():
+    from simcomm.trace import peer_bytes
+
+    ranks = (0, 1, 2)
+    assert peer_bytes("reduce", 40, ranks, 1, root=0) == ({0: 40}, {})
+    assert peer_bytes("reduce", 40, ranks, 0, root=0) == ({}, {1: 40, 2: 40})
+    assert peer_bytes("scatter", 60, ranks, 2, root=2) == ({0: 20, 1: 20}, {})
+    assert peer_bytes("scatter", 0, ranks, 0, root=2, out_nbytes=20) == ({}, {2: 20})
+    args = {"input_split_sizes": [1, 0, 2], "output_split_sizes": [3, 1, 0]}
+    assert peer_bytes("all_to_all_single", 24, ranks, 0, args=args, row_bytes=8) == ({1: 0, 2: 16}, {1: 8, 2: 0})
