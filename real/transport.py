@@ -36,9 +36,9 @@ __all__ = ["DistTransport", "GroupCache", "books_agree"]
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-#: dtypes a scatter header can name (by index)
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+#: every dtype this torch knows, in a fixed order: a scatter header names one by its index
+_DTYPES = tuple(dict.fromkeys(value for _, value in sorted(vars(torch).items(), key=lambda item: item[0])
+                              if isinstance(value, torch.dtype)))
 
 #: phrases in the error a backend raises for an op or reduction it does not implement
 _UNSUPPORTED = ("not supported", "unsupported", "does not support", "cannot use", "not implemented")
@@ -368,7 +368,8 @@ class DistTransport(TransportBase):
         with self._calling():
             header = torch.zeros(4, dtype=torch.int64, device=self.device)   # ndim, dtype, dim, flag
             if is_src:
-                header.copy_(torch.tensor([tensor.dim(), _DTYPES.index(tensor.dtype), dim, int(requires_grad)]))
+                header.copy_(torch.tensor([tensor.dim(), _DTYPES.index(tensor.dtype), dim,
+                                           int(requires_grad)]))
             dist.broadcast(header, src=root, group=self.group)
             ndim, dtype_index, source_dim, flag = header.tolist()
             shape = tensor.new_tensor(tensor.shape, dtype=torch.int64, device=self.device) if is_src else \
@@ -381,7 +382,8 @@ class DistTransport(TransportBase):
             chunks = None
             if is_src:
                 local = self._on_device(tensor)
-                chunks = [local.narrow(source_dim, r * shard, shard).contiguous() for r in range(self.world_size)]
+                chunks = [local.narrow(source_dim, r * shard, shard).contiguous()
+                          for r in range(self.world_size)]
             dist.scatter(out, chunks, src=root, group=self.group)
         if not -ndim <= dim < ndim or dim % ndim != source_dim:
             raise ValueError(f"scatter: dim={dim} on rank {self.rank} does not name the dim dim={source_dim} "
@@ -404,7 +406,7 @@ class DistTransport(TransportBase):
             mine = torch.tensor(inputs_ + outputs + row, dtype=torch.int64, device=self.device)
             table = mine.new_empty(world * mine.numel())
             _all_gather_single(table, mine, group=self.group)
-        table = table.reshape(world, 2 * world + 2).tolist()   # row r: rank r's inputs, outputs, row size, dtype
+        table = table.reshape(world, 2 * world + 2).tolist()   # (P, 2P + 2): rank r's inputs, outputs, row, dtype
         for rank, entry in enumerate(table):
             if entry[2 * world:] != table[self.rank][2 * world:]:
                 raise ValueError(

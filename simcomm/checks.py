@@ -2,8 +2,9 @@
 
 Each check raises :class:`ValueError` (:class:`TypeError` for an argument of
 the wrong type) naming the op, the rank, the argument and the value, so a
-learner reading the message knows which call on which rank to fix. Both backends call these before any communication, so a bad argument is
-reported the same way on virtual ranks and on real processes.
+learner reading the message knows which call on which rank to fix. Both
+backends call these before any communication, so a bad argument is reported
+the same way on virtual ranks and on real processes.
 """
 from __future__ import annotations
 

@@ -247,7 +247,8 @@ def test_all_to_all_single_rows_of_different_sizes_are_a_mismatch():
 def test_reduce_and_scatter_argument_errors():
     with pytest.raises(RankError, match=r"reduce: dst=2 on rank 0 is not a rank of this group"):
         simcomm.World(2).run(lambda comm: comm.reduce(torch.ones(2), dst=2))
-    with pytest.raises(RankError, match=r"reduce: ReduceOp.AVG on rank 0 needs a floating-point dtype, got torch.int64"):
+    with pytest.raises(RankError, match=r"reduce: ReduceOp.AVG on rank 0 needs a floating-point dtype, "
+                                        r"got torch.int64"):
         simcomm.World(1).run(lambda comm: comm.reduce(torch.ones(2, dtype=torch.int64), op="avg"))
     with pytest.raises(RankError, match=r"scatter: size 3 of dim=0 \(shape \(3,\)\) on rank 0 is not divisible"):
         simcomm.World(2).run(lambda comm: comm.scatter(torch.ones(3) if comm.rank == 0 else None))
