@@ -21,7 +21,7 @@ import torch
 from simcomm import collectives as math
 from simcomm.communicator import Communicator
 
-__all__ = ["Case", "collective_cases", "RankResult"]
+__all__ = ["Case", "collective_cases", "rooted_and_uneven_cases", "RankResult"]
 
 #: (outputs, input gradients) of one rank; ``None`` for an output a rank does not get
 RankResult = tuple[list, list]
@@ -58,7 +58,8 @@ def _per_rank_program(key: str, shape_fn, forward, comm: Communicator) -> RankRe
     x = _data(key, shape_fn(comm.world_size), comm.rank).to(comm.device).requires_grad_()
     y = forward(comm, x)
     (y * _data(key + "/w", tuple(y.shape), comm.rank).to(comm.device)).sum().backward()
-    return _cpu([y]), _cpu([x.grad])
+    # an input with no path to any output (scatter off the source) has gradient zero
+    return _cpu([y]), _cpu([x.grad if x.grad is not None else torch.zeros_like(x)])
 
 
 def _per_rank_reference(key: str, shape_fn, forward_math, world_size: int) -> list[RankResult]:
@@ -191,3 +192,76 @@ def _ring_program(comm: Communicator) -> RankResult:
 
 def _ring_reference(world_size: int) -> list[RankResult]:
     return [([_data("ring", (2, 5), (r - 1) % world_size)], []) for r in range(world_size)]
+
+
+# -- reduce, scatter, differentiable gather, uneven all-to-all --------------------------------
+
+def _rooted_call(method: str, which: str, arg: str, comm: Communicator, x: torch.Tensor,
+                 **kwargs) -> torch.Tensor:
+    return getattr(comm, method)(x, **{arg: _root(which, comm.world_size)}, **kwargs)
+
+
+def _rooted_math(function, which: str, xs: list, **kwargs) -> list:
+    return function(xs, _root(which, len(xs)), **kwargs)
+
+
+def _gather_with_grad(xs: list, dst: int, dim: int) -> list:
+    """What the differentiable gather returns: the concatenation on ``dst``, an empty
+    slice (size 0 at ``dim``) of the rank's input elsewhere."""
+    return [torch.cat(xs, dim) if r == dst else xs[r].narrow(dim, 0, 0) for r in range(len(xs))]
+
+
+def _uneven_splits(world_size: int) -> list[list[int]]:
+    """``splits[i][j]``: rows rank ``i`` sends rank ``j``; zeros among them from 2 ranks on."""
+    return [[(i + 2 * j) % 3 for j in range(world_size)] for i in range(world_size)]
+
+
+def _a2a_program(key: str, even: bool, comm: Communicator) -> RankResult:
+    world = comm.world_size
+    if even:
+        out_splits = in_splits = None
+        rows = 2 * world
+    else:
+        splits = _uneven_splits(world)
+        in_splits = splits[comm.rank]
+        out_splits = [splits[i][comm.rank] for i in range(world)]
+        rows = sum(in_splits)
+    x = _data(key, (rows, 3), comm.rank).to(comm.device).requires_grad_()
+    y = comm.all_to_all_single(x, out_splits, in_splits)
+    (y * _data(key + "/w", tuple(y.shape), comm.rank).to(comm.device)).sum().backward()
+    return _cpu([y]), _cpu([x.grad])
+
+
+def _a2a_reference(key: str, even: bool, world_size: int) -> list[RankResult]:
+    splits = [[2] * world_size] * world_size if even else _uneven_splits(world_size)
+    out_splits = [[splits[i][j] for i in range(world_size)] for j in range(world_size)]
+    xs = [_data(key, (sum(splits[r]), 3), r).requires_grad_() for r in range(world_size)]
+    ys = math.all_to_all_single(xs, out_splits, splits)
+    sum((y * _data(key + "/w", tuple(y.shape), r)).sum() for r, y in enumerate(ys)).backward()
+    return [([ys[r].detach()], [xs[r].grad]) for r in range(world_size)]
+
+
+def rooted_and_uneven_cases() -> list[Case]:
+    """reduce (each op), scatter, the differentiable gather and all_to_all_single (even, and
+    uneven with zero-sized splits), forward and backward; both roots."""
+    out = []
+    for op in math.REDUCE_OPS:
+        for which in (("first", "last") if op == "sum" else ("last",)):
+            out.append(_per_rank_case(
+                f"reduce[dst={which},{op}]", partial(_fixed, (3, 4)),
+                partial(_rooted_call, "reduce", which, "dst", op=op),
+                partial(_rooted_math, math.reduce_to, which, op=op)))
+    for which in ("first", "last"):
+        for dim in (0, -1):
+            out.append(_per_rank_case(
+                f"scatter[src={which},dim={dim}]", _split, partial(_rooted_call, "scatter", which, "src", dim=dim),
+                partial(_rooted_math, math.scatter_from, which, dim=dim)))
+    for which, dim in (("first", -1), ("last", 0)):
+        out.append(_per_rank_case(
+            f"gather_grad[dst={which},dim={dim}]", partial(_fixed, (2, 3)),
+            partial(_rooted_call, "gather", which, "dst", dim=dim),
+            partial(_rooted_math, _gather_with_grad, which, dim=dim)))
+    for even in (True, False):
+        name = f"all_to_all_single[{'even' if even else 'uneven'}]"
+        out.append(Case(name, partial(_a2a_program, name, even), partial(_a2a_reference, name, even)))
+    return out

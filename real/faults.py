@@ -1,7 +1,8 @@
 """Deliberately wrong backward rules, to show that ``real.verify`` catches them (test the test).
 
-:func:`injected` patches one rule of :mod:`simcomm.autograd` for the duration
-of a ``with`` block, in the process it runs in. ``real.verify`` applies it on
+:func:`injected` replaces one backward rule of :mod:`simcomm.autograd` for the
+duration of a ``with`` block, in the process it runs in, through the rules'
+own seam (:func:`simcomm.autograd.replaced_backward`). ``real.verify`` applies it on
 the worker processes only, so the simulator keeps the right rules.
 """
 from __future__ import annotations
@@ -33,11 +34,26 @@ def _all_to_all_same_dims(ctx, grad):
         return None, ctx.transport.all_to_all(grad.contiguous(), ctx.scatter_dim, ctx.gather_dim), None, None
 
 
-#: name -> (autograd Function, wrong backward)
+def _broadcast_all_reduce(ctx, grad):
+    """The old broadcast backward without its zeroing: every rank gets the summed gradient."""
+    with backward_phase():
+        return None, ctx.transport.all_reduce(grad.contiguous(), "sum"), None
+
+
+def _all_to_all_single_same_splits(ctx, grad):
+    """Sends the gradient back with the forward's split lists instead of swapping them."""
+    with backward_phase():
+        return None, ctx.transport.all_to_all_single(grad.contiguous(), ctx.output_split_sizes,
+                                                     ctx.input_split_sizes), None, None
+
+
+#: fault name -> (name of the backward rule in simcomm.autograd.BACKWARD_RULES, wrong backward)
 FAULTS = {
-    "all_gather_backward": (rules._AllGather, _all_gather_no_sum),
-    "all_reduce_backward": (rules._AllReduce, _all_reduce_same_op),
-    "all_to_all_backward": (rules._AllToAll, _all_to_all_same_dims),
+    "all_gather_backward": ("all_gather", _all_gather_no_sum),
+    "all_reduce_backward": ("all_reduce", _all_reduce_same_op),
+    "all_to_all_backward": ("all_to_all", _all_to_all_same_dims),
+    "broadcast_backward": ("broadcast", _broadcast_all_reduce),
+    "all_to_all_single_backward": ("all_to_all_single", _all_to_all_single_same_splits),
 }
 
 
@@ -49,10 +65,6 @@ def injected(name: str | None) -> Iterator[None]:
         return
     if name not in FAULTS:
         raise ValueError(f"inject fault: unknown fault {name!r}; known: {sorted(FAULTS)}")
-    function, wrong = FAULTS[name]
-    original = function.__dict__["backward"]
-    function.backward = staticmethod(wrong)
-    try:
+    rule, wrong = FAULTS[name]
+    with rules.replaced_backward(rule, wrong):
         yield
-    finally:
-        function.backward = original

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from simcomm.collectives import to_reduce_op
+from simcomm.collectives import check_splits, to_reduce_op
 from simcomm.trace import Trace
 from simcomm.transport import TransportBase
 
@@ -35,6 +35,10 @@ __all__ = ["DistTransport", "GroupCache", "books_agree"]
 # The names torch gives its single-tensor collectives changed over releases.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: every dtype this torch knows, in a fixed order: a scatter header names one by its index
+_DTYPES = tuple(dict.fromkeys(value for _, value in sorted(vars(torch).items(), key=lambda item: item[0])
+                              if isinstance(value, torch.dtype)))
 
 #: phrases in the error a backend raises for an op or reduction it does not implement
 _UNSUPPORTED = ("not supported", "unsupported", "does not support", "cannot use", "not implemented")
@@ -327,5 +331,92 @@ class DistTransport(TransportBase):
         event = self._p2p_event("recv", src, None, out.numel() * out.element_size())
         with self._calling("recv", self.ranks[src]):
             dist.recv(out, src=self.ranks[src], group=self.group)
+        self._end(event, out)
+        return out
+
+    # -- rooted and uneven collectives --
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str) -> torch.Tensor:
+        """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks
+        (the backend leaves partial sums there; simcomm defines them as zeros on both backends)."""
+        self._check_avg("reduce", tensor, op)
+        event = self._begin("reduce", self._next_step(), tensor, root=dst, args={"dst": dst, "op": op})
+        out = self._local_copy(tensor)
+        with self._calling():
+            # AVG as SUM, then divide on dst: a reduce with AVG is not on every backend
+            dist.reduce(out, dst=self.ranks[dst], op=to_reduce_op("sum" if op == "avg" else op),
+                        group=self.group)
+        if self.rank != dst:
+            out.zero_()
+        elif op == "avg":
+            out.div_(self.world_size)
+        self._end(event, out)
+        return out
+
+    def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False
+                ) -> tuple[torch.Tensor, bool]:
+        """``(chunk r of src's tensor along dim, whether src said requires_grad)``; ``tensor`` is
+        ``None`` off ``src``. ``src`` first broadcasts a small header (dtype, shape, dim, flag),
+        so the other ranks need not know the shape; a rank whose ``dim`` does not name src's dim
+        raises after the data has moved (no rank is left waiting)."""
+        # off src the dtype is known once the header arrives; it is added to args then (for the bytes)
+        dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
+        args = {"src": src, "dim": dim, "dtype": dtype}
+        event = self._begin("scatter", self._next_step(), tensor, root=src, args=args)
+        root = self.ranks[src]
+        is_src = self.rank == src
+        with self._calling():
+            header = torch.zeros(4, dtype=torch.int64, device=self.device)   # ndim, dtype, dim, flag
+            if is_src:
+                header.copy_(torch.tensor([tensor.dim(), _DTYPES.index(tensor.dtype), dim,
+                                           int(requires_grad)]))
+            dist.broadcast(header, src=root, group=self.group)
+            ndim, dtype_index, source_dim, flag = header.tolist()
+            shape = tensor.new_tensor(tensor.shape, dtype=torch.int64, device=self.device) if is_src else \
+                torch.zeros(ndim, dtype=torch.int64, device=self.device)
+            dist.broadcast(shape, src=root, group=self.group)
+            full = shape.tolist()
+            shard = full[source_dim] // self.world_size
+            out = torch.empty((*full[:source_dim], shard, *full[source_dim + 1:]),
+                              dtype=_DTYPES[dtype_index], device=self.device)
+            chunks = None
+            if is_src:
+                local = self._on_device(tensor)
+                chunks = [local.narrow(source_dim, r * shard, shard).contiguous()
+                          for r in range(self.world_size)]
+            dist.scatter(out, chunks, src=root, group=self.group)
+        if not -ndim <= dim < ndim or dim % ndim != source_dim:
+            raise ValueError(f"scatter: dim={dim} on rank {self.rank} does not name the dim dim={source_dim} "
+                             f"of the source rank {src}'s {ndim}-D tensor {tuple(full)}")
+        args["dtype"] = str(out.dtype).removeprefix("torch.")
+        self._end(event, out)
+        return out, bool(flag)
+
+    def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int]) -> torch.Tensor:
+        """Uneven all-to-all along dim 0. The ranks first all-gather their split lists (and row
+        sizes), so every rank finds a disagreement and raises the same error before any data moves."""
+        outputs, inputs_ = [int(s) for s in output_split_sizes], [int(s) for s in input_split_sizes]
+        event = self._begin("all_to_all_single", self._next_step(), tensor,
+                            args={"input_split_sizes": inputs_, "output_split_sizes": outputs})
+        world = self.world_size
+        local = self._on_device(tensor)
+        row = [local.shape[1:].numel(), _DTYPES.index(local.dtype)]   # elements per row, dtype
+        with self._calling():
+            mine = torch.tensor(inputs_ + outputs + row, dtype=torch.int64, device=self.device)
+            table = mine.new_empty(world * mine.numel())
+            _all_gather_single(table, mine, group=self.group)
+        table = table.reshape(world, 2 * world + 2).tolist()   # (P, 2P + 2): rank r's inputs, outputs, row, dtype
+        for rank, entry in enumerate(table):
+            if entry[2 * world:] != table[self.rank][2 * world:]:
+                raise ValueError(
+                    f"all_to_all_single: rank {rank} has {_DTYPES[entry[-1]]} rows of {entry[-2]} elements but "
+                    f"rank {self.rank} has {local.dtype} {tuple(local.shape)}; every rank must pass the same "
+                    f"dtype and the same sizes after dim 0")
+        check_splits("all_to_all_single", [entry[:world] for entry in table],
+                     [entry[world:2 * world] for entry in table])
+        out = local.new_empty((sum(outputs), *local.shape[1:]))    # (rows received, *rest)
+        with self._calling():
+            dist.all_to_all_single(out, local, outputs, inputs_, group=self.group)
         self._end(event, out)
         return out

@@ -5,6 +5,11 @@ argument and work unchanged on both backends. Their forward leaves its input
 untouched and returns a new tensor; their backward calls are traced with phase
 ``"backward"``.
 
+Each backward is looked up by name in a small registry (:data:`BACKWARD_RULES`,
+e.g. ``"all_gather"``), so a test can put a deliberately wrong rule in place
+for a ``with`` block (:func:`replaced_backward`, used by ``real.faults``)
+without touching the Function classes.
+
 **Gradient convention.** Each backward is the exact adjoint (vector-Jacobian
 product) of the forward *when the objective is the sum of the per-rank
 losses*: rank ``r`` computes ``loss_r`` and calls ``loss_r.backward()``, and
@@ -24,13 +29,22 @@ _AllGather         concat along dim                          reduce-scatter (sum
 _ReduceScatter     reduce, keep chunk r                      all-gather along dim (then as _AllReduce)
 _Slice             keep chunk r of a replicated tensor       all-gather of the grads (/n if scale_grad)
 _AllToAll          split on scatter_dim, concat on gather    the all-to-all with the two dims swapped
-_Broadcast         src's tensor everywhere                   grads summed onto src, zero elsewhere
+_Broadcast         src's tensor everywhere                   reduce (sum) of the grads onto src, zero
+                                                             elsewhere
+_Reduce            reduction on dst, zeros elsewhere         broadcast of dst's grad (AVG /n; MAX/MIN/
+                                                             PRODUCT factors as _AllReduce); the other
+                                                             ranks' output grads are ignored
+_Scatter           chunk r of src's tensor                   gather of the grads onto src
+_Gather            concat on dst (an empty tensor elsewhere) scatter of dst's grad: chunk r to rank r
+_AllToAllSingle    uneven all-to-all along dim 0             the same with the two split lists swapped
 _CopyToGroup       identity                                  all-reduce (sum) of the grads
 _ReduceFromGroup   all-reduce (sum)                          identity
 =================  ========================================  ==========================================
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -55,7 +69,8 @@ def _local_factor(transport: Transport, op: str, x: torch.Tensor, y_full: torch.
     if op in ("max", "min"):
         holds = (x == y_full).to(like.dtype)
         holders = transport.all_reduce(holds, "sum")  # how many ranks tie for the extreme
-        return holds / holders.clamp_min(1)
+        # no holder only where the extreme is NaN: 0/0 gives NaN there, as the single-device amax does
+        return holds / holders
     # product: the product of the *other* ranks' values, exact when some are zero
     is_zero = x == 0
     nonzero = torch.where(is_zero, torch.ones_like(x), x)
@@ -64,6 +79,31 @@ def _local_factor(transport: Transport, op: str, x: torch.Tensor, y_full: torch.
     others_if_nonzero = torch.where(zeros == 0, prod_nonzero / nonzero, torch.zeros_like(prod_nonzero))
     others_if_zero = torch.where(zeros == 1, prod_nonzero, torch.zeros_like(prod_nonzero))
     return torch.where(is_zero, others_if_zero, others_if_nonzero).to(like.dtype)
+
+
+#: name -> backward(ctx, grad) of the Function of that name; see :func:`replaced_backward`
+BACKWARD_RULES: dict[str, Callable[..., tuple]] = {}
+
+
+def _rule(name: str) -> Callable[[Callable], Callable]:
+    def register(backward: Callable) -> Callable:
+        BACKWARD_RULES[name] = backward
+        return backward
+    return register
+
+
+@contextlib.contextmanager
+def replaced_backward(name: str, backward: Callable[..., tuple]) -> Iterator[None]:
+    """Use ``backward(ctx, grad)`` as the backward rule ``name`` inside the block (every
+    thread of this process sees it; for tests that show a wrong rule gets caught)."""
+    if name not in BACKWARD_RULES:
+        raise ValueError(f"replaced_backward: unknown rule {name!r}; known: {sorted(BACKWARD_RULES)}")
+    original = BACKWARD_RULES[name]
+    BACKWARD_RULES[name] = backward
+    try:
+        yield
+    finally:
+        BACKWARD_RULES[name] = original
 
 
 class _AllReduce(torch.autograd.Function):
@@ -77,14 +117,19 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        with backward_phase():
-            total = ctx.transport.all_reduce(grad.contiguous(), "sum")
-            if ctx.op in _NONLINEAR:
-                x, y = ctx.saved_tensors
-                total = total * _local_factor(ctx.transport, ctx.op, x, y, total)
-            elif ctx.op == "avg":
-                total = total / ctx.transport.world_size
-        return None, total, None
+        return BACKWARD_RULES["all_reduce"](ctx, grad)
+
+
+@_rule("all_reduce")
+def _all_reduce_backward(ctx: Any, grad: torch.Tensor):
+    with backward_phase():
+        total = ctx.transport.all_reduce(grad.contiguous(), "sum")
+        if ctx.op in _NONLINEAR:
+            x, y = ctx.saved_tensors
+            total = total * _local_factor(ctx.transport, ctx.op, x, y, total)
+        elif ctx.op == "avg":
+            total = total / ctx.transport.world_size
+    return None, total, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -95,8 +140,13 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        with backward_phase():
-            return None, ctx.transport.reduce_scatter(grad.contiguous(), ctx.dim, "sum"), None
+        return BACKWARD_RULES["all_gather"](ctx, grad)
+
+
+@_rule("all_gather")
+def _all_gather_backward(ctx: Any, grad: torch.Tensor):
+    with backward_phase():
+        return None, ctx.transport.reduce_scatter(grad.contiguous(), ctx.dim, "sum"), None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -110,16 +160,21 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        transport = ctx.transport
-        with backward_phase():
-            full = transport.all_gather(grad.contiguous(), ctx.dim)
-            if ctx.op in _NONLINEAR:
-                x, y = ctx.saved_tensors
-                y_full = transport.all_gather(y, ctx.dim) if ctx.op != "product" else None
-                full = full * _local_factor(transport, ctx.op, x, y_full, full)
-            elif ctx.op == "avg":
-                full = full / transport.world_size
-        return None, full, None, None
+        return BACKWARD_RULES["reduce_scatter"](ctx, grad)
+
+
+@_rule("reduce_scatter")
+def _reduce_scatter_backward(ctx: Any, grad: torch.Tensor):
+    transport = ctx.transport
+    with backward_phase():
+        full = transport.all_gather(grad.contiguous(), ctx.dim)
+        if ctx.op in _NONLINEAR:
+            x, y = ctx.saved_tensors
+            y_full = transport.all_gather(y, ctx.dim) if ctx.op != "product" else None
+            full = full * _local_factor(transport, ctx.op, x, y_full, full)
+        elif ctx.op == "avg":
+            full = full / transport.world_size
+    return None, full, None, None
 
 
 class _Slice(torch.autograd.Function):
@@ -127,15 +182,21 @@ class _Slice(torch.autograd.Function):
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, dim: int, scale_grad: bool) -> torch.Tensor:
         ctx.transport, ctx.dim, ctx.scale_grad = transport, dim, scale_grad
         shard = x.shape[dim] // transport.world_size
-        return x.narrow(dim, transport.rank * shard, shard).contiguous()
+        # a copy even when the chunk is already contiguous: the output never aliases the input
+        return x.narrow(dim, transport.rank * shard, shard).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        with backward_phase():
-            full = ctx.transport.all_gather(grad.contiguous(), ctx.dim)
-        if ctx.scale_grad:
-            full = full / ctx.transport.world_size
-        return None, full, None, None
+        return BACKWARD_RULES["slice"](ctx, grad)
+
+
+@_rule("slice")
+def _slice_backward(ctx: Any, grad: torch.Tensor):
+    with backward_phase():
+        full = ctx.transport.all_gather(grad.contiguous(), ctx.dim)
+    if ctx.scale_grad:
+        full = full / ctx.transport.world_size
+    return None, full, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -147,8 +208,13 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        with backward_phase():
-            return None, ctx.transport.all_to_all(grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
+        return BACKWARD_RULES["all_to_all"](ctx, grad)
+
+
+@_rule("all_to_all")
+def _all_to_all_backward(ctx: Any, grad: torch.Tensor):
+    with backward_phase():
+        return None, ctx.transport.all_to_all(grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
 
 
 class _Broadcast(torch.autograd.Function):
@@ -159,11 +225,14 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        with backward_phase():
-            total = ctx.transport.all_reduce(grad.contiguous(), "sum")
-        if ctx.transport.rank != ctx.src:
-            total = torch.zeros_like(total)
-        return None, total, None
+        return BACKWARD_RULES["broadcast"](ctx, grad)
+
+
+@_rule("broadcast")
+def _broadcast_backward(ctx: Any, grad: torch.Tensor):
+    with backward_phase():
+        # broadcast's dual: the reduce (sum) onto src; the other ranks get zeros
+        return None, ctx.transport.reduce(grad.contiguous(), ctx.src, "sum"), None
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -176,8 +245,13 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        with backward_phase():
-            return None, ctx.transport.all_reduce(grad.contiguous(), "sum")
+        return BACKWARD_RULES["copy_to_group"](ctx, grad)
+
+
+@_rule("copy_to_group")
+def _copy_to_group_backward(ctx: Any, grad: torch.Tensor):
+    with backward_phase():
+        return None, ctx.transport.all_reduce(grad.contiguous(), "sum")
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -189,4 +263,120 @@ class _ReduceFromGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return None, grad
+        return BACKWARD_RULES["reduce_from_group"](ctx, grad)
+
+
+@_rule("reduce_from_group")
+def _reduce_from_group_backward(ctx: Any, grad: torch.Tensor):
+    return None, grad
+
+
+class _Reduce(torch.autograd.Function):
+    """Reduction onto ``dst``; the other ranks get zeros (a constant: their output grads are ignored)."""
+
+    @staticmethod
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dst: int, op: str) -> torch.Tensor:
+        y = transport.reduce(x, dst, op)
+        ctx.transport, ctx.dst, ctx.op = transport, dst, op
+        if op in _NONLINEAR:
+            ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return BACKWARD_RULES["reduce"](ctx, grad)
+
+
+@_rule("reduce")
+def _reduce_backward(ctx: Any, grad: torch.Tensor):
+    transport = ctx.transport
+    with backward_phase():
+        total = transport.broadcast(grad.contiguous(), ctx.dst)   # dst's grad, on every rank
+        if ctx.op in _NONLINEAR:
+            x, y = ctx.saved_tensors
+            y_full = transport.broadcast(y, ctx.dst) if ctx.op != "product" else None   # dst's result
+            total = total * _local_factor(transport, ctx.op, x, y_full, total)
+        elif ctx.op == "avg":
+            total = total / transport.world_size
+    return None, total, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """Chunk ``r`` of ``src``'s tensor on rank ``r``.
+
+    ``x`` is src's tensor on ``src``; on the other ranks a placeholder that
+    requires grad (its gradient is ``None``: zero), so their output can
+    require grad too: it does exactly when src's tensor requires grad (src
+    says so in the same call).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, src: int, dim: int,
+                requires_grad: bool) -> torch.Tensor:
+        is_src = transport.rank == src
+        chunk, source_requires_grad = transport.scatter(x if is_src else None, src, dim,
+                                                        requires_grad=requires_grad)
+        # off src ``dim`` may be negative: name it as src does, for the backward's gather
+        ctx.transport, ctx.src, ctx.dim = transport, src, dim % chunk.dim()
+        if not source_requires_grad:
+            ctx.mark_non_differentiable(chunk)
+        return chunk
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return BACKWARD_RULES["scatter"](ctx, grad)
+
+
+@_rule("scatter")
+def _scatter_backward(ctx: Any, grad: torch.Tensor):
+    with backward_phase():
+        full = ctx.transport.gather(grad.contiguous(), ctx.src, ctx.dim)   # None off src
+    return None, full, None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Concatenation on ``dst``; the other ranks get an empty tensor (size 0 along ``dim``)
+    that carries no value but lets them take part in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dst: int, dim: int) -> torch.Tensor:
+        ctx.transport, ctx.dst, ctx.dim = transport, dst, dim
+        out = transport.gather(x, dst, dim)
+        if out is None:
+            out = x.new_empty((*x.shape[:dim], 0, *x.shape[dim + 1:]))   # size 0 at dim
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return BACKWARD_RULES["gather"](ctx, grad)
+
+
+@_rule("gather")
+def _gather_backward(ctx: Any, grad: torch.Tensor):
+    transport = ctx.transport
+    with backward_phase():
+        mine = grad.contiguous() if transport.rank == ctx.dst else None
+        chunk, _ = transport.scatter(mine, ctx.dst, ctx.dim)    # chunk r of dst's grad to rank r
+    return None, chunk, None, None
+
+
+class _AllToAllSingle(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, output_split_sizes: list[int],
+                input_split_sizes: list[int]) -> torch.Tensor:
+        ctx.transport = transport
+        ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
+        return transport.all_to_all_single(x, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return BACKWARD_RULES["all_to_all_single"](ctx, grad)
+
+
+@_rule("all_to_all_single")
+def _all_to_all_single_backward(ctx: Any, grad: torch.Tensor):
+    with backward_phase():
+        # every row goes back where it came from: the two split lists swap roles
+        back = ctx.transport.all_to_all_single(grad.contiguous(), ctx.input_split_sizes,
+                                               ctx.output_split_sizes)
+    return None, back, None, None

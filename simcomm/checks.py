@@ -1,15 +1,64 @@
 """Argument checks shared by every collective, in one place, with one wording.
 
-Each check raises :class:`ValueError` naming the op, the rank, the argument and
-the value, so a learner reading the message knows which call on which rank to
-fix. Both backends call these before any communication, so a bad argument is
-reported the same way on virtual ranks and on real processes.
+Each check raises :class:`ValueError` (:class:`TypeError` for an argument of
+the wrong type) naming the op, the rank, the argument and the value, so a
+learner reading the message knows which call on which rank to fix. Both
+backends call these before any communication, so a bad argument is reported
+the same way on virtual ranks and on real processes.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+import reprlib
+from collections.abc import Iterable, Sequence
 
 import torch
+
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 60
+
+
+def check_tensor(op: str, value: object, rank: int, arg: str = "input_") -> torch.Tensor:
+    """Check that ``value`` is a tensor; return it. Every communicator method calls this first."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{op}: {arg}={_short.repr(value)} on rank {rank} is a {type(value).__name__}, "
+            f"not a torch.Tensor")
+    return value
+
+
+def check_rank_number(op: str, value: object, rank: int, arg: str) -> int:
+    """``value`` as an int if it is an integer (``int``, a numpy or 0-d torch integer), not a bool;
+    a float such as 0.7 or 1.0, a string such as "0", or True is refused rather than converted."""
+    if isinstance(value, bool) or isinstance(value, (float, str, bytes)):
+        number = None
+    else:
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+    if number is None:
+        raise ValueError(f"{op}: {arg} contains {value!r} ({type(value).__name__}) on rank {rank}; "
+                         f"ranks must be ints")
+    return number
+
+
+def check_split_sizes(op: str, splits: object, size: int | None, rank: int, arg: str, world_size: int
+                      ) -> list[int]:
+    """Check a split-size list: ``world_size`` non-negative ints, summing to ``size`` when given."""
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    if isinstance(splits, (str, bytes)) or not isinstance(splits, Sequence):
+        raise ValueError(f"{op}: {arg}={_short.repr(splits)} on rank {rank} must be a list of "
+                         f"{world_size} ints")
+    values = [check_rank_number(op, s, rank, arg) for s in splits]
+    if len(values) != world_size or any(v < 0 for v in values):
+        raise ValueError(f"{op}: {arg}={values} on rank {rank} must be {world_size} non-negative ints "
+                         f"(one per rank of the group)")
+    if size is not None and sum(values) != size:
+        raise ValueError(f"{op}: {arg}={values} on rank {rank} sums to {sum(values)}, but dim 0 of the "
+                         f"input has size {size}")
+    return values
 
 
 def normalize_dim(op: str, tensor: torch.Tensor, dim: int, rank: int, arg: str = "dim") -> int:
@@ -59,11 +108,21 @@ def check_4d(op: str, tensor: torch.Tensor, rank: int) -> None:
 
 def check_partition(op: str, groups: Sequence[Sequence[int]], world_size: int, rank: int
                     ) -> tuple[tuple[int, ...], ...]:
-    """Check that ``groups`` partitions ``range(world_size)``; return it as sorted tuples."""
-    try:
-        normalized = tuple(tuple(int(r) for r in group) for group in groups)
-    except TypeError:
-        raise ValueError(f"{op}: groups={groups!r} on rank {rank} must be a list of lists of ranks") from None
+    """Check that ``groups`` partitions ``range(world_size)``; return it as tuples, each sorted.
+
+    Each group is sorted, as ``torch.distributed.new_group`` sorts its ranks:
+    group-local rank ``i`` is the ``i``-th smallest member on both backends,
+    so ``[[1, 0]]`` is the same group as ``[[0, 1]]``. Ranks must be ints
+    (0.7, 1.9, "0" and True are refused, never converted).
+    """
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+        raise ValueError(f"{op}: groups={groups!r} on rank {rank} must be a list of lists of ranks")
+    normalized = []
+    for group in groups:
+        if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
+            raise ValueError(f"{op}: groups={groups!r} on rank {rank} must be a list of lists of ranks")
+        normalized.append(tuple(sorted(check_rank_number(op, r, rank, f"groups={groups!r}") for r in group)))
+    normalized = tuple(normalized)
     flat = sorted(r for group in normalized for r in group)
     if flat != list(range(world_size)) or any(len(group) == 0 for group in normalized):
         raise ValueError(

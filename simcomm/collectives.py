@@ -9,7 +9,11 @@ checked against.
 
 Entries of a result may be the *same* tensor object (every rank of an
 all-reduce holds equal values); a transport hands each rank a private copy.
-No function modifies its inputs.
+No function modifies its inputs, and no output is a view of an input.
+
+Reductions keep the input dtype, as ``torch.distributed`` does: integer sums
+and products wrap around (int8 ``100 + 100`` is ``-56``), and on ``bool``
+SUM is a logical or, PRODUCT a logical and.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from torch.distributed import ReduceOp
 __all__ = [
     "REDUCE_OPS", "reduce_op_name", "to_reduce_op", "reduce", "all_reduce", "all_gather",
     "reduce_scatter", "scatter", "all_to_all", "gather", "broadcast", "check_same",
+    "reduce_to", "scatter_from", "all_to_all_single", "check_avg_dtype", "check_splits",
 ]
 
 #: The reductions every backend supports, by canonical name.
@@ -93,26 +98,37 @@ def _reduce_accumulate(inputs: Sequence[torch.Tensor], name: str) -> torch.Tenso
     return out
 
 
+def check_avg_dtype(op: str, tensor: torch.Tensor, reduction: str, rank: int | None = None) -> None:
+    """Raise ``ValueError`` for ``ReduceOp.AVG`` of a tensor that is not floating point
+    (or complex), at every world size, with one wording for both backends."""
+    if reduction == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        where = f" on rank {rank}" if rank is not None else ""
+        raise ValueError(f"{op}: ReduceOp.AVG{where} needs a floating-point dtype, got {tensor.dtype}")
+
+
 def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> torch.Tensor:
-    """Elementwise reduction of the ranks' tensors: one new tensor of the common shape."""
+    """Elementwise reduction of the ranks' tensors: one new tensor of the common shape and dtype."""
     name = reduce_op_name(op)
+    check_avg_dtype("reduce", inputs[0], name)
     if len(inputs) == 1:
         return inputs[0].clone()
-    if name == "avg" and not (inputs[0].is_floating_point() or inputs[0].is_complex()):
-        raise ValueError(f"reduce: ReduceOp.AVG needs a floating-point dtype, got {inputs[0].dtype}")
     large = inputs[0].numel() >= _ACCUMULATE_FROM
     if large and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         return _reduce_accumulate(inputs, name)
     stacked = torch.stack(list(inputs))  # (world, *shape)
     if name == "sum":
-        return stacked.sum(0)
-    if name == "avg":
+        out = stacked.sum(0)
+    elif name == "avg":
         return stacked.mean(0)
-    if name == "max":
+    elif name == "max":
         return stacked.amax(0)
-    if name == "min":
+    elif name == "min":
         return stacked.amin(0)
-    return stacked.prod(0)
+    else:
+        out = stacked.prod(0)
+    # integer and bool sums and products promote to int64: back to the input dtype, wrapping
+    # as a fixed-width integer does (bool: nonzero count -> or, nonzero product -> and)
+    return out if out.dtype == stacked.dtype else out.to(stacked.dtype)
 
 
 def all_reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> list[torch.Tensor]:
@@ -132,7 +148,10 @@ def scatter(tensor: torch.Tensor, world_size: int, dim: int = -1) -> list[torch.
     if tensor.shape[dim] % world_size:
         raise ValueError(
             f"scatter: size {tensor.shape[dim]} of dim={dim} is not divisible by the world size {world_size}")
-    return [chunk.contiguous() for chunk in tensor.split(tensor.shape[dim] // world_size, dim)]
+    shard = tensor.shape[dim] // world_size
+    # narrow, not split: a zero-size shard is fine; clone: no chunk is a view of the input
+    return [tensor.narrow(dim, rank * shard, shard).clone(memory_format=torch.contiguous_format)
+            for rank in range(world_size)]
 
 
 def reduce_scatter(inputs: Sequence[torch.Tensor], dim: int = -1, op: ReduceOp | str = "sum"
@@ -158,7 +177,8 @@ def all_to_all(inputs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int
         raise ValueError(
             f"all_to_all: size {inputs[0].shape[scatter_dim]} of scatter_dim={scatter_dim} is not "
             f"divisible by the world size {world_size}")
-    pieces = [tensor.split(shard, scatter_dim) for tensor in inputs]  # pieces[src][dst]
+    pieces = [[tensor.narrow(scatter_dim, dst * shard, shard) for dst in range(world_size)]
+              for tensor in inputs]  # pieces[src][dst]; narrow allows zero-size shards
     return [torch.cat([pieces[src][dst] for src in range(world_size)], gather_dim)
             for dst in range(world_size)]
 
@@ -174,3 +194,56 @@ def broadcast(inputs: Sequence[torch.Tensor], src: int = 0) -> list[torch.Tensor
     """Every rank gets a copy of rank ``src``'s tensor."""
     check_same("broadcast", inputs)
     return [inputs[src].clone()] * len(inputs)
+
+
+def reduce_to(inputs: Sequence[torch.Tensor], dst: int = 0, op: ReduceOp | str = "sum") -> list[torch.Tensor]:
+    """Rank ``dst`` gets the reduction of all ranks' tensors; every other rank gets zeros
+    of the same shape and dtype (what it contributes to a loss: nothing)."""
+    check_same("reduce", inputs)
+    reduced = reduce(inputs, op)
+    zeros = torch.zeros_like(inputs[0])
+    return [reduced if rank == dst else zeros for rank in range(len(inputs))]
+
+
+def scatter_from(inputs: Sequence[torch.Tensor | None], src: int = 0, dim: int = -1) -> list[torch.Tensor]:
+    """Rank ``r`` gets chunk ``r`` along ``dim`` of rank ``src``'s tensor (the other entries
+    of ``inputs`` are ignored and may be ``None``)."""
+    return scatter(inputs[src], len(inputs), dim)
+
+
+def check_splits(op: str, input_splits: Sequence[Sequence[int]], output_splits: Sequence[Sequence[int]]
+                 ) -> None:
+    """Raise ``ValueError`` unless what rank ``i`` sends to rank ``j``
+    (``input_splits[i][j]``) is what rank ``j`` expects from rank ``i``
+    (``output_splits[j][i]``), naming the first pair that disagrees and both lists."""
+    world_size = len(input_splits)
+    for sender in range(world_size):
+        for receiver in range(world_size):
+            sent, expected = input_splits[sender][receiver], output_splits[receiver][sender]
+            if sent != expected:
+                raise ValueError(
+                    f"{op}: rank {sender} sends {sent} rows to rank {receiver} "
+                    f"(input_split_sizes={list(input_splits[sender])} on rank {sender}) but rank "
+                    f"{receiver} expects {expected} from rank {sender} "
+                    f"(output_split_sizes={list(output_splits[receiver])} on rank {receiver})")
+
+
+def all_to_all_single(inputs: Sequence[torch.Tensor], output_split_sizes: Sequence[Sequence[int]],
+                      input_split_sizes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Uneven all-to-all along dim 0, as ``torch.distributed.all_to_all_single``.
+
+    Rank ``i`` sends rows ``sum(input_split_sizes[i][:j])`` onwards, ``input_split_sizes[i][j]``
+    of them, to rank ``j``; rank ``j`` concatenates what it receives in rank order.
+    ``output_split_sizes[j][i]`` must equal ``input_split_sizes[i][j]`` (checked).
+    """
+    world_size = len(inputs)
+    first = inputs[0]
+    for rank, tensor in enumerate(inputs):
+        if tensor.shape[1:] != first.shape[1:] or tensor.dtype != first.dtype:
+            raise ValueError(
+                f"all_to_all_single: rank {rank} has {tensor.dtype} {tuple(tensor.shape)} but rank 0 has "
+                f"{first.dtype} {tuple(first.shape)}; every rank must pass the same dtype and the same "
+                f"sizes after dim 0")
+    check_splits("all_to_all_single", input_split_sizes, output_split_sizes)
+    pieces = [tensor.split(list(splits), 0) for tensor, splits in zip(inputs, input_split_sizes)]
+    return [torch.cat([pieces[src][dst] for src in range(world_size)], 0) for dst in range(world_size)]

@@ -6,8 +6,10 @@ of :mod:`simcomm.autograd`, which call its transport. The same class serves the
 simulator (:class:`simcomm.sim.SimTransport`) and real processes
 (``real.transport.DistTransport``).
 
-Every method leaves its input unmodified and blocks until this rank's part of
-the call is done. ``src``/``dst`` are ranks *within the group*. Gradients
+Every method leaves its input unmodified, returns tensors that alias no input,
+and blocks until this rank's part of the call is done. A non-tensor where a
+tensor belongs raises ``TypeError`` naming the op, the rank and the argument.
+``src``/``dst`` are ranks *within the group*. Gradients
 follow the sum-of-per-rank-losses convention; see :mod:`simcomm.autograd`.
 """
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 from torch.distributed import ReduceOp
 
 from . import autograd as rules
-from .checks import check_4d, check_divisible, check_partition, check_peer, normalize_dim
-from .collectives import reduce_op_name
+from .checks import (check_4d, check_divisible, check_partition, check_peer, check_split_sizes, check_tensor,
+                     normalize_dim)
+from .collectives import check_avg_dtype, reduce_op_name
 from .transport import Transport
 
 __all__ = ["Communicator"]
@@ -88,13 +91,17 @@ class Communicator:
         PRODUCT multiplies the summed gradient by the product of the other
         ranks' values (exact with zeros).
         """
-        return _apply(rules._AllReduce, self.transport, input_.contiguous(), reduce_op_name(op))
+        check_tensor("all_reduce", input_, self.rank)
+        op = reduce_op_name(op)
+        check_avg_dtype("all_reduce", input_, op, self.rank)
+        return _apply(rules._AllReduce, self.transport, input_.contiguous(), op)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate the ranks' tensors along ``dim`` in rank order.
 
         Backward: reduce-scatter (sum) of the gradient along ``dim``.
         """
+        check_tensor("all_gather", input_, self.rank)
         dim = normalize_dim("all_gather", input_, dim, self.rank)
         return _apply(rules._AllGather, self.transport, input_.contiguous(), dim)
 
@@ -106,9 +113,12 @@ class Communicator:
         all-gather of the gradient along ``dim`` (with the MAX/MIN/PRODUCT
         factors of :meth:`all_reduce`).
         """
+        check_tensor("reduce_scatter", input_, self.rank)
         dim = normalize_dim("reduce_scatter", input_, dim, self.rank)
         check_divisible("reduce_scatter", input_, dim, self.world_size, self.rank)
-        return _apply(rules._ReduceScatter, self.transport, input_.contiguous(), dim, reduce_op_name(op))
+        op = reduce_op_name(op)
+        check_avg_dtype("reduce_scatter", input_, op, self.rank)
+        return _apply(rules._ReduceScatter, self.transport, input_.contiguous(), dim, op)
 
     def slice(self, input_: torch.Tensor, dim: int = -1, *, scale_grad: bool) -> torch.Tensor:
         """Keep this rank's chunk of a tensor every rank holds the same copy of.
@@ -117,6 +127,7 @@ class Communicator:
         every rank's input gradient is the full gradient of the summed losses;
         divided by the world size when ``scale_grad`` (for a replicated loss).
         """
+        check_tensor("slice", input_, self.rank)
         dim = normalize_dim("slice", input_, dim, self.rank)
         check_divisible("slice", input_, dim, self.world_size, self.rank)
         return _apply(rules._Slice, self.transport, input_, dim, scale_grad)
@@ -124,6 +135,7 @@ class Communicator:
     def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split along ``scatter_dim``, send chunk ``j`` to rank ``j``, concatenate what
         arrives along ``gather_dim``. Backward: the same with the two dims swapped."""
+        check_tensor("all_to_all", input_, self.rank)
         scatter_dim = normalize_dim("all_to_all", input_, scatter_dim, self.rank, "scatter_dim")
         gather_dim = normalize_dim("all_to_all", input_, gather_dim, self.rank, "gather_dim")
         check_divisible("all_to_all", input_, scatter_dim, self.world_size, self.rank, "scatter_dim")
@@ -135,6 +147,7 @@ class Communicator:
         ``(2, 1)``: sequence shards ``(b, s/P, h, d)`` -> head shards ``(b, s, h/P, d)``.
         ``(1, 2)``: the inverse. Backward: the all-to-all with the dims swapped.
         """
+        check_tensor("all_to_all_4D", input_, self.rank)
         check_4d("all_to_all_4D", input_, self.rank)
         if (scatter_dim, gather_dim) not in ((2, 1), (1, 2)):
             raise ValueError(
@@ -148,18 +161,28 @@ class Communicator:
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate the ranks' tensors along ``dim`` on rank ``dst``; ``None`` elsewhere.
 
-        Not differentiable: the other ranks hold no output to call backward
-        on. Use :meth:`all_gather` when gradients must flow.
+        Differentiable where a gradient can flow: when ``input_`` requires grad
+        (and grad mode is on), the other ranks get an *empty* tensor (size 0
+        along ``dim``) instead of ``None``; it carries no value, but a rank that
+        calls backward through it (e.g. adds ``y.sum()``, which is 0, to its
+        loss) receives its chunk of ``dst``'s gradient. Backward: scatter of
+        ``dst``'s gradient, chunk ``r`` to rank ``r``; every rank must take part
+        in the backward, as in every collective. Without gradients, ``None``
+        off ``dst`` as before. :meth:`all_gather` when every rank needs the result.
         """
+        check_tensor("gather", input_, self.rank)
         dim = normalize_dim("gather", input_, dim, self.rank)
         check_peer("gather", dst, self.world_size, self.rank, "dst")
+        if input_.requires_grad and torch.is_grad_enabled():
+            return rules._Gather.apply(self.transport, input_.contiguous(), dst, dim)
         return self.transport.gather(input_.detach().contiguous(), dst, dim)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Every rank gets a copy of rank ``src``'s tensor (all ranks pass the same shape).
 
-        Backward: the gradients summed onto ``src``, zero on the other ranks.
+        Backward: :meth:`reduce` (sum) of the gradients onto ``src``, zero on the other ranks.
         """
+        check_tensor("broadcast", input_, self.rank)
         check_peer("broadcast", src, self.world_size, self.rank, "src")
         return _apply(rules._Broadcast, self.transport, input_.contiguous(), src)
 
@@ -168,6 +191,7 @@ class Communicator:
 
         Put it where a replicated activation enters a tensor-parallel region.
         """
+        check_tensor("copy_to_group", input_, self.rank)
         return _apply(rules._CopyToGroup, self.transport, input_.contiguous())
 
     def reduce_from_group(self, input_: torch.Tensor) -> torch.Tensor:
@@ -176,7 +200,93 @@ class Communicator:
         Put it where partial sums leave a tensor-parallel region and every
         rank then computes the same replicated loss.
         """
+        check_tensor("reduce_from_group", input_, self.rank)
         return _apply(rules._ReduceFromGroup, self.transport, input_.contiguous())
+
+    def reduce(self, input_: torch.Tensor, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``input_`` over the group onto rank ``dst``.
+
+        ``dst`` gets the reduction; every other rank gets zeros of the input's
+        shape and dtype (a new tensor, the same on both backends), so every
+        rank holds an output it can call backward through. Backward: broadcast
+        of ``dst``'s gradient to every rank (AVG divides by the world size;
+        MAX/MIN/PRODUCT apply the factors of :meth:`all_reduce`); the other
+        ranks' output gradients are ignored, since their zeros do not depend on
+        any input.
+        """
+        check_tensor("reduce", input_, self.rank)
+        check_peer("reduce", dst, self.world_size, self.rank, "dst")
+        op = reduce_op_name(op)
+        check_avg_dtype("reduce", input_, op, self.rank)
+        return _apply(rules._Reduce, self.transport, input_.contiguous(), dst, op)
+
+    def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = -1) -> torch.Tensor:
+        """Rank ``r`` gets chunk ``r`` along ``dim`` of rank ``src``'s tensor.
+
+        Only ``src`` needs a tensor (its ``shape[dim]`` divisible by the world
+        size); the other ranks pass ``None`` (or any tensor: its values are
+        ignored, its gradient is zero) and learn the shape and dtype from
+        ``src``. The output requires grad on every rank exactly when ``src``'s
+        tensor does (and grad mode is on there and here). Backward: gather of
+        the ranks' gradients onto ``src`` along ``dim``; every rank must run it
+        (``loss.backward()``; ``torch.autograd.grad`` off ``src`` runs it only
+        when asked for the gradient of the tensor the rank passed).
+        """
+        is_src = check_peer("scatter", src, self.world_size, self.rank, "src") == self.rank
+        if not is_src and input_ is not None:
+            check_tensor("scatter", input_, self.rank)
+        if is_src:
+            check_tensor("scatter", input_, self.rank)
+            dim = normalize_dim("scatter", input_, dim, self.rank)
+            check_divisible("scatter", input_, dim, self.world_size, self.rank)
+        elif not isinstance(dim, int) or isinstance(dim, bool):
+            raise ValueError(f"scatter: dim={dim!r} on rank {self.rank} must be an int")
+        grad_on = torch.is_grad_enabled()
+        if is_src:
+            flag = grad_on and input_.requires_grad
+            if flag:
+                return rules._Scatter.apply(self.transport, input_.contiguous(), src, dim, True)
+            return self.transport.scatter(input_.detach().contiguous(), src, dim, requires_grad=False)[0]
+        if grad_on:   # a placeholder input, so the output can require grad when src's does
+            placeholder = input_ if input_ is not None and input_.requires_grad else \
+                torch.empty(0, device=self.device, requires_grad=True)
+            return rules._Scatter.apply(self.transport, placeholder, src, dim, False)
+        return self.transport.scatter(None, src, dim)[0]
+
+    def all_to_all_single(self, input_: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
+                          input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """Uneven all-to-all along dim 0, with ``torch.distributed.all_to_all_single``'s split lists.
+
+        Rank ``i`` sends ``input_split_sizes[j]`` consecutive rows of ``input_``
+        to rank ``j`` (``None``: ``input_.shape[0]`` split evenly) and receives
+        ``output_split_sizes[j]`` rows from rank ``j`` (``None``: as many rows
+        as it sends in all, split evenly), concatenated in rank order. Sizes
+        may be zero. ``output_split_sizes[j]`` on rank ``i`` must equal
+        ``input_split_sizes[i]`` on rank ``j``: the simulator compares the ranks'
+        lists at the rendezvous; real processes exchange them first (one small
+        all-gather); either way the error names both ranks and their lists.
+        Backward: the same all-to-all with the two split lists swapped, so
+        every gradient row goes back to the rank and row it came from.
+        """
+        op = "all_to_all_single"
+        check_tensor(op, input_, self.rank)
+        if input_.dim() == 0:
+            raise ValueError(f"{op}: rank {self.rank} passed a 0-d tensor; dim 0 is split, so it needs "
+                             f"at least one dimension")
+        rows = input_.shape[0]
+        if input_split_sizes is None:
+            check_divisible(op, input_, 0, self.world_size, self.rank, "dim 0 (input_split_sizes=None)")
+            inputs_ = [rows // self.world_size] * self.world_size
+        else:
+            inputs_ = check_split_sizes(op, input_split_sizes, rows, self.rank, "input_split_sizes",
+                                        self.world_size)
+        if output_split_sizes is None:
+            check_divisible(op, input_, 0, self.world_size, self.rank, "dim 0 (output_split_sizes=None)")
+            outputs = [rows // self.world_size] * self.world_size
+        else:
+            outputs = check_split_sizes(op, output_split_sizes, None, self.rank, "output_split_sizes",
+                                        self.world_size)
+        return _apply(rules._AllToAllSingle, self.transport, input_.contiguous(), outputs, inputs_)
 
     # -- point to point and control ----------------------------------------------------
 
@@ -190,6 +300,7 @@ class Communicator:
         """
         if dst is None:
             dst = (self.rank + 1) % self.world_size
+        check_tensor("send", tensor, self.rank, "tensor")
         check_peer("send", dst, self.world_size, self.rank, "dst")
         if dst == self.rank:
             raise ValueError(f"send: dst={dst} on rank {self.rank} is the sending rank itself")
@@ -224,8 +335,10 @@ class Communicator:
         """Split this group; return the communicator of the part this rank belongs to.
 
         A collective: every rank of the group calls it with the same
-        ``groups``, a partition of the group's ranks (group-local numbering),
-        e.g. ``[[0, 1], [2, 3]]``.
+        ``groups``, a partition of the group's ranks (group-local numbering,
+        ints), e.g. ``[[0, 1], [2, 3]]``. Within a part, ranks are numbered in
+        sorted order, as ``torch.distributed.new_group`` numbers them:
+        ``[[1, 0]]`` is the same group as ``[[0, 1]]`` on both backends.
         """
         normalized = check_partition("subgroup", groups, self.world_size, self.rank)
         return Communicator(self.transport.subgroup(normalized))

@@ -467,3 +467,54 @@ class SimTransport(TransportBase):
         what = (f"send to rank {peer_global}" if kind == "send" else f"recv from rank {peer_global}")
         state.wait_locked(me, _Wait(f"{what} ({str(dtype).removeprefix('torch.')} {tuple(shape)})", frame))
         return message.tensor if kind == "recv" else None
+
+    # -- rooted and uneven collectives --
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str) -> torch.Tensor:
+        """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks."""
+        return self._collective("reduce", tensor, self._sig(tensor, dst=dst, op=op),
+                                lambda inputs: math.reduce_to(inputs, dst, op), root=dst)
+
+    def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False
+                ) -> tuple[torch.Tensor, bool]:
+        """``(chunk r of src's tensor along dim, whether src said requires_grad)``; ``tensor`` is
+        ``None`` off ``src``, and each rank's ``dim`` must name src's dim (negative allowed)."""
+        step = self._next_step()
+        # off src the dtype is known once the data arrives; it is added to args then (for the bytes)
+        dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
+        args = {"src": src, "dim": dim, "dtype": dtype}
+        event = self._begin("scatter", step, tensor, src, args=args)
+
+        def compute(inputs: list) -> list:
+            source, flag, source_dim = inputs[src]
+            ndim = source.dim()
+            for rank, (_, _, rank_dim) in enumerate(inputs):
+                if not -ndim <= rank_dim < ndim or rank_dim % ndim != source_dim:
+                    raise ValueError(
+                        f"scatter: dim={rank_dim} on rank {rank} does not name the dim "
+                        f"dim={source_dim} of the source rank {src}'s "
+                        f"{ndim}-D tensor {tuple(source.shape)}")
+            chunks = math.scatter_from([entry[0] for entry in inputs], src, source_dim)
+            return [(chunk, flag) for chunk in chunks]
+
+        out = self._rendezvous("scatter", step, (tensor, requires_grad, dim), (("src", src),), compute)
+        args["dtype"] = str(out[0].dtype).removeprefix("torch.")
+        self._end(event, out[0])
+        return out
+
+    def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int]) -> torch.Tensor:
+        """Uneven all-to-all along dim 0; the ranks' split lists are checked against each other."""
+        step = self._next_step()
+        outputs, inputs_ = list(output_split_sizes), list(input_split_sizes)
+        event = self._begin("all_to_all_single", step, tensor,
+                            args={"input_split_sizes": inputs_, "output_split_sizes": outputs})
+        sig = (("dtype", tensor.dtype), ("shape[1:]", tuple(tensor.shape[1:])))
+
+        def compute(entries: list) -> list:
+            return math.all_to_all_single([e[0] for e in entries], [e[1] for e in entries],
+                                          [e[2] for e in entries])
+
+        out = self._rendezvous("all_to_all_single", step, (tensor, outputs, inputs_), sig, compute)
+        self._end(event, out)
+        return out

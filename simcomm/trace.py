@@ -17,6 +17,10 @@ all_reduce         reduce-scatter then all-gather: ``2 b/n`` to every peer
 all_to_all         ``b/n`` to every peer
 broadcast          the source sends ``b`` to every other rank
 gather             every other rank sends its ``b`` to the destination
+reduce             every other rank sends its ``b`` to the destination
+scatter            the source sends chunk ``j`` (``b/n``) to each other rank ``j``
+all_to_all_single  ``input_split_sizes[j]`` rows to peer ``j``, ``output_split_sizes[j]``
+                   rows from it (the event's args hold both lists)
 send / recv        ``b`` from sender to receiver
 barrier, subgroup  nothing
 =================  =========================================================
@@ -53,16 +57,32 @@ def backward_phase() -> Iterator[None]:
         _local.phase = previous
 
 
-def peer_bytes(op: str, nbytes: int, ranks: tuple[int, ...], rank: int, root: int | None = None
+def peer_bytes(op: str, nbytes: int, ranks: tuple[int, ...], rank: int, root: int | None = None,
+               *, args: dict | None = None, out_nbytes: int | None = None, row_bytes: int | None = None
                ) -> tuple[dict[int, int], dict[int, int]]:
     """Bytes ``rank`` sends to and receives from each peer (global ranks) in one call.
 
     ``nbytes`` is the size of the rank's input (for ``recv``: of the received
     tensor); ``root`` is the global rank of the source/destination where the op
-    has one, and the peer for ``send``/``recv``.
+    has one, and the peer for ``send``/``recv``. ``out_nbytes`` is the size of
+    the rank's output (``scatter``: what a non-source rank receives);
+    ``args`` the call's arguments and ``row_bytes`` the bytes of one dim-0 row
+    (``all_to_all_single``: bytes per peer from the split sizes).
     """
     world_size = len(ranks)
     peers = [peer for peer in ranks if peer != rank]
+    if op == "reduce":
+        return ({}, dict.fromkeys(peers, nbytes)) if rank == root else ({root: nbytes}, {})
+    if op == "scatter":
+        if rank == root:
+            return dict.fromkeys(peers, nbytes // world_size), {}
+        return {}, {root: out_nbytes or 0}
+    if op == "all_to_all_single":
+        sent_rows = (args or {}).get("input_split_sizes") or [0] * world_size
+        received_rows = (args or {}).get("output_split_sizes") or [0] * world_size
+        row = row_bytes or 0
+        return ({peer: sent_rows[i] * row for i, peer in enumerate(ranks) if peer != rank},
+                {peer: received_rows[i] * row for i, peer in enumerate(ranks) if peer != rank})
     if op == "all_gather":
         return dict.fromkeys(peers, nbytes), dict.fromkeys(peers, nbytes)
     if op in ("reduce_scatter", "all_to_all"):
@@ -80,6 +100,13 @@ def peer_bytes(op: str, nbytes: int, ranks: tuple[int, ...], rank: int, root: in
     if op == "recv":
         return {}, {root: nbytes}
     return {}, {}
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as in :attr:`TraceEvent.dtype` (``"float32"``)."""
+    import torch
+
+    return getattr(torch, dtype).itemsize
 
 
 @dataclass
@@ -126,15 +153,24 @@ class TraceEvent:
                    out_shape=tuple(out_shape) if out_shape is not None else None,
                    root=root, args=dict(args) if args else {})
 
+    def _peer_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
+        dtype = self.dtype if self.dtype is not None else self.args.get("dtype")   # scatter off src
+        itemsize = _itemsize(dtype) if dtype is not None else 0
+        out_nbytes = math.prod(self.out_shape) * itemsize if self.out_shape is not None else None
+        shape = self.shape if self.shape is not None else self.out_shape
+        row_bytes = math.prod(shape[1:]) * itemsize if shape else None
+        return peer_bytes(self.op, self.nbytes, self.group, self.rank, self.root, args=self.args,
+                          out_nbytes=out_nbytes, row_bytes=row_bytes)
+
     @property
     def sent(self) -> dict[int, int]:
         """Bytes sent to each peer (global rank)."""
-        return peer_bytes(self.op, self.nbytes, self.group, self.rank, self.root)[0]
+        return self._peer_bytes()[0]
 
     @property
     def received(self) -> dict[int, int]:
         """Bytes received from each peer (global rank)."""
-        return peer_bytes(self.op, self.nbytes, self.group, self.rank, self.root)[1]
+        return self._peer_bytes()[1]
 
 
 class Trace:

@@ -33,7 +33,22 @@ def call(comm, op: str, x: torch.Tensor, **kw) -> torch.Tensor:
         return comm.all_to_all_4D(x, kw["scatter_dim"], kw["gather_dim"])
     if op == "broadcast":
         return comm.broadcast(x, src=kw["src"])
+    if op == "reduce":
+        return comm.reduce(x, dst=kw["dst"], op=kw.get("reduce", "sum"))
+    if op == "scatter":
+        return comm.scatter(x, src=kw["src"], dim=kw["dim"])   # off src: values ignored, zero grad
+    if op == "gather":
+        return comm.gather(x, dst=kw["dst"], dim=kw["dim"])
+    if op == "all_to_all_single":
+        outputs, inputs = kw["output_split_sizes"], kw["input_split_sizes"]
+        return comm.all_to_all_single(x, outputs[comm.rank] if outputs is not None else None,
+                                      inputs[comm.rank] if inputs is not None else None)
     raise ValueError(op)
+
+
+def even_splits(inputs: list[torch.Tensor]) -> list[list[int]]:
+    """The split lists ``None`` stands for: dim 0 split evenly over the ranks."""
+    return [[x.shape[0] // len(inputs)] * len(inputs) for x in inputs]
 
 
 def reference(op: str, inputs: list[torch.Tensor], **kw) -> list[torch.Tensor]:
@@ -50,6 +65,16 @@ def reference(op: str, inputs: list[torch.Tensor], **kw) -> list[torch.Tensor]:
         return ref.all_to_all_4d(inputs, kw["scatter_dim"], kw["gather_dim"])
     if op == "broadcast":
         return ref.broadcast(inputs, kw["src"])
+    if op == "reduce":
+        return ref.reduce(inputs, kw["dst"], kw.get("reduce", "sum"))
+    if op == "scatter":
+        return ref.scatter(inputs, kw["src"], kw["dim"])
+    if op == "gather":
+        return ref.gather_with_grad(inputs, kw["dst"], kw["dim"])
+    if op == "all_to_all_single":
+        outputs, inputs_ = kw["output_split_sizes"], kw["input_split_sizes"]
+        return ref.all_to_all_single(inputs, outputs if outputs is not None else even_splits(inputs),
+                                     inputs_ if inputs_ is not None else even_splits(inputs))
     raise ValueError(op)
 
 
@@ -58,7 +83,8 @@ def run_both(op: str, inputs: list[torch.Tensor], grads: list[torch.Tensor] | No
     """(outputs, input grads) on every rank, and the same from the reference.
 
     The objective is the sum over ranks of ``(y_r * grads[r]).sum()``. For
-    ``slice`` every rank holds the same tensor ``inputs[0]``.
+    ``slice`` every rank holds the same tensor ``inputs[0]``. An input with no
+    path to the objective (scatter off its source) has gradient zero.
     """
     world_size = len(inputs)
     if op == "slice":
@@ -70,7 +96,7 @@ def run_both(op: str, inputs: list[torch.Tensor], grads: list[torch.Tensor] | No
         y = call(comm, op, x, **kw)
         if grads is not None:
             (y * grads[comm.rank]).sum().backward()
-        return y.detach(), x.grad
+        return y.detach(), x.grad if x.grad is not None or grads is None else torch.zeros_like(x)
 
     world = world or simcomm.World(world_size)
     outs = world.run(program)
@@ -79,5 +105,6 @@ def run_both(op: str, inputs: list[torch.Tensor], grads: list[torch.Tensor] | No
     ref_grads = None
     if grads is not None:
         sum(((y * g).sum() for y, g in zip(ref_outs, grads))).backward()
-        ref_grads = [leaf.grad for leaf in leaves] * (world_size if op == "slice" else 1)
+        ref_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                     for leaf in leaves] * (world_size if op == "slice" else 1)
     return ([o for o, _ in outs], [g for _, g in outs]), ([o.detach() for o in ref_outs], ref_grads)

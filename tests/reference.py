@@ -47,3 +47,30 @@ def broadcast(xs, src=0):
 
 def gather(xs, dst=0, dim=-1):
     return [torch.cat(xs, dim) if r == dst else None for r in range(len(xs))]
+
+
+def reduce(xs, dst=0, op="sum"):
+    """``dst`` gets the reduction; the others get zeros (constants: no gradient flows from them)."""
+    reduced = all_reduce(xs, op)[0]
+    return [reduced if r == dst else torch.zeros_like(xs[r]).detach() for r in range(len(xs))]
+
+
+def scatter(xs, src=0, dim=-1):
+    """Rank r gets chunk r of ``xs[src]``; the other entries of ``xs`` are unused."""
+    return list(xs[src].tensor_split(len(xs), dim))
+
+
+def gather_with_grad(xs, dst=0, dim=-1):
+    """``dst`` gets the concatenation; the others an empty slice of their input (what the
+    differentiable gather returns there: no value, but a path for the backward)."""
+    return [torch.cat(xs, dim) if r == dst else xs[r].narrow(dim, 0, 0) for r in range(len(xs))]
+
+
+def all_to_all_single(xs, output_split_sizes, input_split_sizes):
+    """Rank i sends ``input_split_sizes[i][j]`` rows to rank j; rank j concatenates in rank order."""
+    world_size = len(xs)
+    for i in range(world_size):
+        for j in range(world_size):
+            assert input_split_sizes[i][j] == output_split_sizes[j][i]
+    pieces = [x.split(list(splits), 0) for x, splits in zip(xs, input_split_sizes)]
+    return [torch.cat([pieces[i][j] for i in range(world_size)], 0) for j in range(world_size)]

@@ -54,3 +54,73 @@ def test_list_math_matches_reference(world_size):
 def test_mismatched_shapes_are_named():
     with pytest.raises(ValueError, match=r"rank 1 has torch.float32 \(3,\) but rank 0 has torch.float32 \(2,\)"):
         collectives.all_gather([torch.ones(2), torch.ones(3)])
+
+
+INT_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
+
+
+def _wrapped(value: int, dtype: torch.dtype) -> int:
+    """``value`` as a fixed-width integer of ``dtype`` holds it (two's complement), or as a bool."""
+    if dtype == torch.bool:
+        return int(value != 0)
+    bits = torch.iinfo(dtype).bits
+    value %= 1 << bits
+    return value - (1 << bits) if torch.iinfo(dtype).min < 0 and value >= 1 << (bits - 1) else value
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES)
+@pytest.mark.parametrize("op", ["sum", "product", "max", "min"])
+@pytest.mark.parametrize("numel", [5, 70_001])   # below and above the in-place accumulation size
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_integer_reductions_keep_the_dtype_and_wrap(dtype, op, numel, world_size):
+    gen = torch.Generator().manual_seed(numel + world_size)
+    if dtype == torch.bool:
+        inputs = [torch.randint(0, 2, (numel,), generator=gen).bool() for _ in range(world_size)]
+    else:
+        low, high = (0, 250) if dtype == torch.uint8 else (-120, 120)
+        inputs = [torch.randint(low, high, (numel,), generator=gen).to(dtype) for _ in range(world_size)]
+        inputs[0][0] = 100 if dtype != torch.uint8 else 200         # int8: 100 + 100 wraps
+        if world_size > 1:
+            inputs[1][0] = 100 if dtype != torch.uint8 else 200
+    out = collectives.reduce(inputs, op)
+    assert out.dtype == dtype and out.shape == (numel,)
+    python_values = [t[:5].tolist() for t in inputs]
+    combine = {"sum": sum, "product": lambda xs: __import__("math").prod(xs), "max": max, "min": min}[op]
+    expected = [_wrapped(int(combine([int(v[i]) for v in python_values])), dtype) for i in range(5)]
+    assert [int(v) for v in out[:5].tolist()] == expected
+    if dtype == torch.int8 and op == "sum" and world_size == 2:
+        assert out[0].item() == -56
+
+
+def test_avg_of_integers_is_refused_at_every_world_size():
+    for world_size in (1, 2, 3):
+        with pytest.raises(ValueError, match=r"reduce: ReduceOp.AVG needs a floating-point dtype, got torch.int32"):
+            collectives.reduce([torch.ones(2, dtype=torch.int32)] * world_size, "avg")
+
+
+def test_zero_size_shards_and_no_output_aliases_an_input():
+    for world_size in (1, 2, 3):
+        empty = [torch.ones(0, 3)] * world_size
+        assert all(out.shape == (0, 3) for out in collectives.reduce_scatter(empty, 0))
+        assert all(out.shape == (0, 3 * world_size) for out in collectives.all_to_all(empty, 0, 1))
+        assert all(out.shape == (0, 3) for out in collectives.scatter(torch.ones(0, 3), world_size, 0))
+        source = torch.arange(4.0 * world_size)
+        for out in (*collectives.scatter(source, world_size, 0), *collectives.scatter_from([source] * world_size)):
+            assert out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+
+
+def test_new_list_math_matches_reference():
+    inputs = make_inputs(3, (3, 6))
+    for got, want in [(collectives.reduce_to(inputs, 1, "max"), ref.reduce(inputs, 1, "max")),
+                      (collectives.scatter_from(inputs, 2, 1), ref.scatter(inputs, 2, 1))]:
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+    input_splits = [[1, 0, 2], [0, 0, 3], [2, 1, 0]]
+    output_splits = [[1, 0, 2], [0, 0, 1], [2, 3, 0]]
+    xs = [torch.arange(3.0) + 10 * r for r in range(3)]
+    for g, w in zip(collectives.all_to_all_single(xs, output_splits, input_splits),
+                    ref.all_to_all_single(xs, output_splits, input_splits), strict=True):
+        assert torch.equal(g, w)
+    with pytest.raises(ValueError, match=r"rank 0 sends 0 rows to rank 1 \(input_split_sizes=\[1, 0, 2\] on rank 0\) "
+                                         r"but rank 1 expects 1 from rank 0"):
+        collectives.all_to_all_single(xs, [[1, 0, 2], [1, 0, 0], [2, 3, 0]], input_splits)

@@ -168,3 +168,79 @@ def test_subgroups_are_real_process_groups(cluster):
             assert ranks == tuple(members) and local == members.index(rank) and size == len(members)
             assert y.item() == sum(m + 1 for m in members) == y2.item()
             assert grad.item() == len(members) and same
+
+
+# -- the simulator and gloo agree: dtypes, subgroup order, zero sizes, NaN, argument errors ------
+
+_INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool]   # gloo has no int16
+
+
+def _integer_reductions(comm):
+    out = {}
+    for dtype in _INT_DTYPES:
+        for numel in (6 * comm.world_size, 70_002 * comm.world_size):   # stacked and accumulated paths
+            gen = torch.Generator().manual_seed(numel + comm.rank)
+            if dtype == torch.bool:
+                x = torch.randint(0, 2, (numel,), generator=gen).bool()
+            else:
+                x = torch.randint(0 if dtype == torch.uint8 else -120, 250 if dtype == torch.uint8 else 120,
+                                  (numel,), generator=gen).to(dtype)
+                x[0] = 100                                                # int8: 100 + 100 wraps to -56
+            for op in ("sum", "product", "max", "min"):
+                out[(str(dtype), numel > 100, op, "all_reduce")] = comm.all_reduce(x, op)[:64]
+                out[(str(dtype), numel > 100, op, "reduce_scatter")] = comm.reduce_scatter(x, 0, op)[:64]
+                out[(str(dtype), numel > 100, op, "reduce")] = comm.reduce(x, comm.world_size - 1, op)[:64]
+    return out
+
+
+def test_integer_and_bool_reductions_equal_the_simulators(cluster):
+    got = cluster.run(_integer_reductions)
+    simulated = simcomm.World(cluster.world_size).run(_integer_reductions)
+    for rank in range(cluster.world_size):
+        assert got[rank].keys() == simulated[rank].keys()
+        for key, value in got[rank].items():
+            assert value.dtype == simulated[rank][key].dtype and torch.equal(value, simulated[rank][key]), (rank, key)
+    # 100 on every rank: 200 and 400 wrap around in int8
+    assert got[0][("torch.int8", False, "sum", "all_reduce")][0] == (-56 if cluster.world_size == 2 else -112)
+
+
+def _order_and_edges(comm):
+    sub = comm.subgroup([[2, 0], [3, 1]] if comm.world_size == 4 else [[1, 0]])
+    empty = torch.ones(0, 3, requires_grad=True)
+    outs = [comm.reduce_scatter(empty, dim=0), comm.all_to_all(empty, scatter_dim=0, gather_dim=1),
+            comm.all_gather(empty, dim=0), comm.reduce(empty, dst=1), comm.scatter(empty, src=0, dim=0),
+            comm.all_to_all_single(empty, [0] * comm.world_size, [0] * comm.world_size)]
+    sum(out.sum() for out in outs).backward()
+    shared = torch.arange(4.0 * comm.world_size)
+    mine = comm.slice(shared, 0, scale_grad=False)
+    x = torch.tensor([1.0, float("nan"), 3.0]) * (comm.rank + 1)
+    x.requires_grad_()
+    (comm.all_reduce(x, "max") * 2).sum().backward()
+    errors = []
+    for call in (lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), "avg"),
+                 lambda: comm.all_gather([1, 2]), lambda: comm.subgroup([[0.7, 1]]),
+                 lambda: comm.subgroup([["0", 1]])):
+        try:
+            call()
+        except (TypeError, ValueError) as error:
+            errors.append(str(error))
+    return (sub.ranks, sub.rank, sub.all_gather(torch.tensor([float(comm.rank)]), 0),
+            [tuple(o.shape) for o in outs], tuple(empty.grad.shape),
+            mine.untyped_storage().data_ptr() != shared.untyped_storage().data_ptr(), x.grad, errors)
+
+
+def test_subgroup_order_zero_sizes_nan_and_errors_equal_the_simulators(cluster):
+    got = cluster.run(_order_and_edges)
+    simulated = simcomm.World(cluster.world_size).run(_order_and_edges)
+    for rank, (real_out, sim_out) in enumerate(zip(got, simulated)):
+        ranks, local, gathered, shapes, grad_shape, own_copy, nan_grad, errors = real_out
+        members = ([0, 2] if rank % 2 == 0 else [1, 3]) if cluster.world_size == 4 else [0, 1]
+        assert ranks == tuple(members) and local == members.index(rank)
+        assert torch.equal(gathered, torch.tensor(members, dtype=torch.float32))
+        assert shapes == [(0, 3), (0, 3 * cluster.world_size), (0, 3), (0, 3), (0, 3), (0, 3)]
+        assert grad_shape == (0, 3) and own_copy and nan_grad[1].isnan()
+        assert len(errors) == 4 and errors == sim_out[7], (errors, sim_out[7])
+        assert f"rank {rank}" in errors[0] and "all_gather: input_=[1, 2]" in errors[1]
+        for a, b in zip(real_out[:7], sim_out[:7]):
+            assert a == b if not isinstance(a, torch.Tensor) else torch.equal(a.isnan(), b.isnan()) and \
+                torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -72,3 +72,29 @@ def test_unknown_case_is_rejected(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--cases", "no_such_case"])
     assert info.value.code == 2 and "unknown case(s) ['no_such_case']" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(260)
+def test_verify_catches_a_wrong_broadcast_and_all_to_all_single_backward(tmp_path):
+    cases = ["broadcast[src=last]", "all_to_all_single[uneven]", "reduce[dst=first,sum]"]
+    for fault, failing in (("broadcast_backward", "broadcast[src=last]"),
+                           ("all_to_all_single_backward", "all_to_all_single[uneven]")):
+        done, data = _verify(["--inject-fault", fault, "--cases", *cases], tmp_path)
+        assert done.returncode != 0, done.stdout + done.stderr
+        verdicts = {row["case"]: row["passed"] for row in data["cases"]}
+        assert verdicts == {case: case != failing for case in cases}, (fault, verdicts)
+
+
+def test_faults_use_the_rules_seam_and_restore_it():
+    from simcomm import autograd
+    from real.faults import FAULTS, injected
+
+    functions = {name: cls.__dict__["backward"] for name, cls in vars(autograd).items()
+                 if isinstance(cls, type) and issubclass(cls, autograd.torch.autograd.Function)}
+    before = dict(autograd.BACKWARD_RULES)
+    for fault, (rule, wrong) in FAULTS.items():
+        with injected(fault):
+            assert autograd.BACKWARD_RULES[rule] is wrong
+            assert {name: cls.__dict__["backward"] for name, cls in vars(autograd).items()
+                    if isinstance(cls, type) and issubclass(cls, autograd.torch.autograd.Function)} == functions
+        assert autograd.BACKWARD_RULES == before

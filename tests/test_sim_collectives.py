@@ -201,3 +201,134 @@ def test_gradcheck_through_each_function(op, kw, shape, perturbed_rank):
         return torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7)
 
     assert simcomm.World(world_size).run(program) == [True, True]
+
+
+# -- fixed defects: subgroup order, aliasing, NaN, zero sizes, argument checks -----------------
+
+def _subgroup_order(comm):
+    sub = comm.subgroup([[2, 0], [3, 1]] if comm.world_size == 4 else [[1, 0]])
+    return sub.ranks, sub.rank, sub.all_gather(torch.tensor([float(comm.rank)]), 0)
+
+
+def test_subgroup_ranks_are_sorted_as_torch_new_group_sorts_them():
+    for world_size, groups in ((2, [[0, 1]] * 2), (4, [[0, 2], [1, 3], [0, 2], [1, 3]])):
+        for rank, (ranks, local, gathered) in enumerate(simcomm.World(world_size).run(_subgroup_order)):
+            assert ranks == tuple(groups[rank]) and local == groups[rank].index(rank)
+            assert torch.equal(gathered, torch.tensor(groups[rank], dtype=torch.float32))
+
+
+@pytest.mark.parametrize("bad", [0.7, "0", 1.9, True, 1.0, None])
+def test_subgroup_ranks_must_be_ints(bad):
+    with pytest.raises(simcomm.RankError, match=r"subgroup: groups=.* contains .* on rank 0; ranks must be ints"):
+        simcomm.World(2).run(lambda comm: comm.subgroup([[bad, 1]]))
+
+
+def test_slice_output_does_not_alias_the_replicated_input():
+    shared = torch.arange(8.0)
+
+    def program(comm):
+        mine = comm.slice(shared, 0, scale_grad=False)
+        mine.zero_()                     # each rank edits its own output in place
+        return mine
+
+    simcomm.World(2).run(program)
+    assert torch.equal(shared, torch.arange(8.0))
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_nan_through_max_min_gives_the_references_gradient(op, reduce):
+    inputs = make_inputs(3, (3, 2), seed=4)
+    inputs[1][0, 1] = float("nan")
+    grads = make_inputs(3, (3, 2) if op == "all_reduce" else (1, 2), seed=5)
+    (_, in_grads), (_, ref_grads) = run_both(op, inputs, grads, reduce=reduce, dim=0) if op == "reduce_scatter" \
+        else run_both(op, inputs, grads, reduce=reduce)
+    for got, want in zip(in_grads, ref_grads):
+        assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-12, atol=1e-12)
+
+
+def test_zero_size_dims():
+    def program(comm):
+        empty = torch.ones(0, 3, requires_grad=True)
+        outs = [comm.reduce_scatter(empty, dim=0), comm.all_to_all(empty, scatter_dim=0, gather_dim=1),
+                comm.all_gather(empty, dim=0), comm.all_reduce(empty), comm.slice(empty, 0, scale_grad=False),
+                comm.reduce(empty, dst=1), comm.scatter(empty, src=0, dim=0),
+                comm.all_to_all_single(empty, [0] * comm.world_size, [0] * comm.world_size)]
+        sum(out.sum() for out in outs).backward()
+        return [out.shape for out in outs], empty.grad.shape
+
+    for shapes, grad_shape in simcomm.World(3).run(program):
+        assert shapes == [(0, 3), (0, 9), (0, 3), (0, 3), (0, 3), (0, 3), (0, 3), (0, 3)] and grad_shape == (0, 3)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("method", ["all_reduce", "reduce_scatter", "reduce"])
+def test_avg_of_integers_is_refused_at_every_world_size(world_size, method):
+    def program(comm):
+        return getattr(comm, method)(torch.ones(2 * world_size, dtype=torch.int64), op="avg")
+
+    with pytest.raises(simcomm.RankError, match=rf"{method}: ReduceOp.AVG on rank 0 needs a floating-point dtype, "
+                                                r"got torch.int64"):
+        simcomm.World(world_size).run(program)
+
+
+NOT_TENSORS = [
+    ("all_reduce", lambda comm, v: comm.all_reduce(v), "input_"),
+    ("all_gather", lambda comm, v: comm.all_gather(v), "input_"),
+    ("reduce_scatter", lambda comm, v: comm.reduce_scatter(v), "input_"),
+    ("slice", lambda comm, v: comm.slice(v, scale_grad=False), "input_"),
+    ("all_to_all", lambda comm, v: comm.all_to_all(v, 0, 1), "input_"),
+    ("all_to_all_4D", lambda comm, v: comm.all_to_all_4D(v), "input_"),
+    ("gather", lambda comm, v: comm.gather(v), "input_"),
+    ("broadcast", lambda comm, v: comm.broadcast(v), "input_"),
+    ("copy_to_group", lambda comm, v: comm.copy_to_group(v), "input_"),
+    ("reduce_from_group", lambda comm, v: comm.reduce_from_group(v), "input_"),
+    ("reduce", lambda comm, v: comm.reduce(v), "input_"),
+    ("scatter", lambda comm, v: comm.scatter(v), "input_"),
+    ("all_to_all_single", lambda comm, v: comm.all_to_all_single(v), "input_"),
+    ("send", lambda comm, v: comm.send(v, 1), "tensor"),
+]
+
+
+@pytest.mark.parametrize("op,method,arg", NOT_TENSORS, ids=[n for n, _, _ in NOT_TENSORS])
+def test_non_tensor_inputs_name_the_op_rank_argument_and_value(op, method, arg):
+    with pytest.raises(simcomm.RankError, match=rf"{op}: {arg}=\[1, 2\] on rank 0 is a list, not a torch.Tensor"):
+        simcomm.World(2).run(lambda comm: method(comm, [1, 2]))
+
+
+def test_a_replaced_backward_rule_is_used_inside_the_block_only():
+    from simcomm import autograd
+
+    def program(comm):
+        x = torch.ones(2, requires_grad=True)
+        comm.all_gather(x, 0).sum().backward()
+        return x.grad
+
+    def wrong(ctx, grad):
+        return None, torch.zeros(2), None
+
+    original = autograd.BACKWARD_RULES["all_gather"]
+    with autograd.replaced_backward("all_gather", wrong):
+        assert all(not g.any() for g in simcomm.World(2).run(program))
+    assert autograd.BACKWARD_RULES["all_gather"] is original
+    assert all(torch.equal(g, torch.full((2,), 2.0)) for g in simcomm.World(2).run(program))
+    with pytest.raises(ValueError, match="unknown rule 'nope'"):
+        with autograd.replaced_backward("nope", wrong):
+            pass
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_no_output_shares_storage_with_an_input(world_size):
+    x = torch.arange(8.0 * world_size).reshape(2 * world_size, 4)   # contiguous: a chunk along dim 0 is a view
+
+    def program(comm):
+        outs = [comm.all_reduce(x), comm.all_gather(x, 0), comm.reduce_scatter(x, 0), comm.broadcast(x),
+                comm.slice(x, 0, scale_grad=False), comm.all_to_all(x, 0, 1), comm.reduce(x), comm.scatter(x, 0, 0),
+                comm.all_to_all_single(x), comm.copy_to_group(x), comm.reduce_from_group(x)]
+        gathered = comm.gather(x, dst=0, dim=0)
+        return [out for out in outs + [gathered] if out is not None]
+
+    pointer = x.untyped_storage().data_ptr()
+    for outs in simcomm.World(world_size).run(program):
+        assert all(out.untyped_storage().data_ptr() != pointer for out in outs)

@@ -70,3 +70,29 @@ def test_all_to_all_matches_the_list_math_and_its_swap_is_the_inverse(world_size
     for (moved, back), want, original in zip(outs, expected, shards):
         assert torch.equal(moved, want)
         assert torch.equal(back, original)
+
+
+@SETTINGS
+@given(st.integers(1, 5), st.integers(0, 2 ** 16), st.integers(1, 3))
+def test_uneven_all_to_all_single_any_splits(world_size, seed, width):
+    gen = torch.Generator().manual_seed(seed)
+    input_splits = torch.randint(0, 3, (world_size, world_size), generator=gen).tolist()
+    output_splits = [[input_splits[i][j] for i in range(world_size)] for j in range(world_size)]
+    inputs = [torch.randn(sum(input_splits[r]), width, generator=gen, dtype=torch.float64)
+              for r in range(world_size)]
+    (_, _), (ref_outs, _) = run_both("all_to_all_single", inputs, None, output_split_sizes=output_splits,
+                                     input_split_sizes=input_splits)
+    grads = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in ref_outs]
+    (outs, in_grads), (ref_outs, ref_grads) = run_both(
+        "all_to_all_single", inputs, grads, output_split_sizes=output_splits, input_split_sizes=input_splits)
+    for got, want in zip(outs + in_grads, ref_outs + ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@SETTINGS
+@given(case("reduce_scatter"), st.sampled_from(["sum", "avg", "max", "min", "product"]))
+def test_reduce_and_scatter_any_shape(args, reduce):
+    world_size, shape, dim, seed = args
+    root = seed % world_size
+    check("reduce", world_size, shape, dim, seed, dst=root, reduce=reduce)
+    check("scatter", world_size, shape, dim, seed, src=root)
