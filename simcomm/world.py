@@ -98,6 +98,7 @@ def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwarg
     try:
         state.wait_turn(rank)
         results[rank] = program(comm, *args, **kwargs)
+        comm.transport.check_all_waited()   # a handle never waited on is an error
     except _Aborted:
         pass
     except BaseException as error:
