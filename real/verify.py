@@ -1,7 +1,8 @@
 """``python -m real.verify``: check a node's collectives against the single-device reference.
 
 Every collective forward and backward (each reduce op, several dims including
-negative ones, both roots), a tensor-parallel MLP, Ulysses attention and a 2D
+negative ones, both roots), the collectives issued with ``async_op=True`` and
+``batch_isend_irecv``/``isend`` rings, a tensor-parallel MLP, Ulysses attention and a 2D
 (tp x dp) subgroup program run on real processes; each rank's outputs and
 gradients are compared with the same computation on one device in float64,
 and with simcomm's simulator. The table lists, per case, the largest forward
@@ -32,7 +33,7 @@ import torch
 from simcomm.communicator import Communicator
 from simcomm.world import World
 
-from .cases import Case, collective_cases
+from .cases import Case, async_cases, collective_cases
 from .faults import FAULTS, injected
 from .model_cases import model_cases
 
@@ -44,7 +45,7 @@ TOLERANCE = 1e-9
 
 
 def all_cases() -> list[Case]:
-    return collective_cases() + model_cases()
+    return collective_cases() + model_cases() + async_cases()
 
 
 def run_cases(comm: Communicator, names: list[str] | None = None, fault: str | None = None) -> dict:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from . import collectives as math
-from .errors import CollectiveMismatchError, DeadlockError
+from .errors import CollectiveMismatchError, DeadlockError, SimcommError
 from .handles import Handle, P2POp, UnwaitedHandleError
 from .trace import Record, Recorder
 from .transport import TransportBase
@@ -578,7 +578,7 @@ class SimTransport(TransportBase):
         """Checks before a handle's ``wait()`` blocks; returns with the run's lock *held*."""
         state = self._state
         if threading.get_ident() != self._thread:
-            raise UnwaitedHandleError(
+            raise SimcommError(
                 f"wait() on the handle of {pending.what} issued by rank {self.global_rank} at "
                 f"{pending.where}: called outside that rank's program (its run has ended, or "
                 f"another thread called it); wait on handles inside the program that issued them")
@@ -666,7 +666,7 @@ class _PendingMessage:
     def what(self) -> str:
         message = self.message
         kind = "isend" if message.kind == "send" else "irecv"
-        return kind + _p2p_what(message.kind, self.transport.ranks[self.peer], message.shape,
+        return kind + " " + _p2p_what(message.kind, self.transport.ranks[self.peer], message.shape,
                                 message.dtype).split(" ", 1)[1]
 
     @property
