@@ -327,6 +327,7 @@ class SimTransport(TransportBase):
         self._group = group
         self._pending: dict[int, _Pending] = {} if pending is None else pending
         self._thread = threading.get_ident()   # the rank's thread: handles are waited on there
+        self._fruitless_polls = 0
 
     def __repr__(self) -> str:
         return f"SimTransport(rank={self.rank}, ranks={list(self.ranks)})"
@@ -589,24 +590,50 @@ class SimTransport(TransportBase):
     def _waited(self, pending: _Pending, out) -> None:
         """A handle's wait returned ``out``: the call is no longer pending; keep its record."""
         del self._pending[id(pending)]
+        self._fruitless_polls = 0
         if pending.record is not None:
             self._recorder.moved(pending.record, out if isinstance(out, torch.Tensor) else None,
                                  at=pending.moved_at())
             self._recorder.waited(pending.record)
 
-    def _yield_turn(self) -> None:
-        """Let the ranks that are ready run before this one goes on (a handle being polled)."""
+    def _poll(self, pending: _Pending) -> None:
+        """A handle that is not complete was polled: let the ranks that are ready run first.
+
+        When no rank is ready, every other unfinished rank is blocked, so only this
+        rank can complete the call; a program that keeps polling instead would spin
+        forever, and after :data:`_FRUITLESS_POLLS` such polls in a row the run is
+        aborted with a :class:`~simcomm.errors.DeadlockError`.
+        """
         state, me = self._state, self.global_rank
         if threading.get_ident() != self._thread:
             return
         with state.lock:
-            if state.error is not None or not state.ready:
-                return
-            state.ready.append(me)
-            state.waiters[state.ready.popleft()].release()
-        state.waiters[me].acquire()
+            if state.error is not None:
+                raise_aborted = True
+            elif state.ready:
+                raise_aborted = False
+                state.ready.append(me)
+                state.waiters[state.ready.popleft()].release()
+            else:
+                self._fruitless_polls += 1
+                if self._fruitless_polls >= _FRUITLESS_POLLS:
+                    state.abort_locked(DeadlockError(
+                        f"rank {me} polls is_completed() on the handle of {pending.what} issued at "
+                        f"{pending.where}, which cannot complete: every other rank is blocked or has "
+                        f"finished ({_FRUITLESS_POLLS} polls in a row); wait() on it, or make the call "
+                        f"its peers wait for first"))
+                    raise_aborted = True
+                else:
+                    return
+        if not raise_aborted:
+            self._fruitless_polls = 0
+            state.waiters[me].acquire()
         if state.error is not None:
             raise _Aborted
+
+
+#: polls of an incomplete handle, with no other rank able to run, after which the run is a deadlock
+_FRUITLESS_POLLS = 10_000
 
 
 def _p2p_what(kind: str, peer: int, shape, dtype) -> str:
@@ -632,7 +659,7 @@ class _PendingCollective:
 
     def is_completed(self) -> bool:
         if self.slot.outputs is None:
-            self.transport._yield_turn()
+            self.transport._poll(self)
         return self.slot.outputs is not None
 
     def wait(self):
@@ -678,7 +705,7 @@ class _PendingMessage:
 
     def is_completed(self) -> bool:
         if not self.message.done:
-            self.transport._yield_turn()
+            self.transport._poll(self)
         return self.message.done
 
     def wait(self):

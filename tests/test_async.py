@@ -343,3 +343,18 @@ def test_chrome_trace_shows_the_async_span_and_a_wait_marker():
         mark = next(m for m in marks if m["tid"] == span["tid"])
         assert mark["name"] == "wait all_reduce" and span["ts"] <= mark["ts"] == span["args"]["waited_us"]
         assert span["ts"] + span["dur"] <= mark["ts"] + 1e-6
+
+
+def test_polling_a_handle_that_cannot_complete_is_a_deadlock_not_a_hang():
+    def program(comm):
+        if comm.rank == 0:
+            handle = comm.irecv((1,), src=1)
+            while not handle.is_completed():   # rank 1 waits for rank 0's message first
+                pass
+            comm.send(torch.ones(1), dst=1)
+        else:
+            comm.recv((1,), src=0)
+            comm.send(torch.ones(1), dst=0)
+
+    with pytest.raises(DeadlockError, match=r"rank 0 polls is_completed\(\) on the handle of irecv from rank 1"):
+        simcomm.World(2).run(program)
