@@ -7,6 +7,15 @@ a lock of its own; the last rank to arrive computes the collective with
 :mod:`simcomm.collectives` and marks each waiting rank ready, to be woken
 exactly once when its turn comes.
 
+An asynchronous call (``async_op=True``, ``isend``, ``irecv``) deposits a copy
+of its input at the rendezvous (or posts its message) without blocking and
+returns a :class:`~simcomm.handles.Handle`; the rank blocks, visibly to the
+scheduler, only in the handle's ``wait()``. The step of a collective is counted
+when it is issued, so the mismatch check compares what the ranks *issued* at
+each step. A program that returns with a handle it never waited on raises
+:class:`~simcomm.handles.UnwaitedHandleError`, naming the rank and the line
+that issued it.
+
 Because the simulator sees every rank at once, it can tell at once what real
 NCCL shows as a hang:
 
