@@ -105,9 +105,18 @@ class Record:
     def __init__(self, op: str, group: tuple[int, ...], rank: int, step: int, phase: str,
                  shape, dtype, nbytes: int | None, start: float, root: int | None, args: dict | None,
                  async_op: bool = False):
-        self.op, self.group, self.rank, self.step, self.phase = op, group, rank, step, phase
-        self.shape, self.dtype, self.nbytes, self.start, self.root = shape, dtype, nbytes, start, root
-        self.args, self.async_op = args, async_op
+        self.op = op
+        self.group = group
+        self.rank = rank
+        self.step = step
+        self.phase = phase
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self.start = start
+        self.root = root
+        self.args = args
+        self.async_op = async_op
         self.end = 0.0
         self.out_shape = None
         self.waited: float | None = None
@@ -145,11 +154,12 @@ class Recorder:
     def begin(self, op: str, group: tuple[int, ...], rank: int, step: int, tensor, root: int | None,
               nbytes: int | None, args: dict | None, async_op: bool = False) -> Record:
         """A new record of a call starting (or issued) now; ``root`` is a global rank."""
+        phase = getattr(_local, "phase", "forward")
+        start = time.perf_counter() - self.clock_zero
         if tensor is None:
-            return Record(op, group, rank, step, current_phase(), None, None, nbytes,
-                          time.perf_counter() - self.clock_zero, root, args, async_op)
-        return Record(op, group, rank, step, current_phase(), tensor.shape, tensor.dtype, nbytes,
-                      time.perf_counter() - self.clock_zero, root, args, async_op)
+            return Record(op, group, rank, step, phase, None, None, nbytes, start, root, args, async_op)
+        return Record(op, group, rank, step, phase, tensor.shape, tensor.dtype, nbytes, start, root, args,
+                      async_op)
 
     def end(self, record: Record, out) -> None:
         """A blocking call returned with ``out`` (a tensor or ``None``): keep its record."""
