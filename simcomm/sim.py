@@ -335,7 +335,8 @@ class SimTransport(TransportBase):
         self._state = state
         self._group = group
         self._pending: dict[int, _Pending] = {} if pending is None else pending
-        self._thread = threading.get_ident()   # the rank's thread: handles are waited on there
+        # the rank's thread (an object, not an ident: idents are reused by later runs' threads)
+        self._thread = threading.current_thread()
         self._fruitless_polls = 0
 
     def __repr__(self) -> str:
@@ -587,7 +588,7 @@ class SimTransport(TransportBase):
     def _wait_begins(self, pending: _Pending) -> RunState:
         """Checks before a handle's ``wait()`` blocks; returns with the run's lock *held*."""
         state = self._state
-        if threading.get_ident() != self._thread:
+        if threading.current_thread() is not self._thread:
             raise SimcommError(
                 f"wait() on the handle of {pending.what} issued by rank {self.global_rank} at "
                 f"{pending.where}: called outside that rank's program (its run has ended, or "
@@ -614,7 +615,7 @@ class SimTransport(TransportBase):
         aborted with a :class:`~simcomm.errors.DeadlockError`.
         """
         state, me = self._state, self.global_rank
-        if threading.get_ident() != self._thread:
+        if threading.current_thread() is not self._thread:
             return
         with state.lock:
             if state.error is not None:

@@ -358,3 +358,20 @@ def test_polling_a_handle_that_cannot_complete_is_a_deadlock_not_a_hang():
 
     with pytest.raises(DeadlockError, match=r"rank 0 polls is_completed\(\) on the handle of irecv from rank 1"):
         simcomm.World(2).run(program)
+
+
+def test_a_handle_of_an_ended_run_cannot_be_waited_on_in_a_later_run():
+    kept = []
+
+    def first(comm):
+        kept.append(comm.all_reduce(torch.ones(2), async_op=True))
+
+    def second(comm):
+        return kept[0].wait() if comm.rank == 0 else None   # rank 0 issued it in the first run
+
+    world = simcomm.World(2)
+    with pytest.raises(RankError):
+        world.run(first)
+    with pytest.raises(RankError, match="outside that rank's program") as info:
+        world.run(second)
+    assert info.value.rank == 0 and isinstance(info.value.__cause__, SimcommError)
