@@ -241,8 +241,8 @@ def _batch_ring_program(comm: Communicator) -> RankResult:
 def _batch_ring_reference(world_size: int) -> list[RankResult]:
     if world_size == 1:
         return [([_data("batch", (2, 3), 0)] * 2, [])]
-    return [([_data("batch", (2, 3), (r - 1) % world_size), 2 * _data("batch", (2, 3), (r + 1) % world_size)], [])
-            for r in range(world_size)]
+    return [([_data("batch", (2, 3), (r - 1) % world_size),
+              2 * _data("batch", (2, 3), (r + 1) % world_size)], []) for r in range(world_size)]
 
 
 def _isend_first_program(comm: Communicator) -> RankResult:

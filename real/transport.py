@@ -419,5 +419,7 @@ class DistTransport(TransportBase):
             raise
         for _, _, (kind, peer) in finishes:
             self._cache.calls[(tuple(sorted(self.ranks)), kind, peer)] += 1
+        if len(works) != len(finishes):      # a coalescing backend (NCCL): one work for the batch
+            works = [works[-1]] * len(finishes)
         return [Handle(_DistWork(self, record, work, result))
                 for (record, result, _), work in zip(finishes, works)]
