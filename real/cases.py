@@ -21,7 +21,7 @@ import torch
 from simcomm import collectives as math
 from simcomm.communicator import Communicator
 
-__all__ = ["Case", "collective_cases", "rooted_and_uneven_cases", "RankResult"]
+__all__ = ["Case", "collective_cases", "rooted_and_uneven_cases", "async_cases", "RankResult"]
 
 #: (outputs, input gradients) of one rank; ``None`` for an output a rank does not get
 RankResult = tuple[list, list]
@@ -265,3 +265,111 @@ def rooted_and_uneven_cases() -> list[Case]:
         name = f"all_to_all_single[{'even' if even else 'uneven'}]"
         out.append(Case(name, partial(_a2a_program, name, even), partial(_a2a_reference, name, even)))
     return out
+# -- asynchronous calls and batched point-to-point -----------------------------------------
+
+def _call_async(method: str, comm: Communicator, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The collective issued with ``async_op=True``; the handle's output (autograd flows through it)."""
+    return getattr(comm, method)(x, async_op=True, **kwargs).wait()
+
+
+def _overlap_program(comm: Communicator) -> RankResult:
+    """Two async collectives in flight at once, waited in the reverse order of issue."""
+    a = _data("overlap/a", (2, 3), comm.rank).to(comm.device).requires_grad_()
+    b = _data("overlap/b", (2, 3), comm.rank).to(comm.device).requires_grad_()
+    first = comm.all_reduce(a, async_op=True)
+    second = comm.all_gather(b, dim=0, async_op=True)
+    gathered, reduced = second.wait(), first.wait()
+    loss = (reduced * _data("overlap/wa", (2, 3), comm.rank).to(comm.device)).sum()
+    loss = loss + (gathered * _data("overlap/wb", tuple(gathered.shape), comm.rank).to(comm.device)).sum()
+    loss.backward()
+    return _cpu([reduced, gathered]), _cpu([a.grad, b.grad])
+
+
+def _overlap_reference(world_size: int) -> list[RankResult]:
+    a = [_data("overlap/a", (2, 3), r).requires_grad_() for r in range(world_size)]
+    b = [_data("overlap/b", (2, 3), r).requires_grad_() for r in range(world_size)]
+    reduced, gathered = math.all_reduce(a, "sum"), math.all_gather(b, 0)
+    sum((reduced[r] * _data("overlap/wa", (2, 3), r)).sum()
+        + (gathered[r] * _data("overlap/wb", tuple(gathered[r].shape), r)).sum()
+        for r in range(world_size)).backward()
+    return [([reduced[r].detach(), gathered[r].detach()], [a[r].grad, b[r].grad]) for r in range(world_size)]
+
+
+def _batch_ring_program(comm: Communicator) -> RankResult:
+    """Every rank sends to both neighbours and receives from both in one batch (receives listed first)."""
+    from simcomm.handles import P2POp
+    x = _data("batch", (2, 3), comm.rank).to(comm.device)
+    if comm.world_size == 1:
+        return [x.cpu(), x.cpu()], []
+    nxt, prev = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+    spec = ((2, 3), torch.float64)
+    handles = comm.batch_isend_irecv([P2POp("irecv", spec, prev), P2POp("irecv", spec, nxt),
+                                      P2POp("isend", x, nxt), P2POp("isend", 2 * x, prev)])
+    from_prev, from_next, *sent = [handle.wait() for handle in handles]
+    assert sent == [None, None]
+    return _cpu([from_prev, from_next]), []
+
+
+def _batch_ring_reference(world_size: int) -> list[RankResult]:
+    if world_size == 1:
+        return [([_data("batch", (2, 3), 0)] * 2, [])]
+    return [([_data("batch", (2, 3), (r - 1) % world_size),
+              2 * _data("batch", (2, 3), (r + 1) % world_size)], []) for r in range(world_size)]
+
+
+def _isend_first_program(comm: Communicator) -> RankResult:
+    """Every rank isends before it receives: deadlocks with blocking sends, not with isend."""
+    x = _data("isend", (3,), comm.rank).to(comm.device)
+    if comm.world_size == 1:
+        return [x.cpu()], []
+    sent = comm.isend(x)
+    got = comm.recv((3,), torch.float64)
+    sent.wait()
+    return _cpu([got]), []
+
+
+def _isend_first_reference(world_size: int) -> list[RankResult]:
+    return [([_data("isend", (3,), (r - 1) % world_size)], []) for r in range(world_size)]
+
+
+def async_cases() -> list[Case]:
+    """Collectives issued with ``async_op=True`` (forward and backward through ``wait()``),
+    two calls in flight at once, ``batch_isend_irecv`` and ``isend`` rings."""
+    out = []
+    for op in math.REDUCE_OPS:
+        out.append(_per_rank_case(f"async all_reduce[{op}]", partial(_fixed, (3, 4)),
+                                  partial(_call_async, "all_reduce", op=op),
+                                  partial(_apply_math, "all_reduce", op=op)))
+    for dim in (0, -1):
+        out.append(_per_rank_case(f"async all_gather[dim={dim}]", partial(_fixed, (2, 3, 4)),
+                                  partial(_call_async, "all_gather", dim=dim),
+                                  partial(_apply_math, "all_gather", dim=dim)))
+    for op in ("sum", "avg", "max"):
+        out.append(_per_rank_case(f"async reduce_scatter[dim=-1,{op}]", _split,
+                                  partial(_call_async, "reduce_scatter", dim=-1, op=op),
+                                  partial(_apply_math, "reduce_scatter", dim=-1, op=op)))
+    kwargs = {"scatter_dim": 0, "gather_dim": 1}
+    out.append(_per_rank_case("async all_to_all[0->1]", _split, partial(_call_async, "all_to_all", **kwargs),
+                              partial(_apply_math, "all_to_all", **kwargs)))
+    kwargs = {"scatter_dim": 2, "gather_dim": 1}
+    out.append(_per_rank_case("async all_to_all_4D[2->1]", _seq_shards,
+                              partial(_call_async, "all_to_all_4D", **kwargs),
+                              partial(_apply_math, "all_to_all", **kwargs)))
+    out.append(Case("async broadcast[src=last]", partial(_async_root_program, "broadcast"),
+                    partial(_root_reference, "broadcast", "last")))
+    out.append(Case("async gather[dst=last]", partial(_async_root_program, "gather"),
+                    partial(_root_reference, "gather", "last", dim=0), has_grads=False))
+    out.append(Case("async overlap[all_reduce+all_gather]", _overlap_program, _overlap_reference))
+    out.append(Case("batch_isend_irecv[both neighbours]", _batch_ring_program, _batch_ring_reference,
+                    has_grads=False))
+    out.append(Case("isend/recv[ring]", _isend_first_program, _isend_first_reference, has_grads=False))
+    return out
+
+
+def _async_root_program(op: str, comm: Communicator) -> RankResult:
+    root = comm.world_size - 1
+    key = f"{op}/last"
+    if op == "gather":
+        x = _data(key, (2, 3), comm.rank).to(comm.device)
+        return _cpu([comm.gather(x, dst=root, dim=0, async_op=True).wait()]), []
+    return _per_rank_program(key, partial(_fixed, (3, 4)), partial(_call_async, "broadcast", src=root), comm)

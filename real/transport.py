@@ -8,9 +8,13 @@ program behaves the same on real processes as on virtual ranks.
 Every primitive honours the transport contract: the input is never modified
 (it is copied to the transport's device first), the result is a new
 contiguous tensor on that device, and the call blocks until this rank's part
-is complete. ``src``/``dst`` are group-local and translated to global ranks
+is complete. With ``async_op=True`` it issues ``torch.distributed``'s own
+asynchronous call instead and returns a :class:`~simcomm.handles.Handle`
+around its ``Work`` (the input is copied at issue; ``wait()`` finishes the
+result's layout). ``src``/``dst`` are group-local and translated to global ranks
 here. Each call records a :class:`~simcomm.trace.TraceEvent` in simcomm's
-format when tracing is on.
+format when tracing is on (for an async call, its data moved when the
+``Work``'s future completed).
 
 Reductions a backend lacks are emulated, never approximated: a backend without
 ``ReduceOp.AVG`` sums and divides; one without a ``reduce_scatter`` for an op
@@ -19,15 +23,16 @@ all-reduces and keeps this rank's chunk.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from simcomm.collectives import check_splits, to_reduce_op
-from simcomm.trace import Trace
+from simcomm.handles import Handle, P2POp
+from simcomm.trace import Record, Recorder, Trace
 from simcomm.transport import TransportBase
 
 __all__ = ["DistTransport", "GroupCache", "books_agree"]
@@ -129,18 +134,59 @@ def books_agree(books: dict[int, tuple[bool, dict[tuple, int]]]) -> bool:
     return True
 
 
+class _DistWork:
+    """What the handle of an asynchronous ``torch.distributed`` call waits on.
+
+    ``result()`` turns the backend's buffers into the call's output once the
+    ``Work`` is done (a move of dims, a division, a concatenation).
+    """
+
+    __slots__ = ("transport", "record", "work", "result", "moved")
+
+    def __init__(self, transport: DistTransport, record: Record | None, work: dist.Work,
+                 result: Callable[[], Any]):
+        self.transport, self.record, self.work, self.result = transport, record, work, result
+        self.moved: float | None = None
+        if record is not None:
+            try:
+                work.get_future().add_done_callback(self._on_moved)
+            except (RuntimeError, AttributeError):   # a Work without a future: moved = waited
+                pass
+
+    def _on_moved(self, _future) -> None:
+        self.moved = self.transport._recorder.now()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> Any:
+        try:
+            self.work.wait()
+        except BaseException:
+            self.transport._cache.broken = True
+            raise
+        out = self.result()
+        record = self.record
+        if record is not None:
+            recorder = self.transport._recorder
+            recorder.moved(record, out if isinstance(out, torch.Tensor) else None, at=self.moved)
+            recorder.waited(record)
+        return out
+
+
 class DistTransport(TransportBase):
     """Raw collectives of this process within ``group`` (a ``torch.distributed`` ProcessGroup).
 
     ``device`` is where every result lives (default: ``cuda:<current device>``
-    for an NCCL group, else the CPU). ``events`` is the list trace records are
-    appended to in :class:`~simcomm.transport.TransportBase`'s format (``None``:
-    no tracing); ``clock_zero`` the ``time.perf_counter()`` value times count from.
+    for an NCCL group, else the CPU). Tracing: ``recorder`` (shared with the
+    subgroups made from this transport), or one made from ``events`` (the list
+    records are kept in; ``None`` and no recorder: no tracing) and
+    ``clock_zero`` (the ``time.perf_counter()`` value times count from).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
                  *, events: list | None = None, clock_zero: float | None = None,
-                 cache: GroupCache | None = None):
+                 cache: GroupCache | None = None, recorder: Recorder | None = None):
         group = group if group is not None else dist.group.WORLD
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("DistTransport: this process is not a member of the given group "
@@ -151,10 +197,10 @@ class DistTransport(TransportBase):
             device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
                       else torch.device("cpu"))
         ranks = dist.get_process_group_ranks(group)
-        super().__init__(dist.get_rank(group), ranks, torch.device(device), events,
-                         time.perf_counter() if clock_zero is None else clock_zero)
+        if recorder is None and events is not None:
+            recorder = Recorder(events, clock_zero)
+        super().__init__(dist.get_rank(group), ranks, torch.device(device), recorder)
         self._cache = cache if cache is not None else GroupCache()
-        self._p2p_steps: dict[tuple[int, int], int] = {}
 
     def __repr__(self) -> str:
         return (f"DistTransport(rank={self.rank}, ranks={list(self.ranks)}, backend={self.backend}, "
@@ -164,12 +210,12 @@ class DistTransport(TransportBase):
     def events(self) -> list | None:
         """The raw trace records so far, shared with the subgroups made from this transport
         (``None`` when tracing is off); :attr:`trace` turns them into a :class:`~simcomm.trace.Trace`."""
-        return self._events
+        return self._recorder.events if self._recorder is not None else None
 
     @property
     def trace(self) -> Trace:
         """What this process has recorded so far, as a :class:`~simcomm.trace.Trace`."""
-        return Trace(list(self._events or []))
+        return Trace(list(self.events or []))
 
     # -- helpers --
 
@@ -181,8 +227,11 @@ class DistTransport(TransportBase):
         """A private contiguous copy of ``tensor`` on this transport's device (the input stays untouched)."""
         return tensor.detach().to(self.device, copy=True).contiguous()
 
-    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` on this transport's device, contiguous; a copy only where needed (read-only use)."""
+    def _on_device(self, tensor: torch.Tensor, async_op: bool = False) -> torch.Tensor:
+        """``tensor`` on this transport's device, contiguous; a copy only where needed (read-only
+        use), always one for an async call (the program may change its tensor before the wait)."""
+        if async_op:
+            return self._local_copy(tensor)
         return tensor.detach().to(self.device).contiguous()
 
     def _check_avg(self, op: str, tensor: torch.Tensor, reduction: str) -> None:
@@ -203,99 +252,114 @@ class DistTransport(TransportBase):
             self._cache.unsupported.add((op, reduction))
             return False
 
+    def _done(self, record: Record | None, work: dist.Work | None, result: Callable[[], Any]) -> Any:
+        """A blocking call (``work`` is ``None``) has completed: its output. An async one: a handle."""
+        if work is None:
+            out = result()
+            self._end(record, out if isinstance(out, torch.Tensor) else None)
+            return out
+        return Handle(_DistWork(self, record, work, result))
+
     # -- collectives --
 
-    def _all_reduce_into(self, out: torch.Tensor, reduction: str) -> None:
-        """In-place all-reduce of the private buffer ``out``."""
+    def _all_reduce_into(self, out: torch.Tensor, reduction: str, async_op: bool = False
+                         ) -> tuple[dist.Work | None, bool]:
+        """In-place all-reduce of the private buffer ``out``: ``(work, divide)``, where
+        ``divide`` says the caller must still divide ``out`` by the world size (AVG emulated)."""
         if reduction == "avg":
-            if self._native("all_reduce", "avg",
-                            lambda: dist.all_reduce(out, to_reduce_op("avg"), group=self.group)):
-                return
-            dist.all_reduce(out, to_reduce_op("sum"), group=self.group)
-            out.div_(self.world_size)
-            return
-        dist.all_reduce(out, to_reduce_op(reduction), group=self.group)
+            works = []
+            if self._native("all_reduce", "avg", lambda: works.append(
+                    dist.all_reduce(out, to_reduce_op("avg"), group=self.group, async_op=async_op))):
+                return works[0], False
+            return dist.all_reduce(out, to_reduce_op("sum"), group=self.group, async_op=async_op), True
+        return dist.all_reduce(out, to_reduce_op(reduction), group=self.group, async_op=async_op), False
 
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False) -> Any:
         self._check_avg("all_reduce", tensor, op)
-        event = self._begin("all_reduce", self._next_step(), tensor, args={"op": op})
+        record = self._begin("all_reduce", self._next_step(), tensor, args={"op": op}, async_op=async_op)
         out = self._local_copy(tensor)
         with self._calling():
-            self._all_reduce_into(out, op)
-        self._end(event, out)
-        return out
+            work, divide = self._all_reduce_into(out, op, async_op)
+        return self._done(record, work, lambda: out.div_(self.world_size) if divide else out)
 
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        event = self._begin("all_gather", self._next_step(), tensor, args={"dim": dim})
-        moved = self._on_device(tensor.movedim(dim, 0))          # (d, *rest): dim first
+    def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False) -> Any:
+        record = self._begin("all_gather", self._next_step(), tensor, args={"dim": dim}, async_op=async_op)
+        moved = self._on_device(tensor.movedim(dim, 0), async_op)   # (d, *rest): dim first
         flat = moved.new_empty((self.world_size * moved.shape[0], *moved.shape[1:]))  # (P*d, *rest)
-        with self._calling():
-            _all_gather_single(flat, moved, group=self.group)    # rank r's block at rows r*d:(r+1)*d
-        out = flat.movedim(0, dim).contiguous()                  # concatenated along dim
-        self._end(event, out)
-        return out
+        with self._calling():                                    # rank r's block at rows r*d:(r+1)*d
+            work = _all_gather_single(flat, moved, group=self.group, async_op=async_op)
+        return self._done(record, work, lambda: flat.movedim(0, dim).contiguous())  # concat along dim
 
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str) -> torch.Tensor:
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False) -> Any:
         self._check_avg("reduce_scatter", tensor, op)
-        event = self._begin("reduce_scatter", self._next_step(), tensor, args={"dim": dim, "op": op})
-        moved = self._on_device(tensor.movedim(dim, 0))          # (d, *rest): dim first
+        record = self._begin("reduce_scatter", self._next_step(), tensor, args={"dim": dim, "op": op},
+                             async_op=async_op)
+        moved = self._on_device(tensor.movedim(dim, 0), async_op)   # (d, *rest): dim first
         shard = moved.shape[0] // self.world_size
         out = moved.new_empty((shard, *moved.shape[1:]))         # (d/P, *rest)
+        works: list = []
 
         def native() -> None:
-            _reduce_scatter_single(out, moved, to_reduce_op(op), group=self.group)
+            works.append(_reduce_scatter_single(out, moved, to_reduce_op(op), group=self.group,
+                                                async_op=async_op))
 
         with self._calling():
-            if not self._native("reduce_scatter", op, native):
+            if self._native("reduce_scatter", op, native):
+                work, result = works[0], lambda: out.movedim(0, dim).contiguous()   # chunk r along dim
+            else:
                 full = moved.clone()                             # (d, *rest)
-                self._all_reduce_into(full, op)
-                out = full.narrow(0, self.rank * shard, shard)   # (d/P, *rest): this rank's chunk
-        out = out.movedim(0, dim).contiguous()                   # chunk r along dim
-        self._end(event, out)
-        return out
+                work, divide = self._all_reduce_into(full, op, async_op)
 
-    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-        event = self._begin("all_to_all", self._next_step(), tensor,
-                            args={"scatter_dim": scatter_dim, "gather_dim": gather_dim})
+                def result() -> torch.Tensor:
+                    chunk = full.narrow(0, self.rank * shard, shard)   # (d/P, *rest): this rank's
+                    chunk = chunk / self.world_size if divide else chunk
+                    return chunk.movedim(0, dim).contiguous()    # chunk r along dim
+        return self._done(record, work, result)
+
+    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False
+                   ) -> Any:
+        record = self._begin("all_to_all", self._next_step(), tensor,
+                             args={"scatter_dim": scatter_dim, "gather_dim": gather_dim}, async_op=async_op)
         world = self.world_size
-        moved = self._on_device(tensor.movedim(scatter_dim, 0))  # (S, *rest): chunk j of S goes to rank j
+        moved = self._on_device(tensor.movedim(scatter_dim, 0), async_op)  # (S, *rest): chunk j to rank j
         received = torch.empty_like(moved)                       # (S, *rest): chunk i came from rank i
         with self._calling():
-            dist.all_to_all_single(received, moved, group=self.group)
-        shard = moved.shape[0] // world
-        pieces = received.reshape(world, shard, *moved.shape[1:])  # (P, S/P, *rest)
-        pieces = pieces.movedim(1, scatter_dim + 1)              # (P, *shape with S/P at scatter_dim)
-        pieces = pieces.movedim(0, gather_dim)                   # (..., P, G, ...): P just before gather_dim
-        out = pieces.flatten(gather_dim, gather_dim + 1).contiguous()  # (..., P*G, ...): concat in rank order
-        self._end(event, out)
-        return out
+            work = dist.all_to_all_single(received, moved, group=self.group, async_op=async_op)
 
-    def gather(self, tensor: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
-        event = self._begin("gather", self._next_step(), tensor, root=dst, args={"dst": dst, "dim": dim})
-        local = self._on_device(tensor)
+        def result() -> torch.Tensor:
+            shard = moved.shape[0] // world
+            pieces = received.reshape(world, shard, *moved.shape[1:])  # (P, S/P, *rest)
+            pieces = pieces.movedim(1, scatter_dim + 1)          # (P, *shape with S/P at scatter_dim)
+            pieces = pieces.movedim(0, gather_dim)               # (..., P, G, ...): P just before gather_dim
+            return pieces.flatten(gather_dim, gather_dim + 1).contiguous()  # (..., P*G, ...): rank order
+        return self._done(record, work, result)
+
+    def gather(self, tensor: torch.Tensor, dst: int, dim: int, async_op: bool = False) -> Any:
+        record = self._begin("gather", self._next_step(), tensor, root=dst, args={"dst": dst, "dim": dim},
+                             async_op=async_op)
+        local = self._on_device(tensor, async_op)
         parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == dst else None
         with self._calling():
-            dist.gather(local, parts, dst=self.ranks[dst], group=self.group)
-        out = torch.cat(parts, dim) if parts is not None else None   # (.., P*d at dim, ..) on dst
-        self._end(event, out)
-        return out
+            work = dist.gather(local, parts, dst=self.ranks[dst], group=self.group, async_op=async_op)
+        # (.., P*d at dim, ..) on dst
+        return self._done(record, work, lambda: torch.cat(parts, dim) if parts is not None else None)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        event = self._begin("broadcast", self._next_step(), tensor, root=src, args={"src": src})
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
+        record = self._begin("broadcast", self._next_step(), tensor, root=src, args={"src": src},
+                             async_op=async_op)
         out = self._local_copy(tensor)
         with self._calling():
-            dist.broadcast(out, src=self.ranks[src], group=self.group)
-        self._end(event, out)
-        return out
+            work = dist.broadcast(out, src=self.ranks[src], group=self.group, async_op=async_op)
+        return self._done(record, work, lambda: out)
 
-    def barrier(self) -> None:
-        event = self._begin("barrier", self._next_step(), None)
+    def barrier(self, async_op: bool = False) -> Handle | None:
+        record = self._begin("barrier", self._next_step(), None, args={}, async_op=async_op)
         with self._calling():
             if self.backend == "nccl" and self.device.type == "cuda":
-                dist.barrier(group=self.group, device_ids=[self.device.index])
+                work = dist.barrier(group=self.group, async_op=async_op, device_ids=[self.device.index])
             else:
-                dist.barrier(group=self.group)
-        self._end(event, None)
+                work = dist.barrier(group=self.group, async_op=async_op)
+        return self._done(record, work, lambda: None)
 
     def subgroup(self, groups: tuple[tuple[int, ...], ...]) -> DistTransport:
         """This process's part of ``groups`` (group-local ranks) as a transport of its own.
@@ -303,58 +367,89 @@ class DistTransport(TransportBase):
         Only the members of each part create its process group, so the call
         does not synchronize the parts with each other.
         """
-        event = self._begin("subgroup", self._next_step(), None, args={"groups": groups})
+        record = self._begin("subgroup", self._next_step(), None, args={"groups": groups})
         part = next(part for part in groups if self.rank in part)
         group = self._cache.group(tuple(self.ranks[r] for r in part))
-        child = DistTransport(group, self.device, events=self._events, clock_zero=self._clock_zero,
-                              cache=self._cache)
-        self._end(event, None)
+        child = DistTransport(group, self.device, recorder=self._recorder, cache=self._cache)
+        self._end(record, None)
         return child
 
     # -- point to point --
 
-    def _p2p_event(self, op: str, peer: int, tensor: torch.Tensor | None, nbytes: int | None = None):
-        key = (self.rank, peer) if op == "send" else (peer, self.rank)
-        step = self._p2p_steps.get(key, 0)
-        self._p2p_steps[key] = step + 1
-        return self._begin(op, step, tensor, peer, nbytes=nbytes)
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Blocks until the backend has taken the data (gloo may return before the recv is posted)."""
-        event = self._p2p_event("send", dst, tensor)
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle | None:
+        """Blocks until the backend has taken the data (gloo may return before the recv is posted).
+        ``async_op``: an ``isend`` of a copy of ``tensor`` taken now."""
+        record = self._p2p_begin("send", dst, tensor, async_op=async_op)
+        data = self._on_device(tensor, async_op)
         with self._calling("send", self.ranks[dst]):
-            dist.send(self._on_device(tensor), dst=self.ranks[dst], group=self.group)
-        self._end(event, None)
+            if async_op:
+                work = dist.isend(data, dst=self.ranks[dst], group=self.group)
+            else:
+                work = dist.send(data, dst=self.ranks[dst], group=self.group)
+        return self._done(record, work, lambda: None)
 
-    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, async_op: bool = False) -> Any:
         out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        event = self._p2p_event("recv", src, None, out.numel() * out.element_size())
+        record = self._p2p_begin("recv", src, None, out.numel() * out.element_size(), async_op)
         with self._calling("recv", self.ranks[src]):
-            dist.recv(out, src=self.ranks[src], group=self.group)
-        self._end(event, out)
-        return out
+            if async_op:
+                work = dist.irecv(out, src=self.ranks[src], group=self.group)
+            else:
+                dist.recv(out, src=self.ranks[src], group=self.group)
+                work = None
+        return self._done(record, work, lambda: out)
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """``torch.distributed.batch_isend_irecv`` of ``ops``: one handle per op, in order."""
+        torch_ops, finishes = [], []
+        for op in ops:
+            global_peer = self.ranks[op.peer]
+            if op.op == "isend":
+                record = self._p2p_begin("send", op.peer, op.data, async_op=True)
+                buffer = self._local_copy(op.data)
+                torch_ops.append(dist.P2POp(dist.isend, buffer, global_peer, self.group))
+                finishes.append((record, lambda: None, ("send", global_peer)))
+            else:
+                shape, dtype = op.data
+                buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+                record = self._p2p_begin("recv", op.peer, None, buffer.numel() * buffer.element_size(),
+                                         async_op=True)
+                torch_ops.append(dist.P2POp(dist.irecv, buffer, global_peer, self.group))
+                finishes.append((record, lambda buffer=buffer: buffer, ("recv", global_peer)))
+        try:
+            works = dist.batch_isend_irecv(torch_ops)
+        except BaseException:
+            self._cache.broken = True
+            raise
+        for _, _, (kind, peer) in finishes:
+            self._cache.calls[(tuple(sorted(self.ranks)), kind, peer)] += 1
+        if len(works) != len(finishes):      # a coalescing backend (NCCL): one work for the batch
+            works = [works[-1]] * len(finishes)
+        return [Handle(_DistWork(self, record, work, result))
+                for (record, result, _), work in zip(finishes, works)]
 
     # -- rooted and uneven collectives --
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: str) -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False) -> Any:
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks
         (the backend leaves partial sums there; simcomm defines them as zeros on both backends)."""
         self._check_avg("reduce", tensor, op)
-        event = self._begin("reduce", self._next_step(), tensor, root=dst, args={"dst": dst, "op": op})
+        record = self._begin("reduce", self._next_step(), tensor, root=dst, args={"dst": dst, "op": op},
+                             async_op=async_op)
         out = self._local_copy(tensor)
         with self._calling():
             # AVG as SUM, then divide on dst: a reduce with AVG is not on every backend
-            dist.reduce(out, dst=self.ranks[dst], op=to_reduce_op("sum" if op == "avg" else op),
-                        group=self.group)
-        if self.rank != dst:
-            out.zero_()
-        elif op == "avg":
-            out.div_(self.world_size)
-        self._end(event, out)
-        return out
+            work = dist.reduce(out, dst=self.ranks[dst], op=to_reduce_op("sum" if op == "avg" else op),
+                               group=self.group, async_op=async_op)
 
-    def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False
-                ) -> tuple[torch.Tensor, bool]:
+        def result() -> torch.Tensor:
+            if self.rank != dst:
+                return out.zero_()
+            return out.div_(self.world_size) if op == "avg" else out
+        return self._done(record, work, result)
+
+    def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
+                async_op: bool = False) -> Any:
         """``(chunk r of src's tensor along dim, whether src said requires_grad)``; ``tensor`` is
         ``None`` off ``src``. ``src`` first broadcasts a small header (dtype, shape, dim, flag),
         so the other ranks need not know the shape; a rank whose ``dim`` does not name src's dim
@@ -362,7 +457,7 @@ class DistTransport(TransportBase):
         # off src the dtype is known once the header arrives; it is added to args then (for the bytes)
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
         args = {"src": src, "dim": dim, "dtype": dtype}
-        event = self._begin("scatter", self._next_step(), tensor, root=src, args=args)
+        record = self._begin("scatter", self._next_step(), tensor, root=src, args=args, async_op=async_op)
         root = self.ranks[src]
         is_src = self.rank == src
         with self._calling():
@@ -384,23 +479,25 @@ class DistTransport(TransportBase):
                 local = self._on_device(tensor)
                 chunks = [local.narrow(source_dim, r * shard, shard).contiguous()
                           for r in range(self.world_size)]
-            dist.scatter(out, chunks, src=root, group=self.group)
+            work = dist.scatter(out, chunks, src=root, group=self.group, async_op=async_op)
         if not -ndim <= dim < ndim or dim % ndim != source_dim:
+            if work is not None:
+                work.wait()
             raise ValueError(f"scatter: dim={dim} on rank {self.rank} does not name the dim dim={source_dim} "
                              f"of the source rank {src}'s {ndim}-D tensor {tuple(full)}")
         args["dtype"] = str(out.dtype).removeprefix("torch.")
-        self._end(event, out)
-        return out, bool(flag)
+        return self._done(record, work, lambda: (out, bool(flag)))
 
     def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
-                          input_split_sizes: Sequence[int]) -> torch.Tensor:
+                          input_split_sizes: Sequence[int], async_op: bool = False) -> Any:
         """Uneven all-to-all along dim 0. The ranks first all-gather their split lists (and row
         sizes), so every rank finds a disagreement and raises the same error before any data moves."""
         outputs, inputs_ = [int(s) for s in output_split_sizes], [int(s) for s in input_split_sizes]
-        event = self._begin("all_to_all_single", self._next_step(), tensor,
-                            args={"input_split_sizes": inputs_, "output_split_sizes": outputs})
+        record = self._begin("all_to_all_single", self._next_step(), tensor,
+                             args={"input_split_sizes": inputs_, "output_split_sizes": outputs},
+                             async_op=async_op)
         world = self.world_size
-        local = self._on_device(tensor)
+        local = self._on_device(tensor, async_op)
         row = [local.shape[1:].numel(), _DTYPES.index(local.dtype)]   # elements per row, dtype
         with self._calling():
             mine = torch.tensor(inputs_ + outputs + row, dtype=torch.int64, device=self.device)
@@ -417,6 +514,5 @@ class DistTransport(TransportBase):
                      [entry[world:2 * world] for entry in table])
         out = local.new_empty((sum(outputs), *local.shape[1:]))    # (rows received, *rest)
         with self._calling():
-            dist.all_to_all_single(out, local, outputs, inputs_, group=self.group)
-        self._end(event, out)
-        return out
+            work = dist.all_to_all_single(out, local, outputs, inputs_, group=self.group, async_op=async_op)
+        return self._done(record, work, lambda: out)

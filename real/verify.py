@@ -2,7 +2,8 @@
 
 Every collective forward and backward (each reduce op, several dims including
 negative ones, both roots; reduce, scatter, the differentiable gather and the
-uneven all_to_all_single too), a tensor-parallel MLP, Ulysses attention and a 2D
+uneven all_to_all_single too), the collectives issued with ``async_op=True`` and
+``batch_isend_irecv``/``isend`` rings, a tensor-parallel MLP, Ulysses attention and a 2D
 (tp x dp) subgroup program run on real processes; each rank's outputs and
 gradients are compared with the same computation on one device in float64,
 and with simcomm's simulator. The table lists, per case, the largest forward
@@ -33,7 +34,7 @@ import torch
 from simcomm.communicator import Communicator
 from simcomm.world import World
 
-from .cases import Case, collective_cases, rooted_and_uneven_cases
+from .cases import Case, async_cases, collective_cases, rooted_and_uneven_cases
 from .faults import FAULTS, injected
 from .model_cases import model_cases
 
@@ -45,10 +46,7 @@ TOLERANCE = 1e-9
 
 
 def all_cases() -> list[Case]:
-    cases = collective_cases() + model_cases()
-    # reduce, scatter, the differentiable gather, all_to_all_single
-    cases += rooted_and_uneven_cases()
-    return cases
+    return collective_cases() + rooted_and_uneven_cases() + async_cases() + model_cases()
 
 
 def run_cases(comm: Communicator, names: list[str] | None = None, fault: str | None = None) -> dict:

@@ -10,6 +10,7 @@ from . import collectives
 from .backend import configured_backend
 from .communicator import Communicator
 from .errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
+from .handles import Handle, P2POp, UnwaitedHandleError
 from .trace import Trace, TraceEvent
 from .transport import Transport
 from .world import World
@@ -17,6 +18,8 @@ from .world import World
 __all__ = [
     "configured_backend",
     "World", "ReduceOp", "Communicator", "Transport", "Trace", "TraceEvent", "collectives",
+    "Handle", "P2POp",
     "CollectiveMismatchError", "DeadlockError", "RankError", "RunTimeoutError", "SimcommError",
+    "UnwaitedHandleError",
 ]
 __version__ = "0.1.0"

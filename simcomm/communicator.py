@@ -7,14 +7,20 @@ simulator (:class:`simcomm.sim.SimTransport`) and real processes
 (``real.transport.DistTransport``).
 
 Every method leaves its input unmodified, returns tensors that alias no input,
-and blocks until this rank's part of the call is done. A non-tensor where a
-tensor belongs raises ``TypeError`` naming the op, the rank and the argument.
-``src``/``dst`` are ranks *within the group*. Gradients
-follow the sum-of-per-rank-losses convention; see :mod:`simcomm.autograd`.
+and, by default, blocks until this rank's part of the call is done. A
+non-tensor where a tensor belongs raises ``TypeError`` naming the op, the rank
+and the argument. With ``async_op=True`` a method returns a
+:class:`~simcomm.handles.Handle` at once; ``handle.wait()`` blocks and returns
+what the blocking call would have returned, with the same autograd graph:
+the handle applies the collective's autograd rule to the output that arrived
+(:class:`_Arrived`), so the backward is the same dual collective, issued
+blocking in the backward pass. ``src``/``dst`` are ranks *within the group*.
+Gradients follow the sum-of-per-rank-losses convention; see :mod:`simcomm.autograd`.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed import ReduceOp
@@ -23,6 +29,7 @@ from . import autograd as rules
 from .checks import (check_4d, check_divisible, check_partition, check_peer, check_split_sizes, check_tensor,
                      normalize_dim)
 from .collectives import check_avg_dtype, reduce_op_name
+from .handles import Handle, P2POp
 from .transport import Transport
 
 __all__ = ["Communicator"]
@@ -45,6 +52,28 @@ def _apply(rule: type[torch.autograd.Function], transport: Transport, input_: to
     if input_.requires_grad and torch.is_grad_enabled():
         return rule.apply(transport, input_, *args)
     return rule.forward(_NO_GRAD_CTX, transport, input_, *args)
+
+
+_TAKEN = object()
+
+
+class _Arrived:
+    """The transport as an autograd rule sees it when a handle is waited on.
+
+    The rule's forward makes exactly one call to the transport's ``op``; here
+    that call returns the ``output`` that already arrived. Every other call
+    (the rule's backward) goes to the real transport, so the async form has
+    the same graph and the same backward as the blocking one.
+    """
+
+    def __init__(self, transport: Transport, op: str, output: Any):
+        self._transport, self._op, self._output = transport, op, output
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self._op and self._output is not _TAKEN:
+            output, self._output = self._output, _TAKEN
+            return lambda *args, **kwargs: output
+        return getattr(self._transport, name)
 
 
 class Communicator:
@@ -81,71 +110,110 @@ class Communicator:
         return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
                 f"ranks={list(self.ranks)}, device={self.device})")
 
+    def _issue(self, rule: type[torch.autograd.Function], op: str, input_: torch.Tensor,
+               transport_args: tuple, rule_args: tuple, transport_input: Any = _TAKEN) -> Handle:
+        """Issue ``op`` asynchronously; the handle's wait applies ``rule`` to what arrived,
+        under the grad mode of the issuing call. The transport gets ``input_`` detached,
+        or ``transport_input`` when given (scatter off its source passes ``None``)."""
+        if transport_input is _TAKEN:
+            transport_input = input_.detach()
+        work = getattr(self.transport, op)(transport_input, *transport_args, async_op=True)
+        transport, grad_enabled = self.transport, torch.is_grad_enabled()
+
+        def finish(output: Any) -> Any:
+            with torch.set_grad_enabled(grad_enabled):
+                return _apply(rule, _Arrived(transport, op, output), input_, *rule_args)
+
+        return Handle(work, finish)
+
     # -- collectives -----------------------------------------------------------------
 
-    def all_reduce(self, input_: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(self, input_: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
+                   async_op: bool = False) -> torch.Tensor | Handle:
         """Reduce ``input_`` over the group; every rank gets the result.
 
         Backward: SUM/AVG all-reduce the gradients; MAX/MIN send the summed
         gradient to the rank(s) holding the extreme (ties share it evenly);
         PRODUCT multiplies the summed gradient by the product of the other
-        ranks' values (exact with zeros).
+        ranks' values (exact with zeros). ``async_op=True``: returns a handle
+        (the same backward flows through ``handle.wait()``).
         """
         check_tensor("all_reduce", input_, self.rank)
         op = reduce_op_name(op)
         check_avg_dtype("all_reduce", input_, op, self.rank)
+        if async_op:
+            return self._issue(rules._AllReduce, "all_reduce", input_.contiguous(), (op,), (op,))
         return _apply(rules._AllReduce, self.transport, input_.contiguous(), op)
 
-    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    def all_gather(self, input_: torch.Tensor, dim: int = -1, *, async_op: bool = False
+                   ) -> torch.Tensor | Handle:
         """Concatenate the ranks' tensors along ``dim`` in rank order.
 
-        Backward: reduce-scatter (sum) of the gradient along ``dim``.
+        Backward: reduce-scatter (sum) of the gradient along ``dim``, also for
+        the ``async_op=True`` form (a handle whose ``wait()`` gives the output).
         """
         check_tensor("all_gather", input_, self.rank)
         dim = normalize_dim("all_gather", input_, dim, self.rank)
+        if async_op:
+            return self._issue(rules._AllGather, "all_gather", input_.contiguous(), (dim,), (dim,))
         return _apply(rules._AllGather, self.transport, input_.contiguous(), dim)
 
-    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1, op: ReduceOp | str = ReduceOp.SUM
-                       ) -> torch.Tensor:
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1, op: ReduceOp | str = ReduceOp.SUM,
+                       *, async_op: bool = False) -> torch.Tensor | Handle:
         """Reduce over the group, then rank ``r`` keeps chunk ``r`` along ``dim``.
 
         ``input_.shape[dim]`` must be divisible by the world size. Backward:
         all-gather of the gradient along ``dim`` (with the MAX/MIN/PRODUCT
-        factors of :meth:`all_reduce`).
+        factors of :meth:`all_reduce`). ``async_op=True``: returns a handle.
         """
         check_tensor("reduce_scatter", input_, self.rank)
         dim = normalize_dim("reduce_scatter", input_, dim, self.rank)
         check_divisible("reduce_scatter", input_, dim, self.world_size, self.rank)
         op = reduce_op_name(op)
         check_avg_dtype("reduce_scatter", input_, op, self.rank)
+        if async_op:
+            return self._issue(rules._ReduceScatter, "reduce_scatter", input_.contiguous(), (dim, op), (dim, op))
         return _apply(rules._ReduceScatter, self.transport, input_.contiguous(), dim, op)
 
-    def slice(self, input_: torch.Tensor, dim: int = -1, *, scale_grad: bool) -> torch.Tensor:
+    def slice(self, input_: torch.Tensor, dim: int = -1, *, scale_grad: bool, async_op: bool = False
+              ) -> torch.Tensor | Handle:
         """Keep this rank's chunk of a tensor every rank holds the same copy of.
 
         No communication forward. Backward: all-gather of the gradients, so
         every rank's input gradient is the full gradient of the summed losses;
         divided by the world size when ``scale_grad`` (for a replicated loss).
+        ``async_op=True``: a handle that is complete at once (nothing moves).
         """
         check_tensor("slice", input_, self.rank)
         dim = normalize_dim("slice", input_, dim, self.rank)
         check_divisible("slice", input_, dim, self.world_size, self.rank)
-        return _apply(rules._Slice, self.transport, input_, dim, scale_grad)
+        out = _apply(rules._Slice, self.transport, input_, dim, scale_grad)
+        return Handle.completed(out) if async_op else out
 
-    def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int, *,
+                   async_op: bool = False) -> torch.Tensor | Handle:
         """Split along ``scatter_dim``, send chunk ``j`` to rank ``j``, concatenate what
-        arrives along ``gather_dim``. Backward: the same with the two dims swapped."""
+        arrives along ``gather_dim``. Backward: the same with the two dims swapped.
+        ``async_op=True``: returns a handle."""
         check_tensor("all_to_all", input_, self.rank)
         scatter_dim = normalize_dim("all_to_all", input_, scatter_dim, self.rank, "scatter_dim")
         gather_dim = normalize_dim("all_to_all", input_, gather_dim, self.rank, "gather_dim")
         check_divisible("all_to_all", input_, scatter_dim, self.world_size, self.rank, "scatter_dim")
+        return self._all_to_all(input_, scatter_dim, gather_dim, async_op)
+
+    def _all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool):
+        if async_op:
+            dims = (scatter_dim, gather_dim)
+            return self._issue(rules._AllToAll, "all_to_all", input_.contiguous(), dims, dims)
         return _apply(rules._AllToAll, self.transport, input_.contiguous(), scatter_dim, gather_dim)
 
-    def all_to_all_4D(self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1) -> torch.Tensor:
+    def all_to_all_4D(self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, *,
+                      async_op: bool = False) -> torch.Tensor | Handle:
         """Ulysses re-sharding of ``(batch, seq, heads, head_dim)`` tensors.
 
         ``(2, 1)``: sequence shards ``(b, s/P, h, d)`` -> head shards ``(b, s, h/P, d)``.
         ``(1, 2)``: the inverse. Backward: the all-to-all with the dims swapped.
+        ``async_op=True``: returns a handle.
         """
         check_tensor("all_to_all_4D", input_, self.rank)
         check_4d("all_to_all_4D", input_, self.rank)
@@ -156,9 +224,10 @@ class Communicator:
         what = "heads" if scatter_dim == 2 else "sequence"
         check_divisible("all_to_all_4D", input_, scatter_dim, self.world_size, self.rank,
                         f"scatter_dim ({what})")
-        return _apply(rules._AllToAll, self.transport, input_.contiguous(), scatter_dim, gather_dim)
+        return self._all_to_all(input_, scatter_dim, gather_dim, async_op)
 
-    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1, *, async_op: bool = False
+               ) -> torch.Tensor | Handle | None:
         """Concatenate the ranks' tensors along ``dim`` on rank ``dst``; ``None`` elsewhere.
 
         Differentiable where a gradient can flow: when ``input_`` requires grad
@@ -169,41 +238,54 @@ class Communicator:
         ``dst``'s gradient, chunk ``r`` to rank ``r``; every rank must take part
         in the backward, as in every collective. Without gradients, ``None``
         off ``dst`` as before. :meth:`all_gather` when every rank needs the result.
+        ``async_op=True``: returns a handle (its ``wait()`` gives what the
+        blocking call returns).
         """
         check_tensor("gather", input_, self.rank)
         dim = normalize_dim("gather", input_, dim, self.rank)
         check_peer("gather", dst, self.world_size, self.rank, "dst")
         if input_.requires_grad and torch.is_grad_enabled():
+            if async_op:
+                return self._issue(rules._Gather, "gather", input_.contiguous(), (dst, dim), (dst, dim))
             return rules._Gather.apply(self.transport, input_.contiguous(), dst, dim)
-        return self.transport.gather(input_.detach().contiguous(), dst, dim)
+        return self.transport.gather(input_.detach().contiguous(), dst, dim, async_op=async_op)
 
-    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+    def broadcast(self, input_: torch.Tensor, src: int = 0, *, async_op: bool = False
+                  ) -> torch.Tensor | Handle:
         """Every rank gets a copy of rank ``src``'s tensor (all ranks pass the same shape).
 
         Backward: :meth:`reduce` (sum) of the gradients onto ``src``, zero on the other ranks.
+        ``async_op=True``: returns a handle.
         """
         check_tensor("broadcast", input_, self.rank)
         check_peer("broadcast", src, self.world_size, self.rank, "src")
+        if async_op:
+            return self._issue(rules._Broadcast, "broadcast", input_.contiguous(), (src,), (src,))
         return _apply(rules._Broadcast, self.transport, input_.contiguous(), src)
 
-    def copy_to_group(self, input_: torch.Tensor) -> torch.Tensor:
+    def copy_to_group(self, input_: torch.Tensor, *, async_op: bool = False) -> torch.Tensor | Handle:
         """Megatron's *f*: identity forward, all-reduce of the gradients backward.
 
         Put it where a replicated activation enters a tensor-parallel region.
+        ``async_op=True``: a handle that is complete at once (nothing moves forward).
         """
         check_tensor("copy_to_group", input_, self.rank)
-        return _apply(rules._CopyToGroup, self.transport, input_.contiguous())
+        out = _apply(rules._CopyToGroup, self.transport, input_.contiguous())
+        return Handle.completed(out) if async_op else out
 
-    def reduce_from_group(self, input_: torch.Tensor) -> torch.Tensor:
+    def reduce_from_group(self, input_: torch.Tensor, *, async_op: bool = False) -> torch.Tensor | Handle:
         """Megatron's *g*: all-reduce (sum) forward, identity backward.
 
         Put it where partial sums leave a tensor-parallel region and every
-        rank then computes the same replicated loss.
+        rank then computes the same replicated loss. ``async_op=True``: returns a handle.
         """
         check_tensor("reduce_from_group", input_, self.rank)
+        if async_op:
+            return self._issue(rules._ReduceFromGroup, "all_reduce", input_.contiguous(), ("sum",), ())
         return _apply(rules._ReduceFromGroup, self.transport, input_.contiguous())
 
-    def reduce(self, input_: torch.Tensor, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
+    def reduce(self, input_: torch.Tensor, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM, *,
+               async_op: bool = False) -> torch.Tensor | Handle:
         """Reduce ``input_`` over the group onto rank ``dst``.
 
         ``dst`` gets the reduction; every other rank gets zeros of the input's
@@ -212,15 +294,18 @@ class Communicator:
         of ``dst``'s gradient to every rank (AVG divides by the world size;
         MAX/MIN/PRODUCT apply the factors of :meth:`all_reduce`); the other
         ranks' output gradients are ignored, since their zeros do not depend on
-        any input.
+        any input. ``async_op=True``: returns a handle.
         """
         check_tensor("reduce", input_, self.rank)
         check_peer("reduce", dst, self.world_size, self.rank, "dst")
         op = reduce_op_name(op)
         check_avg_dtype("reduce", input_, op, self.rank)
+        if async_op:
+            return self._issue(rules._Reduce, "reduce", input_.contiguous(), (dst, op), (dst, op))
         return _apply(rules._Reduce, self.transport, input_.contiguous(), dst, op)
 
-    def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = -1) -> torch.Tensor:
+    def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = -1, *, async_op: bool = False
+                ) -> torch.Tensor | Handle:
         """Rank ``r`` gets chunk ``r`` along ``dim`` of rank ``src``'s tensor.
 
         Only ``src`` needs a tensor (its ``shape[dim]`` divisible by the world
@@ -231,6 +316,7 @@ class Communicator:
         the ranks' gradients onto ``src`` along ``dim``; every rank must run it
         (``loss.backward()``; ``torch.autograd.grad`` off ``src`` runs it only
         when asked for the gradient of the tensor the rank passed).
+        ``async_op=True``: returns a handle.
         """
         is_src = check_peer("scatter", src, self.world_size, self.rank, "src") == self.rank
         if not is_src and input_ is not None:
@@ -242,19 +328,29 @@ class Communicator:
         elif not isinstance(dim, int) or isinstance(dim, bool):
             raise ValueError(f"scatter: dim={dim!r} on rank {self.rank} must be an int")
         grad_on = torch.is_grad_enabled()
-        if is_src:
-            flag = grad_on and input_.requires_grad
-            if flag:
-                return rules._Scatter.apply(self.transport, input_.contiguous(), src, dim, True)
-            return self.transport.scatter(input_.detach().contiguous(), src, dim, requires_grad=False)[0]
-        if grad_on:   # a placeholder input, so the output can require grad when src's does
-            placeholder = input_ if input_ is not None and input_.requires_grad else \
+        source = input_.detach().contiguous() if is_src else None
+        if is_src and not (grad_on and input_.requires_grad):
+            rule_input = None
+        elif is_src:
+            rule_input = input_.contiguous()
+        elif grad_on:   # a placeholder input, so the output can require grad when src's does
+            rule_input = input_ if input_ is not None and input_.requires_grad else \
                 torch.empty(0, device=self.device, requires_grad=True)
-            return rules._Scatter.apply(self.transport, placeholder, src, dim, False)
-        return self.transport.scatter(None, src, dim)[0]
+        else:
+            rule_input = None
+        if rule_input is None:     # no gradient can flow: the chunk alone
+            if async_op:
+                return Handle(self.transport.scatter(source, src, dim, False, async_op=True),
+                              lambda arrived: arrived[0])
+            return self.transport.scatter(source, src, dim, requires_grad=False)[0]
+        args = (src, dim, is_src)
+        if async_op:
+            return self._issue(rules._Scatter, "scatter", rule_input, args, args, transport_input=source)
+        return rules._Scatter.apply(self.transport, rule_input, *args)
 
     def all_to_all_single(self, input_: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
-                          input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
+                          input_split_sizes: Sequence[int] | None = None, *, async_op: bool = False
+                          ) -> torch.Tensor | Handle:
         """Uneven all-to-all along dim 0, with ``torch.distributed.all_to_all_single``'s split lists.
 
         Rank ``i`` sends ``input_split_sizes[j]`` consecutive rows of ``input_``
@@ -267,6 +363,7 @@ class Communicator:
         all-gather); either way the error names both ranks and their lists.
         Backward: the same all-to-all with the two split lists swapped, so
         every gradient row goes back to the rank and row it came from.
+        ``async_op=True``: returns a handle.
         """
         op = "all_to_all_single"
         check_tensor(op, input_, self.rank)
@@ -286,39 +383,99 @@ class Communicator:
         else:
             outputs = check_split_sizes(op, output_split_sizes, None, self.rank, "output_split_sizes",
                                         self.world_size)
+        if async_op:
+            return self._issue(rules._AllToAllSingle, "all_to_all_single", input_.contiguous(),
+                               (outputs, inputs_), (outputs, inputs_))
         return _apply(rules._AllToAllSingle, self.transport, input_.contiguous(), outputs, inputs_)
 
     # -- point to point and control ----------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+    def send(self, tensor: torch.Tensor, dst: int | None = None, *, async_op: bool = False
+             ) -> Handle | None:
         """Send ``tensor`` to rank ``dst`` (default: the next rank). Blocks.
 
         In the simulator a send returns once the matching :meth:`recv` has
         taken the data, the strictest behaviour real backends may show, so
         a program that works here cannot rely on buffering. Not
         differentiable: pipeline code passes gradients by hand.
+        ``async_op=True`` is :meth:`isend`.
         """
-        if dst is None:
-            dst = (self.rank + 1) % self.world_size
         check_tensor("send", tensor, self.rank, "tensor")
-        check_peer("send", dst, self.world_size, self.rank, "dst")
-        if dst == self.rank:
-            raise ValueError(f"send: dst={dst} on rank {self.rank} is the sending rank itself")
-        self.transport.send(tensor.detach().contiguous(), dst)
+        dst = self._peer("send", dst, +1, "dst")
+        return self.transport.send(tensor.detach().contiguous(), dst, async_op=async_op)
 
     def recv(self, size: Sequence[int] | torch.Size, dtype: torch.dtype = torch.float32,
-             src: int | None = None) -> torch.Tensor:
-        """Receive a tensor of ``size`` and ``dtype`` from rank ``src`` (default: the previous rank). Blocks."""
-        if src is None:
-            src = (self.rank - 1) % self.world_size
-        check_peer("recv", src, self.world_size, self.rank, "src")
-        if src == self.rank:
-            raise ValueError(f"recv: src={src} on rank {self.rank} is the receiving rank itself")
-        return self.transport.recv(tuple(size), dtype, src)
+             src: int | None = None, *, async_op: bool = False) -> torch.Tensor | Handle:
+        """Receive a new tensor of ``size`` and ``dtype`` from rank ``src`` (default: the
+        previous rank). Blocks; ``async_op=True`` is :meth:`irecv`."""
+        src = self._peer("recv", src, -1, "src")
+        return self.transport.recv(tuple(size), dtype, src, async_op=async_op)
 
-    def barrier(self) -> None:
-        """Wait until every rank of the group has reached this call."""
-        self.transport.barrier()
+    def isend(self, tensor: torch.Tensor, dst: int | None = None) -> Handle:
+        """Start sending ``tensor`` to rank ``dst`` (default: the next rank); does not block.
+
+        ``tensor`` is copied now, so the program may reuse it at once.
+        ``handle.wait()`` (returns ``None``) blocks until the message is
+        delivered (simulator) or handed to the backend (real). Not differentiable.
+        """
+        return self.send(tensor, dst, async_op=True)
+
+    def irecv(self, size: Sequence[int] | torch.Size, dtype: torch.dtype = torch.float32,
+              src: int | None = None) -> Handle:
+        """Start receiving a tensor of ``size`` and ``dtype`` from rank ``src`` (default: the
+        previous rank); does not block. ``handle.wait()`` returns the new tensor. Not
+        differentiable."""
+        return self.recv(size, dtype, src, async_op=True)
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """Issue a batch of point-to-point ops without blocking; one handle per op, in order.
+
+        ``ops``: :class:`~simcomm.handles.P2POp` items, ``P2POp("isend", tensor, peer)``
+        or ``P2POp("irecv", (size, dtype), peer)`` (torch's ``P2POp`` with a
+        size and dtype instead of a receive buffer; an irecv's ``wait()``
+        returns the new tensor). As in torch, the order of sends and receives
+        within the batch cannot deadlock, while messages between one pair of
+        ranks in one direction match in order. Not differentiable.
+        """
+        if isinstance(ops, P2POp) or not isinstance(ops, Sequence) or not ops:
+            raise ValueError(f"batch_isend_irecv: ops on rank {self.rank} must be a non-empty list of "
+                             f"simcomm.P2POp, got {ops!r}")
+        checked = []
+        for index, item in enumerate(ops):
+            if not isinstance(item, P2POp) or item.op not in ("isend", "irecv"):
+                raise ValueError(
+                    f"batch_isend_irecv: ops[{index}] on rank {self.rank} is {item!r}; expected "
+                    f"P2POp('isend', tensor, peer) or P2POp('irecv', (size, dtype), peer)")
+            peer = self._peer(f"batch_isend_irecv ({item.op}, ops[{index}])", item.peer, 0, "peer")
+            if item.op == "isend":
+                if not isinstance(item.data, torch.Tensor):
+                    raise ValueError(f"batch_isend_irecv: ops[{index}] on rank {self.rank} is an isend "
+                                     f"of {type(item.data).__name__}; it needs a tensor")
+                checked.append(P2POp("isend", item.data.detach().contiguous(), peer))
+            else:
+                spec = item.data
+                if (not isinstance(spec, tuple) or len(spec) != 2 or not isinstance(spec[1], torch.dtype)):
+                    raise ValueError(f"batch_isend_irecv: ops[{index}] on rank {self.rank} is an irecv "
+                                     f"with data={spec!r}; it needs (size, dtype), e.g. ((2, 3), torch.float32)")
+                checked.append(P2POp("irecv", (tuple(spec[0]), spec[1]), peer))
+        return self.transport.batch_isend_irecv(checked)
+
+    def _peer(self, op: str, peer: int | None, default_step: int, arg: str) -> int:
+        """Check a point-to-point peer (``None``: this rank + ``default_step``, if one)."""
+        if peer is None and default_step:
+            peer = (self.rank + default_step) % self.world_size
+        check_peer(op, peer, self.world_size, self.rank, arg)
+        if peer == self.rank:
+            role = {"dst": "sending", "src": "receiving"}.get(arg, "calling")
+            raise ValueError(f"{op}: {arg}={peer} on rank {self.rank} is the {role} rank itself")
+        return peer
+
+    def barrier(self, *, async_op: bool = False) -> Handle | None:
+        """Wait until every rank of the group has reached this call.
+
+        ``async_op=True``: returns a handle; its ``wait()`` blocks until every rank has issued it.
+        """
+        return self.transport.barrier(async_op=async_op)
 
     def compute(self, seconds: float | None = None, *, flops: float | None = None) -> None:
         """Declare compute work at this point of the program (no communication).

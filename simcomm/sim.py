@@ -7,6 +7,15 @@ a lock of its own; the last rank to arrive computes the collective with
 :mod:`simcomm.collectives` and marks each waiting rank ready, to be woken
 exactly once when its turn comes.
 
+An asynchronous call (``async_op=True``, ``isend``, ``irecv``) deposits a copy
+of its input at the rendezvous (or posts its message) without blocking and
+returns a :class:`~simcomm.handles.Handle`; the rank blocks, visibly to the
+scheduler, only in the handle's ``wait()``. The step of a collective is counted
+when it is issued, so the mismatch check compares what the ranks *issued* at
+each step. A program that returns with a handle it never waited on raises
+:class:`~simcomm.handles.UnwaitedHandleError`, naming the rank and the line
+that issued it.
+
 Because the simulator sees every rank at once, it can tell at once what real
 NCCL shows as a hang:
 
@@ -33,7 +42,9 @@ import torch
 
 from . import collectives as math
 from . import memory
-from .errors import CollectiveMismatchError, DeadlockError
+from .errors import CollectiveMismatchError, DeadlockError, SimcommError
+from .handles import Handle, P2POp, UnwaitedHandleError
+from .trace import Record, Recorder
 from .transport import TransportBase
 
 __all__ = ["SimTransport", "RunState", "program_location"]
@@ -132,10 +143,22 @@ class _Wait:
         return f"{self.op}(step {self.step}, group {list(self.group_ranks)})"
 
 
-class _Slot:
-    """One collective of one group at one step: where the members meet."""
+def _where(frame) -> str:
+    """Where a rank called from: a live frame, or the location an asynchronous call kept
+    when it was issued (its frame has moved on since)."""
+    return frame if isinstance(frame, str) else program_location(frame)
 
-    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "failed")
+
+class _Slot:
+    """One collective of one group at one step: where the members meet.
+
+    ``frames[i]`` is a blocked member's live frame, or the location string of a
+    member that issued the call asynchronously. ``moved`` is when the last member
+    computed the outputs (seconds since the run started).
+    """
+
+    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "failed",
+                 "moved")
 
     def __init__(self, op: str, sig: tuple, world_size: int):
         self.op, self.sig = op, sig
@@ -146,16 +169,27 @@ class _Slot:
         self.outputs: list | None = None
         self.shared: list[bool] = []
         self.failed = False
+        self.moved = 0.0
 
 
 class _Message:
-    """A posted send or recv waiting for its partner."""
+    """A posted send or recv waiting for its partner.
 
-    __slots__ = ("kind", "rank", "tensor", "shape", "dtype", "frame")
+    ``owned``: ``tensor`` is a private copy made at issue (an ``isend``), handed
+    over without another copy. ``blocked``: the poster is blocked on this message
+    (a blocking call, or a ``wait()``) and must be woken when it completes.
+    """
 
-    def __init__(self, kind: str, rank: int, tensor, shape, dtype, frame):
+    __slots__ = ("kind", "rank", "tensor", "shape", "dtype", "frame", "owned", "blocked", "done",
+                 "moved")
+
+    def __init__(self, kind: str, rank: int, tensor, shape, dtype, frame, owned: bool = False):
         self.kind, self.rank, self.tensor, self.shape, self.dtype, self.frame = (
             kind, rank, tensor, shape, dtype, frame)
+        self.owned = owned
+        self.blocked = False
+        self.done = False
+        self.moved = 0.0
 
 
 class _Group:
@@ -290,13 +324,23 @@ class RunState:
 # -- the transport -----------------------------------------------------------------------
 
 class SimTransport(TransportBase):
-    """The :class:`~simcomm.transport.Transport` of one virtual rank in one group."""
+    """The :class:`~simcomm.transport.Transport` of one virtual rank in one group.
 
-    def __init__(self, state: RunState, group: _Group, rank: int):
-        super().__init__(rank, group.ranks, state.device, state.events, state.clock_zero)
+    ``pending`` holds the rank's issued, not yet waited asynchronous calls; the
+    transports of the rank's subgroups share it (and the trace ``recorder``).
+    """
+
+    def __init__(self, state: RunState, group: _Group, rank: int, pending: dict | None = None,
+                 recorder: Recorder | None = None):
+        if recorder is None and state.events is not None:
+            recorder = Recorder(state.events, state.clock_zero)
+        super().__init__(rank, group.ranks, state.device, recorder)
         self._state = state
         self._group = group
-        self._p2p_steps: dict[tuple[int, int], int] = {}
+        self._pending: dict[int, _Pending] = {} if pending is None else pending
+        # the rank's thread (an object, not an ident: idents are reused by later runs' threads)
+        self._thread = threading.current_thread()
+        self._fruitless_polls = 0
 
     def __repr__(self) -> str:
         return f"SimTransport(rank={self.rank}, ranks={list(self.ranks)})"
@@ -304,16 +348,26 @@ class SimTransport(TransportBase):
     # -- collectives --
 
     def _collective(self, op: str, tensor: torch.Tensor | None, sig: tuple,
-                    compute: Callable[[list], list], root: int | None = None):
+                    compute: Callable[[list], list], root: int | None = None, async_op: bool = False):
         step = self._next_step()
-        event = self._begin(op, step, tensor, root, args=sig[2:] if tensor is not None else sig)
+        record = None
+        if self._recorder is not None:
+            record = self._begin(op, step, tensor, root, args=dict(sig[2:] if tensor is not None else sig),
+                                 async_op=async_op)
+        if async_op:   # the input is copied: the program may reuse its tensor before wait()
+            return self._issue(op, step, tensor.clone() if tensor is not None else None, sig, compute,
+                               record)
         out = self._rendezvous(op, step, tensor, sig, compute)
-        self._end(event, out if isinstance(out, torch.Tensor) else None)
+        self._end(record, out if isinstance(out, torch.Tensor) else None)
         return out
 
-    def _rendezvous(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list]):
+    def _arrive(self, op: str, step: int, tensor, sig: tuple, frame) -> _Slot:
+        """Deposit this rank's input in its group's slot for ``step``.
+
+        Takes the run's lock and returns *holding it*; on a mismatch it aborts
+        the run, releases the lock and raises :class:`_Aborted`.
+        """
         state, group, me = self._state, self._group, self.rank
-        frame = sys._getframe(2)
         state.lock.acquire()
         state.check_locked()
         slot = group.slots.get(step)
@@ -324,28 +378,53 @@ class SimTransport(TransportBase):
         slot.inputs[me] = tensor
         slot.frames[me] = frame
         slot.arrived.append(me)
-        if len(slot.arrived) < self.world_size:
-            slot.waiting.append(self.global_rank)
-            state.wait_locked(self.global_rank, _Wait(op, frame, slot, group.ranks, step))
-            if slot.failed:
-                raise _Aborted
-            return _materialize(slot, me)
-        # The last rank to arrive does the collective's tensor work, with warm caches.
-        state.lock.release()
+        return slot
+
+    def _complete(self, slot: _Slot, step: int, compute: Callable[[list], list]) -> None:
+        """The last rank to arrive does the collective's tensor work (with warm caches),
+        outside the lock, then wakes the members blocked on the slot."""
+        state = self._state
         try:
             with memory.untracked():    # outputs are counted on the ranks that receive them
                 slot.outputs = compute(slot.inputs)
-                slot.shared = _shared_entries(slot.outputs, owner=me)
+                slot.shared = _shared_entries(slot.outputs, owner=self.rank)
                 _copy_small(slot)
         except BaseException:
             slot.failed = True
             raise
         finally:
+            slot.moved = time.perf_counter() - state.clock_zero
             with state.lock:
-                del group.slots[step]
+                del self._group.slots[step]
                 for rank in slot.waiting:
                     state.wake_locked(rank)
-        return _materialize(slot, me)
+
+    def _rendezvous(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list]):
+        """A blocking collective: arrive, then wait for the last member or be it."""
+        state = self._state
+        frame = sys._getframe(2)
+        slot = self._arrive(op, step, tensor, sig, frame)
+        if len(slot.arrived) < self.world_size:
+            slot.waiting.append(self.global_rank)
+            state.wait_locked(self.global_rank, _Wait(op, frame, slot, self._group.ranks, step))
+            if slot.failed:
+                raise _Aborted
+            return _materialize(slot, self.rank)
+        state.lock.release()
+        self._complete(slot, step, compute)
+        return _materialize(slot, self.rank)
+
+    def _issue(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list],
+               record: Record | None) -> Handle:
+        """An asynchronous collective: arrive without blocking (completing the collective
+        if this rank is the last member); the rank blocks only in the handle's ``wait()``."""
+        where = program_location(sys._getframe(2))
+        slot = self._arrive(op, step, tensor, sig, where)
+        last = len(slot.arrived) == self.world_size
+        self._state.lock.release()
+        if last:
+            self._complete(slot, step, compute)
+        return self._handle(_PendingCollective(self, slot, step, record, where))
 
     def _mismatch_locked(self, slot: _Slot, op: str, sig: tuple, frame) -> None:
         ranks = self._group.ranks
@@ -354,8 +433,8 @@ class SimTransport(TransportBase):
         message = (
             f"ranks of group {list(ranks)} disagree at collective step {self._step - 1}:\n"
             f"  rank{'s' if len(arrived) > 1 else ''} {arrived} called {slot.op}({_format_args(slot.sig)}) "
-            f"at {program_location(slot.frames[first])}\n"
-            f"  rank {ranks[self.rank]} called {op}({_format_args(sig)}) at {program_location(frame)}\n"
+            f"at {_where(slot.frames[first])}\n"
+            f"  rank {ranks[self.rank]} called {op}({_format_args(sig)}) at {_where(frame)}\n"
             f"every rank of a group must call the same collectives in the same order with "
             f"matching shapes, dtypes and arguments")
         self._state.abort_locked(CollectiveMismatchError(message))
@@ -366,33 +445,34 @@ class SimTransport(TransportBase):
     def _sig(tensor: torch.Tensor, **args) -> tuple:
         return (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype), *args.items())
 
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False):
         return self._collective("all_reduce", tensor, self._sig(tensor, op=op),
-                                lambda inputs: math.all_reduce(inputs, op))
+                                lambda inputs: math.all_reduce(inputs, op), async_op=async_op)
 
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False):
         return self._collective("all_gather", tensor, self._sig(tensor, dim=dim),
-                                lambda inputs: math.all_gather(inputs, dim))
+                                lambda inputs: math.all_gather(inputs, dim), async_op=async_op)
 
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str) -> torch.Tensor:
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False):
         return self._collective("reduce_scatter", tensor, self._sig(tensor, dim=dim, op=op),
-                                lambda inputs: math.reduce_scatter(inputs, dim, op))
+                                lambda inputs: math.reduce_scatter(inputs, dim, op), async_op=async_op)
 
-    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False):
         return self._collective("all_to_all", tensor,
                                 self._sig(tensor, scatter_dim=scatter_dim, gather_dim=gather_dim),
-                                lambda inputs: math.all_to_all(inputs, scatter_dim, gather_dim))
+                                lambda inputs: math.all_to_all(inputs, scatter_dim, gather_dim),
+                                async_op=async_op)
 
-    def gather(self, tensor: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
+    def gather(self, tensor: torch.Tensor, dst: int, dim: int, async_op: bool = False):
         return self._collective("gather", tensor, self._sig(tensor, dst=dst, dim=dim),
-                                lambda inputs: math.gather(inputs, dst, dim), root=dst)
+                                lambda inputs: math.gather(inputs, dst, dim), root=dst, async_op=async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
         return self._collective("broadcast", tensor, self._sig(tensor, src=src),
-                                lambda inputs: math.broadcast(inputs, src), root=src)
+                                lambda inputs: math.broadcast(inputs, src), root=src, async_op=async_op)
 
-    def barrier(self) -> None:
-        self._collective("barrier", None, (), lambda inputs: [None] * len(inputs))
+    def barrier(self, async_op: bool = False):
+        return self._collective("barrier", None, (), lambda inputs: [None] * len(inputs), async_op=async_op)
 
     def subgroup(self, groups: tuple[tuple[int, ...], ...]) -> SimTransport:
         parent, step = self._group, self._step
@@ -406,31 +486,37 @@ class SimTransport(TransportBase):
             return members
 
         group, position = self._collective("subgroup", None, (("groups", groups),), split)
-        return SimTransport(self._state, group, position)
+        return SimTransport(self._state, group, position, self._pending, self._recorder)
 
     # -- point to point --
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        event = self._p2p_event("send", dst, tensor)
-        self._p2p("send", dst, (self.rank, dst), tensor, tensor.shape, tensor.dtype)
-        self._end(event, None)
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle | None:
+        """Blocking: returns once the matching recv has taken the data. ``async_op``: an
+        ``isend``, whose copy of ``tensor`` is taken now and handed over when matched."""
+        record = self._p2p_begin("send", dst, tensor, async_op=async_op)
+        if async_op:
+            tensor = tensor.clone()
+        return self._p2p("send", dst, (self.rank, dst), tensor, tensor.shape, tensor.dtype, record, async_op)
 
-    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        event = self._p2p_event("recv", src, None, nbytes)
-        out = memory.received(self._p2p("recv", src, (src, self.rank), None, torch.Size(shape), dtype))
-        self._end(event, out)
-        return out
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, async_op: bool = False):
+        shape = torch.Size(shape)
+        record = self._p2p_begin("recv", src, None, shape.numel() * dtype.itemsize, async_op)
+        out = self._p2p("recv", src, (src, self.rank), None, shape, dtype, record, async_op)
+        return out if async_op else memory.received(out)
 
-    def _p2p_event(self, op: str, peer: int, tensor, nbytes: int | None = None) -> list | None:
-        key = (self.rank, peer) if op == "send" else (peer, self.rank)
-        step = self._p2p_steps.get(key, 0)
-        self._p2p_steps[key] = step + 1
-        return self._begin(op, step, tensor, peer, nbytes=nbytes)
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """Issue every op without blocking, in list order; one handle per op."""
+        return [self.send(op.data, op.peer, async_op=True) if op.op == "isend"
+                else self.recv(op.data[0], op.data[1], op.peer, async_op=True) for op in ops]
 
-    def _p2p(self, kind: str, peer: int, key: tuple[int, int], tensor, shape, dtype):
+    def _p2p(self, kind: str, peer: int, key: tuple[int, int], tensor, shape, dtype,
+             record: Record | None, async_op: bool):
+        """Match this send/recv with its partner on the (sender, receiver) channel, or post it.
+
+        A blocking call blocks until matched; an asynchronous one returns a handle.
+        """
         state, group = self._state, self._group
-        frame = sys._getframe(2)
+        frame = program_location(sys._getframe(2)) if async_op else sys._getframe(2)
         me = self.global_rank
         state.lock.acquire()
         state.check_locked()
@@ -438,52 +524,70 @@ class SimTransport(TransportBase):
         if channel and channel[0].kind != kind:
             partner = channel.popleft()
             if partner.shape != shape or partner.dtype != dtype:
-                send, recv = (self_msg := _Message(kind, me, tensor, shape, dtype, frame), partner)
-                if kind == "recv":
-                    send, recv = partner, self_msg
-                message = (
-                    f"send/recv mismatch in group {list(group.ranks)}:\n"
-                    f"  rank {send.rank} sends {str(send.dtype).removeprefix('torch.')} "
-                    f"{tuple(send.shape)} at {program_location(send.frame)}\n"
-                    f"  rank {recv.rank} expects {str(recv.dtype).removeprefix('torch.')} "
-                    f"{tuple(recv.shape)} at {program_location(recv.frame)}")
-                state.abort_locked(CollectiveMismatchError(message))
-                state.lock.release()
-                raise _Aborted
+                self._p2p_mismatch_locked(_Message(kind, me, tensor, shape, dtype, frame), partner)
             if kind == "send":
-                partner.tensor = tensor.clone()
-                state.wake_locked(partner.rank)
+                partner.tensor = tensor if async_op else tensor.clone()
+                self._deliver_locked(partner)
                 state.lock.release()
-                return None
-            state.lock.release()
-            out = partner.tensor.clone()   # the sender stays blocked until woken below
-            with state.lock:
-                if partner.rank in state.blocked:
-                    state.wake_locked(partner.rank)
-            return out
-        message = _Message(kind, me, tensor, shape, dtype, frame)
+                out = None
+            else:
+                state.lock.release()
+                out = partner.tensor if partner.owned else partner.tensor.clone()  # the sender waits
+                with state.lock:
+                    self._deliver_locked(partner)
+            if not async_op:
+                self._end(record, out)
+                return out
+            message = _Message(kind, me, out, shape, dtype, frame)   # complete at issue
+            message.done, message.moved = True, partner.moved
+            return self._handle(_PendingMessage(self, message, record, peer))
+        message = _Message(kind, me, tensor, shape, dtype, frame, owned=async_op)
         channel.append(message)
-        peer_global = group.ranks[peer]
-        what = (f"send to rank {peer_global}" if kind == "send" else f"recv from rank {peer_global}")
-        state.wait_locked(me, _Wait(f"{what} ({str(dtype).removeprefix('torch.')} {tuple(shape)})", frame))
-        return message.tensor if kind == "recv" else None
+        if async_op:
+            state.lock.release()
+            return self._handle(_PendingMessage(self, message, record, peer))
+        message.blocked = True
+        state.wait_locked(me, _Wait(_p2p_what(kind, group.ranks[peer], shape, dtype), frame))
+        out = message.tensor if kind == "recv" else None
+        self._end(record, out)
+        return out
+
+    def _deliver_locked(self, message: _Message) -> None:
+        """A posted message found its partner: mark it done, wake its rank if blocked on it."""
+        message.done = True
+        message.moved = time.perf_counter() - self._state.clock_zero
+        if message.blocked:
+            message.blocked = False
+            self._state.wake_locked(message.rank)
+
+    def _p2p_mismatch_locked(self, mine: _Message, partner: _Message) -> None:
+        send, recv = (mine, partner) if mine.kind == "send" else (partner, mine)
+        message = (
+            f"send/recv mismatch in group {list(self._group.ranks)}:\n"
+            f"  rank {send.rank} sends {str(send.dtype).removeprefix('torch.')} "
+            f"{tuple(send.shape)} at {_where(send.frame)}\n"
+            f"  rank {recv.rank} expects {str(recv.dtype).removeprefix('torch.')} "
+            f"{tuple(recv.shape)} at {_where(recv.frame)}")
+        self._state.abort_locked(CollectiveMismatchError(message))
+        self._state.lock.release()
+        raise _Aborted
 
     # -- rooted and uneven collectives --
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: str) -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False):
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks."""
         return self._collective("reduce", tensor, self._sig(tensor, dst=dst, op=op),
-                                lambda inputs: math.reduce_to(inputs, dst, op), root=dst)
+                                lambda inputs: math.reduce_to(inputs, dst, op), root=dst, async_op=async_op)
 
-    def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False
-                ) -> tuple[torch.Tensor, bool]:
+    def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
+                async_op: bool = False):
         """``(chunk r of src's tensor along dim, whether src said requires_grad)``; ``tensor`` is
         ``None`` off ``src``, and each rank's ``dim`` must name src's dim (negative allowed)."""
         step = self._next_step()
         # off src the dtype is known once the data arrives; it is added to args then (for the bytes)
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
         args = {"src": src, "dim": dim, "dtype": dtype}
-        event = self._begin("scatter", step, tensor, src, args=args)
+        event = self._begin("scatter", step, tensor, src, args=args, async_op=async_op)
 
         def compute(inputs: list) -> list:
             source, flag, source_dim = inputs[src]
@@ -497,24 +601,202 @@ class SimTransport(TransportBase):
             chunks = math.scatter_from([entry[0] for entry in inputs], src, source_dim)
             return [(chunk, flag) for chunk in chunks]
 
-        out = self._rendezvous("scatter", step, (tensor, requires_grad, dim), (("src", src),), compute)
-        args["dtype"] = str(out[0].dtype).removeprefix("torch.")
+        def arrived(out: tuple) -> tuple:
+            args["dtype"] = str(out[0].dtype).removeprefix("torch.")
+            return out
+
+        entry = (tensor.clone() if async_op and tensor is not None else tensor, requires_grad, dim)
+        if async_op:
+            return Handle(self._issue("scatter", step, entry, (("src", src),), compute, event), arrived)
+        out = arrived(self._rendezvous("scatter", step, entry, (("src", src),), compute))
         self._end(event, out[0])
         return out
 
     def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
-                          input_split_sizes: Sequence[int]) -> torch.Tensor:
+                          input_split_sizes: Sequence[int], async_op: bool = False):
         """Uneven all-to-all along dim 0; the ranks' split lists are checked against each other."""
         step = self._next_step()
         outputs, inputs_ = list(output_split_sizes), list(input_split_sizes)
         event = self._begin("all_to_all_single", step, tensor,
-                            args={"input_split_sizes": inputs_, "output_split_sizes": outputs})
+                            args={"input_split_sizes": inputs_, "output_split_sizes": outputs},
+                            async_op=async_op)
         sig = (("dtype", tensor.dtype), ("shape[1:]", tuple(tensor.shape[1:])))
 
         def compute(entries: list) -> list:
             return math.all_to_all_single([e[0] for e in entries], [e[1] for e in entries],
                                           [e[2] for e in entries])
 
+        if async_op:
+            return self._issue("all_to_all_single", step, (tensor.clone(), outputs, inputs_), sig, compute, event)
         out = self._rendezvous("all_to_all_single", step, (tensor, outputs, inputs_), sig, compute)
         self._end(event, out)
         return out
+
+    # -- asynchronous calls --
+
+    def _handle(self, pending: _Pending) -> Handle:
+        self._pending[id(pending)] = pending
+        return Handle(pending)
+
+    def check_all_waited(self) -> None:
+        """Raise :class:`~simcomm.handles.UnwaitedHandleError` if this rank issued a handle
+        (in any of its groups) that was never waited on. Called when the program returns."""
+        if not self._pending:
+            return
+        lines = [f"rank {self.global_rank}: the program returned without waiting on "
+                 f"{len(self._pending)} handle(s):"]
+        lines += [f"  {pending.what} issued at {pending.where}" for pending in self._pending.values()]
+        lines.append("call wait() on every handle (async_op=True, isend, irecv, batch_isend_irecv) "
+                     "before the program returns")
+        raise UnwaitedHandleError("\n".join(lines))
+
+    def _wait_begins(self, pending: _Pending) -> RunState:
+        """Checks before a handle's ``wait()`` blocks; returns with the run's lock *held*."""
+        state = self._state
+        if threading.current_thread() is not self._thread:
+            raise SimcommError(
+                f"wait() on the handle of {pending.what} issued by rank {self.global_rank} at "
+                f"{pending.where}: called outside that rank's program (its run has ended, or "
+                f"another thread called it); wait on handles inside the program that issued them")
+        state.lock.acquire()
+        state.check_locked()
+        return state
+
+    def _waited(self, pending: _Pending, out) -> None:
+        """A handle's wait returned ``out``: the call is no longer pending; keep its record."""
+        del self._pending[id(pending)]
+        self._fruitless_polls = 0
+        if pending.record is not None:
+            self._recorder.moved(pending.record, out if isinstance(out, torch.Tensor) else None,
+                                 at=pending.moved_at())
+            self._recorder.waited(pending.record)
+
+    def _poll(self, pending: _Pending) -> None:
+        """A handle that is not complete was polled: let the ranks that are ready run first.
+
+        When no rank is ready, every other unfinished rank is blocked, so only this
+        rank can complete the call; a program that keeps polling instead would spin
+        forever, and after :data:`_FRUITLESS_POLLS` such polls in a row the run is
+        aborted with a :class:`~simcomm.errors.DeadlockError`.
+        """
+        state, me = self._state, self.global_rank
+        if threading.current_thread() is not self._thread:
+            return
+        with state.lock:
+            if state.error is not None:
+                raise_aborted = True
+            elif state.ready:
+                raise_aborted = False
+                state.ready.append(me)
+                state.waiters[state.ready.popleft()].release()
+            else:
+                self._fruitless_polls += 1
+                if self._fruitless_polls >= _FRUITLESS_POLLS:
+                    state.abort_locked(DeadlockError(
+                        f"rank {me} polls is_completed() on the handle of {pending.what} issued at "
+                        f"{pending.where}, which cannot complete: every other rank is blocked or has "
+                        f"finished ({_FRUITLESS_POLLS} polls in a row); wait() on it, or make the call "
+                        f"its peers wait for first"))
+                    raise_aborted = True
+                else:
+                    return
+        if not raise_aborted:
+            self._fruitless_polls = 0
+            state.waiters[me].acquire()
+        if state.error is not None:
+            raise _Aborted
+
+
+#: polls of an incomplete handle, with no other rank able to run, after which the run is a deadlock
+_FRUITLESS_POLLS = 10_000
+
+
+def _p2p_what(kind: str, peer: int, shape, dtype) -> str:
+    what = f"send to rank {peer}" if kind == "send" else f"recv from rank {peer}"
+    return f"{what} ({str(dtype).removeprefix('torch.')} {tuple(shape)})"
+
+
+class _PendingCollective:
+    """What the handle of an asynchronous collective waits on: its slot."""
+
+    __slots__ = ("transport", "slot", "step", "record", "where")
+
+    def __init__(self, transport: SimTransport, slot: _Slot, step: int, record: Record | None, where: str):
+        self.transport, self.slot, self.step, self.record, self.where = (
+            transport, slot, step, record, where)
+
+    @property
+    def what(self) -> str:
+        return f"{self.slot.op}(step {self.step}, group {list(self.transport.ranks)})"
+
+    def moved_at(self) -> float:
+        return self.slot.moved
+
+    def is_completed(self) -> bool:
+        if self.slot.outputs is None:
+            self.transport._poll(self)
+        return self.slot.outputs is not None
+
+    def wait(self):
+        transport, slot = self.transport, self.slot
+        state = transport._wait_begins(self)
+        if slot.outputs is None and not slot.failed:
+            slot.waiting.append(transport.global_rank)
+            state.wait_locked(transport.global_rank, _Wait(
+                f"wait() on {slot.op}", sys._getframe(1), slot, transport.ranks, self.step))
+        else:
+            state.lock.release()
+        if slot.failed:
+            raise _Aborted
+        out = _materialize(slot, transport.rank)
+        transport._waited(self, out)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{self.what} issued at {self.where}"
+
+
+class _PendingMessage:
+    """What the handle of an ``isend``/``irecv`` waits on: its posted message."""
+
+    __slots__ = ("transport", "message", "record", "peer")
+
+    def __init__(self, transport: SimTransport, message: _Message, record: Record | None, peer: int):
+        self.transport, self.message, self.record, self.peer = transport, message, record, peer
+
+    @property
+    def what(self) -> str:
+        message = self.message
+        kind = "isend" if message.kind == "send" else "irecv"
+        return kind + " " + _p2p_what(message.kind, self.transport.ranks[self.peer], message.shape,
+                                message.dtype).split(" ", 1)[1]
+
+    @property
+    def where(self) -> str:
+        return _where(self.message.frame)
+
+    def moved_at(self) -> float:
+        return self.message.moved
+
+    def is_completed(self) -> bool:
+        if not self.message.done:
+            self.transport._poll(self)
+        return self.message.done
+
+    def wait(self):
+        transport, message = self.transport, self.message
+        state = transport._wait_begins(self)
+        if not message.done:
+            message.blocked = True
+            state.wait_locked(transport.global_rank, _Wait(f"wait() on {self.what}", sys._getframe(1)))
+        else:
+            state.lock.release()
+        out = message.tensor if message.kind == "recv" else None
+        transport._waited(self, out)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{self.what} issued at {self.where}"
+
+
+_Pending = _PendingCollective | _PendingMessage

@@ -4,8 +4,15 @@ An event records the op, the group (global ranks), the rank, the step (the
 call's position in the group's sequence of collectives, equal on every
 member), the phase (``forward`` or ``backward``: the autograd rules mark their
 backward calls), shapes, dtype, the bytes sent to and received from each peer,
-and start/end times. :meth:`Trace.to_chrome_trace` writes the JSON that
-Perfetto and ``chrome://tracing`` open.
+and times. A blocking call has ``start`` (called) and ``end`` (returned); an
+asynchronous one (``async_op=True``, ``isend``/``irecv``) has ``start`` (issued),
+``end`` (its data moved) and ``waited`` (the program's ``wait()`` returned).
+:meth:`Trace.to_chrome_trace` writes the JSON that Perfetto and
+``chrome://tracing`` open.
+
+Transports record through one :class:`Recorder` per run (simulator) or per
+process (real), shared by all their groups; it builds a :class:`Record` per
+call on the hot path, and :class:`Trace` turns records into events on first use.
 
 Bytes per peer follow each op's *definition* as a direct exchange, not a
 particular algorithm (ring, tree): with ``b`` bytes per rank on ``n`` ranks,
@@ -32,11 +39,12 @@ import json
 import math
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["TraceEvent", "Trace", "backward_phase", "current_phase", "peer_bytes"]
+__all__ = ["TraceEvent", "Trace", "Record", "Recorder", "backward_phase", "current_phase", "peer_bytes"]
 
 _local = threading.local()
 
@@ -109,6 +117,96 @@ def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype).itemsize
 
 
+class Record:
+    """What a transport keeps of one call while it runs: raw fields, converted by
+    :meth:`TraceEvent.from_record` only when the trace is read.
+
+    ``shape``/``dtype`` are the input's (``torch.Size``/``torch.dtype`` or ``None``),
+    ``nbytes`` ``None`` means ``numel * itemsize`` of the input, ``root`` is a global
+    rank, ``args`` a dict of the call's arguments (on both backends).
+    """
+
+    __slots__ = ("op", "group", "rank", "step", "phase", "shape", "dtype", "nbytes", "start",
+                 "root", "args", "end", "out_shape", "async_op", "waited")
+
+    def __init__(self, op: str, group: tuple[int, ...], rank: int, step: int, phase: str,
+                 shape, dtype, nbytes: int | None, start: float, root: int | None, args: dict | None,
+                 async_op: bool = False):
+        self.op = op
+        self.group = group
+        self.rank = rank
+        self.step = step
+        self.phase = phase
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self.start = start
+        self.root = root
+        self.args = args
+        self.async_op = async_op
+        self.end = 0.0
+        self.out_shape = None
+        self.waited: float | None = None
+
+    def __getstate__(self):
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state) -> None:
+        for name, value in zip(self.__slots__, state):
+            setattr(self, name, value)
+
+
+class Recorder:
+    """Builds the trace records of one run (simulator) or one process (real).
+
+    Shared by every transport of the run, subgroups included, on both backends.
+    ``events`` is the list records are kept in (in completion order); times are
+    seconds since ``clock_zero`` (a ``time.perf_counter()`` value).
+
+    A blocking call: :meth:`begin`, then :meth:`end` when it returns. An
+    asynchronous call: :meth:`begin` when issued, :meth:`moved` when its data
+    moved, :meth:`waited` when the program's wait returned (the record is kept then).
+    """
+
+    __slots__ = ("events", "clock_zero")
+
+    def __init__(self, events: list | None = None, clock_zero: float | None = None):
+        self.events: list = [] if events is None else events
+        self.clock_zero = time.perf_counter() if clock_zero is None else clock_zero
+
+    def now(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.clock_zero
+
+    def begin(self, op: str, group: tuple[int, ...], rank: int, step: int, tensor, root: int | None,
+              nbytes: int | None, args: dict | None, async_op: bool = False) -> Record:
+        """A new record of a call starting (or issued) now; ``root`` is a global rank."""
+        phase = getattr(_local, "phase", "forward")
+        start = time.perf_counter() - self.clock_zero
+        if tensor is None:
+            return Record(op, group, rank, step, phase, None, None, nbytes, start, root, args, async_op)
+        return Record(op, group, rank, step, phase, tensor.shape, tensor.dtype, nbytes, start, root, args,
+                      async_op)
+
+    def end(self, record: Record, out) -> None:
+        """A blocking call returned with ``out`` (a tensor or ``None``): keep its record."""
+        record.end = time.perf_counter() - self.clock_zero
+        if out is not None:
+            record.out_shape = out.shape
+        self.events.append(record)
+
+    def moved(self, record: Record, out, at: float | None = None) -> None:
+        """An asynchronous call's data moved (now, or at ``at`` seconds since the start)."""
+        record.end = self.now() if at is None else at
+        if out is not None:
+            record.out_shape = out.shape
+
+    def waited(self, record: Record) -> None:
+        """The program's wait on an asynchronous call returned: keep its record."""
+        record.waited = max(self.now(), record.end)
+        self.events.append(record)
+
+
 @dataclass
 class TraceEvent:
     """One transport call on one rank. Times are seconds since the run started."""
@@ -128,9 +226,10 @@ class TraceEvent:
     args: dict = field(default_factory=dict)
     #: modelled duration on a topology, filled by :func:`simcomm.cost.annotate` (seconds)
     modelled: float | None = None
-    #: the call returned a handle instead of blocking
+    #: issued with ``async_op=True`` (or ``isend``/``irecv``): ``start`` is when it was issued,
+    #: ``end`` when its data moved
     async_op: bool = False
-    #: seconds since the run started when the program's ``wait()`` returned; None for blocking calls
+    #: when the program's ``wait()`` on the call's handle returned; ``None`` for a blocking call
     waited: float | None = None
 
     @property
@@ -138,20 +237,19 @@ class TraceEvent:
         return self.end - self.start
 
     @classmethod
-    def from_record(cls, record: tuple) -> TraceEvent:
-        """Build an event from the flat tuple a transport records on its hot path:
-        ``(op, group, rank, step, phase, shape, dtype, nbytes, start, root, args, end, out_shape)``,
-        where ``nbytes`` may be ``None`` (then it is ``numel * itemsize`` of ``shape``/``dtype``)
-        and ``args`` a dict or a tuple of (name, value) pairs."""
-        op, group, rank, step, phase, shape, dtype, nbytes, start, root, args, end, out_shape = record
+    def from_record(cls, record: Record) -> TraceEvent:
+        """Build an event from the :class:`Record` a transport kept on its hot path."""
+        shape, dtype, nbytes = record.shape, record.dtype, record.nbytes
         if nbytes is None:
             nbytes = math.prod(shape) * dtype.itemsize if shape is not None else 0
-        return cls(op=op, group=group, rank=rank, step=step, phase=phase,
-                   shape=tuple(shape) if shape is not None else None,
+        out_shape = record.out_shape
+        return cls(op=record.op, group=record.group, rank=record.rank, step=record.step,
+                   phase=record.phase, shape=tuple(shape) if shape is not None else None,
                    dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
-                   nbytes=nbytes, start=start, end=end,
+                   nbytes=nbytes, start=record.start, end=record.end,
                    out_shape=tuple(out_shape) if out_shape is not None else None,
-                   root=root, args=dict(args) if args else {})
+                   root=record.root, args=dict(record.args) if record.args else {},
+                   async_op=record.async_op, waited=record.waited)
 
     def _peer_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
         dtype = self.dtype if self.dtype is not None else self.args.get("dtype")   # scatter off src
@@ -176,8 +274,8 @@ class TraceEvent:
 class Trace:
     """The events of one run, ordered by start time, with summaries and export."""
 
-    def __init__(self, events: list[TraceEvent | tuple] | None = None):
-        # transports record flat tuples (cheap on the hot path); events are built on first use
+    def __init__(self, events: list[TraceEvent | Record] | None = None):
+        # transports keep Records (cheap on the hot path); events are built on first use
         self._items = list(events or [])
         self._events: list[TraceEvent] | None = None
 
@@ -240,6 +338,10 @@ class Trace:
     def to_chrome_trace(self, path: str | os.PathLike | None = None) -> dict:
         """The trace as Chrome trace JSON (complete ``"X"`` events, one track per rank).
 
+        An asynchronous call is an ``"X"`` event from its issue to when its data
+        moved (``args.async_op`` true, ``args.waited_us``), plus an instant event
+        ``"wait <op>"`` where the program's ``wait()`` returned.
+
         Writes it to ``path`` when given; returns the JSON object either way.
         """
         events: list[dict] = [
@@ -248,16 +350,23 @@ class Trace:
             events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
                            "args": {"name": f"rank {rank}"}})
         for e in self.events:
+            args = {"step": e.step, "group": list(e.group), "shape": e.shape,
+                    "out_shape": e.out_shape, "dtype": e.dtype, "bytes": e.nbytes,
+                    "sent": {str(k): v for k, v in e.sent.items()},
+                    "received": {str(k): v for k, v in e.received.items()},
+                    **({"modelled_us": e.modelled * 1e6} if e.modelled is not None else {}),
+                    **e.args}
+            if e.async_op:
+                args["async_op"] = True
+                args["waited_us"] = e.waited * 1e6 if e.waited is not None else None
             events.append({
                 "name": e.op, "cat": e.phase, "ph": "X", "pid": 0, "tid": e.rank,
-                "ts": e.start * 1e6, "dur": max(e.duration, 0.0) * 1e6,
-                "args": {"step": e.step, "group": list(e.group), "shape": e.shape,
-                         "out_shape": e.out_shape, "dtype": e.dtype, "bytes": e.nbytes,
-                         "sent": {str(k): v for k, v in e.sent.items()},
-                         "received": {str(k): v for k, v in e.received.items()},
-                         **({"modelled_us": e.modelled * 1e6} if e.modelled is not None else {}),
-                         **e.args},
-            })
+                "ts": e.start * 1e6, "dur": max(e.duration, 0.0) * 1e6, "args": args})
+            if e.async_op and e.waited is not None:
+                # an async call spans issue..data moved; the program's wait() is an instant marker
+                events.append({"name": f"wait {e.op}", "cat": e.phase, "ph": "i", "s": "t",
+                               "pid": 0, "tid": e.rank, "ts": e.waited * 1e6,
+                               "args": {"step": e.step, "issued_us": e.start * 1e6}})
         data = {"traceEvents": events, "displayTimeUnit": "ms"}
         if path is not None:
             with open(path, "w") as f:

@@ -13,17 +13,22 @@ transport and the transport to its caller:
   (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``), ``src``/``dst``
   are group-local ranks;
 * inputs are never modified; outputs are new tensors on the transport's device;
-* every call blocks until this rank's part of it is complete.
+* with ``async_op=False`` (the default) every call blocks until this rank's
+  part of it is complete; with ``async_op=True`` it returns a
+  :class:`~simcomm.handles.Handle` at once (the input copied at issue), whose
+  ``wait()`` blocks and returns the output. ``send``/``recv`` with
+  ``async_op=True`` are ``isend``/``irecv``; ``batch_isend_irecv`` issues a
+  list of :class:`~simcomm.handles.P2POp` and returns one handle each.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .trace import current_phase
+from .handles import Handle, P2POp
+from .trace import Record, Recorder
 
 __all__ = ["Transport", "TransportBase"]
 
@@ -35,15 +40,18 @@ class Transport(Protocol):
     ranks: tuple[int, ...]         # global ranks of the group's members
     device: torch.device
 
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor: ...
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str) -> torch.Tensor: ...
-    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor: ...
-    def gather(self, tensor: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None: ...
-    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor: ...
-    def send(self, tensor: torch.Tensor, dst: int) -> None: ...
-    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor: ...
-    def barrier(self) -> None: ...
+    # each collective returns a Handle instead of its output when async_op=True
+    def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False) -> Any: ...
+    def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False) -> Any: ...
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False) -> Any: ...
+    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int,
+                   async_op: bool = False) -> Any: ...
+    def gather(self, tensor: torch.Tensor, dst: int, dim: int, async_op: bool = False) -> Any: ...
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any: ...
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle | None: ...
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, async_op: bool = False) -> Any: ...
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]: ...
+    def barrier(self, async_op: bool = False) -> Handle | None: ...
     def subgroup(self, groups: tuple[tuple[int, ...], ...]) -> Transport: ...
     def compute(self, seconds: float | None = None, flops: float | None = None) -> None: ...
     # zeros off dst; (chunk, whether src's tensor requires grad); uneven along dim 0
@@ -55,18 +63,22 @@ class Transport(Protocol):
 
 
 class TransportBase:
-    """What both transports share: identity, the step counter and trace recording."""
+    """What both transports share: identity, the step counters and trace recording.
+
+    ``recorder`` is the run's (or process's) :class:`~simcomm.trace.Recorder`,
+    shared with the subgroups made from this transport; ``None``: no tracing.
+    """
 
     def __init__(self, rank: int, ranks: Sequence[int], device: torch.device,
-                 events: list[tuple] | None, clock_zero: float):
+                 recorder: Recorder | None):
         self.rank = rank
         self.ranks = tuple(ranks)
         self.world_size = len(self.ranks)
         self.global_rank = self.ranks[rank]
         self.device = device
-        self._events = events
-        self._clock_zero = clock_zero
+        self._recorder = recorder
         self._step = 0
+        self._p2p_steps: dict[tuple[int, int], int] = {}
 
     def _next_step(self) -> int:
         step = self._step
@@ -74,23 +86,34 @@ class TransportBase:
         return step
 
     def _begin(self, op: str, step: int, tensor: torch.Tensor | None, root: int | None = None,
-               nbytes: int | None = None, args: dict | tuple | None = None) -> list | None:
-        """Start the trace record of this call (``None`` when tracing is off)."""
-        if self._events is None:
-            return None
-        return [op, self.ranks, self.global_rank, step, current_phase(),
-                tensor.shape if tensor is not None else None,
-                tensor.dtype if tensor is not None else None,
-                nbytes, time.perf_counter() - self._clock_zero,
-                self.ranks[root] if root is not None else None, args]
+               nbytes: int | None = None, args: dict | None = None, async_op: bool = False
+               ) -> Record | None:
+        """Start the trace record of this call (``None`` when tracing is off).
 
-    def _end(self, record: list | None, out: torch.Tensor | None) -> None:
-        """Finish a record and keep it (see :meth:`TraceEvent.from_record` for the layout)."""
-        if record is None:
-            return
-        record.append(time.perf_counter() - self._clock_zero)
-        record.append(out.shape if out is not None else None)
-        self._events.append(tuple(record))
+        ``root`` is group-local; ``args`` a dict of the call's arguments.
+        """
+        if self._recorder is None:
+            return None
+        return self._recorder.begin(op, self.ranks, self.global_rank, step, tensor,
+                                    self.ranks[root] if root is not None else None, nbytes, args,
+                                    async_op)
+
+    def _end(self, record: Record | None, out: torch.Tensor | None) -> None:
+        """A blocking call returned: finish its record and keep it."""
+        if record is not None:
+            self._recorder.end(record, out)
+
+    def _p2p_begin(self, op: str, peer: int, tensor: torch.Tensor | None, nbytes: int | None = None,
+                   async_op: bool = False) -> Record | None:
+        """Count a ``send``/``recv`` with group-local ``peer`` and start its record.
+
+        The step of a message is its position among the messages of its
+        (sender, receiver) pair, so a send and its recv have the same step.
+        """
+        key = (self.rank, peer) if op == "send" else (peer, self.rank)
+        step = self._p2p_steps.get(key, 0)
+        self._p2p_steps[key] = step + 1
+        return self._begin(op, step, tensor, peer, nbytes=nbytes, async_op=async_op)
 
     def compute(self, seconds: float | None = None, flops: float | None = None) -> None:
         """Record a compute marker (no communication): a cost model gives it a duration."""

@@ -106,6 +106,7 @@ def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwarg
         state.wait_turn(rank)
         with _memory.track(rank, reports):
             results[rank] = program(comm, *args, **kwargs)
+        comm.transport.check_all_waited()   # a handle never waited on is an error
     except _Aborted:
         pass
     except BaseException as error:
