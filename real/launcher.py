@@ -1,58 +1,90 @@
 """Run an SPMD program on real processes from a notebook: :func:`run` and :class:`Cluster`.
 
-``Cluster(world_size)`` spawns one worker process per rank (spawn start
-method), joins them in a ``torch.distributed`` process group whose rendezvous
-store listens on 127.0.0.1 on a port the OS picks, and keeps them up between
-calls, so a further :meth:`Cluster.run` costs milliseconds. :func:`run` is a
-one-off Cluster.
+``Cluster(world_size)`` starts one worker process per rank, joins them in a
+``torch.distributed`` process group whose rendezvous store listens on
+127.0.0.1 on a port the OS picks, and keeps them up between calls, so a
+further :meth:`Cluster.run` costs milliseconds. :func:`run` is a one-off
+Cluster.
+
+**Fast start.** Workers are forked from a forkserver (:mod:`multiprocessing`'s,
+started once per Python process) that has imported torch and
+:mod:`real.worker` beforehand, so a worker costs a fork instead of an import
+of torch. The forkserver never touches CUDA; each worker initialises its
+own. A worker takes the environment of the moment its Cluster started it,
+and dies with the forkserver, which dies with this process: no thread of
+this process owns a worker, so a run from a short-lived thread is safe.
 
 The program travels by value (cloudpickle): a function defined in a notebook
-cell, a closure or a lambda works. Every tensor in a rank's result comes back
-detached, on the CPU. What a program prints comes back too, each line tagged
-``[rank r]``, written to this process's stdout when the run ends.
+cell, a closure or a lambda works. Every tensor argument is placed on the
+rank's device (``cuda:rank`` under NCCL), each rank's default random
+generators start every run from the state of a fresh process, every tensor
+in a rank's result comes back detached, on the CPU, and what a program prints
+comes back, each line tagged ``[rank r]``.
+
+**Checked mode** (on by default): each collective's op, shapes, dtypes,
+root and reduction, and each send/recv pair's shape and dtype, are compared
+across ranks before any data moves (:mod:`real.checked`); a mismatch raises
+:class:`simcomm.CollectiveMismatchError` naming the ranks and program lines.
 
 Nothing is left behind on failure: when a rank raises, when a worker dies, or
 when the run exceeds its timeout, every worker is killed and reaped and the
 store's port is closed before the error is raised; the Cluster starts fresh
-workers at its next run. One exception keeps the workers: every rank raised
-and their books (:meth:`real.transport.GroupCache.books`) show each collective
-and each send completed on all its ranks, as when every rank fails the same
-argument check; then nothing is half delivered and the next run reuses them.
+workers at its next run (also after :meth:`Cluster.close`). One exception
+keeps the workers: every rank raised and their books
+(:meth:`real.transport.GroupCache.books`) show each collective and each send
+completed on all its ranks, as when every rank fails the same argument check
+or a checked mismatch stops every rank before any data moved.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
+import multiprocessing
+import multiprocessing.forkserver
 import os
-import pickle
+import re
 import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
-from multiprocessing import connection, get_context
+from multiprocessing import connection
 from typing import Any
 
-import cloudpickle
 import torch.distributed as dist
 
-from simcomm.errors import RankError, RunTimeoutError, SimcommError
+from simcomm.errors import CollectiveMismatchError, RankError, RunTimeoutError, SimcommError
 from simcomm.trace import Trace
 
-from . import pickling
+from . import messages, pickling
+from .messages import Close, EncodedError, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import pick_backend
 from .stacks import describe_stacks
 from .transport import books_agree
 from .worker import worker_main
 
-__all__ = ["Cluster", "Results", "run", "WorkerError"]
+__all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteError"]
+
+logger = logging.getLogger("real")
 
 #: after the first rank raises, how long to wait for other ranks to report too
 _ERROR_GRACE_S = 0.25
+#: how much longer than the run a checked-mode wait may take (the run's timeout fires first)
+_CHECK_MARGIN_S = 30.0
+_TMP_PREFIX = "simcomm-real-"
+_TMP_NAME = re.compile(re.escape(_TMP_PREFIX) + r"(\d+)-")
 
 
 class WorkerError(SimcommError):
-    """A worker process could not start or died without reporting an exception."""
+    """A worker process could not start, died, or could not be reached."""
+
+
+class ResultError(SimcommError):
+    """A rank's result could not be rebuilt in this process (its unpickling raised, the ``__cause__``)."""
 
 
 class RemoteTraceback(Exception):
@@ -76,15 +108,43 @@ class Results(list):
     trace: Trace
 
 
+def _check_timeout(value: float | None, where: str) -> float | None:
+    """``value`` as seconds, or None for no timeout (``None`` or ``inf``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: timeout={value!r} must be positive seconds, inf or None")
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{where}: timeout={value!r} must be positive seconds, inf or None")
+    return None if math.isinf(value) else float(value)
+
+
+def _interactive() -> bool:
+    """A Python prompt or a live IPython/Jupyter shell (not a script, not pytest)."""
+    if hasattr(sys, "ps1"):
+        return True
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    return get_ipython is not None and get_ipython() is not None
+
+
+def _notice(text: str) -> None:
+    """Say what is starting: logged always, and written to stderr in an interactive session."""
+    logger.info(text)
+    if _interactive():
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
 @contextlib.contextmanager
 def _main_module_hidden() -> Iterator[None]:
     """Start workers without re-running the parent's ``__main__`` in them.
 
-    The spawn method normally imports the parent's main script in every child
-    (so a script without an ``if __name__ == "__main__"`` guard would start
-    clusters recursively). Workers receive their program by value and need
-    nothing from ``__main__``, so its file and spec are hidden from
-    :mod:`multiprocessing` while the children start.
+    :mod:`multiprocessing` normally imports the parent's main script in every
+    child it does not fork directly (so a script without an ``if __name__ ==
+    "__main__"`` guard would start clusters recursively). Workers receive their
+    program by value and need nothing from ``__main__``, so its file and spec
+    are hidden while the children start.
     """
     main = sys.modules.get("__main__")
     if main is None:
@@ -100,17 +160,63 @@ def _main_module_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
-def _rebuild_error(encoded: tuple) -> BaseException:
-    blob, type_name, message, text = encoded
-    error: BaseException | None = None
-    if blob is not None:
+def _worker_context():
+    """The forkserver context, preloading torch and the worker's code (spawn where there is none)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn"), False
+    context = multiprocessing.get_context("forkserver")
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    running = getattr(server, "_forkserver_pid", None) is not None
+    if not running:
+        preload = list(getattr(server, "_preload_modules", None) or [])
+        context.set_forkserver_preload([name for name in preload if name != "__main__"] + ["real.worker"])
+    return context, not running
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_tmpdirs(directory: str | None = None) -> list[str]:
+    """Remove the ``simcomm-real-<pid>-*`` folders of this user whose owner process is gone
+    (a parent killed with ``kill -9`` cannot remove its own). Returns the paths removed."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _TMP_NAME.match(name)
+        path = os.path.join(directory, name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
         try:
-            error = cloudpickle.loads(blob)
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _rebuild_error(encoded: EncodedError) -> BaseException:
+    error: BaseException | None = None
+    if encoded.blob is not None:
+        try:
+            error = pickling.loads(encoded.blob)
         except Exception:
             error = None
     if not isinstance(error, BaseException):
-        error = RemoteError(f"{type_name}: {message}")
-    error.__cause__ = RemoteTraceback(text)
+        error = RemoteError(f"{encoded.type_name}: {encoded.message}")
+    error.__cause__ = RemoteTraceback(encoded.traceback)
     return error
 
 
@@ -129,7 +235,7 @@ def _relay_output(printed: dict[int, str]) -> None:
 
 
 def _loopback_store() -> dist.TCPStore:
-    """The rendezvous store, hosted by the parent, listening on 127.0.0.1 only.
+    """A store server hosted by this process, listening on 127.0.0.1 only.
 
     The listening socket is bound here (port 0: the OS picks a free port, so no
     race with other jobs) and handed to the store, which owns and closes it.
@@ -144,6 +250,10 @@ def _loopback_store() -> dist.TCPStore:
         raise
     return dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False,
                          master_listen_fd=sock.detach())
+
+
+def _default_ifname() -> str | None:
+    return "lo" if os.path.exists("/sys/class/net/lo") else None
 
 
 class _Worker:
@@ -162,21 +272,31 @@ class Cluster:
 
     ``backend=None`` picks NCCL when CUDA shows at least ``world_size`` GPUs
     (rank ``r`` on ``cuda:r``), else gloo on the CPU. ``timeout`` bounds each
-    run (seconds); ``start_timeout`` bounds starting the workers. Workers
-    start in the background at construction; the first run waits for them.
+    run (seconds; ``None`` or ``inf``: no bound); ``start_timeout`` bounds
+    starting the workers. ``checked`` compares every call across ranks before
+    it runs (:mod:`real.checked`). gloo binds to ``socket_ifname`` (default
+    the loopback interface ``"lo"``, whatever ``GLOO_SOCKET_IFNAME`` says in
+    this process's environment). Workers start at construction; the first run
+    waits until they have joined the process group.
+
+    Runs from several threads are serialised: each caller gets its own
+    results, a second caller waits until the run in progress has finished
+    (at most its timeout). A closed Cluster starts fresh workers at its next
+    run, so re-running a notebook cell after the one that closed it works.
     """
 
-    def __init__(self, world_size: int, backend: str | None = None, timeout: float = 60.0, *,
-                 start_timeout: float = 120.0, trace: bool = True, threads: int | None = None):
+    def __init__(self, world_size: int, backend: str | None = None, timeout: float | None = 60.0, *,
+                 start_timeout: float = 120.0, trace: bool = True, threads: int | None = None,
+                 checked: bool = True, socket_ifname: str | None = "lo"):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"Cluster: world_size={world_size!r} must be a positive int")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"Cluster: timeout={timeout!r} must be positive seconds or None")
         self.world_size = world_size
         self.backend = pick_backend(world_size, backend)
-        self.timeout = timeout
-        self.start_timeout = start_timeout
+        self.timeout = _check_timeout(timeout, "Cluster")
+        self.start_timeout = _check_timeout(start_timeout, "Cluster (start_timeout)") or 10 * 365 * 86400.0
         self.tracing = trace
+        self.checked = bool(checked)
+        self.socket_ifname = _default_ifname() if socket_ifname == "lo" else socket_ifname
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self.trace = Trace()
         self.devices: list[str] = []
@@ -185,6 +305,7 @@ class Cluster:
         self._tmpdir: str | None = None
         self._ready = False
         self._closed = False
+        self._lock = threading.Lock()
         self._start()
 
     def __repr__(self) -> str:
@@ -211,25 +332,26 @@ class Cluster:
     # -- lifecycle --
 
     def _start(self) -> None:
-        context = get_context("spawn")
+        clean_stale_tmpdirs()
+        context, cold = _worker_context()
+        _notice(f"real.Cluster: starting {self.world_size} {self.backend} worker processes"
+                + (" (the first start in this Python process imports torch once: a few seconds)" if cold else ""))
         self._store = _loopback_store()
-        self._tmpdir = tempfile.mkdtemp(prefix="simcomm-real-")
+        self._tmpdir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-")
         self._workers = []
-        with _main_module_hidden():
-            self._spawn_workers(context)
         self._ready = False
-
-    def _spawn_workers(self, context) -> None:
-        for rank in range(self.world_size):
-            parent_end, child_end = context.Pipe(duplex=True)
-            dump_path = os.path.join(self._tmpdir, f"stack-{rank}.txt")
-            process = context.Process(
-                target=worker_main, name=f"simcomm-real-rank-{rank}", daemon=True,
-                args=(rank, self.world_size, self.backend, self._store.port, child_end,
-                      self.start_timeout, self.threads, dump_path))
-            process.start()
-            child_end.close()
-            self._workers.append(_Worker(rank, process, parent_end, dump_path))
+        environ = dict(os.environ)
+        with _main_module_hidden():
+            for rank in range(self.world_size):
+                parent_end, child_end = context.Pipe(duplex=True)
+                dump_path = os.path.join(self._tmpdir, f"stack-{rank}.txt")
+                spec = WorkerSpec(rank, self.world_size, self.backend, self._store.port, self.start_timeout,
+                                  self.threads, dump_path, environ, self.socket_ifname, os.getpid())
+                process = context.Process(target=worker_main, name=f"simcomm-real-rank-{rank}",
+                                          daemon=True, args=(spec, child_end))
+                process.start()
+                child_end.close()
+                self._workers.append(_Worker(rank, process, parent_end, dump_path))
 
     def _await_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -249,28 +371,34 @@ class Cluster:
                     self._kill()
                     raise WorkerError(f"Cluster: the worker of rank {worker.rank} exited with code {code} "
                                       f"while starting")
-                if message[0] == "init_error":
+                if isinstance(message, StartFailed):
                     self._kill()
-                    error = _rebuild_error(message[2])
+                    error = _rebuild_error(message.error)
                     raise RankError(worker.rank, error) from error
-                devices[worker.rank] = message[2]
+                assert isinstance(message, Ready), message
+                devices[worker.rank] = message.device
                 del pending[worker.rank]
         self.devices = [devices[rank] for rank in range(self.world_size)]
         self._ready = True
 
     def close(self) -> None:
-        """Stop the workers (politely, then by force) and close the store. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for worker in self._workers:
-            try:
-                worker.conn.send_bytes(pickle.dumps(("close", None)))
-            except OSError:
-                pass
-        for worker in self._workers:
-            worker.process.join(5.0)
-        self._kill()
+        """Stop the workers (politely, then by force) and close the store. Idempotent.
+
+        Waits for a run in progress on another thread. A later :meth:`run`
+        starts fresh workers.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for worker in self._workers:
+                try:
+                    messages.send(worker.conn, Close())
+                except OSError:
+                    pass
+            for worker in self._workers:
+                worker.process.join(5.0)
+            self._kill()
 
     def _kill(self) -> None:
         """Kill and reap every worker, close the pipes and the store's port."""
@@ -287,90 +415,124 @@ class Cluster:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
+    def _restart_dead_idle_workers(self) -> None:
+        """Workers that died between runs (killed, out of memory): start fresh ones, with a warning."""
+        dead = [(w.rank, w.process.exitcode) for w in self._workers if not w.process.is_alive()]
+        if dead:
+            warnings.warn(f"Cluster.run: the worker of rank {dead[0][0]} exited with code {dead[0][1]} "
+                          f"between runs; starting fresh workers", RuntimeWarning, stacklevel=3)
+            self._kill()
+            self._start()
+
     # -- running --
 
     def run(self, program: Callable[..., Any], *args: Any, timeout: float | None = None,
             **kwargs: Any) -> Results:
         """Run ``program(comm, *args, **kwargs)`` on every rank; return the results in rank order.
 
-        Blocks until every rank has returned, or raises
-        :class:`~simcomm.errors.RankError` (a rank raised; its traceback is in
-        the message and the exception is the ``__cause__``),
+        Every rank gets its own copy of the arguments, its tensors on the
+        rank's device; the program may modify them. Blocks until every rank
+        has returned, or raises :class:`~simcomm.errors.CollectiveMismatchError`
+        (checked mode: ranks disagree on a call; the message names their
+        lines), :class:`~simcomm.errors.RankError` (a rank raised; its
+        traceback is in the message and the exception is the ``__cause__``),
         :class:`~simcomm.errors.RunTimeoutError` (``timeout`` passed; the
-        message names the ranks still running and where they are) or
-        :class:`WorkerError` (a worker died). After an error the workers are
-        killed and the next run starts new ones, unless every rank raised with
-        all its communication completed (then they stay). ``timeout`` (seconds)
-        overrides the Cluster's for this run; it is not passed to the program.
+        message names the ranks still running and where they are),
+        :class:`WorkerError` (a worker died) or :class:`ResultError` (a
+        result cannot be unpickled here). After an error the workers are
+        killed and the next run starts new ones, unless every rank raised
+        with all its communication completed (then they stay). ``timeout``
+        (seconds, ``inf`` for none) overrides the Cluster's for this run; it
+        is not passed to the program. Runs from several threads take turns.
         """
-        if self._closed:
-            raise RuntimeError("Cluster.run: the cluster is closed")
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else _check_timeout(timeout, "Cluster.run")
         blob = pickling.dumps((program, args, kwargs))      # an unpicklable program fails here, harmlessly
-        if not self._workers:
-            self._start()
-        try:
-            if not self._ready:
-                self._await_ready()
-            message = pickle.dumps(("run", (time.perf_counter(), self.tracing, blob)))
-            for worker in self._workers:
-                worker.conn.send_bytes(message)
-            return self._collect(timeout)
-        except (RankError, RunTimeoutError, WorkerError):
-            raise                       # _collect has decided whether the workers can stay
-        except BaseException:
-            self._kill()                # KeyboardInterrupt or any other failure: leave nothing running
-            raise
+        with self._lock:
+            if self._closed:
+                self._closed = False          # a closed Cluster starts fresh workers
+            if not self._workers:
+                self._start()
+            check_store = None
+            try:
+                if not self._ready:
+                    self._await_ready()
+                self._restart_dead_idle_workers()
+                if not self._ready:
+                    self._await_ready()
+                if self.checked and self.world_size > 1:
+                    check_store = _loopback_store()
+                request = Run(blob, time.perf_counter(), self.tracing,
+                              check_store.port if check_store is not None else None,
+                              math.inf if timeout is None else timeout + _CHECK_MARGIN_S)
+                for worker in self._workers:
+                    try:
+                        messages.send(worker.conn, request)
+                    except OSError as error:
+                        code = self._exitcode(worker)
+                        self._kill()
+                        raise WorkerError(f"Cluster.run: could not reach the worker of rank {worker.rank} "
+                                          f"(exit code {code}): {type(error).__name__}: {error}; the next "
+                                          f"run starts fresh workers") from error
+                return self._collect(timeout)
+            except (RankError, RunTimeoutError, WorkerError, CollectiveMismatchError, ResultError):
+                raise                       # _collect has decided whether the workers can stay
+            except BaseException:
+                self._kill()                # KeyboardInterrupt or any other failure: leave nothing running
+                raise
+            finally:
+                del check_store             # the checks' keys go with their store
 
     def _collect(self, timeout: float | None) -> Results:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {w.rank: w for w in self._workers}
-        results: list[Any] = [None] * self.world_size
-        events: list = []          # trace records, in the transports' format
-        errors: list[tuple[int, BaseException]] = []
+        finished: dict[int, Finished] = {}
         dead: list[tuple[int, int | None]] = []
-        books: dict[int, tuple] = {}
-        printed: dict[int, str] = {}
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 break
-            ready = self._poll(pending, remaining)
-            for worker in ready:
+            for worker in self._poll(pending, remaining):
                 message = self._receive(worker)
                 del pending[worker.rank]
-                if message is None:
-                    dead.append((worker.rank, self._exitcode(worker)))
-                elif message[0] == "ok":
-                    results[worker.rank] = cloudpickle.loads(message[2])
-                    events.extend(message[3])
-                    books[worker.rank], printed[worker.rank] = message[4], message[5]
+                if isinstance(message, Finished):
+                    finished[worker.rank] = message
                 else:
-                    errors.append((worker.rank, _rebuild_error(message[2])))
-                    events.extend(message[3])
-                    books[worker.rank], printed[worker.rank] = message[4], message[5]
-            if (errors or dead) and pending:
+                    dead.append((worker.rank, self._exitcode(worker)))
+            if (dead or any(m.error is not None for m in finished.values())) and pending:
                 grace = time.monotonic() + _ERROR_GRACE_S
                 deadline = grace if deadline is None else min(deadline, grace)
+        events = [event for rank in sorted(finished) for event in finished[rank].events]
         self.trace = Trace(events)
-        _relay_output(printed)
+        _relay_output({rank: m.output for rank, m in finished.items()})
+        errors = [(rank, _rebuild_error(m.error)) for rank, m in sorted(finished.items()) if m.error is not None]
         if pending and not dead and not errors:
             message_on_timeout = self._describe_timeout(timeout, sorted(pending))   # before the kill
         if dead:                     # a dead worker first: the other ranks' errors are its echo
             rank, code = dead[0]
             self._kill()
-            echoes = "".join(f"; rank {r} then raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                             for r, e in errors)
+            echoes = "".join(f"; rank {r} then raised {type(e).__name__}: {_first_line(e)}" for r, e in errors)
             raise WorkerError(f"Cluster.run: the worker of rank {rank} exited with code {code} without "
                               f"reporting a result (ranks still running: {sorted(pending)}){echoes}")
-        in_step = not pending and not dead and books_agree(books)
+        in_step = not pending and books_agree({rank: m.books for rank, m in finished.items()})
         if not in_step:
             self._kill()             # never reuse process groups with half-finished communication
+        mismatches = [error for _, error in errors if isinstance(error, CollectiveMismatchError)]
+        if mismatches:
+            raise mismatches[0].with_traceback(None) from None   # the same message as the simulator's
         if errors:
             (rank, error), others = errors[0], tuple(r for r, _ in errors[1:])
             raise RankError(rank, error, others) from error
         if pending:
             raise RunTimeoutError(message_on_timeout)
+        results: list[Any] = []
+        for rank in range(self.world_size):
+            try:
+                results.append(pickling.loads(finished[rank].result))
+            except Exception as error:
+                raise ResultError(f"Cluster.run: the result of rank {rank} could not be unpickled in this "
+                                  f"process: {type(error).__name__}: {_first_line(error)}; return plain "
+                                  f"data (tensors, numbers, lists, dicts) or types this process can import"
+                                  ) from error
         out = Results(results)
         out.trace = self.trace
         return out
@@ -402,11 +564,11 @@ class Cluster:
         return list(seen.values())
 
     @staticmethod
-    def _receive(worker: _Worker) -> tuple | None:
+    def _receive(worker: _Worker) -> Any:
         """The worker's next message, or ``None`` if it exited without one."""
         try:
             if worker.conn.poll(0 if not worker.process.is_alive() else 1.0):
-                return pickle.loads(worker.conn.recv_bytes())
+                return messages.receive(worker.conn)
         except (EOFError, OSError):
             return None
         return None
@@ -417,12 +579,21 @@ class Cluster:
         return worker.process.exitcode
 
 
+def _first_line(error: BaseException) -> str:
+    try:
+        text = str(error)
+    except Exception:
+        text = f"<{type(error).__name__} whose str() raised>"
+    return (text.splitlines() or [""])[0][:200]
+
+
 def run(program: Callable[..., Any], *args: Any, world_size: int, backend: str | None = None,
-        timeout: float = 60.0, **kwargs: Any) -> Results:
+        timeout: float | None = 60.0, checked: bool = True, **kwargs: Any) -> Results:
     """Run ``program(comm, *args, **kwargs)`` once on ``world_size`` fresh processes.
 
     A :class:`Cluster` that lives for this call only; see :meth:`Cluster.run`
     for the results (``.trace`` holds every rank's trace) and the errors.
+    ``checked`` as for :class:`Cluster`.
     """
-    with Cluster(world_size, backend=backend, timeout=timeout) as cluster:
+    with Cluster(world_size, backend=backend, timeout=timeout, checked=checked) as cluster:
         return cluster.run(program, *args, **kwargs)

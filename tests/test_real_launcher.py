@@ -206,7 +206,7 @@ def test_prints_come_back_tagged_with_the_rank(cluster, capsys):
 
 
 @pytest.mark.timeout(60)
-def test_close_leaves_nothing_and_rejects_runs(cluster):
+def test_close_leaves_nothing_and_a_later_run_starts_fresh_workers(cluster):
     c = cluster                                          # the module's cluster, closed last
     assert c.run(lambda comm: comm.world_size) == [2, 2]
     pids, port = c.pids, c._store.port
@@ -218,8 +218,10 @@ def test_close_leaves_nothing_and_rejects_runs(cluster):
         assert addresses and all(a.startswith("0100007F:") for a in addresses), addresses
     c.close()
     _assert_nothing_left(pids, port)
-    with pytest.raises(RuntimeError, match="closed"):
-        c.run(lambda comm: None)
+    assert c.run(lambda comm: comm.rank) == [0, 1]              # re-running after close works
+    assert not set(c.pids) & set(pids)
+    c.close()
+    _assert_nothing_left(c.pids, None)
 
 
 def test_bad_arguments():
