@@ -72,7 +72,7 @@ __all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteErr
 logger = logging.getLogger("real")
 
 #: after the first rank raises, how long to wait for other ranks to report too
-_ERROR_GRACE_S = 0.25
+_ERROR_GRACE_S = 1.0
 #: how much longer than the run a checked-mode wait may take (the run's timeout fires first)
 _CHECK_MARGIN_S = 30.0
 _TMP_PREFIX = "simcomm-real-"
