@@ -12,7 +12,9 @@ started once per Python process) that has imported torch and
 of torch. The forkserver never touches CUDA; each worker initialises its
 own. A worker takes the environment of the moment its Cluster started it,
 and dies with the forkserver, which dies with this process: no thread of
-this process owns a worker, so a run from a short-lived thread is safe.
+this process owns a worker, so a run from a short-lived thread is safe. In an
+interactive session ``import real`` starts the forkserver in the background
+(:func:`prestart`), so the first Cluster does not wait for torch's import.
 
 The program travels by value (cloudpickle): a function defined in a notebook
 cell, a closure or a lambda works. Every tensor argument is placed on the
@@ -67,7 +69,7 @@ from .stacks import describe_stacks
 from .transport import books_agree
 from .worker import worker_main
 
-__all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteError"]
+__all__ = ["Cluster", "Results", "run", "prestart", "WorkerError", "ResultError", "RemoteError"]
 
 logger = logging.getLogger("real")
 
@@ -160,17 +162,28 @@ def _main_module_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
-def _worker_context():
-    """The forkserver context, preloading torch and the worker's code (spawn where there is none)."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn"), False
+def _worker_context(start_method: str):
+    """The forkserver context, preloading torch and the worker's code (spawn where there is none,
+    or when asked for), and what makes this start slow ("" when nothing does)."""
+    if start_method == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn"), " (each imports torch: seconds)"
     context = multiprocessing.get_context("forkserver")
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     running = getattr(server, "_forkserver_pid", None) is not None
     if not running:
         preload = list(getattr(server, "_preload_modules", None) or [])
         context.set_forkserver_preload([name for name in preload if name != "__main__"] + ["real.worker"])
-    return context, not running
+    return context, "" if running else " (the first start in this Python process imports torch once: seconds)"
+
+
+def prestart() -> None:
+    """Start the workers' forkserver now, without waiting for it (it imports torch in the
+    background), so the first :class:`Cluster` of this process starts in about the time of a
+    later one. ``import real`` calls this in an interactive session (IPython, Jupyter, a prompt)."""
+    context, slow = _worker_context("forkserver")
+    if slow and context.get_start_method() == "forkserver":
+        with _main_module_hidden():
+            multiprocessing.forkserver.ensure_running()
 
 
 def _process_alive(pid: int) -> bool:
@@ -276,7 +289,11 @@ class Cluster:
     starting the workers. ``checked`` compares every call across ranks before
     it runs (:mod:`real.checked`). gloo binds to ``socket_ifname`` (default
     the loopback interface ``"lo"``, whatever ``GLOO_SOCKET_IFNAME`` says in
-    this process's environment). Workers start at construction; the first run
+    this process's environment), or to the interface named (``None``: leave
+    ``GLOO_SOCKET_IFNAME`` as the environment has it). ``start_method``:
+    ``"forkserver"`` (fast: workers are forked from a process that imported
+    torch once) or ``"spawn"`` (each worker a fresh interpreter importing torch
+    itself: seconds per worker). Workers start at construction; the first run
     waits until they have joined the process group.
 
     Runs from several threads are serialised: each caller gets its own
@@ -287,10 +304,13 @@ class Cluster:
 
     def __init__(self, world_size: int, backend: str | None = None, timeout: float | None = 60.0, *,
                  start_timeout: float = 120.0, trace: bool = True, threads: int | None = None,
-                 checked: bool = True, socket_ifname: str | None = "lo"):
+                 checked: bool = True, socket_ifname: str | None = "lo", start_method: str = "forkserver"):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"Cluster: world_size={world_size!r} must be a positive int")
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"Cluster: start_method={start_method!r} must be 'forkserver' or 'spawn'")
         self.world_size = world_size
+        self.start_method = start_method
         self.backend = pick_backend(world_size, backend)
         self.timeout = _check_timeout(timeout, "Cluster")
         self.start_timeout = _check_timeout(start_timeout, "Cluster (start_timeout)") or 10 * 365 * 86400.0
@@ -333,9 +353,8 @@ class Cluster:
 
     def _start(self) -> None:
         clean_stale_tmpdirs()
-        context, cold = _worker_context()
-        _notice(f"real.Cluster: starting {self.world_size} {self.backend} worker processes"
-                + (" (the first start in this Python process imports torch once: a few seconds)" if cold else ""))
+        context, slow = _worker_context(self.start_method)
+        _notice(f"real.Cluster: starting {self.world_size} {self.backend} worker processes{slow}")
         self._store = _loopback_store()
         self._tmpdir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-")
         self._workers = []
