@@ -16,7 +16,9 @@ compares what every rank of the group is about to do:
 
 A disagreement raises :class:`simcomm.CollectiveMismatchError` on every rank
 involved, naming the ranks, their calls and their program lines, as the
-simulator does; nothing has moved yet, so the process groups stay usable.
+simulator does; nothing has moved yet, so the process groups stay usable. A
+rank waiting for a call that a peer never makes because its program returned
+gets :class:`simcomm.DeadlockError` naming both, instead of a timeout.
 
 How: each rank writes its call (pickled, with its program line) under a key
 of a ``torch.distributed`` store and reads its peers' keys (a set and a
@@ -45,7 +47,7 @@ from typing import Any
 
 import torch
 
-from simcomm.errors import CollectiveMismatchError
+from simcomm.errors import CollectiveMismatchError, DeadlockError
 from simcomm.sim import program_location
 
 __all__ = ["Call", "Checker", "CheckedTransport", "EXTRACTORS", "describe"]
@@ -201,15 +203,44 @@ class _Posted:
     group: tuple[int, ...]
 
 
-class Checker:
-    """The comparisons of one process in one run, through ``store`` (any ``torch.distributed``
-    Store with ``set``/``get``/``multi_get`` that blocks until a key exists; its timeout bounds
-    every wait). Keys are unique within the run, so a fresh store per run leaves nothing behind."""
+_ENDED = "ended"
 
-    def __init__(self, store):
+
+class Checker:
+    """The comparisons of one process (global rank ``rank`` of ``world_size``) in one run, through
+    ``store`` (any ``torch.distributed`` Store with ``set``/``get``/``multi_get`` that blocks
+    until a key exists; its timeout bounds every wait). Keys are unique within the run, so a
+    fresh store per run leaves nothing behind.
+
+    When the program returns, :meth:`ended` writes a marker in place of every call this rank
+    could be awaited for next, so a peer waiting for a collective or a send/recv this rank never
+    makes gets :class:`DeadlockError` at once instead of a timeout.
+    """
+
+    def __init__(self, store, rank: int, world_size: int):
         self.store = store
+        self.rank = rank
+        self._groups: set[tuple[int, ...]] = {tuple(range(world_size))}
         self._steps: Counter[tuple] = Counter()
         self._channels: Counter[tuple] = Counter()
+
+    def add_group(self, ranks: Sequence[int]) -> None:
+        """Remember a group this rank belongs to (for :meth:`ended`)."""
+        self._groups.add(tuple(sorted(ranks)))
+
+    def ended(self, location: str = "") -> None:
+        """This rank's program returned: answer every wait a peer could still enter for it."""
+        keys = []
+        for group in self._groups:
+            name = ".".join(map(str, group))
+            keys.append(f"c/{name}/{self._steps[group]}/{self.rank}")
+            for peer in group:
+                if peer != self.rank:
+                    send, recv = (group, self.rank, peer, "send"), (group, peer, self.rank, "recv")
+                    keys.append(f"p/{name}/{self.rank}>{peer}/{self._channels[send]}/send")
+                    keys.append(f"p/{name}/{peer}>{self.rank}/{self._channels[recv]}/recv")
+        marker = pickle.dumps((self.rank, _ENDED, location))
+        self.store.multi_set(keys, [marker] * len(keys))
 
     def collective(self, transport, call: Call, location: str) -> None:
         """Compare ``call`` with the same step's call on every rank of ``transport``'s group; raise
@@ -222,6 +253,7 @@ class Checker:
         me = group[transport.rank]
         self.store.set(prefix + str(me), pickle.dumps((me, call, location)))
         records = [pickle.loads(blob) for blob in self.store.multi_get([prefix + str(rank) for rank in group])]
+        _raise_if_ended(records, group, me, call, location)
         problem = _collective_problem(records)
         if problem is not None:
             raise CollectiveMismatchError(_collective_message(group, step, records, problem))
@@ -244,6 +276,7 @@ class Checker:
         shapes or dtypes differ."""
         other = pickle.loads(self.store.get(posted.partner_key))
         mine = posted.record
+        _raise_if_ended([mine, other], posted.group, mine[0], mine[1], mine[2])
         if mine[1].compared != other[1].compared:
             send, recv = (mine, other) if mine[1].kind == "send" else (other, mine)
             raise CollectiveMismatchError(
@@ -251,6 +284,15 @@ class Checker:
                 f"  rank {send[0]} sends {_shape_dtype(send[1])} with {send[1].op} at {send[2]}\n"
                 f"  rank {recv[0]} expects {_shape_dtype(recv[1])} with {recv[1].op} at {recv[2]}\n"
                 f"a recv must name the shape and dtype of the tensor its peer sends")
+
+
+def _raise_if_ended(records: list[tuple], group: tuple[int, ...], me: int, call: Call, location: str) -> None:
+    ended = sorted(rank for rank, what, _ in records if what == _ENDED)
+    if ended:
+        raise DeadlockError(
+            f"rank{'s' if len(ended) > 1 else ''} {ended if len(ended) > 1 else ended[0]} of group "
+            f"{list(group)} returned from the program while rank {me} waits in {describe(call)} at "
+            f"{location}: a collective or send/recv that one rank makes and another never does")
 
 
 def _shape_dtype(call: Call) -> str:
@@ -336,7 +378,10 @@ class CheckedTransport:
         if calls[0].kind == "collective":
             self._checker.collective(inner, calls[0], location)
             out = method(*args, **kwargs)
-            return CheckedTransport(out, self._checker) if name == "subgroup" else out
+            if name != "subgroup":
+                return out
+            self._checker.add_group(out.ranks)
+            return CheckedTransport(out, self._checker)
         posted = [self._checker.post(inner, call, location) if call.peer != inner.rank else None
                   for call in calls]
         if name in ("send", "recv"):             # blocking: both sides agree before data moves

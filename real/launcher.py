@@ -59,7 +59,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from simcomm.errors import CollectiveMismatchError, RankError, RunTimeoutError, SimcommError
+from simcomm.errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
 from simcomm.trace import Trace
 
 from . import messages, pickling
@@ -493,7 +493,7 @@ class Cluster:
                                           f"(exit code {code}): {type(error).__name__}: {error}; the next "
                                           f"run starts fresh workers") from error
                 return self._collect(timeout)
-            except (RankError, RunTimeoutError, WorkerError, CollectiveMismatchError, ResultError):
+            except (RankError, RunTimeoutError, WorkerError, CollectiveMismatchError, DeadlockError, ResultError):
                 raise                       # _collect has decided whether the workers can stay
             except BaseException:
                 self._kill()                # KeyboardInterrupt or any other failure: leave nothing running
@@ -535,7 +535,7 @@ class Cluster:
         in_step = not pending and books_agree({rank: m.books for rank, m in finished.items()})
         if not in_step:
             self._kill()             # never reuse process groups with half-finished communication
-        mismatches = [error for _, error in errors if isinstance(error, CollectiveMismatchError)]
+        mismatches = [error for _, error in errors if isinstance(error, (CollectiveMismatchError, DeadlockError))]
         if mismatches:
             raise mismatches[0].with_traceback(None) from None   # the same message as the simulator's
         if errors:

@@ -152,7 +152,7 @@ def _serve(conn: Connection, rank: int, device: torch.device, cache: GroupCache)
 def _run(request: Run, rank: int, device: torch.device, cache: GroupCache) -> Finished:
     events: list | None = [] if request.tracing else None
     output = io.StringIO()           # what the program prints goes back to the parent
-    check_store = None
+    check_store = checker = None
     try:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
             reset_random_state()
@@ -162,12 +162,15 @@ def _run(request: Run, rank: int, device: torch.device, cache: GroupCache) -> Fi
                                       clock_zero=request.clock_zero, cache=cache)
             if request.check_port is not None:
                 check_store = _check_store(request.check_port, request.check_timeout)
-                transport = CheckedTransport(transport, Checker(check_store))
+                checker = Checker(check_store, dist.get_rank(), dist.get_world_size())
+                transport = CheckedTransport(transport, checker)
             result = program(Communicator(transport), *args, **kwargs)
+            if checker is not None:
+                checker.ended()
         result_blob = pickling.dumps(_to_cpu(result))
     except BaseException as error:
         return Finished(rank, None, messages.encode_error(error, skip_frames=1), events or [],
                         cache.books(), output.getvalue())
     finally:
-        del check_store
+        del check_store, checker
     return Finished(rank, result_blob, None, events or [], cache.books(), output.getvalue())

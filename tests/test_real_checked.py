@@ -51,9 +51,11 @@ def _on_ranks(world_size: int, program) -> list:
     outcomes: list = [None] * world_size
 
     def body(rank: int) -> None:
-        transport = CheckedTransport(_FakeTransport(rank, ranks), Checker(store))
+        checker = Checker(store, rank, world_size)
+        transport = CheckedTransport(_FakeTransport(rank, ranks), checker)
         try:
             outcomes[rank] = program(transport)
+            checker.ended()                                  # as a worker does when the program returns
         except Exception as error:  # collected for the assertions
             outcomes[rank] = error
 
@@ -157,6 +159,28 @@ def test_batch_isend_irecv_exchange_does_not_wait_at_issue():
     assert "rank 1 expects float32 (4,)" in str(outcomes[1])
 
 
+def test_a_rank_that_returned_is_named_instead_of_a_timeout():
+    def skips_a_collective(t):
+        return t.all_reduce(torch.ones(1), "sum") if t.rank == 0 else "returned"
+
+    outcomes = _on_ranks(2, skips_a_collective)
+    assert outcomes[1] == "returned" and isinstance(outcomes[0], simcomm.DeadlockError), outcomes
+    assert "rank 1 of group [0, 1] returned from the program while rank 0 waits in all_reduce" in str(outcomes[0])
+
+    def recv_nobody_sends(t):
+        return t.recv((2,), torch.float32, 1) if t.rank == 0 else "returned"
+
+    outcomes = _on_ranks(2, recv_nobody_sends)
+    assert isinstance(outcomes[0], simcomm.DeadlockError) and "waits in recv(shape=(2,)" in str(outcomes[0])
+
+    def subgroup_then_skip(t):
+        sub = t.subgroup(((0, 1),))
+        return sub.broadcast(torch.ones(1), 0) if t.rank == 1 else "returned"
+
+    outcomes = _on_ranks(2, subgroup_then_skip)
+    assert isinstance(outcomes[1], simcomm.DeadlockError), outcomes
+
+
 def test_subgroups_are_checked_too():
     def program(t):
         sub = t.subgroup(((0, 1),))
@@ -188,6 +212,12 @@ def _recv_wrong_dtype(comm):
     return comm.recv((2,), torch.int32, src=0)
 
 
+def _skips_the_all_reduce_on_rank_one(comm):
+    if comm.rank == 0:
+        return comm.all_reduce(torch.ones(1))
+    return None
+
+
 @pytest.fixture(scope="module")
 def cluster():
     with real.Cluster(2, backend="gloo", timeout=30) as c:
@@ -207,6 +237,8 @@ def test_real_mismatches_raise_at_once_and_keep_the_workers(cluster):
                               (_recv_wrong_dtype, "rank 1 expects int32 (2,)")):
         with pytest.raises(simcomm.CollectiveMismatchError, match=re.escape(expected)):
             cluster.run(program)
+    with pytest.raises(simcomm.DeadlockError, match="rank 1 of group .0, 1. returned from the program"):
+        cluster.run(_skips_the_all_reduce_on_rank_one)
     assert cluster.pids == pids                              # nothing moved: the workers stay
     assert cluster.run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
 
