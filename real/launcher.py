@@ -130,10 +130,11 @@ def _interactive() -> bool:
     return get_ipython is not None and get_ipython() is not None
 
 
-def _notice(text: str) -> None:
-    """Say what is starting: logged always, and written to stderr in an interactive session."""
+def _notice(text: str, visible: bool) -> None:
+    """Say what is starting: logged always; written to stderr too when ``visible`` in an
+    interactive session (never to stdout: that is the program's)."""
     logger.info(text)
-    if _interactive():
+    if visible and _interactive():
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
 
@@ -354,7 +355,7 @@ class Cluster:
     def _start(self) -> None:
         clean_stale_tmpdirs()
         context, slow = _worker_context(self.start_method)
-        _notice(f"real.Cluster: starting {self.world_size} {self.backend} worker processes{slow}")
+        _notice(f"real.Cluster: starting {self.world_size} {self.backend} worker processes{slow}", bool(slow))
         self._store = _loopback_store()
         self._tmpdir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-")
         self._workers = []

@@ -374,12 +374,18 @@ def test_every_run_draws_from_a_fresh_process_state(cluster):
 
 
 @pytest.mark.timeout(60)
-def test_starting_workers_is_announced_on_stderr_in_interactive_use(cluster, capsys, monkeypatch):
+def test_a_slow_start_is_announced_on_stderr_in_interactive_use(cluster, capsys, monkeypatch):
+    context, _ = real.launcher._worker_context("forkserver")
+    monkeypatch.setattr(real.launcher, "_worker_context", lambda method: (context, " (slow on purpose)"))
+    cluster.close()
+    assert cluster.run(_echo, 1) == [1.0, 1.0]                 # not interactive: nothing written
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
     cluster.close()
     assert cluster.run(_echo, 1) == [1.0, 1.0]
     captured = capsys.readouterr()
-    assert "real.Cluster: starting 2 gloo worker processes" in captured.err and captured.out == ""
+    assert captured.err == "real.Cluster: starting 2 gloo worker processes (slow on purpose)\n"
+    assert captured.out == ""
 
 
 _KILLED_PARENT = """
