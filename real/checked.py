@@ -356,6 +356,8 @@ class CheckedTransport:
         return self._inner
 
     def __getattr__(self, name: str):
+        if name in ("_inner", "_checker"):       # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         value = getattr(self._inner, name)
         extractor = EXTRACTORS.get(name)
         if extractor is None or not callable(value):
@@ -415,4 +417,6 @@ class _CheckedHandle:
         return self._handle.wait(*args, **kwargs)
 
     def __getattr__(self, name: str):
+        if name in ("_handle", "_checker", "_posted"):
+            raise AttributeError(name)
         return getattr(self._handle, name)

@@ -430,3 +430,9 @@ def test_arguments_land_on_the_rank_device_and_cuda_starts_only_in_workers():
     assert not torch.cuda.is_initialized()               # the parent never touched CUDA
     generator = torch.Generator(device="cuda").manual_seed(real.worker.FRESH_PROCESS_SEED)
     assert torch.equal(outs[0][2], torch.rand(2, device="cuda", generator=generator).cpu())
+
+
+@pytest.mark.timeout(60)
+def test_workers_are_forked_by_a_forkserver_not_by_this_process(cluster):
+    parents = cluster.run(lambda comm: os.getppid())
+    assert len(set(parents)) == 1 and parents[0] != os.getpid()   # no thread of ours owns them
