@@ -11,16 +11,15 @@ on :class:`simcomm.World`'s virtual ranks. ``python -m real.verify`` checks a
 node against the single-device reference.
 """
 from .communicator import DeviceCommunicatorBase
-from .launcher import Cluster, RemoteError, ResultError, Results, WorkerError, prestart, run
+from .launcher import Cluster, RemoteError, ResultError, Results, WorkerError, run
 from .process_group import device_for, init_from_env, pick_backend
+from .startup import interactive, prestart
 from .transport import DistTransport, GroupCache
 
 __all__ = [
-    "run", "Cluster", "prestart", "Results", "WorkerError", "ResultError", "RemoteError", "init_from_env", "pick_backend",
-    "device_for", "DistTransport", "GroupCache", "DeviceCommunicatorBase",
+    "run", "Cluster", "prestart", "Results", "WorkerError", "ResultError", "RemoteError", "init_from_env",
+    "pick_backend", "device_for", "DistTransport", "GroupCache", "DeviceCommunicatorBase",
 ]
 
-from . import launcher as _launcher
-
-if _launcher._interactive():
+if interactive():
     prestart()           # the workers' forkserver imports torch while the notebook goes on

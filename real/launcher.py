@@ -14,7 +14,7 @@ own. A worker takes the environment of the moment its Cluster started it,
 and dies with the forkserver, which dies with this process: no thread of
 this process owns a worker, so a run from a short-lived thread is safe. In an
 interactive session ``import real`` starts the forkserver in the background
-(:func:`prestart`), so the first Cluster does not wait for torch's import.
+(:func:`real.prestart`), so the first Cluster does not wait for torch's import.
 
 The program travels by value (cloudpickle): a function defined in a notebook
 cell, a closure or a lambda works. Every tensor argument is placed on the
@@ -39,21 +39,15 @@ or a checked mismatch stops every rank before any data moved.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
-import multiprocessing
-import multiprocessing.forkserver
 import os
-import re
 import shutil
-import socket
 import sys
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
@@ -62,23 +56,19 @@ import torch.distributed as dist
 from simcomm.errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
 from simcomm.trace import Trace
 
-from . import messages, pickling
+from . import messages, pickling, startup
 from .messages import Close, EncodedError, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import pick_backend
 from .stacks import describe_stacks
 from .transport import books_agree
 from .worker import worker_main
 
-__all__ = ["Cluster", "Results", "run", "prestart", "WorkerError", "ResultError", "RemoteError"]
-
-logger = logging.getLogger("real")
+__all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteError"]
 
 #: after the first rank raises, how long to wait for other ranks to report too
 _ERROR_GRACE_S = 1.0
 #: how much longer than the run a checked-mode wait may take (the run's timeout fires first)
 _CHECK_MARGIN_S = 30.0
-_TMP_PREFIX = "simcomm-real-"
-_TMP_NAME = re.compile(re.escape(_TMP_PREFIX) + r"(\d+)-")
 
 
 class WorkerError(SimcommError):
@@ -121,106 +111,6 @@ def _check_timeout(value: float | None, where: str) -> float | None:
     return None if math.isinf(value) else float(value)
 
 
-def _interactive() -> bool:
-    """A Python prompt or a live IPython/Jupyter shell (not a script, not pytest)."""
-    if hasattr(sys, "ps1"):
-        return True
-    ipython = sys.modules.get("IPython")
-    get_ipython = getattr(ipython, "get_ipython", None)
-    return get_ipython is not None and get_ipython() is not None
-
-
-def _notice(text: str, visible: bool) -> None:
-    """Say what is starting: logged always; written to stderr too when ``visible`` in an
-    interactive session (never to stdout: that is the program's)."""
-    logger.info(text)
-    if visible and _interactive():
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Start workers without re-running the parent's ``__main__`` in them.
-
-    :mod:`multiprocessing` normally imports the parent's main script in every
-    child it does not fork directly (so a script without an ``if __name__ ==
-    "__main__"`` guard would start clusters recursively). Workers receive their
-    program by value and need nothing from ``__main__``, so its file and spec
-    are hidden while the children start.
-    """
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-def _worker_context(start_method: str):
-    """The forkserver context, preloading torch and the worker's code (spawn where there is none,
-    or when asked for), and what makes this start slow ("" when nothing does)."""
-    if start_method == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn"), " (each imports torch: seconds)"
-    context = multiprocessing.get_context("forkserver")
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    running = getattr(server, "_forkserver_pid", None) is not None
-    if not running:
-        preload = list(getattr(server, "_preload_modules", None) or [])
-        context.set_forkserver_preload([name for name in preload if name != "__main__"] + ["real.worker"])
-    return context, "" if running else " (the first start in this Python process imports torch once: seconds)"
-
-
-def prestart() -> None:
-    """Start the workers' forkserver now, without waiting for it (it imports torch in the
-    background), so the first :class:`Cluster` of this process starts in about the time of a
-    later one. ``import real`` calls this in an interactive session (IPython, Jupyter, a prompt)."""
-    context, slow = _worker_context("forkserver")
-    if slow and context.get_start_method() == "forkserver":
-        with _main_module_hidden():
-            multiprocessing.forkserver.ensure_running()
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_stale_tmpdirs(directory: str | None = None) -> list[str]:
-    """Remove the ``simcomm-real-<pid>-*`` folders of this user whose owner process is gone
-    (a parent killed with ``kill -9`` cannot remove its own). Returns the paths removed."""
-    directory = directory or tempfile.gettempdir()
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        match = _TMP_NAME.match(name)
-        path = os.path.join(directory, name)
-        if match is None or _process_alive(int(match.group(1))):
-            continue
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
 def _rebuild_error(encoded: EncodedError) -> BaseException:
     error: BaseException | None = None
     if encoded.blob is not None:
@@ -246,28 +136,6 @@ def _relay_output(printed: dict[int, str]) -> None:
             if not text.endswith("\n"):
                 sys.stdout.write("\n")
     sys.stdout.flush()
-
-
-def _loopback_store() -> dist.TCPStore:
-    """A store server hosted by this process, listening on 127.0.0.1 only.
-
-    The listening socket is bound here (port 0: the OS picks a free port, so no
-    race with other jobs) and handed to the store, which owns and closes it.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-    except OSError:
-        sock.close()
-        raise
-    return dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False,
-                         master_listen_fd=sock.detach())
-
-
-def _default_ifname() -> str | None:
-    return "lo" if os.path.exists("/sys/class/net/lo") else None
 
 
 class _Worker:
@@ -317,7 +185,7 @@ class Cluster:
         self.start_timeout = _check_timeout(start_timeout, "Cluster (start_timeout)") or 10 * 365 * 86400.0
         self.tracing = trace
         self.checked = bool(checked)
-        self.socket_ifname = _default_ifname() if socket_ifname == "lo" else socket_ifname
+        self.socket_ifname = startup.default_ifname() if socket_ifname == "lo" else socket_ifname
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self.trace = Trace()
         self.devices: list[str] = []
@@ -353,15 +221,16 @@ class Cluster:
     # -- lifecycle --
 
     def _start(self) -> None:
-        clean_stale_tmpdirs()
-        context, slow = _worker_context(self.start_method)
-        _notice(f"real.Cluster: starting {self.world_size} {self.backend} worker processes{slow}", bool(slow))
-        self._store = _loopback_store()
-        self._tmpdir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-")
+        startup.clean_stale_tmpdirs()
+        context, slow = startup.worker_context(self.start_method)
+        startup.notice(f"real.Cluster: starting {self.world_size} {self.backend} worker processes{slow}",
+                       visible=bool(slow))
+        self._store = startup.loopback_store()
+        self._tmpdir = tempfile.mkdtemp(prefix=f"{startup.TMP_PREFIX}{os.getpid()}-")
         self._workers = []
         self._ready = False
         environ = dict(os.environ)
-        with _main_module_hidden():
+        with startup.hide_main():
             for rank in range(self.world_size):
                 parent_end, child_end = context.Pipe(duplex=True)
                 dump_path = os.path.join(self._tmpdir, f"stack-{rank}.txt")
@@ -480,7 +349,7 @@ class Cluster:
                 if not self._ready:
                     self._await_ready()
                 if self.checked and self.world_size > 1:
-                    check_store = _loopback_store()
+                    check_store = startup.loopback_store()
                 request = Run(blob, time.perf_counter(), self.tracing,
                               check_store.port if check_store is not None else None,
                               math.inf if timeout is None else timeout + _CHECK_MARGIN_S)

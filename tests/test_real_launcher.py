@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import real
-import real.launcher
+import real.startup
 import real.worker
 import simcomm
 
@@ -375,8 +375,8 @@ def test_every_run_draws_from_a_fresh_process_state(cluster):
 
 @pytest.mark.timeout(60)
 def test_a_slow_start_is_announced_on_stderr_in_interactive_use(cluster, capsys, monkeypatch):
-    context, _ = real.launcher._worker_context("forkserver")
-    monkeypatch.setattr(real.launcher, "_worker_context", lambda method: (context, " (slow on purpose)"))
+    context, _ = real.startup.worker_context("forkserver")
+    monkeypatch.setattr(real.startup, "worker_context", lambda method: (context, " (slow on purpose)"))
     cluster.close()
     assert cluster.run(_echo, 1) == [1.0, 1.0]                 # not interactive: nothing written
     assert capsys.readouterr().err == ""
@@ -415,7 +415,7 @@ def test_kill_9_of_the_parent_takes_its_workers_and_its_folder_is_cleaned_later(
     assert os.path.isdir(tmpdir)                          # a killed parent cannot remove its folder
     mine = tempfile.mkdtemp(prefix=f"simcomm-real-{os.getpid()}-")   # a live owner's folder stays
     try:
-        removed = real.launcher.clean_stale_tmpdirs()
+        removed = real.startup.clean_stale_tmpdirs()
         assert tmpdir in removed and not os.path.exists(tmpdir) and os.path.isdir(mine)
     finally:
         os.rmdir(mine)
