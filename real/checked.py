@@ -281,9 +281,8 @@ class Checker:
             send, recv = (mine, other) if mine[1].kind == "send" else (other, mine)
             raise CollectiveMismatchError(
                 f"send/recv mismatch in group {list(posted.group)}:\n"
-                f"  rank {send[0]} sends {_shape_dtype(send[1])} with {send[1].op} at {send[2]}\n"
-                f"  rank {recv[0]} expects {_shape_dtype(recv[1])} with {recv[1].op} at {recv[2]}\n"
-                f"a recv must name the shape and dtype of the tensor its peer sends")
+                f"  rank {send[0]} sends {_shape_dtype(send[1])}{_via(send[1], 'send')} at {send[2]}\n"
+                f"  rank {recv[0]} expects {_shape_dtype(recv[1])}{_via(recv[1], 'recv')} at {recv[2]}")
 
 
 def _raise_if_ended(records: list[tuple], group: tuple[int, ...], me: int, call: Call, location: str) -> None:
@@ -293,6 +292,10 @@ def _raise_if_ended(records: list[tuple], group: tuple[int, ...], me: int, call:
             f"rank{'s' if len(ended) > 1 else ''} {ended if len(ended) > 1 else ended[0]} of group "
             f"{list(group)} returned from the program while rank {me} waits in {describe(call)} at "
             f"{location}: a collective or send/recv that one rank makes and another never does")
+
+
+def _via(call: Call, blocking: str) -> str:
+    return "" if call.op == blocking else f" with {call.op}"
 
 
 def _shape_dtype(call: Call) -> str:
