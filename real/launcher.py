@@ -10,7 +10,8 @@ Cluster.
 started once per Python process) that has imported torch and
 :mod:`real.worker` beforehand, so a worker costs a fork instead of an import
 of torch. The forkserver never touches CUDA; each worker initialises its
-own. A worker takes the environment of the moment its Cluster started it,
+own. A worker takes the environment of the moment its Cluster started it
+(variables torch reads only while it is imported keep the forkserver's values),
 and dies with the forkserver, which dies with this process: no thread of
 this process owns a worker, so a run from a short-lived thread is safe. In an
 interactive session ``import real`` starts the forkserver in the background
@@ -162,7 +163,8 @@ class Cluster:
     ``GLOO_SOCKET_IFNAME`` as the environment has it). ``start_method``:
     ``"forkserver"`` (fast: workers are forked from a process that imported
     torch once) or ``"spawn"`` (each worker a fresh interpreter importing torch
-    itself: seconds per worker). Workers start at construction; the first run
+    itself: seconds per worker; on Linux its workers die with the thread that
+    started them). Workers start at construction; the first run
     waits until they have joined the process group.
 
     Runs from several threads are serialised: each caller gets its own
