@@ -50,7 +50,7 @@ import torch
 from simcomm.errors import CollectiveMismatchError, DeadlockError
 from simcomm.sim import program_location
 
-__all__ = ["Call", "Checker", "CheckedTransport", "EXTRACTORS", "describe"]
+__all__ = ["Call", "Checker", "CheckedTransport", "EXTRACTORS", "describe", "find_deadlock"]
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,7 @@ class _Posted:
     partner_key: str
     record: tuple                  # (global rank, Call, location) of this side
     group: tuple[int, ...]
+    peer: int                      # global rank of the other side
 
 
 _ENDED = "ended"
@@ -223,6 +224,7 @@ class Checker:
         self._groups: set[tuple[int, ...]] = {tuple(range(world_size))}
         self._steps: Counter[tuple] = Counter()
         self._channels: Counter[tuple] = Counter()
+        self._waits = 0
 
     def add_group(self, ranks: Sequence[int]) -> None:
         """Remember a group this rank belongs to (for :meth:`ended`)."""
@@ -251,15 +253,24 @@ class Checker:
         self._steps[key] += 1
         prefix = f"c/{'.'.join(map(str, key))}/{step}/"
         me = group[transport.rank]
-        self.store.set(prefix + str(me), pickle.dumps((me, call, location)))
-        records = [pickle.loads(blob) for blob in self.store.multi_get([prefix + str(rank) for rank in group])]
+        keys = [prefix + str(rank) for rank in group]
+        waiting = self._waiting([(k, r) for k, r in zip(keys, group) if r != me], call, location)
+        self.store.multi_set([prefix + str(me), f"w/{me}"], [pickle.dumps((me, call, location)), waiting])
+        records = [pickle.loads(blob) for blob in self.store.multi_get(keys)]
         _raise_if_ended(records, group, me, call, location)
         problem = _collective_problem(records)
         if problem is not None:
             raise CollectiveMismatchError(_collective_message(group, step, records, problem))
 
-    def post(self, transport, call: Call, location: str) -> _Posted:
-        """Write this side of a send/recv pair; :meth:`finish` compares it with the other side."""
+    def _waiting(self, awaited: list[tuple[str, int]], call: Call, location: str) -> bytes:
+        """This rank's waiting record (``w/<rank>``): which keys of which ranks it is about to wait
+        for, in which call; :func:`find_deadlock` reads them."""
+        self._waits += 1
+        return pickle.dumps((self._waits, awaited, describe(call), location))
+
+    def post(self, transport, call: Call, location: str, blocking: bool = False) -> _Posted:
+        """Write this side of a send/recv pair; :meth:`finish` compares it with the other side.
+        ``blocking``: :meth:`finish` follows at once (the waiting record is written now)."""
         group = tuple(transport.ranks)
         me, peer = group[transport.rank], group[call.peer]
         src, dst = (me, peer) if call.kind == "send" else (peer, me)
@@ -268,12 +279,20 @@ class Checker:
         self._channels[channel] += 1
         base = f"p/{'.'.join(map(str, channel[0]))}/{src}>{dst}/{number}/"
         record = (me, call, location)
-        self.store.set(base + call.kind, pickle.dumps(record))
-        return _Posted(base + ("recv" if call.kind == "send" else "send"), record, group)
+        posted = _Posted(base + ("recv" if call.kind == "send" else "send"), record, group, peer)
+        if blocking:
+            self.store.multi_set([base + call.kind, f"w/{me}"],
+                                 [pickle.dumps(record), self._waiting([(posted.partner_key, peer)], call, location)])
+        else:
+            self.store.set(base + call.kind, pickle.dumps(record))
+        return posted
 
-    def finish(self, posted: _Posted) -> None:
+    def finish(self, posted: _Posted, announce: bool = False) -> None:
         """Wait for the other side of the pair; raise :class:`CollectiveMismatchError` when the
-        shapes or dtypes differ."""
+        shapes or dtypes differ. ``announce``: write the waiting record first (a handle's wait)."""
+        if announce:
+            self.store.set(f"w/{posted.record[0]}",
+                           self._waiting([(posted.partner_key, posted.peer)], posted.record[1], posted.record[2]))
         other = pickle.loads(self.store.get(posted.partner_key))
         mine = posted.record
         _raise_if_ended([mine, other], posted.group, mine[0], mine[1], mine[2])
@@ -283,6 +302,36 @@ class Checker:
                 f"send/recv mismatch in group {list(posted.group)}:\n"
                 f"  rank {send[0]} sends {_shape_dtype(send[1])}{_via(send[1], 'send')} at {send[2]}\n"
                 f"  rank {recv[0]} expects {_shape_dtype(recv[1])}{_via(recv[1], 'recv')} at {recv[2]}")
+
+
+def find_deadlock(store, ranks: Sequence[int]) -> str | None:
+    """The deadlock message when every one of ``ranks`` (the ranks still running) waits in a check
+    for keys nobody has written, twice in a row with the same waiting records, else None.
+
+    Keys are only ever added, and only by a rank that is not waiting, so ranks that stay waiting
+    on missing keys across both looks can never be released. A rank that has never waited in a
+    check, or whose last wait is satisfied, is running: no deadlock is claimed.
+    """
+    seen = None
+    for _ in range(2):
+        looks = []
+        for rank in ranks:
+            if not store.check([f"w/{rank}"]):
+                return None
+            blob = store.get(f"w/{rank}")
+            _, awaited, text, location = pickle.loads(blob)
+            missing = sorted({owner for key, owner in awaited if not store.check([key])})
+            if not missing:
+                return None
+            looks.append((blob, rank, missing, text, location))
+        if seen is not None and [look[0] for look in looks] != [look[0] for look in seen]:
+            return None
+        seen = looks
+    lines = [f"  rank {rank} waits in {text} at {location} for rank{'s' if len(missing) > 1 else ''} "
+             f"{missing if len(missing) > 1 else missing[0]}" for _, rank, missing, text, location in seen]
+    return (f"deadlock: every running rank waits for another ({list(ranks)}):\n" + "\n".join(lines) +
+            "\na blocking send waits until its recv is posted: order them (e.g. even ranks send "
+            "first) or use isend/irecv")
 
 
 def _raise_if_ended(records: list[tuple], group: tuple[int, ...], me: int, call: Call, location: str) -> None:
@@ -387,9 +436,10 @@ class CheckedTransport:
                 return out
             self._checker.add_group(out.ranks)
             return CheckedTransport(out, self._checker)
-        posted = [self._checker.post(inner, call, location) if call.peer != inner.rank else None
+        blocking = name in ("send", "recv")
+        posted = [self._checker.post(inner, call, location, blocking) if call.peer != inner.rank else None
                   for call in calls]
-        if name in ("send", "recv"):             # blocking: both sides agree before data moves
+        if blocking:                             # both sides agree before data moves
             for item in posted:
                 if item is not None:
                     self._checker.finish(item)
@@ -401,7 +451,7 @@ class CheckedTransport:
             return _CheckedHandle(out, self._checker, posted[0])
         for item in posted:                      # a result this wrapper does not know: check now
             if item is not None:
-                self._checker.finish(item)
+                self._checker.finish(item, announce=True)
         return out
 
 
@@ -416,7 +466,7 @@ class _CheckedHandle:
     def wait(self, *args, **kwargs):
         posted, self._posted = self._posted, None
         if posted is not None:
-            self._checker.finish(posted)
+            self._checker.finish(posted, announce=True)
         return self._handle.wait(*args, **kwargs)
 
     def __getattr__(self, name: str):

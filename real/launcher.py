@@ -62,6 +62,7 @@ from .messages import Close, EncodedError, Finished, Ready, Run, StartFailed, Wo
 from .process_group import pick_backend
 from .stacks import describe_stacks
 from .transport import books_agree
+from .checked import find_deadlock
 from .worker import worker_main
 
 __all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteError"]
@@ -70,6 +71,8 @@ __all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteErr
 _ERROR_GRACE_S = 1.0
 #: how much longer than the run a checked-mode wait may take (the run's timeout fires first)
 _CHECK_MARGIN_S = 30.0
+#: how often a checked run looks for ranks that wait on each other (seconds)
+_DEADLOCK_POLL_S = 0.5
 
 
 class WorkerError(SimcommError):
@@ -364,7 +367,7 @@ class Cluster:
                         raise WorkerError(f"Cluster.run: could not reach the worker of rank {worker.rank} "
                                           f"(exit code {code}): {type(error).__name__}: {error}; the next "
                                           f"run starts fresh workers") from error
-                return self._collect(timeout)
+                return self._collect(timeout, check_store)
             except (RankError, RunTimeoutError, WorkerError, CollectiveMismatchError, DeadlockError, ResultError):
                 raise                       # _collect has decided whether the workers can stay
             except BaseException:
@@ -373,7 +376,7 @@ class Cluster:
             finally:
                 del check_store             # the checks' keys go with their store
 
-    def _collect(self, timeout: float | None) -> Results:
+    def _collect(self, timeout: float | None, check_store=None) -> Results:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {w.rank: w for w in self._workers}
         finished: dict[int, Finished] = {}
@@ -382,19 +385,26 @@ class Cluster:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 break
-            for worker in self._poll(pending, remaining):
+            if check_store is not None:          # look for ranks waiting on each other twice a second
+                remaining = _DEADLOCK_POLL_S if remaining is None else min(remaining, _DEADLOCK_POLL_S)
+            ready = self._poll(pending, remaining)
+            if not ready and check_store is not None and not dead and not _finished_with_error(finished):
+                deadlock = find_deadlock(check_store, sorted(pending))
+                if deadlock is not None:
+                    self._relay_and_trace(finished)
+                    self._kill()
+                    raise DeadlockError(deadlock)
+            for worker in ready:
                 message = self._receive(worker)
                 del pending[worker.rank]
                 if isinstance(message, Finished):
                     finished[worker.rank] = message
                 else:
                     dead.append((worker.rank, self._exitcode(worker)))
-            if (dead or any(m.error is not None for m in finished.values())) and pending:
+            if (dead or _finished_with_error(finished)) and pending:
                 grace = time.monotonic() + _ERROR_GRACE_S
                 deadline = grace if deadline is None else min(deadline, grace)
-        events = [event for rank in sorted(finished) for event in finished[rank].events]
-        self.trace = Trace(events)
-        _relay_output({rank: m.output for rank, m in finished.items()})
+        self._relay_and_trace(finished)
         errors = [(rank, _rebuild_error(m.error)) for rank, m in sorted(finished.items()) if m.error is not None]
         if pending and not dead and not errors:
             message_on_timeout = self._describe_timeout(timeout, sorted(pending))   # before the kill
@@ -427,6 +437,10 @@ class Cluster:
         out = Results(results)
         out.trace = self.trace
         return out
+
+    def _relay_and_trace(self, finished: dict[int, Finished]) -> None:
+        self.trace = Trace([event for rank in sorted(finished) for event in finished[rank].events])
+        _relay_output({rank: m.output for rank, m in finished.items()})
 
     def _describe_timeout(self, timeout: float | None, waiting: list[int]) -> str:
         finished = [r for r in range(self.world_size) if r not in waiting]
@@ -468,6 +482,10 @@ class Cluster:
     def _exitcode(worker: _Worker) -> int | None:
         worker.process.join(1.0)
         return worker.process.exitcode
+
+
+def _finished_with_error(finished: dict[int, Finished]) -> bool:
+    return any(message.error is not None for message in finished.values())
 
 
 def _first_line(error: BaseException) -> str:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import real
+import real.checked
 import simcomm
 from real.checked import Checker, CheckedTransport
 
@@ -181,6 +182,36 @@ def test_a_rank_that_returned_is_named_instead_of_a_timeout():
     assert isinstance(outcomes[1], simcomm.DeadlockError), outcomes
 
 
+def test_ranks_waiting_on_each_other_are_found():
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=3))
+    outcomes: list = [None, None]
+
+    def both_send_first(rank: int) -> None:
+        transport = CheckedTransport(_FakeTransport(rank, (0, 1)), Checker(store, rank, 2))
+        try:
+            transport.send(torch.ones(2), 1 - rank)        # each waits for the other's recv
+        except Exception as error:  # the store's timeout ends the threads
+            outcomes[rank] = error
+
+    assert real.checked.find_deadlock(store, [0, 1]) is None     # nobody waits yet
+    threads = [threading.Thread(target=both_send_first, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    message = None
+    for _ in range(100):
+        message = real.checked.find_deadlock(store, [0, 1])
+        if message is not None:
+            break
+        threading.Event().wait(0.02)
+    for thread in threads:
+        thread.join(10)
+    assert message is not None and "every running rank waits for another ([0, 1])" in message
+    assert "rank 0 waits in send(shape=(2,), dtype=float32) at" in message and "for rank 1" in message
+    assert __file__ in message
+    assert all(isinstance(out, dist.DistStoreError) for out in outcomes)  # the threads were really stuck
+
+
 def test_subgroups_are_checked_too():
     def program(t):
         sub = t.subgroup(((0, 1),))
@@ -212,6 +243,11 @@ def _recv_wrong_dtype(comm):
     return comm.recv((2,), torch.int32, src=0)
 
 
+def _both_send_first(comm):
+    comm.send(torch.ones(2), dst=1 - comm.rank)
+    return comm.recv((2,), torch.float32, src=1 - comm.rank)
+
+
 def _skips_the_all_reduce_on_rank_one(comm):
     if comm.rank == 0:
         return comm.all_reduce(torch.ones(1))
@@ -240,6 +276,9 @@ def test_real_mismatches_raise_at_once_and_keep_the_workers(cluster):
     with pytest.raises(simcomm.DeadlockError, match="rank 1 of group .0, 1. returned from the program"):
         cluster.run(_skips_the_all_reduce_on_rank_one)
     assert cluster.pids == pids                              # nothing moved: the workers stay
+    assert cluster.run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
+    with pytest.raises(simcomm.DeadlockError, match="rank 1 waits in send.* for rank 0"):
+        cluster.run(_both_send_first)                        # as on the simulator, not a timeout
     assert cluster.run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
 
 
