@@ -18,7 +18,10 @@ A disagreement raises :class:`simcomm.CollectiveMismatchError` on every rank
 involved, naming the ranks, their calls and their program lines, as the
 simulator does; nothing has moved yet, so the process groups stay usable. A
 rank waiting for a call that a peer never makes because its program returned
-gets :class:`simcomm.DeadlockError` naming both, instead of a timeout.
+gets :class:`simcomm.DeadlockError` naming both, instead of a timeout; and
+each rank notes what it is about to wait for (``w/<rank>``), so the parent
+finds ranks that wait on each other (:func:`find_deadlock`) and raises
+:class:`simcomm.DeadlockError` too.
 
 How: each rank writes its call (pickled, with its program line) under a key
 of a ``torch.distributed`` store and reads its peers' keys (a set and a
