@@ -11,11 +11,15 @@ on :class:`simcomm.World`'s virtual ranks. ``python -m real.verify`` checks a
 node against the single-device reference.
 """
 from .communicator import DeviceCommunicatorBase
-from .launcher import Cluster, RemoteError, Results, WorkerError, run
+from .launcher import Cluster, RemoteError, ResultError, Results, WorkerError, run
 from .process_group import device_for, init_from_env, pick_backend
+from .startup import interactive, prestart
 from .transport import DistTransport, GroupCache
 
 __all__ = [
-    "run", "Cluster", "Results", "WorkerError", "RemoteError", "init_from_env", "pick_backend",
-    "device_for", "DistTransport", "GroupCache", "DeviceCommunicatorBase",
+    "run", "Cluster", "prestart", "Results", "WorkerError", "ResultError", "RemoteError", "init_from_env",
+    "pick_backend", "device_for", "DistTransport", "GroupCache", "DeviceCommunicatorBase",
 ]
+
+if interactive():
+    prestart()           # the workers' forkserver imports torch while the notebook goes on

@@ -1,58 +1,86 @@
 """Run an SPMD program on real processes from a notebook: :func:`run` and :class:`Cluster`.
 
-``Cluster(world_size)`` spawns one worker process per rank (spawn start
-method), joins them in a ``torch.distributed`` process group whose rendezvous
-store listens on 127.0.0.1 on a port the OS picks, and keeps them up between
-calls, so a further :meth:`Cluster.run` costs milliseconds. :func:`run` is a
-one-off Cluster.
+``Cluster(world_size)`` starts one worker process per rank, joins them in a
+``torch.distributed`` process group whose rendezvous store listens on
+127.0.0.1 on a port the OS picks, and keeps them up between calls, so a
+further :meth:`Cluster.run` costs milliseconds. :func:`run` is a one-off
+Cluster.
+
+**Fast start.** Workers are forked from a forkserver (:mod:`multiprocessing`'s,
+started once per Python process) that has imported torch and
+:mod:`real.worker` beforehand, so a worker costs a fork instead of an import
+of torch. The forkserver never touches CUDA; each worker initialises its
+own. A worker takes the environment of the moment its Cluster started it
+(variables torch reads only while it is imported keep the forkserver's values),
+and dies with the forkserver, which dies with this process: no thread of
+this process owns a worker, so a run from a short-lived thread is safe. In an
+interactive session ``import real`` starts the forkserver in the background
+(:func:`real.prestart`), so the first Cluster does not wait for torch's import.
 
 The program travels by value (cloudpickle): a function defined in a notebook
-cell, a closure or a lambda works. Every tensor in a rank's result comes back
-detached, on the CPU. What a program prints comes back too, each line tagged
-``[rank r]``, written to this process's stdout when the run ends.
+cell, a closure or a lambda works. Every tensor argument is placed on the
+rank's device (``cuda:rank`` under NCCL), each rank's default random
+generators start every run from the state of a fresh process, every tensor
+in a rank's result comes back detached, on the CPU, and what a program prints
+comes back, each line tagged ``[rank r]``.
+
+**Checked mode** (on by default): each collective's op, shapes, dtypes,
+root and reduction, and each send/recv pair's shape and dtype, are compared
+across ranks before any data moves (:mod:`real.checked`); a mismatch raises
+:class:`simcomm.CollectiveMismatchError` naming the ranks and program lines.
 
 Nothing is left behind on failure: when a rank raises, when a worker dies, or
 when the run exceeds its timeout, every worker is killed and reaped and the
 store's port is closed before the error is raised; the Cluster starts fresh
-workers at its next run. One exception keeps the workers: every rank raised
-and their books (:meth:`real.transport.GroupCache.books`) show each collective
-and each send completed on all its ranks, as when every rank fails the same
-argument check; then nothing is half delivered and the next run reuses them.
+workers at its next run (also after :meth:`Cluster.close`). One exception
+keeps the workers: every rank raised and their books
+(:meth:`real.transport.GroupCache.books`) show each collective and each send
+completed on all its ranks, as when every rank fails the same argument check
+or a checked mismatch stops every rank before any data moved.
 """
 from __future__ import annotations
 
-import contextlib
+import math
 import os
-import pickle
 import shutil
-import socket
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator
-from multiprocessing import connection, get_context
+import warnings
+from collections.abc import Callable
+from multiprocessing import connection
 from typing import Any
 
-import cloudpickle
 import torch.distributed as dist
 
-from simcomm.errors import RankError, RunTimeoutError, SimcommError
+from simcomm.errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
 from simcomm.trace import Trace
 
-from . import pickling
+from . import messages, pickling, startup
+from .messages import Close, EncodedError, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import pick_backend
 from .stacks import describe_stacks
 from .transport import books_agree
+from .checked import find_deadlock
 from .worker import worker_main
 
-__all__ = ["Cluster", "Results", "run", "WorkerError"]
+__all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteError"]
 
 #: after the first rank raises, how long to wait for other ranks to report too
-_ERROR_GRACE_S = 0.25
+_ERROR_GRACE_S = 1.0
+#: how much longer than the run a checked-mode wait may take (the run's timeout fires first)
+_CHECK_MARGIN_S = 30.0
+#: how often a checked run looks for ranks that wait on each other (seconds)
+_DEADLOCK_POLL_S = 0.5
 
 
 class WorkerError(SimcommError):
-    """A worker process could not start or died without reporting an exception."""
+    """A worker process could not start, died, or could not be reached."""
+
+
+class ResultError(SimcommError):
+    """A rank's result could not be rebuilt in this process (its unpickling raised, the ``__cause__``)."""
 
 
 class RemoteTraceback(Exception):
@@ -76,41 +104,27 @@ class Results(list):
     trace: Trace
 
 
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Start workers without re-running the parent's ``__main__`` in them.
-
-    The spawn method normally imports the parent's main script in every child
-    (so a script without an ``if __name__ == "__main__"`` guard would start
-    clusters recursively). Workers receive their program by value and need
-    nothing from ``__main__``, so its file and spec are hidden from
-    :mod:`multiprocessing` while the children start.
-    """
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
+def _check_timeout(value: float | None, where: str) -> float | None:
+    """``value`` as seconds, or None for no timeout (``None`` or ``inf``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: timeout={value!r} must be positive seconds, inf or None")
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{where}: timeout={value!r} must be positive seconds, inf or None")
+    return None if math.isinf(value) else float(value)
 
 
-def _rebuild_error(encoded: tuple) -> BaseException:
-    blob, type_name, message, text = encoded
+def _rebuild_error(encoded: EncodedError) -> BaseException:
     error: BaseException | None = None
-    if blob is not None:
+    if encoded.blob is not None:
         try:
-            error = cloudpickle.loads(blob)
+            error = pickling.loads(encoded.blob)
         except Exception:
             error = None
     if not isinstance(error, BaseException):
-        error = RemoteError(f"{type_name}: {message}")
-    error.__cause__ = RemoteTraceback(text)
+        error = RemoteError(f"{encoded.type_name}: {encoded.message}")
+    error.__cause__ = RemoteTraceback(encoded.traceback)
     return error
 
 
@@ -126,24 +140,6 @@ def _relay_output(printed: dict[int, str]) -> None:
             if not text.endswith("\n"):
                 sys.stdout.write("\n")
     sys.stdout.flush()
-
-
-def _loopback_store() -> dist.TCPStore:
-    """The rendezvous store, hosted by the parent, listening on 127.0.0.1 only.
-
-    The listening socket is bound here (port 0: the OS picks a free port, so no
-    race with other jobs) and handed to the store, which owns and closes it.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-    except OSError:
-        sock.close()
-        raise
-    return dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False,
-                         master_listen_fd=sock.detach())
 
 
 class _Worker:
@@ -162,21 +158,39 @@ class Cluster:
 
     ``backend=None`` picks NCCL when CUDA shows at least ``world_size`` GPUs
     (rank ``r`` on ``cuda:r``), else gloo on the CPU. ``timeout`` bounds each
-    run (seconds); ``start_timeout`` bounds starting the workers. Workers
-    start in the background at construction; the first run waits for them.
+    run (seconds; ``None`` or ``inf``: no bound); ``start_timeout`` bounds
+    starting the workers. ``checked`` compares every call across ranks before
+    it runs (:mod:`real.checked`). gloo binds to ``socket_ifname`` (default
+    the loopback interface ``"lo"``, whatever ``GLOO_SOCKET_IFNAME`` says in
+    this process's environment), or to the interface named (``None``: leave
+    ``GLOO_SOCKET_IFNAME`` as the environment has it). ``start_method``:
+    ``"forkserver"`` (fast: workers are forked from a process that imported
+    torch once) or ``"spawn"`` (each worker a fresh interpreter importing torch
+    itself: seconds per worker; on Linux its workers die with the thread that
+    started them). Workers start at construction; the first run
+    waits until they have joined the process group.
+
+    Runs from several threads are serialised: each caller gets its own
+    results, a second caller waits until the run in progress has finished
+    (at most its timeout). A closed Cluster starts fresh workers at its next
+    run, so re-running a notebook cell after the one that closed it works.
     """
 
-    def __init__(self, world_size: int, backend: str | None = None, timeout: float = 60.0, *,
-                 start_timeout: float = 120.0, trace: bool = True, threads: int | None = None):
+    def __init__(self, world_size: int, backend: str | None = None, timeout: float | None = 60.0, *,
+                 start_timeout: float = 120.0, trace: bool = True, threads: int | None = None,
+                 checked: bool = True, socket_ifname: str | None = "lo", start_method: str = "forkserver"):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"Cluster: world_size={world_size!r} must be a positive int")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"Cluster: timeout={timeout!r} must be positive seconds or None")
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"Cluster: start_method={start_method!r} must be 'forkserver' or 'spawn'")
         self.world_size = world_size
+        self.start_method = start_method
         self.backend = pick_backend(world_size, backend)
-        self.timeout = timeout
-        self.start_timeout = start_timeout
+        self.timeout = _check_timeout(timeout, "Cluster")
+        self.start_timeout = _check_timeout(start_timeout, "Cluster (start_timeout)") or 10 * 365 * 86400.0
         self.tracing = trace
+        self.checked = bool(checked)
+        self.socket_ifname = startup.default_ifname() if socket_ifname == "lo" else socket_ifname
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self.trace = Trace()
         self.devices: list[str] = []
@@ -185,6 +199,7 @@ class Cluster:
         self._tmpdir: str | None = None
         self._ready = False
         self._closed = False
+        self._lock = threading.Lock()
         self._start()
 
     def __repr__(self) -> str:
@@ -211,25 +226,26 @@ class Cluster:
     # -- lifecycle --
 
     def _start(self) -> None:
-        context = get_context("spawn")
-        self._store = _loopback_store()
-        self._tmpdir = tempfile.mkdtemp(prefix="simcomm-real-")
+        startup.clean_stale_tmpdirs()
+        context, slow = startup.worker_context(self.start_method)
+        startup.notice(f"real.Cluster: starting {self.world_size} {self.backend} worker processes{slow}",
+                       visible=bool(slow))
+        self._store = startup.loopback_store()
+        self._tmpdir = tempfile.mkdtemp(prefix=f"{startup.TMP_PREFIX}{os.getpid()}-")
         self._workers = []
-        with _main_module_hidden():
-            self._spawn_workers(context)
         self._ready = False
-
-    def _spawn_workers(self, context) -> None:
-        for rank in range(self.world_size):
-            parent_end, child_end = context.Pipe(duplex=True)
-            dump_path = os.path.join(self._tmpdir, f"stack-{rank}.txt")
-            process = context.Process(
-                target=worker_main, name=f"simcomm-real-rank-{rank}", daemon=True,
-                args=(rank, self.world_size, self.backend, self._store.port, child_end,
-                      self.start_timeout, self.threads, dump_path))
-            process.start()
-            child_end.close()
-            self._workers.append(_Worker(rank, process, parent_end, dump_path))
+        environ = dict(os.environ)
+        with startup.hide_main():
+            for rank in range(self.world_size):
+                parent_end, child_end = context.Pipe(duplex=True)
+                dump_path = os.path.join(self._tmpdir, f"stack-{rank}.txt")
+                spec = WorkerSpec(rank, self.world_size, self.backend, self._store.port, self.start_timeout,
+                                  self.threads, dump_path, environ, self.socket_ifname, os.getpid())
+                process = context.Process(target=worker_main, name=f"simcomm-real-rank-{rank}",
+                                          daemon=True, args=(spec, child_end))
+                process.start()
+                child_end.close()
+                self._workers.append(_Worker(rank, process, parent_end, dump_path))
 
     def _await_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -249,28 +265,34 @@ class Cluster:
                     self._kill()
                     raise WorkerError(f"Cluster: the worker of rank {worker.rank} exited with code {code} "
                                       f"while starting")
-                if message[0] == "init_error":
+                if isinstance(message, StartFailed):
                     self._kill()
-                    error = _rebuild_error(message[2])
+                    error = _rebuild_error(message.error)
                     raise RankError(worker.rank, error) from error
-                devices[worker.rank] = message[2]
+                assert isinstance(message, Ready), message
+                devices[worker.rank] = message.device
                 del pending[worker.rank]
         self.devices = [devices[rank] for rank in range(self.world_size)]
         self._ready = True
 
     def close(self) -> None:
-        """Stop the workers (politely, then by force) and close the store. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for worker in self._workers:
-            try:
-                worker.conn.send_bytes(pickle.dumps(("close", None)))
-            except OSError:
-                pass
-        for worker in self._workers:
-            worker.process.join(5.0)
-        self._kill()
+        """Stop the workers (politely, then by force) and close the store. Idempotent.
+
+        Waits for a run in progress on another thread. A later :meth:`run`
+        starts fresh workers.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for worker in self._workers:
+                try:
+                    messages.send(worker.conn, Close())
+                except OSError:
+                    pass
+            for worker in self._workers:
+                worker.process.join(5.0)
+            self._kill()
 
     def _kill(self) -> None:
         """Kill and reap every worker, close the pipes and the store's port."""
@@ -287,93 +309,138 @@ class Cluster:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
+    def _restart_dead_idle_workers(self) -> None:
+        """Workers that died between runs (killed, out of memory): start fresh ones, with a warning."""
+        dead = [(w.rank, w.process.exitcode) for w in self._workers if not w.process.is_alive()]
+        if dead:
+            warnings.warn(f"Cluster.run: the worker of rank {dead[0][0]} exited with code {dead[0][1]} "
+                          f"between runs; starting fresh workers", RuntimeWarning, stacklevel=3)
+            self._kill()
+            self._start()
+
     # -- running --
 
     def run(self, program: Callable[..., Any], *args: Any, timeout: float | None = None,
             **kwargs: Any) -> Results:
         """Run ``program(comm, *args, **kwargs)`` on every rank; return the results in rank order.
 
-        Blocks until every rank has returned, or raises
-        :class:`~simcomm.errors.RankError` (a rank raised; its traceback is in
-        the message and the exception is the ``__cause__``),
+        Every rank gets its own copy of the arguments, its tensors on the
+        rank's device; the program may modify them. Blocks until every rank
+        has returned, or raises :class:`~simcomm.errors.CollectiveMismatchError`
+        (checked mode: ranks disagree on a call; the message names their
+        lines), :class:`~simcomm.errors.RankError` (a rank raised; its
+        traceback is in the message and the exception is the ``__cause__``),
         :class:`~simcomm.errors.RunTimeoutError` (``timeout`` passed; the
-        message names the ranks still running and where they are) or
-        :class:`WorkerError` (a worker died). After an error the workers are
-        killed and the next run starts new ones, unless every rank raised with
-        all its communication completed (then they stay). ``timeout`` (seconds)
-        overrides the Cluster's for this run; it is not passed to the program.
+        message names the ranks still running and where they are),
+        :class:`WorkerError` (a worker died) or :class:`ResultError` (a
+        result cannot be unpickled here). After an error the workers are
+        killed and the next run starts new ones, unless every rank raised
+        with all its communication completed (then they stay). ``timeout``
+        (seconds, ``inf`` for none) overrides the Cluster's for this run; it
+        is not passed to the program. Runs from several threads take turns.
         """
-        if self._closed:
-            raise RuntimeError("Cluster.run: the cluster is closed")
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else _check_timeout(timeout, "Cluster.run")
         blob = pickling.dumps((program, args, kwargs))      # an unpicklable program fails here, harmlessly
-        if not self._workers:
-            self._start()
-        try:
-            if not self._ready:
-                self._await_ready()
-            message = pickle.dumps(("run", (time.perf_counter(), self.tracing, blob)))
-            for worker in self._workers:
-                worker.conn.send_bytes(message)
-            return self._collect(timeout)
-        except (RankError, RunTimeoutError, WorkerError):
-            raise                       # _collect has decided whether the workers can stay
-        except BaseException:
-            self._kill()                # KeyboardInterrupt or any other failure: leave nothing running
-            raise
+        with self._lock:
+            if self._closed:
+                self._closed = False          # a closed Cluster starts fresh workers
+            if not self._workers:
+                self._start()
+            check_store = None
+            try:
+                if not self._ready:
+                    self._await_ready()
+                self._restart_dead_idle_workers()
+                if not self._ready:
+                    self._await_ready()
+                if self.checked and self.world_size > 1:
+                    check_store = startup.loopback_store()
+                request = Run(blob, time.perf_counter(), self.tracing,
+                              check_store.port if check_store is not None else None,
+                              math.inf if timeout is None else timeout + _CHECK_MARGIN_S)
+                for worker in self._workers:
+                    try:
+                        messages.send(worker.conn, request)
+                    except OSError as error:
+                        code = self._exitcode(worker)
+                        self._kill()
+                        raise WorkerError(f"Cluster.run: could not reach the worker of rank {worker.rank} "
+                                          f"(exit code {code}): {type(error).__name__}: {error}; the next "
+                                          f"run starts fresh workers") from error
+                return self._collect(timeout, check_store)
+            except (RankError, RunTimeoutError, WorkerError, CollectiveMismatchError, DeadlockError, ResultError):
+                raise                       # _collect has decided whether the workers can stay
+            except BaseException:
+                self._kill()                # KeyboardInterrupt or any other failure: leave nothing running
+                raise
+            finally:
+                del check_store             # the checks' keys go with their store
 
-    def _collect(self, timeout: float | None) -> Results:
+    def _collect(self, timeout: float | None, check_store=None) -> Results:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {w.rank: w for w in self._workers}
-        results: list[Any] = [None] * self.world_size
-        events: list = []          # trace records, in the transports' format
-        errors: list[tuple[int, BaseException]] = []
+        finished: dict[int, Finished] = {}
         dead: list[tuple[int, int | None]] = []
-        books: dict[int, tuple] = {}
-        printed: dict[int, str] = {}
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 break
+            if check_store is not None:          # look for ranks waiting on each other twice a second
+                remaining = _DEADLOCK_POLL_S if remaining is None else min(remaining, _DEADLOCK_POLL_S)
             ready = self._poll(pending, remaining)
+            if not ready and check_store is not None and not dead and not _finished_with_error(finished):
+                deadlock = find_deadlock(check_store, sorted(pending))
+                if deadlock is not None:
+                    self._relay_and_trace(finished)
+                    self._kill()
+                    raise DeadlockError(deadlock)
             for worker in ready:
                 message = self._receive(worker)
                 del pending[worker.rank]
-                if message is None:
-                    dead.append((worker.rank, self._exitcode(worker)))
-                elif message[0] == "ok":
-                    results[worker.rank] = cloudpickle.loads(message[2])
-                    events.extend(message[3])
-                    books[worker.rank], printed[worker.rank] = message[4], message[5]
+                if isinstance(message, Finished):
+                    finished[worker.rank] = message
                 else:
-                    errors.append((worker.rank, _rebuild_error(message[2])))
-                    events.extend(message[3])
-                    books[worker.rank], printed[worker.rank] = message[4], message[5]
-            if (errors or dead) and pending:
+                    dead.append((worker.rank, self._exitcode(worker)))
+            if (dead or _finished_with_error(finished)) and pending:
                 grace = time.monotonic() + _ERROR_GRACE_S
                 deadline = grace if deadline is None else min(deadline, grace)
-        self.trace = Trace(events)
-        _relay_output(printed)
+        self._relay_and_trace(finished)
+        errors = [(rank, _rebuild_error(m.error)) for rank, m in sorted(finished.items()) if m.error is not None]
         if pending and not dead and not errors:
             message_on_timeout = self._describe_timeout(timeout, sorted(pending))   # before the kill
         if dead:                     # a dead worker first: the other ranks' errors are its echo
             rank, code = dead[0]
             self._kill()
-            echoes = "".join(f"; rank {r} then raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                             for r, e in errors)
+            echoes = "".join(f"; rank {r} then raised {type(e).__name__}: {_first_line(e)}" for r, e in errors)
             raise WorkerError(f"Cluster.run: the worker of rank {rank} exited with code {code} without "
                               f"reporting a result (ranks still running: {sorted(pending)}){echoes}")
-        in_step = not pending and not dead and books_agree(books)
+        in_step = not pending and books_agree({rank: m.books for rank, m in finished.items()})
         if not in_step:
             self._kill()             # never reuse process groups with half-finished communication
+        mismatches = [error for _, error in errors if isinstance(error, (CollectiveMismatchError, DeadlockError))]
+        if mismatches:
+            raise mismatches[0].with_traceback(None) from None   # the same message as the simulator's
         if errors:
             (rank, error), others = errors[0], tuple(r for r, _ in errors[1:])
             raise RankError(rank, error, others) from error
         if pending:
             raise RunTimeoutError(message_on_timeout)
+        results: list[Any] = []
+        for rank in range(self.world_size):
+            try:
+                results.append(pickling.loads(finished[rank].result))
+            except Exception as error:
+                raise ResultError(f"Cluster.run: the result of rank {rank} could not be unpickled in this "
+                                  f"process: {type(error).__name__}: {_first_line(error)}; return plain "
+                                  f"data (tensors, numbers, lists, dicts) or types this process can import"
+                                  ) from error
         out = Results(results)
         out.trace = self.trace
         return out
+
+    def _relay_and_trace(self, finished: dict[int, Finished]) -> None:
+        self.trace = Trace([event for rank in sorted(finished) for event in finished[rank].events])
+        _relay_output({rank: m.output for rank, m in finished.items()})
 
     def _describe_timeout(self, timeout: float | None, waiting: list[int]) -> str:
         finished = [r for r in range(self.world_size) if r not in waiting]
@@ -402,11 +469,11 @@ class Cluster:
         return list(seen.values())
 
     @staticmethod
-    def _receive(worker: _Worker) -> tuple | None:
+    def _receive(worker: _Worker) -> Any:
         """The worker's next message, or ``None`` if it exited without one."""
         try:
             if worker.conn.poll(0 if not worker.process.is_alive() else 1.0):
-                return pickle.loads(worker.conn.recv_bytes())
+                return messages.receive(worker.conn)
         except (EOFError, OSError):
             return None
         return None
@@ -417,12 +484,25 @@ class Cluster:
         return worker.process.exitcode
 
 
+def _finished_with_error(finished: dict[int, Finished]) -> bool:
+    return any(message.error is not None for message in finished.values())
+
+
+def _first_line(error: BaseException) -> str:
+    try:
+        text = str(error)
+    except Exception:
+        text = f"<{type(error).__name__} whose str() raised>"
+    return (text.splitlines() or [""])[0][:200]
+
+
 def run(program: Callable[..., Any], *args: Any, world_size: int, backend: str | None = None,
-        timeout: float = 60.0, **kwargs: Any) -> Results:
+        timeout: float | None = 60.0, checked: bool = True, **kwargs: Any) -> Results:
     """Run ``program(comm, *args, **kwargs)`` once on ``world_size`` fresh processes.
 
     A :class:`Cluster` that lives for this call only; see :meth:`Cluster.run`
     for the results (``.trace`` holds every rank's trace) and the errors.
+    ``checked`` as for :class:`Cluster`.
     """
-    with Cluster(world_size, backend=backend, timeout=timeout) as cluster:
+    with Cluster(world_size, backend=backend, timeout=timeout, checked=checked) as cluster:
         return cluster.run(program, *args, **kwargs)

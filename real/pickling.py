@@ -2,8 +2,8 @@
 
 cloudpickle serializes functions defined in ``__main__`` or a notebook cell by
 value, but renames their code's file to ``<dynamic-code>``, so a worker's
-traceback could not point at the program's lines. Workers are spawned from
-this very interpreter, so code objects can travel as :mod:`marshal` data
+traceback could not point at the program's lines. Workers run the same Python as
+this interpreter (forked from its forkserver), so code objects can travel as :mod:`marshal` data
 instead, which keeps ``co_filename`` and the line table.
 """
 from __future__ import annotations

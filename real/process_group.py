@@ -28,15 +28,15 @@ BACKENDS = ("gloo", "nccl")
 
 def pick_backend(local_world_size: int, backend: str | None = None) -> str:
     """``backend`` checked, or the default for ``local_world_size`` processes on this node."""
+    # device_count() asks NVML where it can: the CUDA driver is not initialised in this process
+    # (a Cluster's parent), only in the workers.
     if backend is None:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
-            return "nccl"
-        return "gloo"
+        return "nccl" if torch.cuda.device_count() >= max(local_world_size, 1) else "gloo"
     name = str(backend).lower()
     if name not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; use one of {list(BACKENDS)} or None")
     if name == "nccl":
-        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        available = torch.cuda.device_count()
         if available < local_world_size:
             raise ValueError(f"backend='nccl' needs one GPU per local rank: {local_world_size} ranks on "
                              f"this node but {available} CUDA device(s) visible")

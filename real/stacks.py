@@ -15,7 +15,7 @@ __all__ = ["describe_stacks"]
 
 #: frames from these folders are machinery, not the user's program
 _MACHINERY = (os.sep + "torch" + os.sep, os.sep + "multiprocessing" + os.sep,
-              os.sep + "real" + os.sep + "worker.py", '"<string>"')
+              os.sep + "real" + os.sep + "worker.py", os.sep + "real" + os.sep + "checked.py", '"<string>"')
 
 
 def describe_stacks(workers, wait_s: float = 0.5, max_frames: int = 8) -> dict[int, list[str]]:

@@ -1,21 +1,26 @@
 """The loop each worker process of a :class:`real.Cluster` runs (the child side of the launcher).
 
-A worker joins the process group once, then serves requests from its pipe
-until told to close or until the pipe breaks (the parent has gone):
+Workers are forked from a forkserver that has imported torch and this module
+once (see :mod:`real.launcher`), so starting one costs a fork, not an import
+of torch. CUDA is initialised here, in the worker, never in the forkserver.
 
-* ``("run", (clock_zero, tracing, blob))``: ``blob`` is the cloudpickled
-  ``(program, args, kwargs)``; the worker runs ``program(comm, *args,
-  **kwargs)`` and replies ``("ok", rank, result_blob, events, books, output)``
-  with every tensor of the result detached and moved to the CPU, or
-  ``("error", rank, encoded_error, events, books, output)`` with the exception
-  and its traceback text. ``books`` (:meth:`real.transport.GroupCache.books`)
-  lets the parent tell whether the process groups are still in step;
-  ``output`` is what the program printed (Python's stdout and stderr).
-* ``("close", None)``: leave the process group and exit.
+A worker first takes the environment the Cluster was started with (the
+forkserver's may be older), binds gloo to ``spec.socket_ifname``, joins the
+process group and replies :class:`~real.messages.Ready` (or
+:class:`~real.messages.StartFailed`). Then it serves its pipe until
+:class:`~real.messages.Close` or until the pipe breaks (the parent has gone):
 
-Every message is a pickled tuple sent with ``send_bytes``; tensors travel by
-value (plain pickling), never through shared memory, so nothing is left
-behind when a worker is killed.
+* :class:`~real.messages.Run`: reset the default random generators to the
+  state of a fresh process, unpickle ``(program, args, kwargs)``, place every
+  tensor argument on this rank's device, run ``program(comm, *args,
+  **kwargs)`` and reply :class:`~real.messages.Finished` with the result
+  (every tensor detached, on the CPU) or the exception, the trace records,
+  the books (:meth:`real.transport.GroupCache.books`) and what the program
+  printed. With ``check_port`` the communicator's transport is a
+  :class:`real.checked.CheckedTransport` over that run's store.
+
+Tensors travel by value (pickling), never through shared memory, so nothing
+is left behind when a worker is killed.
 """
 from __future__ import annotations
 
@@ -24,88 +29,101 @@ import ctypes
 import datetime
 import faulthandler
 import io
+import math
 import os
-import pickle
 import signal
 import sys
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from simcomm.communicator import Communicator
 
+from . import messages, pickling
+from .checked import CheckedTransport, Checker
+from .messages import Close, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import device_for
 from .transport import DistTransport, GroupCache
 
-__all__ = ["worker_main", "encode_error"]
+__all__ = ["worker_main", "FRESH_PROCESS_SEED", "reset_random_state"]
+
+#: The seed of torch's default generators in a new process as c10 defines it
+#: (``default_rng_seed_val``). Every run starts from it, on the simulator's
+#: virtual ranks and here, so a program draws the same numbers on both and in
+#: every run.
+FRESH_PROCESS_SEED = 67280421310721
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when the parent dies (no orphaned workers)."""
-    if not sys.platform.startswith("linux"):
-        return
+def reset_random_state() -> None:
+    """Reset the default CPU generator (and every CUDA generator, lazily) to a fresh process's state."""
+    torch.manual_seed(FRESH_PROCESS_SEED)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to kill this process when the process that forked it (the forkserver, which
+    lives as long as the Cluster's process) dies; exit at once if the owner is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
+        os._exit(1)
+    except PermissionError:
         pass
-
-
-def encode_error(error: BaseException, skip_frames: int = 0) -> tuple:
-    """``(pickled exception or None, type name, message, traceback text)`` of ``error``.
-
-    ``skip_frames`` drops that many outermost frames (the worker's own call site).
-    """
-    tb = error.__traceback__
-    for _ in range(skip_frames):
-        if tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(error), error, tb))
-    try:
-        blob = cloudpickle.dumps(error)
-        pickle.loads(blob)           # an exception that cannot be rebuilt is sent as text only
-    except Exception:
-        blob = None
-    return blob, f"{type(error).__module__}.{type(error).__qualname__}", str(error), text
-
-
-def _send(conn: Connection, message: tuple) -> None:
-    conn.send_bytes(cloudpickle.dumps(message))
 
 
 def _to_cpu(result: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), result)
 
 
-def worker_main(rank: int, world_size: int, backend: str, port: int, conn: Connection,
-                start_timeout: float, threads: int, stack_dump_path: str) -> None:
-    """Entry point of worker ``rank`` (started with the spawn method)."""
-    _die_with_parent()
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Every tensor in ``value`` on ``device`` (the unpickled arguments are this rank's own copies)."""
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == device:
+            return tensor
+        return tensor.detach().to(device).requires_grad_(tensor.requires_grad)
+
+    return tree_map_only(torch.Tensor, place, value)
+
+
+def _check_store(port: int, timeout: float) -> dist.TCPStore:
+    seconds = timeout if math.isfinite(timeout) else 10 * 365 * 86400.0
+    return dist.TCPStore("127.0.0.1", port, None, is_master=False,
+                         timeout=datetime.timedelta(seconds=seconds))
+
+
+def worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    """Entry point of worker ``spec.rank`` (started by the launcher's forkserver)."""
+    _die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C in a notebook is the parent's to handle
-    dump_file = open(stack_dump_path, "w")
+    os.environ.clear()
+    os.environ.update(spec.environ)
+    if spec.socket_ifname is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = spec.socket_ifname
+    dump_file = open(spec.dump_path, "w")
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
-    if backend == "gloo" and os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # gloo listens on loopback only
-    torch.set_num_threads(threads)
+    torch.set_num_threads(spec.threads)
     try:
-        device = device_for(backend, rank)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=start_timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=max(start_timeout, 600.0)),
-                                **({"device_id": device} if backend == "nccl" else {}))
+        device = device_for(spec.backend, spec.rank)
+        store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=spec.start_timeout))
+        dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                                timeout=datetime.timedelta(seconds=max(spec.start_timeout, 600.0)),
+                                **({"device_id": device} if spec.backend == "nccl" else {}))
         cache = GroupCache()
     except BaseException as error:
-        _send(conn, ("init_error", rank, encode_error(error)))
+        messages.send(conn, StartFailed(spec.rank, messages.encode_error(error)))
         return
-    _send(conn, ("ready", rank, str(device)))
+    messages.send(conn, Ready(spec.rank, str(device)))
     try:
-        _serve(conn, rank, device, cache)
+        _serve(conn, spec.rank, device, cache)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -120,23 +138,39 @@ def worker_main(rank: int, world_size: int, backend: str, port: int, conn: Conne
 def _serve(conn: Connection, rank: int, device: torch.device, cache: GroupCache) -> None:
     while True:
         try:
-            kind, payload = pickle.loads(conn.recv_bytes())
+            request = messages.receive(conn)
         except (EOFError, OSError):
             return                   # the parent has gone
-        if kind == "close":
+        if isinstance(request, Close):
             return
-        clock_zero, tracing, blob = payload
-        events: list | None = [] if tracing else None
-        output = io.StringIO()       # what the program prints goes back to the parent
         try:
-            with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-                program, args, kwargs = cloudpickle.loads(blob)
-                comm = Communicator(DistTransport(dist.group.WORLD, device, events=events,
-                                                  clock_zero=clock_zero, cache=cache))
-                result = program(comm, *args, **kwargs)
-            result_blob = cloudpickle.dumps(_to_cpu(result))
-        except BaseException as error:
-            _send(conn, ("error", rank, encode_error(error, skip_frames=1), events or [], cache.books(),
-                         output.getvalue()))
-            continue
-        _send(conn, ("ok", rank, result_blob, events or [], cache.books(), output.getvalue()))
+            messages.send(conn, _run(request, rank, device, cache))
+        except (EOFError, OSError):
+            return
+
+
+def _run(request: Run, rank: int, device: torch.device, cache: GroupCache) -> Finished:
+    events: list | None = [] if request.tracing else None
+    output = io.StringIO()           # what the program prints goes back to the parent
+    check_store = checker = None
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            reset_random_state()
+            program, args, kwargs = pickling.loads(request.program)
+            args, kwargs = _to_device((args, kwargs), device)
+            transport = DistTransport(dist.group.WORLD, device, events=events,
+                                      clock_zero=request.clock_zero, cache=cache)
+            if request.check_port is not None:
+                check_store = _check_store(request.check_port, request.check_timeout)
+                checker = Checker(check_store, dist.get_rank(), dist.get_world_size())
+                transport = CheckedTransport(transport, checker)
+            result = program(Communicator(transport), *args, **kwargs)
+            if checker is not None:
+                checker.ended()
+        result_blob = pickling.dumps(_to_cpu(result))
+    except BaseException as error:
+        return Finished(rank, None, messages.encode_error(error, skip_frames=1), events or [],
+                        cache.books(), output.getvalue())
+    finally:
+        del check_store, checker
+    return Finished(rank, result_blob, None, events or [], cache.books(), output.getvalue())

@@ -1,15 +1,24 @@
 """real.run and real.Cluster: programs by value, errors within the timeout, nothing left behind."""
 from __future__ import annotations
 
+import json
+import math
 import multiprocessing
 import os
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 
 import pytest
 import torch
 
 import real
+import real.startup
+import real.worker
 import simcomm
 
 pytestmark = pytest.mark.real
@@ -206,7 +215,7 @@ def test_prints_come_back_tagged_with_the_rank(cluster, capsys):
 
 
 @pytest.mark.timeout(60)
-def test_close_leaves_nothing_and_rejects_runs(cluster):
+def test_close_leaves_nothing_and_a_later_run_starts_fresh_workers(cluster):
     c = cluster                                          # the module's cluster, closed last
     assert c.run(lambda comm: comm.world_size) == [2, 2]
     pids, port = c.pids, c._store.port
@@ -218,8 +227,10 @@ def test_close_leaves_nothing_and_rejects_runs(cluster):
         assert addresses and all(a.startswith("0100007F:") for a in addresses), addresses
     c.close()
     _assert_nothing_left(pids, port)
-    with pytest.raises(RuntimeError, match="closed"):
-        c.run(lambda comm: None)
+    assert c.run(lambda comm: comm.rank) == [0, 1]              # re-running after close works
+    assert not set(c.pids) & set(pids)
+    c.close()
+    _assert_nothing_left(c.pids, None)
 
 
 def test_bad_arguments():
@@ -230,3 +241,198 @@ def test_bad_arguments():
     if torch.cuda.device_count() < 64:
         with pytest.raises(ValueError, match="needs one GPU per local rank"):
             real.Cluster(64, backend="nccl")
+
+
+# -- concurrency, threads and dead workers --------------------------------------------------
+
+def _echo(comm, value):
+    return comm.all_reduce(torch.tensor([float(value)])).item() / comm.world_size
+
+
+@pytest.mark.timeout(120)
+def test_runs_from_several_threads_each_get_their_own_results(cluster):
+    cluster.run(lambda comm: None)
+    got: dict[int, list] = {}
+
+    def caller(value: int) -> None:
+        got[value] = [cluster.run(_echo, value) for _ in range(4)]
+
+    threads = [threading.Thread(target=caller, args=(value,)) for value in (10, 20, 30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(100)
+    assert got == {value: [[float(value)] * 2] * 4 for value in (10, 20, 30)}
+
+
+@pytest.mark.timeout(120)
+def test_workers_outlive_the_thread_that_started_them(cluster):
+    cluster.close()                                      # the next run starts fresh workers ...
+    started: list = []
+    thread = threading.Thread(target=lambda: started.append((cluster.run(_echo, 3), cluster.pids)))
+    thread.start()                                       # ... from a short-lived thread
+    thread.join(100)
+    assert started and started[0][0] == [3.0, 3.0]
+    time.sleep(0.5)
+    assert all(os.path.exists(f"/proc/{pid}") for pid in started[0][1])
+    assert cluster.run(_echo, 4) == [4.0, 4.0] and cluster.pids == started[0][1]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_died_between_runs_is_replaced(cluster):
+    cluster.run(lambda comm: None)
+    pids = cluster.pids
+    os.kill(pids[1], signal.SIGKILL)
+    for _ in range(100):
+        if not cluster._workers[1].process.is_alive():
+            break
+        time.sleep(0.05)
+    with pytest.warns(RuntimeWarning, match="rank 1 exited with code -9 between runs"):
+        assert cluster.run(_echo, 5) == [5.0, 5.0]
+    assert not set(cluster.pids) & set(pids)
+
+
+@pytest.mark.timeout(120)
+def test_gloo_listens_on_loopback_whatever_the_environment_says(monkeypatch):
+    external = [name for name in os.listdir("/sys/class/net") if name != "lo"] if os.path.isdir(
+        "/sys/class/net") else []
+    if not external:
+        pytest.skip("no network interface besides loopback")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", external[0])
+    with real.Cluster(2, backend="gloo", timeout=30) as c:
+        c.run(lambda comm: comm.subgroup([[0], [1]]).barrier())
+        for pid in c.pids:
+            addresses = _listening_addresses(pid)
+            assert addresses and all(a.startswith("0100007F:") for a in addresses), addresses
+
+
+@pytest.mark.timeout(60)
+def test_timeout_inf_means_none_and_nan_or_negative_are_refused(cluster):
+    assert cluster.run(_echo, 1, timeout=math.inf) == [1.0, 1.0]
+    for bad in (math.nan, -1.0, 0):
+        with pytest.raises(ValueError, match=f"timeout={bad}"):
+            cluster.run(_echo, 1, timeout=bad)
+        with pytest.raises(ValueError, match=f"timeout={bad}"):
+            real.Cluster(2, backend="gloo", timeout=bad)
+
+
+# -- results and exceptions that do not travel well -----------------------------------------
+
+@pytest.mark.timeout(60)
+def test_a_result_that_cannot_be_unpickled_here_names_its_rank(cluster):
+    parent = os.getpid()
+
+    def rebuild(pid):
+        if os.getpid() == pid:
+            raise LookupError("this object cannot be rebuilt in the parent")
+        return "rebuilt"
+
+    class Stubborn:
+        def __reduce__(self):
+            return rebuild, (parent,)
+
+    cluster.run(lambda comm: None)
+    pids = cluster.pids
+    with pytest.raises(real.ResultError, match="result of rank 1 could not be unpickled") as info:
+        cluster.run(lambda comm: Stubborn() if comm.rank == 1 else comm.rank)
+    assert isinstance(info.value.__cause__, LookupError)
+    assert cluster.pids == pids and cluster.run(_echo, 2) == [2.0, 2.0]
+
+
+class _BadStr(Exception):
+    def __str__(self):
+        raise RuntimeError("no text for this one")
+
+
+def _raises_bad_str(comm):
+    raise _BadStr()
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_whose_str_raises_is_reported(cluster):
+    with pytest.raises(simcomm.RankError) as info:
+        cluster.run(_raises_bad_str)
+    assert isinstance(info.value.__cause__, real.RemoteError)
+    assert "_BadStr" in str(info.value) and "_raises_bad_str" in str(info.value.__cause__.__cause__)
+    assert cluster.run(_echo, 2) == [2.0, 2.0]
+
+
+# -- random numbers and start-up -------------------------------------------------------------
+
+def _draws(comm, reseed):
+    first = torch.rand(3)
+    torch.manual_seed(reseed)                         # does not leak into the next run
+    return first
+
+
+@pytest.mark.timeout(60)
+def test_every_run_draws_from_a_fresh_process_state(cluster):
+    fresh = torch.rand(3, generator=torch.Generator().manual_seed(real.worker.FRESH_PROCESS_SEED))
+    for reseed in (1, 2):
+        outs = cluster.run(_draws, reseed)
+        assert all(torch.equal(out, fresh) for out in outs), (outs, fresh)
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_start_is_announced_on_stderr_in_interactive_use(cluster, capsys, monkeypatch):
+    context, _ = real.startup.worker_context("forkserver")
+    monkeypatch.setattr(real.startup, "worker_context", lambda method: (context, " (slow on purpose)"))
+    cluster.close()
+    assert cluster.run(_echo, 1) == [1.0, 1.0]                 # not interactive: nothing written
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    cluster.close()
+    assert cluster.run(_echo, 1) == [1.0, 1.0]
+    captured = capsys.readouterr()
+    assert captured.err == "real.Cluster: starting 2 gloo worker processes (slow on purpose)\n"
+    assert captured.out == ""
+
+
+_KILLED_PARENT = """
+import sys, time, torch, real
+cluster = real.Cluster(2, backend="gloo")
+cluster.run(lambda comm: None)
+print(cluster.pids, cluster._tmpdir, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_kill_9_of_the_parent_takes_its_workers_and_its_folder_is_cleaned_later():
+    parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline()
+        pids_text, tmpdir = line.rsplit(" ", 1)
+        pids, tmpdir = json.loads(pids_text), tmpdir.strip()
+        assert os.path.isdir(tmpdir) and all(os.path.exists(f"/proc/{pid}") for pid in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+    assert os.path.isdir(tmpdir)                          # a killed parent cannot remove its folder
+    mine = tempfile.mkdtemp(prefix=f"simcomm-real-{os.getpid()}-")   # a live owner's folder stays
+    try:
+        removed = real.startup.clean_stale_tmpdirs()
+        assert tmpdir in removed and not os.path.exists(tmpdir) and os.path.isdir(mine)
+    finally:
+        os.rmdir(mine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.timeout(120)
+def test_arguments_land_on_the_rank_device_and_cuda_starts_only_in_workers():
+    outs = real.run(lambda comm, x: (str(x.device), str(comm.device), torch.rand(2, device=comm.device)),
+                    torch.ones(2), world_size=1, backend="nccl")
+    assert outs[0][0] == outs[0][1] == "cuda:0"
+    assert not torch.cuda.is_initialized()               # the parent never touched CUDA
+    generator = torch.Generator(device="cuda").manual_seed(real.worker.FRESH_PROCESS_SEED)
+    assert torch.equal(outs[0][2], torch.rand(2, device="cuda", generator=generator).cpu())
+
+
+@pytest.mark.timeout(60)
+def test_workers_are_forked_by_a_forkserver_not_by_this_process(cluster):
+    parents = cluster.run(lambda comm: os.getppid())
+    assert len(set(parents)) == 1 and parents[0] != os.getpid()   # no thread of ours owns them

@@ -1,0 +1,134 @@
+"""What a :class:`real.Cluster` and its workers say to each other over their pipes.
+
+Every message is a small dataclass sent with :func:`send` and read with
+:func:`receive` (plain :mod:`pickle` of the dataclass: one serialiser path).
+What the user's program is made of (the program and its arguments, a rank's
+result, an exception) travels inside as ``bytes`` that :mod:`real.pickling`
+produced, so a result the parent cannot rebuild is reported as such, with its
+rank, instead of breaking the message around it.
+
+Parent to worker: :class:`Run`, :class:`Close`.
+Worker to parent: :class:`Ready` or :class:`StartFailed` once, then one
+:class:`Finished` per :class:`Run`.
+"""
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from . import pickling
+
+__all__ = ["WorkerSpec", "Run", "Close", "Ready", "StartFailed", "Finished", "EncodedError",
+           "encode_error", "send", "receive"]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How to start worker ``rank`` (the argument of :func:`real.worker.worker_main`)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    port: int                      # the rendezvous store, on 127.0.0.1
+    start_timeout: float
+    threads: int                   # torch.set_num_threads in the worker
+    dump_path: str                 # where faulthandler writes the worker's stacks
+    environ: dict[str, str]        # the parent's environment when the Cluster started the worker
+    socket_ifname: str | None      # GLOO_SOCKET_IFNAME of the worker (None: leave it unset)
+    parent_pid: int                # the process that owns the Cluster
+
+
+@dataclass(frozen=True)
+class EncodedError:
+    """An exception raised in a worker: itself (``blob``, when it survives pickling) and as text."""
+
+    blob: bytes | None
+    type_name: str
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run ``program(comm, *args, **kwargs)``; ``program`` is the :mod:`real.pickling` blob of
+    ``(program, args, kwargs)``."""
+
+    program: bytes
+    clock_zero: float              # time.perf_counter() value trace times count from
+    tracing: bool
+    check_port: int | None         # the checked mode's store for this run (None: unchecked)
+    check_timeout: float           # how long a check waits for its peers (seconds)
+
+
+@dataclass(frozen=True)
+class Close:
+    """Leave the process group and exit."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+    device: str
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    rank: int
+    error: EncodedError
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of one :class:`Run` on one rank: ``result`` (a :mod:`real.pickling` blob) or ``error``."""
+
+    rank: int
+    result: bytes | None
+    error: EncodedError | None
+    events: list = field(default_factory=list)   # trace records, in the transports' format
+    books: tuple = (False, {})                   # real.transport.GroupCache.books()
+    output: str = ""                             # what the program printed
+
+
+def _safe_str(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception as failure:  # an exception whose __str__ raises
+        return f"<str() of the exception raised {type(failure).__name__}>"
+
+
+def encode_error(error: BaseException, skip_frames: int = 0) -> EncodedError:
+    """``error`` as :class:`EncodedError`; ``skip_frames`` drops that many outermost frames.
+
+    The exception itself travels only when it survives a pickling round trip and
+    its ``str()`` works; otherwise the parent rebuilds a stand-in from the text.
+    """
+    tb = error.__traceback__
+    for _ in range(skip_frames):
+        if tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+    try:
+        text = "".join(traceback.format_exception(type(error), error, tb))
+    except Exception:
+        text = f"{type(error).__qualname__} (its traceback could not be formatted)\n"
+    message = _safe_str(error)
+    blob: bytes | None
+    try:
+        str(error)
+        blob = pickling.dumps(error)
+        pickling.loads(blob)
+    except Exception:
+        blob = None
+    return EncodedError(blob, f"{type(error).__module__}.{type(error).__qualname__}", message, text)
+
+
+def send(conn: Connection, message: Any) -> None:
+    """Send one message (raises ``OSError``/``BrokenPipeError`` when the other end has gone)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection) -> Any:
+    """The next message (blocks; raises ``EOFError``/``OSError`` when the other end has gone)."""
+    return pickle.loads(conn.recv_bytes())
