@@ -123,7 +123,7 @@ def _reduce(tensor, dst, op, async_op=False):
     return _collective("reduce", *_tensor(tensor), ("dst", dst), ("op", str(op)))
 
 
-def _scatter(tensor, src, dim, async_op=False):
+def _scatter(tensor, src, dim, requires_grad=False, async_op=False):
     # only the source's tensor matters (the others may pass None): shown, not compared
     return _collective("scatter", ("src", src), ("dim", dim),
                        shown=_tensor(tensor) if isinstance(tensor, torch.Tensor) else ())
@@ -149,12 +149,12 @@ def _subgroup(groups):
     return _collective("subgroup", ("groups", tuple(tuple(part) for part in groups)))
 
 
-def _send(tensor, dst):
-    return [Call("send", "send", _tensor(tensor), peer=dst)]
+def _send(tensor, dst, async_op=False):
+    return [Call("send", "isend" if async_op else "send", _tensor(tensor), peer=dst)]
 
 
-def _recv(shape, dtype, src):
-    return [Call("recv", "recv", (("shape", tuple(shape)), ("dtype", dtype)), peer=src)]
+def _recv(shape, dtype, src, async_op=False):
+    return [Call("recv", "irecv" if async_op else "recv", (("shape", tuple(shape)), ("dtype", dtype)), peer=src)]
 
 
 def _isend(tensor, dst):
@@ -170,15 +170,23 @@ def _batch_isend_irecv(ops):
 
 
 def _p2p_op(op) -> Call:
-    """One entry of ``batch_isend_irecv``: an object with ``op`` (``"isend"``/``"irecv"`` or the
+    """One entry of ``batch_isend_irecv``: a :class:`simcomm.P2POp` (``op`` ``"isend"``/``"irecv"``,
+    ``data`` a tensor or ``(size, dtype)``, ``peer``) or an object with ``op`` (a name or the
     function), ``peer`` and either ``tensor`` or ``shape`` and ``dtype`` (torch's ``P2POp`` fits)."""
     name = getattr(op, "op", None)
     name = getattr(name, "__name__", name)
     peer = getattr(op, "peer")
     tensor = getattr(op, "tensor", None)
+    data = getattr(op, "data", None)
+    if tensor is None and isinstance(data, torch.Tensor):
+        tensor = data
     if "recv" in str(name):
-        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(op.shape)
-        dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else op.dtype
+        if isinstance(tensor, torch.Tensor):
+            shape, dtype = tuple(tensor.shape), tensor.dtype
+        elif data is not None:
+            shape, dtype = tuple(data[0]), data[1]
+        else:
+            shape, dtype = tuple(op.shape), op.dtype
         return Call("recv", "irecv", (("shape", shape), ("dtype", dtype)), peer=peer)
     if "send" in str(name):
         return Call("send", "isend", _tensor(tensor), peer=peer)
@@ -439,7 +447,7 @@ class CheckedTransport:
                 return out
             self._checker.add_group(out.ranks)
             return CheckedTransport(out, self._checker)
-        blocking = name in ("send", "recv")
+        blocking = name in ("send", "recv") and not kwargs.get("async_op", False)
         posted = [self._checker.post(inner, call, location, blocking) if call.peer != inner.rank else None
                   for call in calls]
         if blocking:                             # both sides agree before data moves

@@ -55,6 +55,7 @@ from typing import Any
 import torch.distributed as dist
 
 from simcomm.errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
+from simcomm.memory import MemoryReport
 from simcomm.trace import Trace
 
 from . import messages, pickling, startup
@@ -99,9 +100,12 @@ class RemoteError(Exception):
 
 
 class Results(list):
-    """The ranks' results in rank order (a list), with the run's :class:`~simcomm.trace.Trace` as ``.trace``."""
+    """The ranks' results in rank order (a list), with the run's :class:`~simcomm.trace.Trace` as
+    ``.trace`` and, for a Cluster made with ``memory=True``, the bytes each rank held as ``.memory``
+    (a :class:`simcomm.memory.MemoryReport`; ``None`` otherwise)."""
 
     trace: Trace
+    memory: MemoryReport | None = None
 
 
 def _check_timeout(value: float | None, where: str) -> float | None:
@@ -168,7 +172,10 @@ class Cluster:
     torch once) or ``"spawn"`` (each worker a fresh interpreter importing torch
     itself: seconds per worker; on Linux its workers die with the thread that
     started them). Workers start at construction; the first run
-    waits until they have joined the process group.
+    waits until they have joined the process group. ``memory=True`` measures
+    the bytes each rank's program holds, as ``World(n, memory=True)`` does
+    (:mod:`simcomm.memory`; under CUDA with ``torch.cuda.max_memory_allocated``
+    too): after a run, ``cluster.memory`` and ``results.memory``.
 
     Runs from several threads are serialised: each caller gets its own
     results, a second caller waits until the run in progress has finished
@@ -178,7 +185,8 @@ class Cluster:
 
     def __init__(self, world_size: int, backend: str | None = None, timeout: float | None = 60.0, *,
                  start_timeout: float = 120.0, trace: bool = True, threads: int | None = None,
-                 checked: bool = True, socket_ifname: str | None = "lo", start_method: str = "forkserver"):
+                 checked: bool = True, socket_ifname: str | None = "lo", start_method: str = "forkserver",
+                 memory: bool = False):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"Cluster: world_size={world_size!r} must be a positive int")
         if start_method not in ("forkserver", "spawn"):
@@ -190,6 +198,8 @@ class Cluster:
         self.start_timeout = _check_timeout(start_timeout, "Cluster (start_timeout)") or 10 * 365 * 86400.0
         self.tracing = trace
         self.checked = bool(checked)
+        self.track_memory = bool(memory)
+        self.memory: MemoryReport | None = None
         self.socket_ifname = startup.default_ifname() if socket_ifname == "lo" else socket_ifname
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self.trace = Trace()
@@ -357,7 +367,7 @@ class Cluster:
                     check_store = startup.loopback_store()
                 request = Run(blob, time.perf_counter(), self.tracing,
                               check_store.port if check_store is not None else None,
-                              math.inf if timeout is None else timeout + _CHECK_MARGIN_S)
+                              math.inf if timeout is None else timeout + _CHECK_MARGIN_S, self.track_memory)
                 for worker in self._workers:
                     try:
                         messages.send(worker.conn, request)
@@ -436,6 +446,9 @@ class Cluster:
                                   ) from error
         out = Results(results)
         out.trace = self.trace
+        reports = [finished[rank].memory for rank in range(self.world_size)]
+        self.memory = MemoryReport.from_dicts(reports) if self.track_memory else None
+        out.memory = self.memory
         return out
 
     def _relay_and_trace(self, finished: dict[int, Finished]) -> None:

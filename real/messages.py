@@ -61,6 +61,7 @@ class Run:
     tracing: bool
     check_port: int | None         # the checked mode's store for this run (None: unchecked)
     check_timeout: float           # how long a check waits for its peers (seconds)
+    track_memory: bool = False     # measure the bytes the program holds (simcomm.memory)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class Finished:
     events: list = field(default_factory=list)   # trace records, in the transports' format
     books: tuple = (False, {})                   # real.transport.GroupCache.books()
     output: str = ""                             # what the program printed
+    memory: dict | None = None                   # simcomm.memory.RankMemory.to_dict(), when tracked
 
 
 def _safe_str(error: BaseException) -> str:

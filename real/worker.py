@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
+from simcomm import memory
 from simcomm.communicator import Communicator
 
 from . import messages, pickling
@@ -164,7 +165,11 @@ def _run(request: Run, rank: int, device: torch.device, cache: GroupCache) -> Fi
                 check_store = _check_store(request.check_port, request.check_timeout)
                 checker = Checker(check_store, dist.get_rank(), dist.get_world_size())
                 transport = CheckedTransport(transport, checker)
-            result = program(Communicator(transport), *args, **kwargs)
+            if request.track_memory:
+                result, memory_report = memory.run_tracked(
+                    rank, program, (Communicator(transport), *args), kwargs, device=device)
+            else:
+                result, memory_report = program(Communicator(transport), *args, **kwargs), None
             if checker is not None:
                 checker.ended()
         result_blob = pickling.dumps(_to_cpu(result))
@@ -173,4 +178,4 @@ def _run(request: Run, rank: int, device: torch.device, cache: GroupCache) -> Fi
                         cache.books(), output.getvalue())
     finally:
         del check_store, checker
-    return Finished(rank, result_blob, None, events or [], cache.books(), output.getvalue())
+    return Finished(rank, result_blob, None, events or [], cache.books(), output.getvalue(), memory_report)

@@ -288,3 +288,19 @@ def test_unchecked_cluster_runs_without_comparing():
         # gloo reduces with rank 0's op; the simulator and the checked mode refuse the program
         outs = unchecked.run(_max_vs_sum)
         assert len(outs) == 2 and all(isinstance(out, torch.Tensor) for out in outs)
+
+
+def test_every_extractor_has_the_signature_of_its_transport_primitive():
+    """A call whose arguments an extractor cannot take runs unchecked: the table must follow
+    the transport's signatures exactly, or checked mode silently checks nothing."""
+    import inspect
+
+    from real.checked import EXTRACTORS
+    from real.transport import DistTransport
+
+    for name, extractor in EXTRACTORS.items():
+        primitive = getattr(DistTransport, name, None)
+        if primitive is None:          # isend/irecv: the communicator calls send/recv(async_op=True)
+            continue
+        expected = [p.name for p in inspect.signature(primitive).parameters.values()][1:]   # no self
+        assert [p.name for p in inspect.signature(extractor).parameters.values()] == expected, name

@@ -44,7 +44,6 @@ def test_each_worker_measures_what_the_simulator_measures():
             assert got.device_peak == [None] * WORLD_SIZE       # CPU: no allocator statistic
 
 
-@pytest.mark.xfail(strict=False, reason="worker integration pending")
 def test_cluster_reports_memory_like_world():
     def program(comm):
         with memory.label("parameters"):
