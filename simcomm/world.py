@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .c10d import rank_process_group
 from .communicator import Communicator
 from .errors import RankError, RunTimeoutError
 from .sim import RunState, SimTransport, _Aborted, program_location
@@ -97,7 +98,8 @@ def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwarg
     comm = Communicator(SimTransport(state, state.world, rank))
     try:
         state.wait_turn(rank)
-        results[rank] = program(comm, *args, **kwargs)
+        with rank_process_group(comm):
+            results[rank] = program(comm, *args, **kwargs)
     except _Aborted:
         pass
     except BaseException as error:

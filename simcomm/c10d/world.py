@@ -1,0 +1,219 @@
+"""Per-rank torch.distributed state: each virtual rank thread sees its own c10d world.
+
+``torch.distributed`` keeps its process groups in one module-level object,
+``torch.distributed.distributed_c10d._world``, and its C++ group registry
+(``resolve_process_group``, used by the functional collectives) is
+process-wide too. Virtual ranks are threads of one process, so both must
+be per thread:
+
+* :class:`_WorldSwitch` replaces ``_world`` once; every attribute access is
+  forwarded to the calling rank thread's own :class:`_RankWorld`, or to
+  the original object on any other thread (the main thread keeps its
+  ordinary torch.distributed);
+* ``_set_thread_isolation_mode(True)`` makes the C++ registry per thread
+  while at least one rank thread has torch.distributed initialised.
+
+The default group of a rank is created lazily, on the program's first use
+of torch.distributed, so a program that never touches it pays only for a
+thread-local assignment. Everything is torn down when the rank's program
+ends (returns, raises or is aborted): nothing survives into the next run.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ..communicator import Communicator
+from ..sim import RunState, SimTransport, _Group
+
+__all__ = ["rank_process_group", "BACKEND_NAME"]
+
+BACKEND_NAME = "simcomm"
+
+_local = threading.local()          # .rank: the _RankContext of a rank thread with a program running
+_install_lock = threading.Lock()
+_switch: _WorldSwitch | None = None
+_active = 0                          # rank threads with torch.distributed initialised, all runs
+_multithreading_ctx = None
+_run_groups: weakref.WeakKeyDictionary[RunState, _RunGroups] = weakref.WeakKeyDictionary()
+
+
+class _RankWorld(c10d._World):
+    """The c10d state of one rank thread: the fields that ``_World`` keeps in module
+    globals are this object's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._maps = {"pg_map": {}, "pg_names": {}, "pg_group_ranks": {}, "pg_backend_config": {},
+                      "tags_to_pg": {}, "pg_to_tag": {}}
+        self._count = 0
+
+    pg_map = property(lambda self: self._maps["pg_map"])
+    pg_names = property(lambda self: self._maps["pg_names"])
+    pg_group_ranks = property(lambda self: self._maps["pg_group_ranks"])
+    pg_backend_config = property(lambda self: self._maps["pg_backend_config"])
+    tags_to_pg = property(lambda self: self._maps["tags_to_pg"])
+    pg_to_tag = property(lambda self: self._maps["pg_to_tag"])
+
+    @property
+    def group_count(self) -> int:
+        return self._count
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._count = value
+
+
+class _WorldSwitch:
+    """Stands in for ``distributed_c10d._world``: forwards to the calling thread's world."""
+
+    def __init__(self, original: Any):
+        object.__setattr__(self, "_original", original)
+
+    def _target(self) -> Any:
+        context = getattr(_local, "rank", None)
+        if context is None:
+            return self._original
+        if context.world is None:
+            context.initialize()
+        return context.world
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._target(), name, value)
+
+
+class _RunGroups:
+    """The simulator groups behind one run's c10d groups, shared by the rank threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.groups: dict[tuple, _Group] = {}
+        self.store = dist.HashStore()
+
+    def group(self, key: tuple, ranks: tuple[int, ...]) -> _Group:
+        with self.lock:
+            group = self.groups.get(key)
+            if group is None:
+                group = self.groups[key] = _Group(("c10d", *key), ranks)
+            return group
+
+
+def _groups_of(state: RunState) -> _RunGroups:
+    with _install_lock:
+        groups = _run_groups.get(state)
+        if groups is None:
+            groups = _run_groups[state] = _RunGroups()
+        return groups
+
+
+class _RankContext:
+    """What one rank thread needs to build its process groups on first use."""
+
+    __slots__ = ("transport", "world", "initializing")
+
+    def __init__(self, transport: SimTransport):
+        self.transport = transport
+        self.world: _RankWorld | None = None
+
+    @property
+    def state(self) -> RunState:
+        return self.transport._state
+
+    def initialize(self) -> None:
+        """Create this rank's default process group (the whole world, backend "simcomm")."""
+        global _active, _multithreading_ctx
+        self.world = _RankWorld()
+        with _install_lock:
+            if _active == 0:
+                torch._C._distributed_c10d._set_thread_isolation_mode(True)
+                if self.state.device.type != "cpu":
+                    # backward must run on the rank thread that called it, as on one process
+                    _multithreading_ctx = torch.autograd.set_multithreading_enabled(False)
+            _active += 1
+        # init_process_group also sets process-wide things (sys.excepthook with a rank
+        # prefix, the module's _backend): keep them as they were for the rest of the process
+        saved = (sys.excepthook, c10d._backend, c10d._default_pg_init_method)
+        try:
+            dist.init_process_group(BACKEND_NAME, rank=self.transport.global_rank,
+                                    world_size=len(self.state.world.ranks),
+                                    store=_groups_of(self.state).store)
+        finally:
+            sys.excepthook, c10d._backend, c10d._default_pg_init_method = saved
+
+    def transport_for(self, global_ranks: list[int], group_rank: int, group_name: str) -> SimTransport:
+        """The simulator transport of this rank in the c10d group of ``global_ranks``
+        (``[]``: the default group, which shares the communicator's transport, so
+        ``comm.*`` and ``dist.*`` calls on the world are one sequence as on real processes)."""
+        if not global_ranks:
+            return self.transport
+        ranks = tuple(global_ranks)
+        group = _groups_of(self.state).group((group_name, ranks), ranks)
+        return SimTransport(self.state, group, group_rank)
+
+    def close(self) -> None:
+        global _active, _multithreading_ctx
+        if self.world is None:
+            return
+        try:
+            if self.world.default_pg is not None:
+                dist.destroy_process_group()
+        finally:
+            with _install_lock:
+                _active -= 1
+                if _active == 0:
+                    torch._C._distributed_c10d._set_thread_isolation_mode(False)
+                    if _multithreading_ctx is not None:
+                        _multithreading_ctx.__exit__(None, None, None)
+                        _multithreading_ctx = None
+
+
+def current_context() -> _RankContext:
+    """The calling rank thread's context (raises outside a World run)."""
+    context = getattr(_local, "rank", None)
+    if context is None:
+        raise RuntimeError(f"the {BACKEND_NAME!r} torch.distributed backend only runs inside "
+                           f"simcomm.World.run, on a rank thread")
+    return context
+
+
+def _install() -> None:
+    global _switch
+    with _install_lock:
+        if _switch is None:
+            from .process_group import register
+            register()
+            _switch = _WorldSwitch(c10d._world)
+            c10d._world = _switch
+
+
+@contextlib.contextmanager
+def rank_process_group(comm: Communicator) -> Iterator[None]:
+    """torch.distributed for the rank running ``comm``'s program, for the length of the block.
+
+    Inside the block ``dist.is_initialized()`` is true on this thread, the
+    default group is the world (backend ``"simcomm"``), and every c10d call
+    runs on the simulator. The group is created on first use; on exit (also
+    after an error or an abort) every process group of this rank is destroyed.
+    """
+    if _switch is None:
+        _install()
+    context = _RankContext(comm.transport)
+    _local.rank = context
+    try:
+        yield
+    finally:
+        try:
+            context.close()
+        finally:
+            _local.rank = None
