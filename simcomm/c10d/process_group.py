@@ -34,9 +34,10 @@ def _done(outputs: list[torch.Tensor]) -> dist.Work:
 
 
 def _run(translate, *args) -> list[torch.Tensor]:
-    """Call a translation; a call made by autograd's engine (a backward node on this
-    thread, e.g. FSDP's gradient reduce-scatter or DDP's hooks) is traced as backward."""
-    if torch._C._current_autograd_node() is not None:
+    """Call a translation; a call made while autograd's engine runs a backward pass on
+    this thread (a node, a hook, or a callback queued for the end of the pass, as FSDP's
+    gradient reduce-scatter and DDP's all-reduce are) is traced as backward."""
+    if torch._C._current_graph_task_id() != -1:
         with backward_phase():
             return translate(*args)
     return translate(*args)

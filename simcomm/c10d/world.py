@@ -80,7 +80,7 @@ class _WorldSwitch:
 
     def _target(self) -> Any:
         context = getattr(_local, "rank", None)
-        if context is None:
+        if context is None or _from_module_body(sys._getframe(2)):
             return self._original
         if context.world is None:
             context.initialize()
@@ -91,6 +91,15 @@ class _WorldSwitch:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._target(), name, value)
+
+
+def _from_module_body(frame) -> bool:
+    """Whether c10d's state is read by the top-level code of a module being imported,
+    directly or through ``group.WORLD`` (torch evaluates ``group=group.WORLD`` default
+    arguments at import time). Such a read gets the process's own state: a module
+    imported on a rank thread must not capture that rank's group, nor start it mid-import."""
+    return frame.f_code.co_name == "<module>" or (
+        frame.f_back is not None and frame.f_back.f_code.co_name == "<module>")
 
 
 class _RunGroups:
