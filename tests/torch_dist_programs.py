@@ -170,7 +170,7 @@ def fsdp_program(comm, steps: int = 2, lr: float = 0.1) -> list[torch.Tensor]:
 def dtensor_matmul_program(comm, mesh_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
     """A sharded matmul and every redistribution between Shard(0)/Replicate/Partial."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     mesh = init_device_mesh("cpu", mesh_shape)
     a = rank_input(0, (8, 6))   # the same full tensor on every rank
     b = rank_input(1, (6, 4))
@@ -190,7 +190,11 @@ def dtensor_matmul_program(comm, mesh_shape: tuple[int, ...]) -> dict[str, torch
         for dst_name, dst in placements.items():
             moved = distribute_tensor(a, mesh, [*row, src]).redistribute(mesh, [*row, dst])
             out[f"{src_name}->{dst_name}"] = moved.full_tensor()
-    partial = distribute_tensor(a, mesh, [*row, Replicate()]).redistribute(mesh, [*row, Partial()])
+    # redistributing *to* Partial is internal to DTensor; a Partial tensor is built from
+    # per-rank partial sums that differ between ranks and add up to ``a``
+    size, coordinate = mesh.size(last), mesh.get_local_rank(last)
+    share = (coordinate + 1) / (size * (size + 1) / 2)
+    partial = DTensor.from_local(a * share, mesh, [*row, Partial()])
     for dst_name, dst in placements.items():
         out[f"partial->{dst_name}"] = partial.redistribute(mesh, [*row, dst]).full_tensor()
     if mesh.ndim == 2:
@@ -214,16 +218,17 @@ def dtensor_reference(mesh_shape: tuple[int, ...], rank: int) -> dict[str, torch
 
 
 def tensor_parallel_program(comm) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """An MLP with ColwiseParallel then RowwiseParallel; output and full gradients."""
+    """An MLP with ColwiseParallel then RowwiseParallel; output, input gradient and full
+    parameter gradients (every rank computes the same replicated loss)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = tp_mlp()
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    x = rank_input(0, (5, 4))
+    x = rank_input(0, (5, 4)).requires_grad_()
     y = model(x)
     y.pow(2).sum().backward()
-    return y.detach(), [p.grad.full_tensor() for p in model.parameters()]
+    return y.detach(), [x.grad, *(p.grad.full_tensor() for p in model.parameters())]
 
 
 def tp_mlp() -> nn.Sequential:
@@ -233,9 +238,10 @@ def tp_mlp() -> nn.Sequential:
 
 def tensor_parallel_reference() -> tuple[torch.Tensor, list[torch.Tensor]]:
     model = tp_mlp()
-    y = model(rank_input(0, (5, 4)))
+    x = rank_input(0, (5, 4)).requires_grad_()
+    y = model(x)
     y.pow(2).sum().backward()
-    return y.detach(), [p.grad for p in model.parameters()]
+    return y.detach(), [x.grad, *(p.grad for p in model.parameters())]
 
 
 # -- torch.distributed.nn.functional ------------------------------------------------------------
