@@ -65,7 +65,7 @@ def collectives_program(comm, reduce_ops=tuple(REDUCE_OPS)) -> dict[str, torch.T
     out["broadcast"] = t
     t = x.clone()
     dist.reduce(t, dst=1)
-    out["reduce"] = t
+    out["reduce"] = t if rank == 1 else torch.zeros(0)   # other ranks' buffers: unspecified (gloo scribbles)
     gathered = [torch.empty_like(x) for _ in range(world)] if rank == 3 else None
     dist.gather(x, gathered, dst=3)
     out["gather"] = torch.stack(gathered) if rank == 3 else torch.zeros(0)
@@ -107,7 +107,7 @@ def collectives_reference(world: int = WORLD, reduce_ops=tuple(REDUCE_OPS)) -> l
         ref["all_to_all_single_uneven"] = torch.cat(pieces)
         ref["all_to_all"] = torch.stack([rank_input(src, (world, 2))[rank] for src in range(world)])
         ref["broadcast"] = xs[2]
-        ref["reduce"] = reduced["sum"] if rank == 1 else xs[rank]
+        ref["reduce"] = reduced["sum"] if rank == 1 else torch.zeros(0)
         ref["gather"] = stacked if rank == 3 else torch.zeros(0)
         ref["scatter"] = rank_input(10 + rank)
         ref["send_recv"] = xs[(rank - 1) % world]
