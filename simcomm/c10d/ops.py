@@ -54,8 +54,8 @@ def _write(c10d_op: str, argument: str, out: torch.Tensor, value: torch.Tensor, 
         raise ValueError(
             f"{c10d_op}: rank {rank}'s {argument} has {out.numel()} elements {tuple(out.shape)} "
             f"but the result has {value.numel()} {tuple(value.shape)}")
-    with torch.no_grad():
-        out.detach().copy_(value.reshape(out.shape))
+    # a detached alias: the write is invisible to autograd, as a native backend's is
+    out.detach().copy_(value if value.shape == out.shape else value.reshape(out.shape))
 
 
 def _check_numel(c10d_op: str, argument: str, tensor: torch.Tensor, expected: int, rank: int,

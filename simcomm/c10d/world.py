@@ -78,19 +78,19 @@ class _WorldSwitch:
     def __init__(self, original: Any):
         object.__setattr__(self, "_original", original)
 
-    def _target(self) -> Any:
+    def _target(self, frame) -> Any:
         context = getattr(_local, "rank", None)
-        if context is None or _from_module_body(sys._getframe(2)):
+        if context is None or _from_module_body(frame):
             return self._original
         if context.world is None:
             context.initialize()
         return context.world
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._target(), name)
+        return getattr(self._target(sys._getframe(1)), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._target(), name, value)
+        setattr(self._target(sys._getframe(1)), name, value)
 
 
 def _from_module_body(frame) -> bool:
