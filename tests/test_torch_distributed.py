@@ -276,3 +276,17 @@ def test_bad_buffers_name_the_op_and_the_sizes():
         simcomm.World(2).run(program)
     assert isinstance(info.value.__cause__, ValueError)
     assert "all_gather_into_tensor" in str(info.value.__cause__) and "4" in str(info.value.__cause__)
+
+
+def test_a_module_imported_on_a_rank_thread_does_not_capture_that_ranks_group(tmp_path, monkeypatch):
+    """torch evaluates ``group=group.WORLD`` defaults at import time; a module first imported
+    inside a run must see the process's state (no group), not the importing rank's."""
+    (tmp_path / "c10d_import_probe.py").write_text(
+        "import torch.distributed as dist\nCAPTURED = dist.group.WORLD\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def program(comm):
+        import c10d_import_probe
+        return c10d_import_probe.CAPTURED is None, dist.group.WORLD is not None
+
+    assert simcomm.World(2).run(program) == [(True, True), (True, True)]
