@@ -20,11 +20,9 @@ ends (returns, raises or is aborted): nothing survives into the next run.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -129,7 +127,7 @@ def _groups_of(state: RunState) -> _RunGroups:
 class _RankContext:
     """What one rank thread needs to build its process groups on first use."""
 
-    __slots__ = ("transport", "world", "initializing")
+    __slots__ = ("transport", "world")
 
     def __init__(self, transport: SimTransport):
         self.transport = transport
@@ -206,23 +204,29 @@ def _install() -> None:
             c10d._world = _switch
 
 
-@contextlib.contextmanager
-def rank_process_group(comm: Communicator) -> Iterator[None]:
+class rank_process_group:  # noqa: N801 - used as a function: ``with rank_process_group(comm):``
     """torch.distributed for the rank running ``comm``'s program, for the length of the block.
 
     Inside the block ``dist.is_initialized()`` is true on this thread, the
     default group is the world (backend ``"simcomm"``), and every c10d call
-    runs on the simulator. The group is created on first use; on exit (also
-    after an error or an abort) every process group of this rank is destroyed.
+    runs on the simulator. The group is created on first use, so a program
+    that never touches torch.distributed pays only for this object; on exit
+    (also after an error or an abort) every process group of this rank is
+    destroyed.
     """
-    if _switch is None:
-        _install()
-    context = _RankContext(comm.transport)
-    _local.rank = context
-    try:
-        yield
-    finally:
+
+    __slots__ = ("_context",)
+
+    def __init__(self, comm: Communicator):
+        if _switch is None:
+            _install()
+        self._context = _RankContext(comm.transport)
+
+    def __enter__(self) -> None:
+        _local.rank = self._context
+
+    def __exit__(self, *exc_info) -> None:
         try:
-            context.close()
+            self._context.close()
         finally:
             _local.rank = None
