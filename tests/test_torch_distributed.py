@@ -27,6 +27,14 @@ def rank_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("simcomm-rank")]
 
 
+def assert_clean() -> None:
+    """No rank thread, no process group and no per-thread registry left behind."""
+    from simcomm.c10d import world as c10d_world
+    assert rank_threads() == []
+    assert not dist.is_initialized()
+    assert c10d_world._active == 0
+
+
 # -- the default group ------------------------------------------------------------------------
 
 def test_every_rank_has_the_world_as_default_group():
@@ -57,7 +65,7 @@ def test_nothing_leaks_into_the_main_thread_or_the_next_run():
     assert first == [("a1", r, 2 if r < 2 else 1, r >= 2) for r in range(WORLD)]
     assert not dist.is_initialized()
     assert __import__("sys").excepthook is hook
-    assert rank_threads() == []
+    assert_clean()
 
 
 def test_a_program_without_torch_distributed_creates_no_process_group():
@@ -216,7 +224,7 @@ def test_the_classic_hang_is_a_deadlock_error_naming_the_line():
     assert "test_torch_distributed.py" in message and "in program" in message
     for rank in (1, 2, 3):
         assert f"rank {rank} has finished" in message
-    assert rank_threads() == [] and not dist.is_initialized()
+    assert_clean()
 
 
 def test_a_mismatched_all_gather_into_tensor_names_each_rank_and_line():
@@ -231,6 +239,7 @@ def test_a_mismatched_all_gather_into_tensor_names_each_rank_and_line():
     message = str(info.value)
     assert "shape=(2,)" in message and "shape=(3,)" in message and "rank 2 called all_gather" in message
     assert message.count("test_torch_distributed.py") == 2 and "site-packages" not in message
+    assert_clean()
 
 
 def test_a_rank_error_is_reported_and_the_next_run_starts_clean():
@@ -244,6 +253,7 @@ def test_a_rank_error_is_reported_and_the_next_run_starts_clean():
     with pytest.raises(RankError) as info:
         world.run(failing)
     assert info.value.rank == 3 and isinstance(info.value.__cause__, KeyError)
+    assert_clean()
     outs = world.run(lambda comm: (len(dist.distributed_c10d._world.pg_map), dist.get_rank()))
     assert outs == [(1, r) for r in range(WORLD)]
 
