@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from ..collectives import reduce_op_name
 from ..sim import SimTransport
 
 __all__ = ["all_reduce", "all_gather_list", "all_gather_into_tensor", "reduce_scatter_list",
@@ -29,22 +28,27 @@ __all__ = ["all_reduce", "all_gather_list", "all_gather_into_tensor", "reduce_sc
            "gather", "scatter", "barrier", "send", "recv"]
 
 
+_REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
+                 ReduceOp.PRODUCT: "product"}
+
+
 def _op_name(c10d_op: str, opts) -> str:
     """The canonical reduction name of ``opts.reduceOp``; NotImplementedError for the
     ones the simulator's math has no rule for (bitwise ops, PREMUL_SUM)."""
-    red = getattr(opts, "reduceOp", ReduceOp.SUM)
-    red = getattr(red, "op", red)
-    try:
-        return reduce_op_name(red)
-    except ValueError:
+    red = opts.reduceOp.op
+    name = _REDUCE_NAMES.get(red)
+    if name is None:
         raise NotImplementedError(
             f"{c10d_op} with reduce op {red} is not supported by the 'simcomm' backend; "
-            f"use SUM, AVG, MAX, MIN or PRODUCT") from None
+            f"use SUM, AVG, MAX, MIN or PRODUCT")
+    return name
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` detached and contiguous, with at least one dim (a 0-d tensor becomes ``(1,)``)."""
-    tensor = tensor.detach().contiguous()
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    tensor = tensor.contiguous()
     return tensor.reshape(1) if tensor.dim() == 0 else tensor
 
 
@@ -54,8 +58,9 @@ def _write(c10d_op: str, argument: str, out: torch.Tensor, value: torch.Tensor, 
         raise ValueError(
             f"{c10d_op}: rank {rank}'s {argument} has {out.numel()} elements {tuple(out.shape)} "
             f"but the result has {value.numel()} {tuple(value.shape)}")
-    # a detached alias: the write is invisible to autograd, as a native backend's is
-    out.detach().copy_(value if value.shape == out.shape else value.reshape(out.shape))
+    # through a detached alias the write is invisible to autograd, as a native backend's is
+    (out.detach() if out.requires_grad else out).copy_(
+        value if value.shape == out.shape else value.reshape(out.shape))
 
 
 def _check_numel(c10d_op: str, argument: str, tensor: torch.Tensor, expected: int, rank: int,

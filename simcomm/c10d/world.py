@@ -87,6 +87,27 @@ class _WorldSwitch:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target(sys._getframe(1)), name)
 
+    # the attributes c10d reads on every call, as properties: no failed lookup first
+    @property
+    def default_pg(self) -> Any:
+        return self._target(sys._getframe(1)).default_pg
+
+    @default_pg.setter
+    def default_pg(self, value: Any) -> None:
+        self._target(sys._getframe(1)).default_pg = value
+
+    @property
+    def pg_map(self) -> Any:
+        return self._target(sys._getframe(1)).pg_map
+
+    @property
+    def pg_group_ranks(self) -> Any:
+        return self._target(sys._getframe(1)).pg_group_ranks
+
+    @property
+    def pg_names(self) -> Any:
+        return self._target(sys._getframe(1)).pg_names
+
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._target(sys._getframe(1)), name, value)
 
