@@ -300,3 +300,31 @@ def test_a_module_imported_on_a_rank_thread_does_not_capture_that_ranks_group(tm
         return c10d_import_probe.CAPTURED is None, dist.group.WORLD is not None
 
     assert simcomm.World(2).run(program) == [(True, True), (True, True)]
+
+
+def test_coalesced_variants():
+    import torch.distributed._functional_collectives as funcol
+
+    def program(comm):
+        rank = dist.get_rank()
+        a, b = progs.rank_input(rank, (2,)), progs.rank_input(rank, (3,))
+        gathered = funcol.all_gather_into_tensor_coalesced([a, b], dist.group.WORLD)
+        scattered = funcol.reduce_scatter_tensor_coalesced(
+            [progs.rank_input(rank, (8,)), progs.rank_input(rank, (4,))], "sum", [0, 0], dist.group.WORLD)
+        x, y = a.clone(), b.clone()
+        with dist._coalescing_manager():
+            dist.all_reduce(x)
+            dist.all_reduce(y)
+        return [t + 0 for t in (*gathered, *scattered)] + [x, y]
+
+    world = simcomm.World(WORLD)
+    outs = world.run(program)
+    inputs = {shape: [progs.rank_input(r, (shape,)) for r in range(WORLD)] for shape in (2, 3, 8, 4)}
+    for rank, got in enumerate(outs):
+        want = [torch.cat(inputs[2]), torch.cat(inputs[3]),
+                torch.stack(inputs[8]).sum(0)[2 * rank: 2 * rank + 2],
+                torch.stack(inputs[4]).sum(0)[rank: rank + 1],
+                torch.stack(inputs[2]).sum(0), torch.stack(inputs[3]).sum(0)]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+    assert [op for _, op, _ in world.trace.ops()] == ["all_gather"] * 2 + ["reduce_scatter"] * 2 + ["all_reduce"] * 2
