@@ -7,7 +7,8 @@ Three measurements, each side in its own fresh process with ``torch.set_num_thre
   process group (``torch.testing._internal.distributed.multi_threaded_pg``); per call.
 * ``fsdp``        - one FSDP2 (``fully_shard``) forward+backward of a 4-layer MLP
   (hidden 1024, batch 8 per rank) on 4 ranks: simcomm vs threaded, and the same
-  step on one device for the whole batch (no sharding, no communication).
+  step on one device for the whole batch (no sharding, no communication); on
+  all cores and again pinned to one core.
 * ``overhead``    - ``World(4).run`` of a program that never touches
   torch.distributed (one ``comm.all_reduce``), with the backend's per-rank hook
   vs with the hook replaced by a no-op: what the backend costs programs that do
@@ -166,14 +167,17 @@ def run_world(hook: bool, world_size: int, iters: int) -> float:
 
 def child(side: str, case: str, world_size: int, iters: int) -> float:
     torch.set_num_threads(1)
+    if os.environ.get("SIMCOMM_BENCH_ONE_CORE"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     if case == "overhead":
         return run_world(side == "hook", world_size, iters)
     return {"simcomm": run_simcomm, "threaded": run_threaded, "single": run_single}[side](
         case, world_size, iters)
 
 
-def spawn(side: str, case: str, world_size: int, iters: int) -> float:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def spawn(side: str, case: str, world_size: int, iters: int, one_core: bool) -> float:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "SIMCOMM_BENCH_ONE_CORE": "1" if one_core else ""}
     out = subprocess.run(
         [sys.executable, "-W", "ignore", __file__, "--child", side, case, str(world_size), str(iters)],
         check=True, capture_output=True, text=True, env=env, timeout=600)
@@ -182,11 +186,15 @@ def spawn(side: str, case: str, world_size: int, iters: int) -> float:
 
 # -- the table --------------------------------------------------------------------------------
 
-ROWS = [  # (case, world size, iterations, sides; the first side is the numerator of each ratio)
-    ("all_reduce", 8, 100, ("simcomm", "threaded")),
-    ("all_reduce", 64, 10, ("simcomm", "threaded")),
-    ("fsdp", 4, 2, ("simcomm", "threaded", "single")),
-    ("overhead", 4, 60, ("hook", "nohook")),
+ROWS = [  # (case, world size, iterations, sides, one core; the first side is the numerator of each ratio)
+    ("all_reduce", 8, 100, ("simcomm", "threaded"), False),
+    ("all_reduce", 8, 100, ("simcomm", "threaded"), True),
+    ("all_reduce", 64, 10, ("simcomm", "threaded"), False),
+    ("fsdp", 4, 2, ("simcomm", "threaded", "single"), False),
+    # virtual ranks take turns (deterministic, one rank runs at a time), while the threaded
+    # group's ranks compute in parallel on every core: on one core both have one
+    ("fsdp", 4, 2, ("simcomm", "threaded", "single"), True),
+    ("overhead", 4, 60, ("hook", "nohook"), False),
 ]
 
 
@@ -200,20 +208,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(side, case, int(world_size), int(iters))))
         return 0
     rounds = 1 if args.quick else 3
-    print(f"{'case':<12}{'ranks':>6}  " + "  ".join(f"{s:>14}" for s in ("side 1 (us)", "side 2 (us)", "ratio 1/2",
+    print(f"{'case':<16}{'ranks':>6}  " + "  ".join(f"{s:>14}" for s in ("side 1 (us)", "side 2 (us)", "ratio 1/2",
                                                                           "side 3 (us)", "ratio 1/3")))
-    for case, world_size, iters, sides in ROWS:
+    for case, world_size, iters, sides, one_core in ROWS:
         samples: dict[str, list[float]] = {side: [] for side in sides}
         for _ in range(rounds):
             for side in sides:
-                samples[side].append(spawn(side, case, world_size, iters))
+                samples[side].append(spawn(side, case, world_size, iters, one_core))
         med = {side: statistics.median(values) for side, values in samples.items()}
         first = med[sides[0]]
         cells = [f"{sides[0]}={first * 1e6:.0f}", f"{sides[1]}={med[sides[1]] * 1e6:.0f}",
                  f"{first / med[sides[1]]:.2f}"]
         if len(sides) > 2:
             cells += [f"{sides[2]}={med[sides[2]] * 1e6:.0f}", f"{first / med[sides[2]]:.2f}"]
-        print(f"{case:<12}{world_size:>6}  " + "  ".join(f"{c:>14}" for c in cells))
+        label = case + (" (1 core)" if one_core else "")
+        print(f"{label:<16}{world_size:>6}  " + "  ".join(f"{c:>14}" for c in cells))
     return 0
 
 
