@@ -328,3 +328,14 @@ def test_coalesced_variants():
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w)
     assert [op for _, op, _ in world.trace.ops()] == ["all_gather"] * 2 + ["reduce_scatter"] * 2 + ["all_reduce"] * 2
+
+
+def test_a_group_of_another_backend_is_refused_not_hung():
+    def program(comm):
+        dist.new_group([0, 1], backend="gloo")
+
+    with pytest.raises(RankError) as info:
+        simcomm.World(2).run(program, timeout=60)
+    assert isinstance(info.value.__cause__, NotImplementedError)
+    assert "backend='gloo'" in str(info.value.__cause__)
+    assert_clean()

@@ -121,13 +121,28 @@ def _from_module_body(frame) -> bool:
         frame.f_back is not None and frame.f_back.f_code.co_name == "<module>")
 
 
+class _NoStore(dist.Store):
+    """The store of the default group. The "simcomm" backend needs none; a backend that
+    does (``dist.new_group(backend="gloo")``) would block in it where the simulator cannot
+    see, so every use raises instead."""
+
+    def _refuse(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"only the {BACKEND_NAME!r} backend runs on virtual ranks: a process group of "
+            f"another backend (e.g. new_group(backend='gloo')) cannot be created inside "
+            f"World.run")
+
+    set = get = add = wait = compare_set = check = delete_key = num_keys = _refuse
+    set_timeout = append = multi_get = multi_set = _refuse
+
+
 class _RunGroups:
     """The simulator groups behind one run's c10d groups, shared by the rank threads."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.groups: dict[tuple, _Group] = {}
-        self.store = dist.HashStore()
+        self.store = _NoStore()
 
     def group(self, key: tuple, ranks: tuple[int, ...]) -> _Group:
         with self.lock:
