@@ -194,6 +194,15 @@ def test_nn_functional_all_reduce_max_backward_differs_from_the_exact_rule():
         torch.testing.assert_close(grad, exact[rank])
 
 
+@pytest.mark.parametrize("op", progs.NN_OPS)
+def test_nn_functional_collectives_forward_and_backward(op):
+    outs = simcomm.World(WORLD).run(progs.nn_functional_collective_program, op)
+    want_outs, want_grads = progs.nn_functional_collective_reference(op)
+    for rank, (out, grad) in enumerate(outs):
+        torch.testing.assert_close(out, want_outs[rank])
+        torch.testing.assert_close(grad, want_grads[rank])
+
+
 # -- trace ----------------------------------------------------------------------------------
 
 def test_backward_calls_are_traced_as_backward_with_the_program_line():

@@ -72,3 +72,12 @@ def test_tensor_parallel_agrees_with_the_simulator(cluster):
     for (real_y, real_grads), (sim_y, sim_grads) in zip(real_outs, sim_outs, strict=True):
         torch.testing.assert_close(real_y, sim_y)
         _same(real_grads, sim_grads)
+
+
+@pytest.mark.parametrize("op", progs.NN_OPS)
+def test_nn_functional_collectives_agree_with_the_simulator(cluster, op):
+    real_outs = cluster.run(progs.nn_functional_collective_program, op)
+    sim_outs = simcomm.World(WORLD).run(progs.nn_functional_collective_program, op)
+    for (real_out, real_grad), (sim_out, sim_grad) in zip(real_outs, sim_outs, strict=True):
+        torch.testing.assert_close(real_out, sim_out)
+        torch.testing.assert_close(real_grad, sim_grad)

@@ -255,3 +255,46 @@ def nn_functional_program(comm, op_name: str) -> tuple[torch.Tensor, torch.Tenso
     y = dnn.all_reduce(x, op=REDUCE_OPS[op_name])
     (y * rank_input(50 + rank, (5,))).sum().backward()
     return y.detach(), x.grad
+
+
+NN_OPS = ("all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+def nn_functional_collective_program(comm, op: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One op of torch.distributed.nn.functional, forward and input gradient, with the loss
+    ``(out * w_r).sum()`` on each rank; ``out`` is returned stacked ``(world, 3)`` or ``(3,)``."""
+    import torch.distributed.nn.functional as dnn
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if op == "reduce_scatter":
+        x = rank_input(rank, (world, 3)).requires_grad_()
+        out = dnn.reduce_scatter(torch.empty(3, dtype=torch.float64), list(x.unbind(0)))
+    else:
+        x = rank_input(rank, (3,) if op != "all_to_all" else (world, 3)).requires_grad_()
+        if op == "all_gather":
+            out = torch.stack(dnn.all_gather(x))
+        elif op == "broadcast":
+            out = dnn.broadcast(x, src=2)
+        else:
+            out = torch.stack(dnn.all_to_all([torch.empty(3, dtype=torch.float64) for _ in range(world)],
+                                             list(x.unbind(0))))
+    (out * rank_input(70 + rank, tuple(out.shape))).sum().backward()
+    return out.detach(), x.grad
+
+
+def nn_functional_collective_reference(op: str, world: int = WORLD):
+    """Outputs and input gradients of every rank, from one device: the loss is the sum of
+    the ranks' losses."""
+    if op in ("reduce_scatter", "all_to_all"):
+        xs = [rank_input(r, (world, 3)).requires_grad_() for r in range(world)]
+    else:
+        xs = [rank_input(r, (3,)).requires_grad_() for r in range(world)]
+    if op == "all_gather":
+        outs = [torch.stack(xs)] * world
+    elif op == "broadcast":
+        outs = [xs[2]] * world
+    elif op == "reduce_scatter":
+        outs = list(torch.stack(xs).sum(0).unbind(0))          # rank r: sum over ranks of x[r]
+    else:
+        outs = [torch.stack([xs[src][dst] for src in range(world)]) for dst in range(world)]
+    sum((out * rank_input(70 + r, tuple(out.shape))).sum() for r, out in enumerate(outs)).backward()
+    return [o.detach() for o in outs], [torch.zeros_like(x) if x.grad is None else x.grad for x in xs]
