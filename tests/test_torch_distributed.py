@@ -348,3 +348,53 @@ def test_a_group_of_another_backend_is_refused_not_hung():
     assert isinstance(info.value.__cause__, NotImplementedError)
     assert "backend='gloo'" in str(info.value.__cause__)
     assert_clean()
+
+
+# -- point to point ---------------------------------------------------------------------------
+
+def test_isend_irecv_between_two_ranks():
+    def program(comm):
+        rank = dist.get_rank()
+        if rank == 0:
+            work = dist.isend(progs.rank_input(0), dst=1)
+            work.wait()
+            return None
+        buffer = torch.empty(4, 3, dtype=torch.float64)
+        dist.irecv(buffer, src=0).wait()
+        return buffer
+
+    world = simcomm.World(2)
+    outs = world.run(program)
+    torch.testing.assert_close(outs[1], progs.rank_input(0))
+    assert [(e.rank, e.op, e.nbytes) for e in world.trace] == [(0, "send", 96), (1, "recv", 96)]
+
+
+@pytest.mark.xfail(strict=False, reason="needs simulator isend/irecv: each rank's batch posts a "
+                   "send before its receive, which blocking send/recv turn into a DeadlockError")
+def test_batch_isend_irecv_ring():
+    def program(comm):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        received = torch.empty(4, 3, dtype=torch.float64)
+        ops = [dist.P2POp(dist.isend, progs.rank_input(rank), (rank + 1) % world),
+               dist.P2POp(dist.irecv, received, (rank - 1) % world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return received
+
+    outs = simcomm.World(WORLD).run(program)
+    for rank, got in enumerate(outs):
+        torch.testing.assert_close(got, progs.rank_input((rank - 1) % WORLD))
+
+
+def test_batch_isend_irecv_ring_is_a_deadlock_error_not_a_hang():
+    """What the xfail above does today: named at once, never a hang."""
+    def program(comm):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ops = [dist.P2POp(dist.isend, torch.ones(2), (rank + 1) % world),
+               dist.P2POp(dist.irecv, torch.empty(2), (rank - 1) % world)]
+        dist.batch_isend_irecv(ops)
+
+    with pytest.raises(DeadlockError) as info:
+        simcomm.World(WORLD).run(program)
+    assert "send to rank 1" in str(info.value)
+    assert_clean()
