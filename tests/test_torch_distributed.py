@@ -398,3 +398,22 @@ def test_batch_isend_irecv_ring_is_a_deadlock_error_not_a_hang():
         simcomm.World(WORLD).run(program)
     assert "send to rank 1" in str(info.value)
     assert_clean()
+
+
+def test_runs_after_pytorchs_threaded_process_group_replaced_the_state():
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    def program(comm):
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        return t
+
+    assert all(torch.equal(t, torch.full((2,), 2.0)) for t in simcomm.World(2).run(program))
+    mtpg._install_threaded_pg()
+    try:
+        outs = simcomm.World(2).run(program)
+    finally:
+        mtpg._uninstall_threaded_pg()
+    assert all(torch.equal(t, torch.full((2,), 2.0)) for t in outs)
+    assert all(torch.equal(t, torch.full((2,), 2.0)) for t in simcomm.World(2).run(program))
+    assert_clean()

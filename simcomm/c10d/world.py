@@ -231,9 +231,11 @@ def current_context() -> _RankContext:
 
 
 def _install() -> None:
+    """Register the backend and put the switch in place of ``_world``: once, and again
+    if other code (e.g. PyTorch's threaded process group) has replaced it since."""
     global _switch
     with _install_lock:
-        if _switch is None:
+        if c10d._world is not _switch:
             from .process_group import register
             register()
             _switch = _WorldSwitch(c10d._world)
@@ -254,7 +256,7 @@ class rank_process_group:  # noqa: N801 - used as a function: ``with rank_proces
     __slots__ = ("_context",)
 
     def __init__(self, comm: Communicator):
-        if _switch is None:
+        if c10d._world is not _switch:
             _install()
         self._context = _RankContext(comm.transport)
 
