@@ -30,6 +30,7 @@ is woken and unwinds with :class:`_Aborted`, and ``World.run`` raises the error.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -39,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import typing_extensions
 
 from . import collectives as math
 from . import memory
@@ -58,7 +60,8 @@ class _Aborted(BaseException):
 # -- where in the program a rank is -----------------------------------------------------
 
 _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, torch.__file__))
-_SKIP_FILES = (threading.__file__,)
+# decorator wrappers torch puts around its API (deprecation, context managers)
+_SKIP_FILES = (threading.__file__, contextlib.__file__, typing_extensions.__file__)
 
 
 def _skip_dirs() -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import memory as _memory
+from .c10d import rank_process_group
 from .communicator import Communicator
 from .errors import RankError, RunTimeoutError
 from .sim import RunState, SimTransport, _Aborted, program_location
@@ -104,9 +105,9 @@ def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwarg
     comm = Communicator(SimTransport(state, state.world, rank))
     try:
         state.wait_turn(rank)
-        with _memory.track(rank, reports):
+        with rank_process_group(comm), _memory.track(rank, reports):
             results[rank] = program(comm, *args, **kwargs)
-        comm.transport.check_all_waited()   # a handle never waited on is an error
+            comm.transport.check_all_waited()   # a handle never waited on is an error
     except _Aborted:
         pass
     except BaseException as error:
