@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from simcomm.collectives import check_splits
 from simcomm.errors import CollectiveMismatchError, DeadlockError
 from simcomm.sim import program_location
 
@@ -124,9 +125,11 @@ def _reduce(tensor, dst, op, async_op=False):
 
 
 def _scatter(tensor, src, dim, requires_grad=False, async_op=False):
-    # only the source's tensor matters (the others may pass None): shown, not compared
-    return _collective("scatter", ("src", src), ("dim", dim),
-                       shown=_tensor(tensor) if isinstance(tensor, torch.Tensor) else ())
+    # only the source's tensor matters (the others may pass None), and only the source knows
+    # its rank count to normalise a negative dim: both shown, not compared (the transport
+    # checks each rank's dim against the source's once the header arrives)
+    return _collective("scatter", ("src", src),
+                       shown=(("dim", dim), *(_tensor(tensor) if isinstance(tensor, torch.Tensor) else ())))
 
 
 def _all_to_all_single(tensor, output_split_sizes, input_split_sizes, async_op=False):
@@ -377,13 +380,13 @@ def _collective_problem(records: list[tuple]) -> str | None:
         even = tuple([rows // world] * world)
         resolved.append((input_splits if input_splits is not None else even,
                          output_splits if output_splits is not None else even))
-    lines = []
-    for i, (sends, _) in enumerate(resolved):
-        for j, (_, expects) in enumerate(resolved):
-            if len(sends) == world and len(expects) == world and sends[j] != expects[i]:
-                lines.append(f"  rank {records[i][0]} sends {sends[j]} rows to rank {records[j][0]}, "
-                             f"which expects {expects[i]}")
-    return "\n".join(lines) + "\n" if lines else None
+    if any(len(sends) != world or len(expects) != world for sends, expects in resolved):
+        return None                          # the transport names a list of the wrong length
+    try:
+        check_splits("all_to_all_single", [sends for sends, _ in resolved], [expects for _, expects in resolved])
+    except ValueError as error:              # the same words as the simulator's check (group-local ranks)
+        return f"  {error}\n"
+    return None
 
 
 def _collective_message(group: tuple[int, ...], step: int, records: list[tuple], problem: str) -> str:

@@ -169,7 +169,7 @@ class _DistWork:
         record = self.record
         if record is not None:
             recorder = self.transport._recorder
-            recorder.moved(record, out if isinstance(out, torch.Tensor) else None, at=self.moved)
+            recorder.moved(record, out, at=self.moved)
             recorder.waited(record)
         return out
 
@@ -256,7 +256,7 @@ class DistTransport(TransportBase):
         """A blocking call (``work`` is ``None``) has completed: its output. An async one: a handle."""
         if work is None:
             out = result()
-            self._end(record, out if isinstance(out, torch.Tensor) else None)
+            self._end(record, out)
             return out
         return Handle(_DistWork(self, record, work, result))
 

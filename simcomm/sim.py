@@ -361,7 +361,7 @@ class SimTransport(TransportBase):
             return self._issue(op, step, tensor.clone() if tensor is not None else None, sig, compute,
                                record)
         out = self._rendezvous(op, step, tensor, sig, compute)
-        self._end(record, out if isinstance(out, torch.Tensor) else None)
+        self._end(record, out)
         return out
 
     def _arrive(self, op: str, step: int, tensor, sig: tuple, frame) -> _Slot:
@@ -670,7 +670,7 @@ class SimTransport(TransportBase):
         del self._pending[id(pending)]
         self._fruitless_polls = 0
         if pending.record is not None:
-            self._recorder.moved(pending.record, out if isinstance(out, torch.Tensor) else None,
+            self._recorder.moved(pending.record, out,
                                  at=pending.moved_at())
             self._recorder.waited(pending.record)
 

@@ -156,6 +156,14 @@ class Record:
             setattr(self, name, value)
 
 
+def _output_shape(out) -> tuple | None:
+    """The shape a trace records for a call's output: a tensor's, the first entry's for a
+    ``(tensor, flag)`` pair (a transport's scatter), ``None`` for anything else."""
+    if isinstance(out, tuple) and out:
+        out = out[0]
+    return getattr(out, "shape", None)
+
+
 class Recorder:
     """Builds the trace records of one run (simulator) or one process (real).
 
@@ -189,17 +197,15 @@ class Recorder:
                       async_op)
 
     def end(self, record: Record, out) -> None:
-        """A blocking call returned with ``out`` (a tensor or ``None``): keep its record."""
+        """A blocking call returned with ``out`` (see :func:`_output_shape`): keep its record."""
         record.end = time.perf_counter() - self.clock_zero
-        if out is not None:
-            record.out_shape = out.shape
+        record.out_shape = _output_shape(out)
         self.events.append(record)
 
     def moved(self, record: Record, out, at: float | None = None) -> None:
         """An asynchronous call's data moved (now, or at ``at`` seconds since the start)."""
         record.end = self.now() if at is None else at
-        if out is not None:
-            record.out_shape = out.shape
+        record.out_shape = _output_shape(out)
 
     def waited(self, record: Record) -> None:
         """The program's wait on an asynchronous call returned: keep its record."""
