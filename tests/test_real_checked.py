@@ -86,7 +86,6 @@ def test_matching_collectives_pass_and_unknown_names_pass_through():
     (lambda t: t.all_gather(torch.ones(4 + t.rank), 0), r"shape=\(5,\)"),
     (lambda t: t.broadcast(torch.ones(2), src=t.rank), "src=1"),
     (lambda t: t.reduce(torch.ones(2), t.rank, "sum"), "dst=1"),
-    (lambda t: t.scatter(torch.ones(2) if t.rank == 0 else None, 0, t.rank), "dim=1"),
     (lambda t: t.all_reduce(torch.ones(2, dtype=torch.float64 if t.rank else torch.float32), "sum"),
      "dtype=float64"),
     (lambda t: t.barrier() if t.rank else t.all_reduce(torch.ones(1), "sum"), "called barrier()"),
