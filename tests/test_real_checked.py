@@ -110,7 +110,8 @@ def test_all_to_all_single_split_sizes_must_pair_up():
 
     outcomes = _on_ranks(2, program)
     assert all(isinstance(out, simcomm.CollectiveMismatchError) for out in outcomes), outcomes
-    assert "rank 0 sends 2 rows to rank 1, which expects 1" in str(outcomes[0])
+    assert ("all_to_all_single: rank 0 sends 2 rows to rank 1 (input_split_sizes=[1, 2] on rank 0) "
+            "but rank 1 expects 1 from rank 0 (output_split_sizes=[1, 1] on rank 1)") in str(outcomes[0])
 
     def consistent(t):
         # rank 0 sends [2, 1] rows and receives [2, 3]; rank 1 sends [3, 0] and receives [1, 0]
