@@ -50,6 +50,9 @@ from .waits import describe_deadlock, describe_ranks, describe_waits, p2p_detail
 __all__ = ["SimTransport", "RunState", "program_location"]
 
 
+_get_ident = threading.get_ident
+
+
 class _Aborted(BaseException):
     """Unwinds a rank's program after the run was aborted (not an ``Exception``,
     so a program's ``except Exception`` does not swallow it)."""
@@ -165,6 +168,7 @@ class RunState:
         for waiter in self.waiters:
             waiter.acquire()
         self.threads: list[threading.Thread | None] = [None] * world_size
+        self.thread_ids: list[int | None] = [None] * world_size
         self.started: set[int] = set()
         self.blocked: dict[int, _Wait] = {}
         self.ready: deque[int] = deque()
@@ -190,11 +194,12 @@ class RunState:
     def wait_turn(self, rank: int) -> None:
         """Called by rank ``rank``'s thread before its program: wait for the first turn."""
         self.threads[rank] = threading.current_thread()
+        self.thread_ids[rank] = threading.get_ident()
         self.waiters[rank].acquire()
         if self.error is not None:
             raise _Aborted
         self.started.add(rank)
-        self.random.load(rank)
+        self.random.set_state(self.random.states[rank])
 
     def rank_failed(self, rank: int, error: BaseException) -> None:
         """``rank``'s program raised ``error``: record it and abort the run."""
@@ -239,7 +244,7 @@ class RunState:
         has ended; :class:`~simcomm.errors.WrongThreadError` (and the run fails with
         it) when the caller is not rank ``rank``'s thread.
         """
-        if threading.current_thread() is not self.threads[rank]:
+        if _get_ident() != self.thread_ids[rank] or self.closed:
             raise self._refusal(rank, op)
         self.lock.acquire()
         if self.error is not None:
@@ -276,7 +281,8 @@ class RunState:
         Raises :class:`_Aborted` if the run was aborted.
         """
         self.blocked[rank] = wait
-        self.random.save(rank)
+        random = self.random
+        random.states[rank] = random.get_state()
         next_rank = self.ready.popleft() if self.ready else None
         deadlock = next_rank is None and len(self.blocked) == self.running
         if deadlock:
@@ -289,7 +295,7 @@ class RunState:
         self.waiters[rank].acquire()
         if self.error is not None:
             raise _Aborted
-        self.random.load(rank)
+        random.set_state(random.states[rank])
 
     def abort_and_release(self, error: BaseException) -> NoReturn:
         """Abort the run with ``error``. Called with the lock held; releases it and

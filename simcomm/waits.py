@@ -86,7 +86,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 # -- what a blocked rank waits for ---------------------------------------------------------------
 
-@dataclass
+@dataclass(slots=True)
 class Wait:
     """What a blocked rank waits for (read by the deadlock and timeout reports).
 
