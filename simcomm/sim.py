@@ -177,6 +177,7 @@ class RunState:
         self.error: BaseException | None = None
         self.rank_errors: list[tuple[int, BaseException]] = []
         self.closed = False
+        self.woken_by_abort: set[int] = set()
         self.done = threading.Event()
         self.random = RankRandomState(world_size, device)
         self.events: list[tuple] | None = [] if trace else None
@@ -315,6 +316,7 @@ class RunState:
             self.error = error
         for rank in [*self.blocked, *self.ready]:
             self.waiters[rank].release()
+            self.woken_by_abort.add(rank)
         self.blocked.clear()
         self.ready.clear()
         self.done.set()
@@ -325,11 +327,12 @@ class RunState:
         return describe_deadlock(self.blocked, self.finished, self.world_size)
 
     def turn_holders(self) -> list[int]:
-        """Ranks that have started and are neither blocked, ready nor finished: the rank
-        holding the turn (more than one only while an aborted run unwinds)."""
+        """Unfinished ranks that were running program code, not waiting in the scheduler,
+        when the run was aborted: the rank that held the turn. The abort woke every
+        other rank, and those unwind by themselves."""
         with self.lock:
             return [rank for rank in self.started
-                    if rank not in self.blocked and rank not in self.finished and rank not in self.ready]
+                    if rank not in self.finished and rank not in self.woken_by_abort]
 
     def describe_ranks_locked(self, frames: dict[int, object]) -> list[str]:
         """Where each unfinished rank is (for the timeout message); ``frames`` maps

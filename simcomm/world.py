@@ -21,10 +21,13 @@ from .waits import format_ranks, program_location
 
 __all__ = ["World"]
 
-#: after an abort, how long (seconds) the rank threads get to unwind in all; halfway
-#: through, an exception is raised inside the stragglers. Threads still alive then are
-#: named in the error as "could not be stopped".
+#: after an abort, how long (seconds) the rank that held the turn gets to stop: it is
+#: interrupted at once after a timeout or Ctrl-C, and again halfway. Still alive then, it
+#: is named in the error as "could not be stopped".
 STOP_GRACE_S = 1.0
+#: how long the ranks woken by an abort get to unwind (they do so by themselves, in
+#: milliseconds for thousands of ranks; only a program that catches the abort takes longer)
+UNWIND_S = 5.0
 
 
 class World:
@@ -98,7 +101,8 @@ class World:
           rank's communicator from another thread
           (:class:`~simcomm.errors.WrongThreadError`);
         * :class:`~simcomm.errors.RunTimeoutError` within ``timeout`` +
-          :data:`STOP_GRACE_S` seconds, naming where each rank is and which rank
+          :data:`STOP_GRACE_S` seconds (plus the milliseconds the other ranks
+          take to unwind), naming where each rank is and which rank
           threads could not be stopped (a thread in ``time.sleep`` or a long C
           call cannot be interrupted; it ends, unwinding, when the call returns,
           and never holds up a later run). ``timeout=None`` or ``math.inf``:
@@ -225,6 +229,14 @@ def _argument_name(args: tuple, kwargs: dict, index: int) -> str:
 
 def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
                results: list) -> None:
+    try:
+        _run_rank(state, rank, program, args, kwargs, results)
+    except _Aborted:   # raised into this thread while it was already finishing
+        pass
+
+
+def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
+              results: list) -> None:
     comm = Communicator(SimTransport(state, state.world, rank))
     try:
         # backward on this thread, where the scheduler sees its waits (CUDA would use
@@ -263,35 +275,38 @@ def _interrupt(thread: threading.Thread) -> None:
 
 
 def _stop(threads: list[threading.Thread], state: RunState, *, interrupt_holders: bool) -> str:
-    """Wait up to :data:`STOP_GRACE_S` for every rank thread to end; return the note naming
-    those that could not be stopped ("" when all ended).
+    """Wait for every rank thread to end; return the note naming those that could not be
+    stopped ("" when all ended).
 
-    Blocked ranks were woken by the abort and unwind by themselves. A rank that
-    held the turn when the run was aborted from outside (timeout, Ctrl-C) is
-    interrupted at once; any other straggler halfway through the grace time.
+    The rank that held the turn when the run was aborted from outside (timeout,
+    Ctrl-C) is interrupted at once, and any holder still alive halfway through
+    :data:`STOP_GRACE_S` again; holders get :data:`STOP_GRACE_S` in all. The
+    ranks the abort woke unwind by themselves and get :data:`UNWIND_S` (a
+    program that catches the abort and goes on could take longer).
     """
-    deadline = time.monotonic() + STOP_GRACE_S
+    start = time.monotonic()
+    holders = [threads[rank] for rank in state.turn_holders()]
     if interrupt_holders:
-        for rank in state.turn_holders():
-            _interrupt(threads[rank])
-    halfway = deadline - STOP_GRACE_S / 2
-    for thread in threads:
-        thread.join(max(0.0, halfway - time.monotonic()))
-    alive = [thread for thread in threads if thread.is_alive()]
-    for thread in alive:
+        for thread in holders:
+            _interrupt(thread)
+    for thread in holders:
+        thread.join(max(0.0, start + STOP_GRACE_S / 2 - time.monotonic()))
+    for thread in holders:
         _interrupt(thread)
-    for thread in alive:
-        thread.join(max(0.0, deadline - time.monotonic()))
+    for thread in holders:
+        thread.join(max(0.0, start + STOP_GRACE_S - time.monotonic()))
+    for thread in threads:
+        if thread not in holders:
+            thread.join(max(0.0, start + UNWIND_S - time.monotonic()))
     stuck = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
     if not stuck:
         return ""
     frames = sys._current_frames()
-    places = {rank: program_location(frames.get(threads[rank].ident)) for rank in stuck}
-    lines = [f"rank threads that could not be stopped within {STOP_GRACE_S} s (they keep running in "
-             f"the background, unwind when their current call returns, and hold up no later run):"]
     by_place: dict[str, list[int]] = {}
-    for rank, place in places.items():
-        by_place.setdefault(place, []).append(rank)
+    for rank in stuck:
+        by_place.setdefault(program_location(frames.get(threads[rank].ident)), []).append(rank)
+    lines = [f"rank threads that could not be stopped (they keep running in the background, unwind "
+             f"when their current call returns, and hold up no later run):"]
     lines.extend(f"  rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks) if len(ranks) > 1 else ranks[0]} "
                  f"at {place}" for place, ranks in by_place.items())
     return "\n".join(lines)
