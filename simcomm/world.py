@@ -137,13 +137,17 @@ class World:
                         state.abort_locked(timed_out)
         except BaseException as interrupt:  # KeyboardInterrupt in a notebook: stop the ranks too
             state.abort(interrupt)
-            stuck = _stop(threads, state, interrupt_holders=True)
-            _end_run(state)
+            try:
+                stuck = _stop(threads, state, interrupt_holders=True)
+            finally:
+                _end_run(state)
             if stuck:
                 interrupt.add_note(stuck)
             raise
-        stuck = _stop(threads, state, interrupt_holders=timed_out is not None)
-        _end_run(state)
+        try:
+            stuck = _stop(threads, state, interrupt_holders=timed_out is not None)
+        finally:
+            _end_run(state)
         self.trace = Trace(state.events)
         if state.rank_errors:
             (rank, error), others = state.rank_errors[0], state.rank_errors[1:]

@@ -6,6 +6,7 @@ regression shows as a failure, not as a hung test session.
 from __future__ import annotations
 
 import math
+import signal
 import threading
 import time
 
@@ -163,6 +164,26 @@ def test_timeout_stops_a_spinning_rank():
     assert time.perf_counter() - start < 0.3 + simcomm.world.STOP_GRACE_S + 1.0
     assert not getattr(info.value, "__notes__", None), "a spinning rank can be stopped"
     assert rank_threads() == []
+
+
+def test_ctrl_c_reaches_the_caller_promptly_and_names_the_thread_left_running():
+    def program(comm):
+        if comm.rank == 0:
+            time.sleep(3)   # holds the turn; cannot be interrupted
+        comm.barrier()
+
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT))
+    start = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        simcomm.World(2).run(program)
+    elapsed = time.perf_counter() - start
+    timer.join()
+    assert elapsed < 0.3 + simcomm.world.STOP_GRACE_S + 1.0, f"took {elapsed:.2f} s"
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "could not be stopped" in notes and "rank 0 at" in notes
+    assert simcomm.World(2).run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
 
 
 def test_timeout_inf_is_no_timeout_and_nan_or_negative_is_rejected():
