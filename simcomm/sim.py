@@ -344,7 +344,7 @@ class RunState:
                 continue
             thread = self.threads[rank]
             if rank not in self.started:
-                others[rank] = "never started: it waited for its first turn"
+                others[rank] = "never started (waiting for a first turn)"
             elif rank in self.ready:
                 others[rank] = ("is ready and waits for its turn at "
                                 + program_location(frames.get(thread.ident) if thread else None))

@@ -22,6 +22,14 @@ def rank_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("simcomm-rank") and t.is_alive()]
 
 
+def wait_for_stuck_threads(within: float = 8.0) -> None:
+    """Let rank threads that could not be stopped finish their sleep (so later tests start clean)."""
+    deadline = time.monotonic() + within
+    while rank_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rank_threads() == [], "a stuck rank thread did not end after its sleep"
+
+
 def call_bounded(function, *, within: float = 10.0):
     """Run ``function`` on a helper thread; return what it returned or raised, or fail if it
     has not ended within ``within`` seconds (the defect these tests guard against is a hang)."""
@@ -145,10 +153,7 @@ def test_timeout_raises_promptly_names_where_ranks_are_and_which_could_not_be_st
     start = time.perf_counter()
     assert simcomm.World(3).run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [3.0] * 3
     assert time.perf_counter() - start < 2.0
-    deadline = time.monotonic() + 8
-    while rank_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert rank_threads() == [], "the stuck thread did not end after its sleep"
+    wait_for_stuck_threads()
 
 
 def test_timeout_stops_a_spinning_rank():
@@ -184,6 +189,21 @@ def test_ctrl_c_reaches_the_caller_promptly_and_names_the_thread_left_running():
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "could not be stopped" in notes and "rank 0 at" in notes
     assert simcomm.World(2).run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
+    wait_for_stuck_threads()
+
+
+def test_timeout_message_groups_ranks_that_never_started():
+    def program(comm):
+        deadline = time.monotonic() + 10
+        while comm.rank == 0 and time.monotonic() < deadline:   # rank 0 keeps the turn
+            pass
+
+    with pytest.raises(RunTimeoutError) as info:
+        simcomm.World(500, trace=False).run(program, timeout=0.3)
+    message = str(info.value)
+    assert "ranks [1-499] (499 ranks) never started" in message
+    assert "rank 0 computes at" in message and len(message) < 1000
+    assert rank_threads() == []
 
 
 def test_timeout_inf_is_no_timeout_and_nan_or_negative_is_rejected():
