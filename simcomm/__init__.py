@@ -9,7 +9,8 @@ from torch.distributed import ReduceOp
 from . import collectives
 from .backend import configured_backend
 from .communicator import Communicator
-from .errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
+from .errors import (CollectiveMismatchError, CommunicatorClosedError, DeadlockError, RankError,
+                     RunTimeoutError, SimcommError, WrongThreadError)
 from .trace import Trace, TraceEvent
 from .transport import Transport
 from .world import World
@@ -18,5 +19,6 @@ __all__ = [
     "configured_backend",
     "World", "ReduceOp", "Communicator", "Transport", "Trace", "TraceEvent", "collectives",
     "CollectiveMismatchError", "DeadlockError", "RankError", "RunTimeoutError", "SimcommError",
+    "CommunicatorClosedError", "WrongThreadError",
 ]
 __version__ = "0.1.0"
