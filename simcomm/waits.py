@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["program_location", "format_ranks", "Wait", "describe_deadlock", "describe_ranks"]
+__all__ = ["program_location", "format_ranks", "Wait", "p2p_detail", "describe_waits", "describe_deadlock",
+           "describe_ranks"]
 
 # -- where in the program a rank is -----------------------------------------------------
 
