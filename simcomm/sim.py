@@ -385,7 +385,7 @@ class SimTransport(TransportBase):
         if slot is None:
             slot = group.slots[step] = _Slot(op, sig, self.world_size)
         elif slot.op != op or slot.sig != sig:
-            self._mismatch_locked(slot, op, sig, frame)
+            self._mismatch_and_release(slot, op, sig, frame)
         slot.inputs[me] = tensor
         slot.frames[me] = frame
         slot.arrived.append(me)
@@ -411,7 +411,8 @@ class SimTransport(TransportBase):
                     state.wake_locked(rank)
         return _materialize(slot, me)
 
-    def _mismatch_locked(self, slot: _Slot, op: str, sig: tuple, frame) -> None:
+    def _mismatch_and_release(self, slot: _Slot, op: str, sig: tuple, frame) -> NoReturn:
+        """Abort the run with a CollectiveMismatchError. Called with the lock held; releases it."""
         ranks = self._group.ranks
         first = slot.arrived[0]
         arrived = sorted(ranks[i] for i in slot.arrived)
