@@ -133,10 +133,11 @@ def test_communicator_of_another_rank_used_on_a_rank_thread():
 
 # -- timeouts -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_timeout_raises_promptly_names_where_ranks_are_and_which_could_not_be_stopped():
     def program(comm):
         if comm.rank == 1:
-            time.sleep(4)   # keeps the turn; time.sleep cannot be interrupted
+            time.sleep(2.5)   # keeps the turn; time.sleep cannot be interrupted
         comm.barrier()
 
     start = time.perf_counter()
@@ -171,10 +172,11 @@ def test_timeout_stops_a_spinning_rank():
     assert rank_threads() == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_reaches_the_caller_promptly_and_names_the_thread_left_running():
     def program(comm):
         if comm.rank == 0:
-            time.sleep(3)   # holds the turn; cannot be interrupted
+            time.sleep(2.5)   # holds the turn; cannot be interrupted
         comm.barrier()
 
     main = threading.main_thread().ident
