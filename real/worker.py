@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from simcomm import memory
+from simcomm.rank_random import FRESH_SEED
 from simcomm.communicator import Communicator
 
 from . import messages, pickling
@@ -51,11 +52,10 @@ from .transport import DistTransport, GroupCache
 
 __all__ = ["worker_main", "FRESH_PROCESS_SEED", "reset_random_state"]
 
-#: The seed of torch's default generators in a new process as c10 defines it
-#: (``default_rng_seed_val``). Every run starts from it, on the simulator's
-#: virtual ranks and here, so a program draws the same numbers on both and in
-#: every run.
-FRESH_PROCESS_SEED = 67280421310721
+#: The seed every run starts from, here and on the simulator's virtual ranks
+#: (:data:`simcomm.rank_random.FRESH_SEED`, c10's ``default_rng_seed_val``), so a
+#: program draws the same numbers on both backends and in every run.
+FRESH_PROCESS_SEED = FRESH_SEED
 
 
 def reset_random_state() -> None:

@@ -9,7 +9,8 @@ from torch.distributed import ReduceOp
 from . import collectives
 from .backend import configured_backend
 from .communicator import Communicator
-from .errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
+from .errors import (CollectiveMismatchError, CommunicatorClosedError, DeadlockError, RankError,
+                     RunTimeoutError, SimcommError, WrongThreadError)
 from .handles import Handle, P2POp, UnwaitedHandleError
 from .trace import Trace, TraceEvent
 from .transport import Transport
@@ -20,6 +21,6 @@ __all__ = [
     "World", "ReduceOp", "Communicator", "Transport", "Trace", "TraceEvent", "collectives",
     "Handle", "P2POp",
     "CollectiveMismatchError", "DeadlockError", "RankError", "RunTimeoutError", "SimcommError",
-    "UnwaitedHandleError",
+    "UnwaitedHandleError", "CommunicatorClosedError", "WrongThreadError",
 ]
 __version__ = "0.1.0"

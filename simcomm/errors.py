@@ -10,6 +10,11 @@ once, so it names the problem as soon as it exists:
 * :class:`DeadlockError` - every rank that has not finished is blocked.
 * :class:`RankError` - a rank's own program raised; the original exception is
   the ``__cause__``.
+* :class:`CommunicatorClosedError` - a communicator (or the backward of an
+  output that still holds one) was used after its run ended.
+* :class:`WrongThreadError` - a rank's communicator was called from a thread
+  other than that rank's own.
+* :class:`RunTimeoutError` - the run did not finish within its timeout.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ class RankError(SimcommError):
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         also = f" (ranks {list(others)} raised too)" if others else ""
         super().__init__(
-            f"rank {rank} raised {type(error).__name__}: {error}{also}\n"
+            f"rank {rank} raised {type(error).__name__}: {_safe_str(error)}{also}\n"
             f"--- traceback of rank {rank} ---\n{tb.rstrip()}"
         )
         self.__cause__ = error
@@ -52,4 +57,33 @@ class RankError(SimcommError):
 
 
 class RunTimeoutError(SimcommError, TimeoutError):
-    """A run did not finish within its timeout; the message says where each rank is."""
+    """A run did not finish within its timeout; the message says where each rank is,
+    and which rank threads could not be stopped."""
+
+
+class CommunicatorClosedError(SimcommError):
+    """A communicator was used after the run it belongs to had ended.
+
+    Raised at once, on the calling thread, for any communication call, including
+    the collectives an autograd backward makes: a tensor a program returned
+    without ``.detach()`` still holds its rank's communicator, and its backward
+    would need every other rank, whose programs have already returned.
+    """
+
+
+class WrongThreadError(SimcommError):
+    """A rank's communicator was called from a thread that is not the rank's own.
+
+    Each virtual rank is one thread, and the scheduler knows each rank by its
+    thread; a helper thread a program starts has no place in the turn order. On
+    a real backend it would be a second, unsynchronised user of the process's
+    communicator. The run fails with this error as the rank's error.
+    """
+
+
+def _safe_str(error: BaseException) -> str:
+    """``str(error)``, or a placeholder when the exception's own ``__str__`` raises."""
+    try:
+        return str(error)
+    except BaseException as failure:  # noqa: BLE001 - any failure of a user's __str__
+        return f"<str() of the {type(error).__name__} raised {type(failure).__name__}>"

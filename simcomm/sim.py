@@ -1,4 +1,4 @@
-"""Virtual ranks: the in-process transport and the rendezvous that never hangs.
+"""Virtual ranks: the in-process transport and the scheduler that never hangs.
 
 Every rank of a :class:`simcomm.World` is a thread running the program, and
 the ranks take turns (see :class:`RunState`). A collective is a *rendezvous*:
@@ -23,64 +23,52 @@ NCCL shows as a hang:
   already waiting raises :class:`~simcomm.errors.CollectiveMismatchError`;
 * a rank about to block when every other unfinished rank is blocked too (or
   a rank finishing while all the others are blocked) raises
-  :class:`~simcomm.errors.DeadlockError`, listing who waits for whom.
+  :class:`~simcomm.errors.DeadlockError`, listing who waits for whom;
+* a communicator used after its run ended raises
+  :class:`~simcomm.errors.CommunicatorClosedError`, and one used from a thread
+  other than its rank's raises :class:`~simcomm.errors.WrongThreadError`
+  (:meth:`RunState.lock_for`, the entry of every communication call).
 
 Either error, or a rank's own exception, *aborts* the run: every blocked rank
 is woken and unwinds with :class:`_Aborted`, and ``World.run`` raises the error.
+
+**The lock.** ``RunState.lock`` guards the scheduler's tables (who is blocked,
+who is ready, the slots and channels). Method names say what they do with it:
+``*_locked`` methods are called with the lock held and return with it held;
+``lock_for`` returns holding it; ``release_and_wait`` and ``abort_and_release``
+are called with it held and release it; every other method takes it itself.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
-import typing_extensions
 
 from . import collectives as math
 from . import memory
-from .errors import CollectiveMismatchError, DeadlockError, SimcommError
+from .errors import (CollectiveMismatchError, CommunicatorClosedError, DeadlockError, SimcommError,
+                     WrongThreadError)
 from .handles import Handle, P2POp, UnwaitedHandleError
+from .rank_random import RankRandomState
 from .trace import Record, Recorder
 from .transport import TransportBase
+from .waits import Wait as _Wait
+from .waits import describe_deadlock, describe_ranks, describe_waits, p2p_detail, program_location
 
 __all__ = ["SimTransport", "RunState", "program_location"]
+
+
+_get_ident = threading.get_ident
 
 
 class _Aborted(BaseException):
     """Unwinds a rank's program after the run was aborted (not an ``Exception``,
     so a program's ``except Exception`` does not swallow it)."""
-
-
-# -- where in the program a rank is -----------------------------------------------------
-
-_SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, torch.__file__))
-# decorator wrappers torch puts around its API (deprecation, context managers)
-_SKIP_FILES = (threading.__file__, contextlib.__file__, typing_extensions.__file__)
-
-
-def _skip_dirs() -> tuple[str, ...]:
-    """simcomm's and torch's folders, and real's once it is imported."""
-    real = sys.modules.get("real")
-    if real is not None and getattr(real, "__file__", None):
-        return (*_SKIP_DIRS, os.path.dirname(real.__file__) + os.sep)
-    return _SKIP_DIRS
-
-
-def program_location(frame) -> str:
-    """``file:line in function`` of the innermost frame that belongs to the user's program."""
-    skip = _skip_dirs()
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(skip) and filename not in _SKIP_FILES:
-            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "<unknown location>"
 
 
 def _shared_entries(outputs: list, owner: int) -> list[bool]:
@@ -129,27 +117,12 @@ def _format_args(sig: tuple) -> str:
 
 # -- shared state of one run ---------------------------------------------------------------
 
-@dataclass
-class _Wait:
-    """What a blocked rank waits for (for the deadlock message)."""
-
-    op: str                           # collective name, or "send to rank 3 (float32 (2,))"
-    frame: object
-    slot: _Slot | None = None
-    group_ranks: tuple[int, ...] = ()
-    step: int = 0
-
-    @property
-    def what(self) -> str:
-        if self.slot is None:
-            return self.op
-        return f"{self.op}(step {self.step}, group {list(self.group_ranks)})"
-
-
 def _where(frame) -> str:
     """Where a rank called from: a live frame, or the location an asynchronous call kept
     when it was issued (its frame has moved on since)."""
     return frame if isinstance(frame, str) else program_location(frame)
+
+
 
 
 class _Slot:
@@ -216,6 +189,15 @@ class RunState:
     running at once, so every handoff wakes exactly one thread and no two rank
     threads compete for the interpreter lock. Runs are therefore
     deterministic, and a deadlock is simply "nobody ready, everybody blocked".
+
+    At each handoff the rank handing the turn on saves torch's default
+    generator state and the rank taking it loads its own
+    (:class:`~simcomm.rank_random.RankRandomState`), so each rank draws from
+    a random stream of its own.
+
+    Lock discipline (see the module docstring): the scheduler's decisions are
+    taken under ``lock``; waking another rank's thread and blocking on one's
+    own waiter happen after it is released.
     """
 
     def __init__(self, world_size: int, device: torch.device, trace: bool):
@@ -225,48 +207,143 @@ class RunState:
         self.waiters = [threading.Lock() for _ in range(world_size)]
         for waiter in self.waiters:
             waiter.acquire()
+        self.threads: list[threading.Thread | None] = [None] * world_size
+        self.thread_ids: list[int | None] = [None] * world_size
+        self.started: set[int] = set()
         self.blocked: dict[int, _Wait] = {}
         self.ready: deque[int] = deque()
         self.running = world_size
         self.finished: set[int] = set()
         self.error: BaseException | None = None
         self.rank_errors: list[tuple[int, BaseException]] = []
+        self.closed = False
+        self.woken_by_abort: set[int] = set()
         self.done = threading.Event()
+        self.random = RankRandomState(world_size, device)
         self.events: list[tuple] | None = [] if trace else None
         self.clock_zero = time.perf_counter()
         self.world = _Group(("world",), range(world_size))
+
+    # -- the run's life: called by World and by each rank thread (each takes the lock) --
 
     def start(self) -> None:
         """Give rank 0 the first turn; the others are ready in rank order."""
         with self.lock:
             self.ready.extend(range(1, self.world_size))
-            self.waiters[0].release()
+        self.waiters[0].release()
 
     def wait_turn(self, rank: int) -> None:
-        """Called by a rank thread before its program: wait for the first turn."""
+        """Called by rank ``rank``'s thread before its program: wait for the first turn."""
+        self.threads[rank] = threading.current_thread()
+        self.thread_ids[rank] = threading.get_ident()
         self.waiters[rank].acquire()
         if self.error is not None:
             raise _Aborted
+        self.started.add(rank)
+        self.random.set_state(self.random.states[rank])
 
-    # All methods ending in _locked are called with self.lock held.
+    def rank_failed(self, rank: int, error: BaseException) -> None:
+        """``rank``'s program raised ``error``: record it and abort the run."""
+        with self.lock:
+            if self.error is None or self.rank_errors:
+                self.rank_errors.append((rank, error))
+            self.abort_locked(self.error or error)
 
-    def _pass_turn_locked(self) -> bool:
-        if self.ready:
-            self.waiters[self.ready.popleft()].release()
-            return True
-        return False
+    def rank_finished(self, rank: int) -> None:
+        """``rank``'s program returned (or unwound): hand the turn on, or end the run."""
+        with self.lock:
+            self.running -= 1
+            self.finished.add(rank)
+            if self.running == 0:
+                self.done.set()
+                return
+            if self.error is not None:
+                return
+            next_rank = self.ready.popleft() if self.ready else None
+            if next_rank is None and len(self.blocked) == self.running:
+                self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
+        if next_rank is not None:
+            self.waiters[next_rank].release()
 
-    def wait_locked(self, rank: int, wait: _Wait) -> None:
-        """Block ``rank`` until woken; releases the lock. Raises :class:`_Aborted` on abort."""
-        self.blocked[rank] = wait
-        if not self._pass_turn_locked() and len(self.blocked) == self.running:
-            self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
+    def abort(self, error: BaseException) -> None:
+        """Abort the run from outside it (a timeout, Ctrl-C)."""
+        with self.lock:
+            self.abort_locked(error)
+
+    def close(self) -> None:
+        """The run has ended: any later use of its communicators raises at once."""
+        with self.lock:
+            self.closed = True
+
+    # -- the entry of every communication call --
+
+    def lock_for(self, rank: int, op: str) -> None:
+        """Take the lock for a communication call ``op`` of rank ``rank``; return holding it.
+
+        Raises instead, without the lock: :class:`_Aborted` on an aborted run's own
+        rank thread; :class:`~simcomm.errors.CommunicatorClosedError` when the run
+        has ended; :class:`~simcomm.errors.WrongThreadError` (and the run fails with
+        it) when the caller is not rank ``rank``'s thread.
+        """
+        if _get_ident() != self.thread_ids[rank] or self.closed:
+            raise self._refusal(rank, op)
+        self.lock.acquire()
+        if self.error is not None:
             self.lock.release()
             raise _Aborted
+
+    def _refusal(self, rank: int, op: str) -> BaseException:
+        """The error for a call of rank ``rank``'s communicator from a thread not its own."""
+        caller = threading.current_thread()
+        if self.error is not None and caller in self.threads:
+            return _Aborted()   # a rank thread of an aborted run, still unwinding
+        if self.closed:
+            return CommunicatorClosedError(
+                f"{op} on rank {rank}: the run this communicator belongs to has ended, so no "
+                f"rank is there to meet this call. A communicator works only inside its run; "
+                f"if this is the backward of a tensor a program returned, call backward inside "
+                f"the program or return the tensor's .detach()")
+        error = WrongThreadError(
+            f"{op} on rank {rank}: the communicator of rank {rank} was used from thread "
+            f"{caller.name!r}; each rank's communicator must be used on its rank's thread "
+            f"({self.threads[rank].name if self.threads[rank] else 'not started'!r})")
+        if caller not in self.threads:
+            self.rank_failed(rank, error)   # a helper thread's error would otherwise go unseen
+        return error
+
+    # -- blocking and waking: called by the transport with the lock held --
+
+    def release_and_wait(self, rank: int, wait: _Wait) -> None:
+        """Block ``rank`` until woken. Called with the lock held; releases it.
+
+        Under the lock: record the wait, pick the next ready rank, or see that
+        nobody can run (a deadlock: abort). Then, released: wake the next rank,
+        sleep on this rank's waiter, and on waking load this rank's random state.
+        Raises :class:`_Aborted` if the run was aborted.
+        """
+        self.blocked[rank] = wait
+        random = self.random
+        random.states[rank] = random.get_state()
+        next_rank = self.ready.popleft() if self.ready else None
+        deadlock = next_rank is None and len(self.blocked) == self.running
+        if deadlock:
+            self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
         self.lock.release()
+        if deadlock:
+            raise _Aborted
+        if next_rank is not None:
+            self.waiters[next_rank].release()
         self.waiters[rank].acquire()
         if self.error is not None:
             raise _Aborted
+        random.set_state(random.states[rank])
+
+    def abort_and_release(self, error: BaseException) -> NoReturn:
+        """Abort the run with ``error``. Called with the lock held; releases it and
+        raises :class:`_Aborted` to unwind the calling rank."""
+        self.abort_locked(error)
+        self.lock.release()
+        raise _Aborted
 
     def wake_locked(self, rank: int) -> None:
         """``rank`` may continue: it runs when the current rank hands on its turn."""
@@ -274,55 +351,47 @@ class RunState:
         self.ready.append(rank)
 
     def abort_locked(self, error: BaseException) -> None:
+        """Record the run's first error and wake every blocked or ready rank to unwind."""
         if self.error is None:
             self.error = error
         for rank in [*self.blocked, *self.ready]:
             self.waiters[rank].release()
+            self.woken_by_abort.add(rank)
         self.blocked.clear()
         self.ready.clear()
         self.done.set()
 
-    def abort(self, error: BaseException) -> None:
-        with self.lock:
-            self.abort_locked(error)
-
-    def check_locked(self) -> None:
-        if self.error is not None:
-            self.lock.release()
-            raise _Aborted
-
-    def rank_failed(self, rank: int, error: BaseException) -> None:
-        with self.lock:
-            if self.error is None or self.rank_errors:
-                self.rank_errors.append((rank, error))
-            self.abort_locked(self.error or error)
-
-    def rank_finished(self, rank: int) -> None:
-        with self.lock:
-            self.running -= 1
-            self.finished.add(rank)
-            if self.running == 0:
-                self.done.set()
-            elif (self.error is None and not self._pass_turn_locked()
-                  and len(self.blocked) == self.running):
-                self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
+    # -- reports --
 
     def describe_deadlock_locked(self) -> str:
-        lines = ["every rank that has not finished is blocked, so none can make progress:"]
-        for rank in sorted(self.blocked):
-            wait = self.blocked[rank]
-            where = program_location(wait.frame)
-            if wait.slot is not None:
-                missing = [r for i, r in enumerate(wait.group_ranks) if i not in wait.slot.arrived]
-                lines.append(f"  rank {rank} waits in {wait.what} for ranks {missing} "
-                             f"(arrived: {[wait.group_ranks[i] for i in sorted(wait.slot.arrived)]}) "
-                             f"at {where}")
-            else:
-                lines.append(f"  rank {rank} waits in {wait.what} at {where}")
-        for rank in sorted(self.finished):
-            lines.append(f"  rank {rank} has finished its program")
-        return "\n".join(lines)
+        return describe_deadlock(self.blocked, self.finished, self.world_size)
 
+    def turn_holders(self) -> list[int]:
+        """Unfinished ranks that were running program code, not waiting in the scheduler,
+        when the run was aborted: the rank that held the turn. The abort woke every
+        other rank, and those unwind by themselves."""
+        with self.lock:
+            return [rank for rank in self.started
+                    if rank not in self.finished and rank not in self.woken_by_abort]
+
+    def describe_ranks_locked(self, frames: dict[int, object]) -> list[str]:
+        """Where each unfinished rank is (for the timeout message); ``frames`` maps
+        thread ids to their current frames (``sys._current_frames()``)."""
+        lines = describe_waits(self.blocked, self.world_size)
+        others: dict[int, str] = {}
+        for rank in range(self.world_size):
+            if rank in self.blocked or rank in self.finished:
+                continue
+            thread = self.threads[rank]
+            if rank not in self.started:
+                others[rank] = "never started (waiting for a first turn)"
+            elif rank in self.ready:
+                others[rank] = ("is ready and waits for its turn at "
+                                + program_location(frames.get(thread.ident) if thread else None))
+            else:
+                others[rank] = "computes at " + program_location(frames.get(thread.ident) if thread else None)
+        lines.extend(describe_ranks(others, self.world_size))
+        return lines
 
 # -- the transport -----------------------------------------------------------------------
 
@@ -371,13 +440,12 @@ class SimTransport(TransportBase):
         the run, releases the lock and raises :class:`_Aborted`.
         """
         state, group, me = self._state, self._group, self.rank
-        state.lock.acquire()
-        state.check_locked()
+        state.lock_for(self.global_rank, op)
         slot = group.slots.get(step)
         if slot is None:
             slot = group.slots[step] = _Slot(op, sig, self.world_size)
         elif slot.op != op or slot.sig != sig:
-            self._mismatch_locked(slot, op, sig, frame)
+            self._mismatch_and_release(slot, op, sig, frame)
         slot.inputs[me] = tensor
         slot.frames[me] = frame
         slot.arrived.append(me)
@@ -409,7 +477,7 @@ class SimTransport(TransportBase):
         slot = self._arrive(op, step, tensor, sig, frame)
         if len(slot.arrived) < self.world_size:
             slot.waiting.append(self.global_rank)
-            state.wait_locked(self.global_rank, _Wait(op, frame, slot, self._group.ranks, step))
+            state.release_and_wait(self.global_rank, _Wait(op, frame, slot, self._group.ranks, step))
             if slot.failed:
                 raise _Aborted
             return _materialize(slot, self.rank)
@@ -429,7 +497,8 @@ class SimTransport(TransportBase):
             self._complete(slot, step, compute)
         return self._handle(_PendingCollective(self, slot, step, record, where))
 
-    def _mismatch_locked(self, slot: _Slot, op: str, sig: tuple, frame) -> None:
+    def _mismatch_and_release(self, slot: _Slot, op: str, sig: tuple, frame) -> NoReturn:
+        """Abort the run with a CollectiveMismatchError. Called with the lock held; releases it."""
         ranks = self._group.ranks
         first = slot.arrived[0]
         arrived = sorted(ranks[i] for i in slot.arrived)
@@ -440,9 +509,7 @@ class SimTransport(TransportBase):
             f"  rank {ranks[self.rank]} called {op}({_format_args(sig)}) at {_where(frame)}\n"
             f"every rank of a group must call the same collectives in the same order with "
             f"matching shapes, dtypes and arguments")
-        self._state.abort_locked(CollectiveMismatchError(message))
-        self._state.lock.release()
-        raise _Aborted
+        self._state.abort_and_release(CollectiveMismatchError(message))
 
     @staticmethod
     def _sig(tensor: torch.Tensor, **args) -> tuple:
@@ -521,13 +588,12 @@ class SimTransport(TransportBase):
         state, group = self._state, self._group
         frame = program_location(sys._getframe(2)) if async_op else sys._getframe(2)
         me = self.global_rank
-        state.lock.acquire()
-        state.check_locked()
+        state.lock_for(me, kind)
         channel = group.channels.setdefault(key, deque())
         if channel and channel[0].kind != kind:
             partner = channel.popleft()
             if partner.shape != shape or partner.dtype != dtype:
-                self._p2p_mismatch_locked(_Message(kind, me, tensor, shape, dtype, frame), partner)
+                self._p2p_mismatch_and_release(_Message(kind, me, tensor, shape, dtype, frame), partner)
             if kind == "send":
                 partner.tensor = tensor if async_op else tensor.clone()
                 self._deliver_locked(partner)
@@ -550,7 +616,7 @@ class SimTransport(TransportBase):
             state.lock.release()
             return self._handle(_PendingMessage(self, message, record, peer))
         message.blocked = True
-        state.wait_locked(me, _Wait(_p2p_what(kind, group.ranks[peer], shape, dtype), frame))
+        state.release_and_wait(me, _Wait(kind, frame, peer=group.ranks[peer], detail=p2p_detail(dtype, shape)))
         out = message.tensor if kind == "recv" else None
         self._end(record, out)
         return out
@@ -563,7 +629,7 @@ class SimTransport(TransportBase):
             message.blocked = False
             self._state.wake_locked(message.rank)
 
-    def _p2p_mismatch_locked(self, mine: _Message, partner: _Message) -> None:
+    def _p2p_mismatch_and_release(self, mine: _Message, partner: _Message) -> None:
         send, recv = (mine, partner) if mine.kind == "send" else (partner, mine)
         message = (
             f"send/recv mismatch in group {list(self._group.ranks)}:\n"
@@ -571,9 +637,7 @@ class SimTransport(TransportBase):
             f"{tuple(send.shape)} at {_where(send.frame)}\n"
             f"  rank {recv.rank} expects {str(recv.dtype).removeprefix('torch.')} "
             f"{tuple(recv.shape)} at {_where(recv.frame)}")
-        self._state.abort_locked(CollectiveMismatchError(message))
-        self._state.lock.release()
-        raise _Aborted
+        self._state.abort_and_release(CollectiveMismatchError(message))
 
     # -- rooted and uneven collectives --
 
@@ -626,6 +690,14 @@ class SimTransport(TransportBase):
         sig = (("dtype", tensor.dtype), ("shape[1:]", tuple(tensor.shape[1:])))
 
         def compute(entries: list) -> list:
+            try:
+                math.check_splits("all_to_all_single", [e[2] for e in entries], [e[1] for e in entries])
+            except ValueError as error:   # the ranks disagree: a mismatch, as on real processes' checked mode
+                self._state.abort(CollectiveMismatchError(
+                    f"ranks of group {list(self.ranks)} disagree at collective step {step} "
+                    f"(group-local ranks below):\n  {error}\nevery rank of a group must call the same "
+                    f"collectives in the same order with matching shapes, dtypes and arguments"))
+                raise _Aborted from None
             return math.all_to_all_single([e[0] for e in entries], [e[1] for e in entries],
                                           [e[2] for e in entries])
 
@@ -661,8 +733,7 @@ class SimTransport(TransportBase):
                 f"wait() on the handle of {pending.what} issued by rank {self.global_rank} at "
                 f"{pending.where}: called outside that rank's program (its run has ended, or "
                 f"another thread called it); wait on handles inside the program that issued them")
-        state.lock.acquire()
-        state.check_locked()
+        state.lock_for(self.global_rank, f"wait() on {pending.what}")
         return state
 
     def _waited(self, pending: _Pending, out) -> None:
@@ -691,6 +762,7 @@ class SimTransport(TransportBase):
             elif state.ready:
                 raise_aborted = False
                 state.ready.append(me)
+                state.random.states[me] = state.random.get_state()   # this rank's stream, kept
                 state.waiters[state.ready.popleft()].release()
             else:
                 self._fruitless_polls += 1
@@ -706,6 +778,8 @@ class SimTransport(TransportBase):
         if not raise_aborted:
             self._fruitless_polls = 0
             state.waiters[me].acquire()
+            if state.error is None:
+                state.random.set_state(state.random.states[me])
         if state.error is not None:
             raise _Aborted
 
@@ -745,7 +819,7 @@ class _PendingCollective:
         state = transport._wait_begins(self)
         if slot.outputs is None and not slot.failed:
             slot.waiting.append(transport.global_rank)
-            state.wait_locked(transport.global_rank, _Wait(
+            state.release_and_wait(transport.global_rank, _Wait(
                 f"wait() on {slot.op}", sys._getframe(1), slot, transport.ranks, self.step))
         else:
             state.lock.release()
@@ -791,7 +865,7 @@ class _PendingMessage:
         state = transport._wait_begins(self)
         if not message.done:
             message.blocked = True
-            state.wait_locked(transport.global_rank, _Wait(f"wait() on {self.what}", sys._getframe(1)))
+            state.release_and_wait(transport.global_rank, _Wait(f"wait() on {self.what}", sys._getframe(1)))
         else:
             state.lock.release()
         out = message.tensor if message.kind == "recv" else None

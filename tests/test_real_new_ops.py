@@ -98,9 +98,11 @@ def _disagreeing_splits(comm):
 def test_split_lists_that_disagree_name_both_ranks_on_both_backends(cluster):
     expected = (r"all_to_all_single: rank 0 sends 1 rows to rank 1 \(input_split_sizes=\[1(, 1)+\] on rank 0\) "
                 r"but rank 1 expects 2 from rank 0 \(output_split_sizes=\[2(, 0)+\] on rank 1\)")
+    with pytest.raises(simcomm.CollectiveMismatchError, match=expected):
+        cluster.run(_disagreeing_splits)      # checked mode (the default) finds it before data moves
     with pytest.raises(simcomm.RankError, match=expected):
-        cluster.run(_disagreeing_splits)
-    with pytest.raises(simcomm.RankError, match=expected):
+        real.run(_disagreeing_splits, world_size=cluster.world_size, checked=False)   # the transport's check
+    with pytest.raises(simcomm.CollectiveMismatchError, match=expected):
         simcomm.World(cluster.world_size).run(_disagreeing_splits)
 
 

@@ -157,16 +157,18 @@ def test_world_is_usable_after_every_kind_of_error():
     assert rank_threads() == []
 
 
-def test_timeout_names_where_each_rank_is_and_leaves_no_thread():
+def test_timeout_names_where_each_rank_is_and_stops_a_rank_in_python_code():
     def program(comm):
         if comm.rank == 1:
-            time.sleep(5)   # the turn is never handed on: rank 0 cannot run either
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:   # keeps the turn: rank 0 cannot run either
+                pass
         comm.barrier()
 
     start = time.perf_counter()
     with pytest.raises(RunTimeoutError) as info:
         simcomm.World(2).run(program, timeout=0.5)
-    assert time.perf_counter() - start < 8
+    assert time.perf_counter() - start < 0.5 + simcomm.world.STOP_GRACE_S + 1.0
     assert "rank 1 computes at" in str(info.value) and "in program" in str(info.value)
     assert rank_threads() == []
 

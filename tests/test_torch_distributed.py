@@ -386,20 +386,6 @@ def test_batch_isend_irecv_ring():
         torch.testing.assert_close(got, progs.rank_input((rank - 1) % WORLD))
 
 
-def test_batch_isend_irecv_ring_is_a_deadlock_error_not_a_hang():
-    """What the xfail above does today: named at once, never a hang."""
-    def program(comm):
-        rank, world = dist.get_rank(), dist.get_world_size()
-        ops = [dist.P2POp(dist.isend, torch.ones(2), (rank + 1) % world),
-               dist.P2POp(dist.irecv, torch.empty(2), (rank - 1) % world)]
-        dist.batch_isend_irecv(ops)
-
-    with pytest.raises(DeadlockError) as info:
-        simcomm.World(WORLD).run(program)
-    assert "send to rank 1" in str(info.value)
-    assert_clean()
-
-
 def test_runs_after_pytorchs_threaded_process_group_replaced_the_state():
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
