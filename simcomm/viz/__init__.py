@@ -14,6 +14,9 @@ element by the rank it came from.
 ``explore``                ipywidgets panel that redraws ``collective_figure``
 ``busbw_figure``           bus bandwidth per message size: cost model curves and measured rows
 =========================  =====================================================
+
+Imported in a Jupyter kernel, this package makes :mod:`simcomm.viz.render`'s
+``"simcomm"`` renderer plotly's default, so figures also survive an HTML export.
 """
 from .algorithms import allreduce_steps, ring_allreduce_figure
 from .busbw import busbw_figure
@@ -21,6 +24,7 @@ from .collective import OPS, CollectiveRun, collective_figure, collective_run_fi
 from .explore import Explorer, explore
 from .grids import as_grid, grid_layout, rank_grid
 from .matrix import comm_matrix_figure
+from .render import in_kernel, use_export_renderer
 from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
 from .timeline import human_bytes, timeline_figure
 
@@ -29,4 +33,8 @@ __all__ = [
     "as_grid", "grid_layout", "rank_grid", "allreduce_steps", "ring_allreduce_figure", "Explorer", "explore",
     "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure",
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
+    "use_export_renderer",
 ]
+
+if in_kernel():   # figures then survive an HTML export; see simcomm.viz.render
+    use_export_renderer()

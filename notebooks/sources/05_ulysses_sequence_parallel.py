@@ -1,4 +1,17 @@
-"""Lesson 05 source; build the notebook with `python notebooks/build.py`."""
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
 
 # %% [markdown]
 # # Lesson 5: Ulysses sequence parallelism
@@ -29,7 +42,7 @@ shard = seq // world_size                                    # tokens per rank
 # Give every element a value that says where it sits: `10 * token + head`. Rank `r` starts with
 # tokens `2r` and `2r + 1` of every head.
 
-# %%
+# %% expect=["rank 0: (1, 2, 4, 2) tokens x heads [[0, 1, 2, 3], [10, 11, 12, 13]]  ->  (1, 8, 1, 2) [0, 10, 20, 30, 40, 50, 60, 70]", "rank 1: (1, 2, 4, 2) tokens x heads [[20, 21, 22, 23], [30, 31, 32, 33]]  ->  (1, 8, 1, 2) [1, 11, 21, 31, 41, 51, 61, 71]", "rank 2: (1, 2, 4, 2) tokens x heads [[40, 41, 42, 43], [50, 51, 52, 53]]  ->  (1, 8, 1, 2) [2, 12, 22, 32, 42, 52, 62, 72]", "rank 3: (1, 2, 4, 2) tokens x heads [[60, 61, 62, 63], [70, 71, 72, 73]]  ->  (1, 8, 1, 2) [3, 13, 23, 33, 43, 53, 63, 73]"]
 labels = (10 * torch.arange(seq).view(1, seq, 1, 1) + torch.arange(heads).view(1, 1, heads, 1)
           ).expand(batch, seq, heads, head_dim).double()     # (b, s, h, d)
 
@@ -44,32 +57,22 @@ for rank, (mine, by_heads, _) in enumerate(outs):
     print(f"rank {rank}: {tuple(mine.shape)} tokens x heads {mine[0, :, :, 0].int().tolist()}"
           f"  ->  {tuple(by_heads.shape)} {by_heads[0, :, :, 0].int().flatten().tolist()}")
 
-# %% expect
-# rank 0: (1, 2, 4, 2) tokens x heads [[0, 1, 2, 3], [10, 11, 12, 13]]  ->  (1, 8, 1, 2) [0, 10, 20, 30, 40, 50, 60, 70]
-# rank 1: (1, 2, 4, 2) tokens x heads [[20, 21, 22, 23], [30, 31, 32, 33]]  ->  (1, 8, 1, 2) [1, 11, 21, 31, 41, 51, 61, 71]
-# rank 2: (1, 2, 4, 2) tokens x heads [[40, 41, 42, 43], [50, 51, 52, 53]]  ->  (1, 8, 1, 2) [2, 12, 22, 32, 42, 52, 62, 72]
-# rank 3: (1, 2, 4, 2) tokens x heads [[60, 61, 62, 63], [70, 71, 72, 73]]  ->  (1, 8, 1, 2) [3, 13, 23, 33, 43, 53, 63, 73]
-
 # %% [markdown]
 # After the first all-to-all, rank 0 holds head 0 for all 8 tokens, rank 1 head 1, and so on.
 # The second all-to-all (the dims swapped) is the exact inverse:
 
-# %%
+# %% expect=["head shards: matches the reference", "back to sequence shards: matches the reference"]
 heads_per_rank = heads // world_size
 expected_heads = [labels[:, :, r * heads_per_rank:(r + 1) * heads_per_rank] for r in range(world_size)]
 print(lessons.assert_close([by_heads for _, by_heads, _ in outs], expected_heads, "head shards"))
 print(lessons.assert_close([back for _, _, back in outs], [mine for mine, _, _ in outs],
                            "back to sequence shards"))
 
-# %% expect
-# head shards: matches the reference
-# back to sequence shards: matches the reference
-
 # %% [markdown]
 # The same re-sharding as a figure, coloured by the rank each element came from (drawn on the
 # simulator): the left panels are sequence shards, the right ones head shards.
 
-# %% ignore-output
+# %% tags=["nbval-ignore-output"]
 viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(batch, shard, heads, head_dim))  # per-rank shape
 
 # %% [markdown]
@@ -80,7 +83,7 @@ viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(batch, shar
 # Each rank's output shard is its own part of the output, so the per-rank losses add up to the
 # loss of the whole output: the sum-of-losses convention holds with no extra care.
 
-# %%
+# %% expect=["causal=False output: matches the reference", "causal=False q.grad: matches the reference", "causal=False k.grad: matches the reference", "causal=False v.grad: matches the reference", "causal=True output: matches the reference", "causal=True q.grad: matches the reference", "causal=True k.grad: matches the reference", "causal=True v.grad: matches the reference"]
 q, k, v = make_qkv(batch, seq, heads, head_dim, seed=0)           # (b, s, h, d) each, float64
 weights = torch.randn(batch, seq, heads, head_dim, dtype=torch.float64,
                       generator=torch.Generator().manual_seed(1))   # a loss that weighs every element
@@ -102,26 +105,13 @@ for causal in (False, True):
         got = torch.cat([out[index] for out in outs], dim=1)      # the shards in sequence order
         print(lessons.assert_close(got, ref.detach(), f"causal={causal} {name}"))
 
-# %% expect
-# causal=False output: matches the reference
-# causal=False q.grad: matches the reference
-# causal=False k.grad: matches the reference
-# causal=False v.grad: matches the reference
-# causal=True output: matches the reference
-# causal=True q.grad: matches the reference
-# causal=True k.grad: matches the reference
-# causal=True v.grad: matches the reference
-
 # %% [markdown]
 # The backward pass runs the all-to-alls again, each with its dims swapped (lesson 2):
 
-# %%
+# %% expect=["8 calls: [('all_to_all', 'backward'), ('all_to_all', 'forward')]"]
 calls = [(op, phase) for _, op, phase in world.trace.ops()]
 assert calls == [("all_to_all", "forward")] * 4 + [("all_to_all", "backward")] * 4, calls
 print(f"{len(calls)} calls: {sorted(set(calls))}")
-
-# %% expect
-# 8 calls: [('all_to_all', 'backward'), ('all_to_all', 'forward')]
 
 # %% [markdown]
 # ## 3. When the heads do not divide the world size
@@ -135,6 +125,7 @@ q6, k6, v6 = make_qkv(batch, seq, 6, head_dim)
 error = lessons.expect_error(lambda: world.run(ulysses_step, q6, k6, v6, weights, False),
                              simcomm.RankError, "all_to_all_4D", "size 6", "not divisible by the world size 4")
 print(str(error).splitlines()[0])
+
 
 # %% [markdown]
 # ## 4. Communication: Ulysses vs all-gathering the sequence
@@ -161,7 +152,8 @@ def ulysses_forward(comm, q, k, v):
 def bytes_sent_by_rank_0(trace):
     return sum(sum(event.sent.values()) for event in trace.filter(rank=0))
 
-# %%
+
+# %% expect=["2 ranks: Ulysses  1024 B, all-gather K,V  1024 B per rank  (ratio 1)", "4 ranks: Ulysses  1536 B, all-gather K,V  3072 B per rank  (ratio 2)", "8 ranks: Ulysses  1792 B, all-gather K,V  7168 B per rank  (ratio 4)"]
 for size in (2, 4, 8):
     sim = simcomm.World(size)                                   # byte counts: the simulator's trace
     q_n, k_n, v_n = make_qkv(batch, 4 * size, 8, head_dim)      # 4 tokens per rank, 8 heads
@@ -174,10 +166,6 @@ for size in (2, 4, 8):
     print(f"{size} ranks: Ulysses {ulysses_bytes:5} B, all-gather K,V {gather_bytes:5} B per rank"
           f"  (ratio {gather_bytes / ulysses_bytes:g})")
 
-# %% expect
-# 2 ranks: Ulysses  1024 B, all-gather K,V  1024 B per rank  (ratio 1)
-# 4 ranks: Ulysses  1536 B, all-gather K,V  3072 B per rank  (ratio 2)
-# 8 ranks: Ulysses  1792 B, all-gather K,V  7168 B per rank  (ratio 4)
 
 # %% [markdown]
 # With a fixed number of tokens per rank, Ulysses sends almost the same bytes per rank however
@@ -193,19 +181,17 @@ for size in (2, 4, 8):
 # sends in the forward pass of `ulysses_attention` (four all-to-alls), for tensors of
 # `itemsize` bytes per element. The check compares with traced runs for several shapes.
 
-# %%
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def per_rank_bytes(batch, seq, heads, head_dim, world_size, itemsize):
     raise NotImplementedError   # your formula
 
 print(lessons.check_ulysses_bytes(per_rank_bytes))
 
-# %% expect
-# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
 
 # %% [markdown]
 # Solution (expand the cell to see it):
 
-# %% solution
+# %% expect=["Correct: bytes per rank for 4 shapes and world sizes."] jupyter={"source_hidden": true} tags=["solution"]
 def ulysses_bytes_solution(batch, seq, heads, head_dim, world_size, itemsize):
     shard_bytes = batch * (seq // world_size) * heads * head_dim * itemsize   # one (b, s/P, h, d) tensor
     return 4 * shard_bytes * (world_size - 1) / world_size                    # 4 all-to-alls, keep 1/P
@@ -215,9 +201,6 @@ print(lessons.check_ulysses_bytes(ulysses_bytes_solution))
 failure = lessons.expect_error(
     lambda: lessons.check_ulysses_bytes(lambda b, s, h, d, p, i: 4 * b * (s // p) * h * d * i),
     AssertionError, "you said")
-
-# %% expect
-# Correct: bytes per rank for 4 shapes and world sizes.
 
 # %% [markdown]
 # ## Takeaway

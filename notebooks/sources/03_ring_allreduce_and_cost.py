@@ -1,4 +1,17 @@
-"""Lesson 03 source; build the notebook with `python notebooks/build.py`."""
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
 
 # %% [markdown]
 # # Lesson 3: the ring all-reduce, and what it costs
@@ -12,13 +25,11 @@
 # sends, decides the time.
 
 # %%
-import plotly.io as pio
 import torch
 import simcomm
 from simcomm import cost, lessons, viz
 from simcomm.viz import allreduce_steps
 
-pio.renderers.default = "plotly_mimetype+notebook"   # figures also work in an exported HTML file
 world_size = 4
 world = simcomm.configured_backend(world_size)
 
@@ -36,10 +47,11 @@ world = simcomm.configured_backend(world_size)
 # Press play, or drag the slider (the animation needs no running kernel, so it also works in an
 # exported HTML file). Each cell shows a chunk's partial sum and the ranks it already contains.
 
-# %% ignore-output
+# %% tags=["nbval-ignore-output"]
 ring = viz.ring_allreduce_figure(world_size, algorithm="ring")
 assert len(ring.frames) == 2 * (world_size - 1) + 1       # the steps, plus the start
 ring
+
 
 # %% [markdown]
 # ## 2. The ring, written with `send` and `recv`
@@ -48,7 +60,7 @@ ring
 # `comm.send` and `comm.recv` (read it with `lessons.ring_all_reduce??`). It runs on the
 # configured backend and must agree with the built-in all-reduce:
 
-# %%
+# %% expect=["rank 0: [600, 604, 608, 612, 616, 620, 624, 628] (the same on every rank)"]
 def ring_vs_builtin(comm):
     x = torch.arange(8.0, device=comm.device) + 100 * comm.rank      # 8 numbers = 4 chunks of 2
     return lessons.ring_all_reduce(comm, x), comm.all_reduce(x)
@@ -57,13 +69,10 @@ outs = world.run(ring_vs_builtin)
 assert all(torch.equal(ring_sum, builtin) for ring_sum, builtin in outs)
 print(lessons.per_rank([ring_sum for ring_sum, _ in outs][:1]), "(the same on every rank)")
 
-# %% expect
-# rank 0: [600, 604, 608, 612, 616, 620, 624, 628] (the same on every rank)
-
 # %% [markdown]
 # Now count, from the trace, what rank 0 sent in the ring:
 
-# %%
+# %% expect=["6 sends of 8 bytes: 48 bytes for a 32-byte buffer"]
 sends = world.trace.filter(rank=0, op="send").events
 buffer_bytes = 8 * torch.tensor(0.0).element_size()                     # one rank's x: 8 float32
 ring_bytes = sum(event.nbytes for event in sends)
@@ -72,8 +81,6 @@ assert all(event.nbytes == buffer_bytes // world_size for event in sends)   # on
 assert ring_bytes == 2 * (world_size - 1) / world_size * buffer_bytes
 print(f"{len(sends)} sends of {sends[0].nbytes} bytes: {ring_bytes} bytes for a {buffer_bytes}-byte buffer")
 
-# %% expect
-# 6 sends of 8 bytes: 48 bytes for a 32-byte buffer
 
 # %% [markdown]
 # Each rank sends `2 (n - 1) / n` times its buffer, **whatever the number of ranks**: 1.5x for
@@ -85,7 +92,7 @@ print(f"{len(sends)} sends of {sends[0].nbytes} bytes: {ring_bytes} bytes for a 
 # forever; `ring_all_reduce` lets even ranks send first and odd ranks receive first. The
 # simulator catches the naive version at once:
 
-# %%
+# %% expect=["DeadlockError"]
 def everyone_sends_first(comm):
     comm.send(torch.ones(2))              # to the next rank
     return comm.recv((2,))                # from the previous rank
@@ -94,23 +101,21 @@ error = lessons.expect_error(lambda: simcomm.World(world_size).run(everyone_send
                              simcomm.DeadlockError, "send")
 print(type(error).__name__)
 
-# %% expect
-# DeadlockError
-
 # %% [markdown]
 # ## 3. The tree: fewer steps, more bytes
 #
 # A tree all-reduce adds buffers up a binary tree to rank 0 and sends the result back down. It
 # takes only `2 log2(n)` steps, but every send carries the *whole* buffer. Step through it:
 
-# %% ignore-output
+# %% tags=["nbval-ignore-output"]
 viz.ring_allreduce_figure(world_size, algorithm="tree")
+
 
 # %% [markdown]
 # Both schedules, counted from their step lists for several world sizes: the number of steps
 # (each costs a fixed latency) and the most bytes one rank sends (in buffers):
 
-# %%
+# %% expect=[" 2 ranks: ring  2 steps, 1 buffers;  tree 2 steps, 1 buffers", " 4 ranks: ring  6 steps, 1.5 buffers;  tree 4 steps, 2 buffers", " 8 ranks: ring 14 steps, 1.75 buffers;  tree 6 steps, 3 buffers", "16 ranks: ring 30 steps, 1.88 buffers;  tree 8 steps, 4 buffers"]
 def most_sent(steps, n):
     sent = [0.0] * n
     for step in steps:
@@ -123,12 +128,6 @@ for n in (2, 4, 8, 16):
     assert len(ring_steps) == 2 * (n - 1) and most_sent(ring_steps, n) == 2 * (n - 1) / n
     print(f"{n:2} ranks: ring {len(ring_steps):2} steps, {most_sent(ring_steps, n):.3g} buffers;"
           f"  tree {len(tree_steps)} steps, {most_sent(tree_steps, n):.3g} buffers")
-
-# %% expect
-#  2 ranks: ring  2 steps, 1 buffers;  tree 2 steps, 1 buffers
-#  4 ranks: ring  6 steps, 1.5 buffers;  tree 4 steps, 2 buffers
-#  8 ranks: ring 14 steps, 1.75 buffers;  tree 6 steps, 3 buffers
-# 16 ranks: ring 30 steps, 1.88 buffers;  tree 8 steps, 4 buffers
 
 # %% [markdown]
 # The ring's steps grow with `n`, its bytes do not; the tree's steps grow only as `log2(n)`,
@@ -167,16 +166,13 @@ assert large[1].bandwidth_time < simple_tree_bytes / topology.intra_bandwidth   
 # bytes dominate and the ring wins. The bandwidth part of the ring is exactly the byte count of
 # section 2 divided by the link's bandwidth:
 
-# %%
+# %% expect=["1.750 GiB over 369 GB/s = 5.09 ms"]
 nbytes = 2 ** 30
 ring_est = cost.estimate("all_reduce", nbytes, n, topology, algorithm="ring")
 bytes_per_link = 2 * (n - 1) / n * nbytes
 assert abs(ring_est.bandwidth_time - bytes_per_link / topology.intra_bandwidth) < 1e-6 * ring_est.time
 print(f"{bytes_per_link / 2 ** 30:.3f} GiB over {topology.intra_bandwidth / 1e9:.0f} GB/s "
       f"= {ring_est.bandwidth_time * 1e3:.2f} ms")
-
-# %% expect
-# 1.750 GiB over 369 GB/s = 5.09 ms
 
 # %% [markdown]
 # ## 5. algbw and busbw: reading nccl-tests
@@ -186,20 +182,17 @@ print(f"{bytes_per_link / 2 ** 30:.3f} GiB over {topology.intra_bandwidth / 1e9:
 # ring's bytes per buffer from section 2. busbw is therefore the bandwidth each link really
 # carries, and it can be compared across ops and world sizes, and with the hardware's link rate.
 
-# %%
+# %% expect=["busbw of a 1 GiB all-reduce: 365 GB/s, algbw 209 GB/s"]
 assert cost.busbw_factor("all_reduce", world_size) == ring_bytes / buffer_bytes   # measured in section 2
 assert cost.busbw_factor("all_gather", world_size) == (world_size - 1) / world_size
 print(f"busbw of a 1 GiB all-reduce: {ring_est.busbw / 1e9:.0f} GB/s, algbw {ring_est.algbw / 1e9:.0f} GB/s")
 assert ring_est.busbw / topology.intra_bandwidth > 0.95, "large messages reach the link's bandwidth"
 
-# %% expect
-# busbw of a 1 GiB all-reduce: 365 GB/s, algbw 209 GB/s
-
 # %% [markdown]
 # busbw against size, from the model (`real.bench --json` results can be drawn on the same
 # axes: `viz.busbw_figure("bench.json", "h100-nvswitch")`):
 
-# %% ignore-output
+# %% tags=["nbval-ignore-output"]
 viz.busbw_figure(topology="h100-nvswitch", world_size=8, algorithms=True)
 
 # %% [markdown]
@@ -219,6 +212,7 @@ assert two_nodes.time > 2 * one_node.time
 print(f"64 MiB all-reduce: 8 GPUs in one node {one_node.time * 1e3:.2f} ms, "
       f"16 GPUs on two nodes {two_nodes.time * 1e3:.2f} ms")
 
+
 # %% [markdown]
 # ## Exercise: steps and bytes of the ring
 #
@@ -226,7 +220,7 @@ print(f"64 MiB all-reduce: 8 GPUs in one node {one_node.time * 1e3:.2f} ms, "
 # `ring_bytes(n, nbytes)`, the bytes one rank sends in it for a buffer of `nbytes` bytes. The
 # check compares with the ring's schedule for 2 to 16 ranks.
 
-# %%
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def ring_steps(n):
     raise NotImplementedError   # your formula
 
@@ -235,22 +229,16 @@ def ring_bytes(n, nbytes):
 
 print(lessons.check_ring_counts(ring_steps, ring_bytes))
 
-# %% expect
-# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
-
 # %% [markdown]
 # Solution (expand the cell to see it):
 
-# %% solution
+# %% expect=["Correct: steps and bytes per rank for 2 to 16 ranks."] jupyter={"source_hidden": true} tags=["solution"]
 print(lessons.check_ring_counts(lambda n: 2 * (n - 1), lambda n, nbytes: 2 * (n - 1) * nbytes / n))
 # the tree's step count is caught as wrong for a ring:
 tree_steps = lambda n: 2 * (n - 1).bit_length()
 ring_bytes_right = lambda n, nbytes: 2 * (n - 1) * nbytes / n
 failure = lessons.expect_error(lambda: lessons.check_ring_counts(tree_steps, ring_bytes_right),
                                AssertionError, "4 ranks: you said 4 steps, the ring takes 6")
-
-# %% expect
-# Correct: steps and bytes per rank for 2 to 16 ranks.
 
 # %% [markdown]
 # ## Takeaway

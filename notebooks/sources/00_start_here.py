@@ -1,4 +1,17 @@
-"""Lesson 00 source; build the notebook with `python notebooks/build.py`."""
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
 
 # %% [markdown]
 # # Lesson 0: start here
@@ -28,6 +41,7 @@ import simcomm
 import real
 from simcomm import lessons, viz
 
+
 # %% [markdown]
 # ## 1. A program runs on every rank
 #
@@ -38,7 +52,7 @@ from simcomm import lessons, viz
 # Tensors are made on `comm.device` (the CPU here; a rank's own GPU on a GPU node), so the same
 # program runs everywhere.
 
-# %%
+# %% expect=["rank 0: (0, 4, [10])", "rank 1: (1, 4, [10])", "rank 2: (2, 4, [10])", "rank 3: (3, 4, [10])"]
 def hello(comm):
     x = torch.tensor([comm.rank + 1.0], device=comm.device)   # rank r holds r + 1
     total = comm.all_reduce(x)                   # every rank gets 1 + 2 + ... + world_size
@@ -49,18 +63,12 @@ outs = world.run(hello)
 print(lessons.per_rank(outs))
 assert all(total.item() == sum(range(1, 5)) for _, _, total in outs)
 
-# %% expect
-# rank 0: (0, 4, [10])
-# rank 1: (1, 4, [10])
-# rank 2: (2, 4, [10])
-# rank 3: (3, 4, [10])
-
 # %% [markdown]
 # Here is that all-reduce drawn for a small 2-D tensor per rank: each rank's input, the
 # output every rank gets, and (right half, for lesson 2) the gradients. Colours say which rank
 # an element came from; grey cells mix ranks.
 
-# %% ignore-output
+# %% tags=["nbval-ignore-output"]
 viz.collective_figure("all_reduce", world_size=4, shape=(2, 3))
 
 # %% [markdown]
@@ -69,22 +77,18 @@ viz.collective_figure("all_reduce", world_size=4, shape=(2, 3))
 # Every collective is recorded, on every rank: the op, the shapes, the bytes sent to each peer,
 # start and end times. `world.trace` holds the last run's events.
 
-# %%
+# %% expect=["Trace(4 events: {'all_reduce/forward': 4})", "rank 0: all_reduce of 4 bytes, sent {1: 2, 2: 2, 3: 2}"]
 print(world.trace)
 first = world.trace.filter(rank=0).events[0]
 print(f"rank 0: {first.op} of {first.nbytes} bytes, sent {first.sent}")
 assert first.nbytes == torch.tensor([1.0]).element_size()
-
-# %% expect
-# Trace(4 events: {'all_reduce/forward': 4})
-# rank 0: all_reduce of 4 bytes, sent {1: 2, 2: 2, 3: 2}
 
 # %% [markdown]
 # (How an all-reduce spreads its bytes is lesson 3.) `world.trace.to_chrome_trace(path)` writes
 # the events as JSON that [Perfetto](https://ui.perfetto.dev) opens, one track per rank.
 # `viz.comm_matrix_figure` shows the bytes each rank sent to each other rank:
 
-# %% ignore-output
+# %% tags=["nbval-ignore-output"]
 viz.comm_matrix_figure(world.trace)
 
 # %% [markdown]
@@ -94,15 +98,11 @@ viz.comm_matrix_figure(world.trace)
 # worker processes that talk through `torch.distributed` (gloo on a CPU, NCCL when there is a GPU
 # per rank), sends them the program, and returns their results. Same program, same answers:
 
-# %%
+# %% expect=["rank 0: (0, 2, [3])", "rank 1: (1, 2, [3])"]
 real_outs = real.run(hello, world_size=2)
 sim_outs = simcomm.World(2).run(hello)
 assert [(r, n, t.item()) for r, n, t in real_outs] == [(r, n, t.item()) for r, n, t in sim_outs]
 print(lessons.per_rank(real_outs))
-
-# %% expect
-# rank 0: (0, 2, [3])
-# rank 1: (1, 2, [3])
 
 # %% [markdown]
 # The lessons do not call `World` or `real` directly: they ask for **the configured backend**,
@@ -118,6 +118,7 @@ print(f"SIMCOMM_BACKEND={simcomm.backend.backend_name()}: {type(backend).__name_
 outs = backend.run(hello)
 assert [total.item() for _, _, total in outs] == [10.0] * 4
 backend.close()
+
 
 # %% [markdown]
 # ## 4. Errors instead of hangs
@@ -137,6 +138,7 @@ error = lessons.expect_error(lambda: simcomm.World(4).run(mismatched), simcomm.C
                              "all_reduce", "all_gather")
 print(error)
 
+
 # %%
 def waits_forever(comm):
     if comm.rank == 0:
@@ -146,10 +148,11 @@ def waits_forever(comm):
 error = lessons.expect_error(lambda: simcomm.World(2).run(waits_forever), simcomm.DeadlockError, "recv")
 print(error)
 
+
 # %% [markdown]
 # An ordinary exception on one rank stops the others too, and tells you which rank raised:
 
-# %%
+# %% expect=["rank 3 raised ZeroDivisionError"]
 def fails_on_rank_3(comm):
     return 1 / (comm.rank - 3)
 
@@ -157,8 +160,6 @@ error = lessons.expect_error(lambda: simcomm.World(4).run(fails_on_rank_3), simc
 assert error.rank == 3 and isinstance(error.__cause__, ZeroDivisionError)
 print(f"rank {error.rank} raised {type(error.__cause__).__name__}")
 
-# %% expect
-# rank 3 raised ZeroDivisionError
 
 # %% [markdown]
 # ## Exercise: count the ranks
@@ -166,28 +167,23 @@ print(f"rank {error.rank} raised {type(error.__cause__).__name__}")
 # Write `count_ranks(comm)` that returns the number of ranks, as a number, **without** reading
 # `comm.world_size`: use one `comm.all_reduce`. The check runs it on 1, 2, 3 and 5 virtual ranks.
 
-# %%
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def count_ranks(comm):
     raise NotImplementedError   # your code
 
 print(lessons.check_count_ranks(count_ranks))
 
-# %% expect
-# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
 
 # %% [markdown]
 # Solution (expand the cell to see it):
 
-# %% solution
+# %% expect=["Correct: right on 1, 2, 3, 5 ranks."] jupyter={"source_hidden": true} tags=["solution"]
 def count_ranks_solution(comm):
     return comm.all_reduce(torch.ones(1, device=comm.device)).item()     # every rank adds 1
 
 print(lessons.check_count_ranks(count_ranks_solution))
 failure = lessons.expect_error(lambda: lessons.check_count_ranks(lambda comm: 4), AssertionError,
                                "on 1 ranks your program returned [4.0]")
-
-# %% expect
-# Correct: right on 1, 2, 3, 5 ranks.
 
 # %% [markdown]
 # ## Takeaway
