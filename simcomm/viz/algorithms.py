@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
+from ..ring import ring_schedule
 from .provenance import provenance_base
 
 __all__ = ["AllReduceStep", "allreduce_steps", "ring_allreduce_figure"]
@@ -82,17 +83,18 @@ def allreduce_steps(world_size: int, algorithm: str = "ring") -> list[AllReduceS
         f"start: rank r's buffer is split into {n} chunks; chunk c of rank r holds r*{base} + c")
     steps = [state]
     if algorithm == "ring":
-        for s in range(n - 1):
-            sends = [(r, (r + 1) % n, ((r - s) % n,)) for r in range(n)]
-            state = _apply(state, sends, True, "reduce-scatter", s + 1,
-                           f"reduce-scatter step {s + 1}/{n - 1}: rank r sends chunk (r - {s}) mod {n} to "
-                           f"rank r+1, which adds it to its own")
-            steps.append(state)
-        for s in range(n - 1):
-            sends = [(r, (r + 1) % n, ((r + 1 - s) % n,)) for r in range(n)]
-            state = _apply(state, sends, False, "all-gather", s + 1,
-                           f"all-gather step {s + 1}/{n - 1}: rank r sends the complete chunk "
-                           f"(r + 1 - {s}) mod {n} to rank r+1, which keeps it")
+        schedule = ring_schedule(n)
+        for index, transfers in enumerate(schedule):
+            reduce = index < n - 1
+            s = index if reduce else index - (n - 1)
+            sends = [(src, dst, (chunk,)) for src, dst, chunk in transfers]
+            if reduce:
+                text = (f"reduce-scatter step {s + 1}/{n - 1}: rank r sends chunk (r - {s}) mod {n} to "
+                        f"rank r+1, which adds it to its own")
+            else:
+                text = (f"all-gather step {s + 1}/{n - 1}: rank r sends the complete chunk "
+                        f"(r + 1 - {s}) mod {n} to rank r+1, which keeps it")
+            state = _apply(state, sends, reduce, "reduce-scatter" if reduce else "all-gather", s + 1, text)
             steps.append(state)
         return steps
     levels = math.ceil(math.log2(n)) if n > 1 else 0

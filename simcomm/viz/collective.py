@@ -22,6 +22,7 @@ import plotly.graph_objects as go
 import torch
 
 from ..collectives import reduce_op_name
+from ..ring import ring_exchange
 from ..world import World
 from .grids import Panel, draw_panels, grid_layout
 from .provenance import provenance_base, provenance_tensor
@@ -29,16 +30,6 @@ from .provenance import provenance_base, provenance_tensor
 __all__ = ["OPS", "CollectiveRun", "run_collective", "collective_figure"]
 
 _ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
-
-
-def _send_recv(comm, x: torch.Tensor) -> torch.Tensor:
-    """Shift by one rank around a ring; even ranks send first so blocking calls pair up."""
-    if comm.rank % 2 == 0:
-        comm.send(x)
-        return comm.recv(x.shape, x.dtype)
-    y = comm.recv(x.shape, x.dtype)
-    comm.send(x)
-    return y
 
 
 @dataclass(frozen=True)
@@ -180,7 +171,7 @@ OPS: dict[str, _Op] = {
             f"broadcast forward: every rank gets rank {a['src']}'s input<br>backward: the incoming grads "
             f"are summed onto rank {a['src']}; the other ranks' inputs get zero grad")),
     "send_recv": _Op(
-        call=lambda comm, x, a: _send_recv(comm, x),
+        call=lambda comm, x, a: ring_exchange(comm, x),
         args={},
         default_shape=lambda n, a: (2, 3),
         forward_kind=lambda a: "coded",
