@@ -20,9 +20,12 @@
 # reduce-scatter, broadcast, gather, slice, all-to-all), well enough to predict the shape and
 # the values every rank gets.
 #
-# A *collective* is a call that every rank of a group makes together; it only returns when
-# the data has moved. Here every rank starts with four numbers that say where they came from:
-# rank `r` holds `[10r, 10r + 1, 10r + 2, 10r + 3]`. Each result is checked against plain torch
+# A *collective* is a call that every rank of a group makes together. On the simulator (and
+# with gloo) it returns when the data has moved; with NCCL on GPUs it returns as soon as the
+# work is queued on the GPU's stream, and the result is ready for the next kernel on that
+# stream, which is what lets communication overlap computation. Here every rank starts with four
+# numbers that say where they came from: rank `r` holds `[10r, 10r + 1, 10r + 2, 10r + 3]`, and
+# the figures label and colour every element the same way (`10r + i`, the colour of rank `r`). Each result is checked against plain torch
 # on the list of all ranks' inputs. This lesson is about the forward pass; lesson 2 is about
 # gradients.
 
@@ -36,7 +39,7 @@ world = simcomm.configured_backend(world_size)
 inputs = [10.0 * rank + torch.arange(4.0) for rank in range(world_size)]   # what each rank holds
 
 def apply(comm, op, kwargs):
-    x = 10.0 * comm.rank + torch.arange(4.0, device=comm.device)   # the same as inputs[comm.rank]
+    x = 10.0 * comm.rank + torch.arange(4.0)   # the same as inputs[comm.rank]
     return getattr(comm, op)(x, **kwargs)
 
 print(lessons.per_rank(inputs))
@@ -61,12 +64,12 @@ assert all(torch.equal(out, torch.stack(inputs).amax(0)) for out in outs)
 print(lessons.per_rank(outs[:1]))
 
 # %% [markdown]
-# The figure draws the same kind of run: one row per rank, the input on the left, the output
-# next to it, each element coloured by the rank it came from (a sum mixes ranks, so it is grey).
-# The right half is the backward pass, the subject of lesson 2.
+# The figure draws the same run: one row per rank, the input on the left, the output next to
+# it. An element that moved keeps its label and its rank's colour; a sum says which ranks were
+# added into it.
 
 # %% tags=["nbval-ignore-output"]
-viz.collective_figure("all_reduce", world_size=world_size, shape=(4,))
+viz.collective_figure("all_reduce", world_size=world_size, shape=(4,), backward=False)
 
 # %% [markdown]
 # ## all_gather: every rank gets everything, concatenated
@@ -80,7 +83,7 @@ assert all(torch.equal(out, torch.cat(inputs)) for out in outs)
 print(lessons.per_rank(outs[:1]), "(the same on every rank)")
 
 # %% tags=["nbval-ignore-output"]
-viz.collective_figure("all_gather", world_size=world_size, shape=(2, 2), dim=0)
+viz.collective_figure("all_gather", world_size=world_size, shape=(4,), dim=0, backward=False)
 
 # %% [markdown]
 # ## reduce_scatter: sum, then each rank keeps one chunk
@@ -96,6 +99,9 @@ chunks = sum(inputs).chunk(world_size)
 assert all(torch.equal(out, chunks[rank]) for rank, out in enumerate(outs))
 print(lessons.per_rank(outs))
 
+# %% tags=["nbval-ignore-output"]
+viz.collective_figure("reduce_scatter", world_size=world_size, shape=(4,), dim=0, backward=False)
+
 # %% [markdown]
 # ## broadcast and gather: one rank is special
 #
@@ -110,6 +116,12 @@ outs = world.run(apply, "gather", {"dst": 1, "dim": 0})
 assert outs[0] is None and outs[2] is None and outs[3] is None and torch.equal(outs[1], torch.cat(inputs))
 print(lessons.per_rank(outs))
 
+# %% tags=["nbval-ignore-output"]
+viz.collective_figure("broadcast", world_size=world_size, shape=(4,), src=2, backward=False)
+
+# %% tags=["nbval-ignore-output"]
+viz.collective_figure("gather", world_size=world_size, shape=(4,), dst=1, dim=0, backward=False)
+
 
 # %% [markdown]
 # ## slice: no communication at all
@@ -120,13 +132,16 @@ print(lessons.per_rank(outs))
 
 # %% expect=["rank 0: [0, 1]", "rank 1: [2, 3]", "rank 2: [4, 5]", "rank 3: [6, 7]"]
 def slice_program(comm):
-    shared = torch.arange(8.0, device=comm.device)   # the same on every rank
+    shared = torch.arange(8.0)                       # the same on every rank
     return comm.slice(shared, dim=0, scale_grad=False)
 
 outs = world.run(slice_program)
 assert all(torch.equal(out, torch.arange(8.0).chunk(world_size)[rank]) for rank, out in enumerate(outs))
 assert len(world.trace) == 0, "slice moved data"
 print(lessons.per_rank(outs))
+
+# %% tags=["nbval-ignore-output"]
+viz.collective_figure("slice", world_size=world_size, shape=(8,), dim=0, scale_grad=False, backward=False)
 
 # %% [markdown]
 # ## all_to_all: everyone sends a different chunk to everyone
@@ -140,6 +155,13 @@ print(lessons.per_rank(outs))
 outs = world.run(apply, "all_to_all", {"scatter_dim": 0, "gather_dim": 0})
 assert all(torch.equal(out, torch.stack(inputs)[:, rank]) for rank, out in enumerate(outs))
 print(lessons.per_rank(outs))
+
+# %% [markdown]
+# The figure draws the 4-D form of lesson 5 on a small tensor: each rank starts with 2
+# sequence positions of all 4 heads and ends with all 8 positions of one head.
+
+# %% tags=["nbval-ignore-output"]
+viz.collective_figure("all_to_all_4D", world_size=world_size, backward=False)
 
 # %% [markdown]
 # ## Explore
@@ -165,16 +187,13 @@ my_shapes = {"all_reduce": ..., "all_gather": ..., "reduce_scatter": ...,
 print(lessons.check_shapes(my_shapes, world_size=4, shape=(4, 8), args=calls))
 
 # %% [markdown]
-# Solution (expand the cell to see it):
+# Solution (expand the cell to see it; try first):
 
 # %% expect=["Correct: all 5 shapes."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 1.
 solution = {"all_reduce": (4, 8), "all_gather": (16, 8), "reduce_scatter": (4, 2),
             "all_to_all": (16, 2), "gather": None}
 print(lessons.check_shapes(solution, world_size=4, shape=(4, 8), args=calls))
-# a wrong prediction is reported with the right shape:
-wrong = {"reduce_scatter": (1, 8)}
-failure = lessons.expect_error(lambda: lessons.check_shapes(wrong, world_size=4, shape=(4, 8), args=calls),
-                               AssertionError, "you said (1, 8), rank 0 gets (4, 2)")
 
 # %% [markdown]
 # ## Exercise 2: predict the values
@@ -188,15 +207,17 @@ my_reduce_scatter_max_rank_3 = ...
 my_all_reduce_min_rank_1 = ...
 print(lessons.check_prediction(my_reduce_scatter_max_rank_3,
                                world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
-                               "reduce_scatter(op=MAX) on rank 3"))
+                               "reduce_scatter(op=MAX) on rank 3",
+                               hint="first the element-wise maximum over ranks, then rank r keeps chunk r"))
 print(lessons.check_prediction(my_all_reduce_min_rank_1,
                                world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
-                               "all_reduce(op=MIN) on rank 1"))
+                               "all_reduce(op=MIN) on rank 1", hint="compare the ranks element by element"))
 
 # %% [markdown]
-# Solution (expand the cell to see it):
+# Solution (expand the cell to see it; try first):
 
 # %% expect=["Correct: reduce_scatter(op=MAX) on rank 3 is [33].", "Correct: all_reduce(op=MIN) on rank 1 is [0, 1, 2, 3]."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 2.
 # chunk 3 of the element-wise maximum: element 3, largest on the last rank
 print(lessons.check_prediction([10 * (world_size - 1) + 3],
                                world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
@@ -204,8 +225,6 @@ print(lessons.check_prediction([10 * (world_size - 1) + 3],
 # the element-wise minimum is rank 0's tensor, on every rank
 print(lessons.check_prediction([0, 1, 2, 3], world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
                                "all_reduce(op=MIN) on rank 1"))
-failure = lessons.expect_error(lambda: lessons.check_prediction([60], torch.tensor([68.0]), "a wrong guess"),
-                               AssertionError, "you said [60], it is [68]")
 
 # %% [markdown]
 # ## Takeaway

@@ -305,7 +305,7 @@ def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, o
 
 
 def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | None = None, *,
-                      show_values: bool | None = None, **op_args: Any) -> go.Figure:
+                      show_values: bool | None = None, backward: bool = True, **op_args: Any) -> go.Figure:
     """Forward and backward of one collective on every rank, each element coloured by its source rank.
 
     One row per rank; columns, left to right: the input ``x``, the output
@@ -323,9 +323,10 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
     ``dim=``), ``broadcast`` (``src=``), ``send_recv``, ``copy_to_group``,
     ``reduce_from_group``. The reduction may also be given as ``op=``, the
     communicator's name for it: ``collective_figure("all_reduce", op="max")``.
+    ``backward=False`` draws the forward columns only (before gradients are taught).
     """
     run = _run("collective_figure", op, world_size, shape, op_args)
-    return collective_run_figure(run, show_values=show_values)
+    return collective_run_figure(run, show_values=show_values, backward=backward)
 
 
 def _panel(tensor: torch.Tensor | None, name: str, rank: int, kind: str, source_shape: tuple[int, ...],
@@ -338,9 +339,11 @@ def _panel(tensor: torch.Tensor | None, name: str, rank: int, kind: str, source_
                  source_shape=source_shape, note=note)
 
 
-def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None) -> go.Figure:
+def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None,
+                          backward: bool = True) -> go.Figure:
     """The figure of :func:`collective_figure` for a :class:`CollectiveRun` already made."""
     spec, args = OPS[run.op], run.args
+    with_grads = backward and run.grad_outputs is not None
     out_shape = next((tuple(y.shape) for y in run.outputs if y is not None), run.shape)
     columns = ["x<br>(input)", f"y =<br>{spec.forward(args)}"]
     rows = []
@@ -348,17 +351,20 @@ def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None
         row = [_panel(run.inputs[rank], "x", rank, "coded", run.shape),
                _panel(run.outputs[rank], "y", rank, spec.forward_kind(args), run.shape,
                       note=f"None: only rank {args.get('dst')} receives")]
-        if run.grad_outputs is not None:
+        if with_grads:
             row += [_panel(run.grad_outputs[rank], "dL/dy", rank, "coded", out_shape),
                     _panel(run.grad_inputs[rank], "dL/dx", rank, spec.backward_kind(args), out_shape)]
         rows.append(row)
-    if run.grad_outputs is not None:
+    if with_grads:
         columns += ["dL/dy<br>(incoming grad, coded)", f"dL/dx =<br>{spec.backward(args)}"]
     layout = grid_layout(run.shape, spec.dim_names)
     subtitle = f"{run.world_size} ranks, input shape {run.shape} per rank"
     if len(run.shape) != 2:
         subtitle += f"; grids: {layout}"
-    title = spec.title(args, run.world_size) + f"<br><sup>{subtitle}</sup>"
+    title = spec.title(args, run.world_size)
+    if not backward:
+        title = title.split("<br>backward")[0].split("<br>no backward")[0]
+    title += f"<br><sup>{subtitle}</sup>"
     return draw_panels(rows, world_size=run.world_size, base=run.base, title=title, column_titles=columns,
                        row_titles=[f"rank {rank}" for rank in range(run.world_size)], show_values=show_values,
                        function="collective_figure")
