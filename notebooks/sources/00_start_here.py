@@ -188,7 +188,7 @@ print(lessons.check_count_ranks(count_ranks))
 # %% expect=["Correct: right on 1, 2, 3, 5 ranks."] jupyter={"source_hidden": true} tags=["solution"]
 # Solution of exercise 1.
 def count_ranks_solution(comm):
-    return comm.all_reduce(torch.ones(1)).item()     # every rank adds 1
+    return comm.all_reduce(torch.ones(1, device=comm.device)).item()     # every rank adds 1
 
 print(lessons.check_count_ranks(count_ranks_solution))
 

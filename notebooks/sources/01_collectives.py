@@ -39,7 +39,7 @@ world = simcomm.configured_backend(world_size)
 inputs = [10.0 * rank + torch.arange(4.0) for rank in range(world_size)]   # what each rank holds
 
 def apply(comm, op, kwargs):
-    x = 10.0 * comm.rank + torch.arange(4.0)   # the same as inputs[comm.rank]
+    x = 10.0 * comm.rank + torch.arange(4.0, device=comm.device)   # the same as inputs[comm.rank]
     return getattr(comm, op)(x, **kwargs)
 
 print(lessons.per_rank(inputs))
@@ -132,7 +132,7 @@ viz.collective_figure("gather", world_size=world_size, shape=(4,), dst=1, dim=0,
 
 # %% expect=["rank 0: [0, 1]", "rank 1: [2, 3]", "rank 2: [4, 5]", "rank 3: [6, 7]"]
 def slice_program(comm):
-    shared = torch.arange(8.0)                       # the same on every rank
+    shared = torch.arange(8.0, device=comm.device)   # the same on every rank
     return comm.slice(shared, dim=0, scale_grad=False)
 
 outs = world.run(slice_program)

@@ -143,6 +143,44 @@ for scale_grad in (False, True):
     print(lessons.assert_close(grads, [expected] * world_size, f"slice(scale_grad={scale_grad}) x.grad"))
     print(f"  calls: {[(op, phase) for _, op, phase in world.trace.ops()]}")
 
+# %% [markdown]
+# Which is right? Only `scale_grad=True` passes the dot-product test, which counts every
+# rank's copy of `x` as an input of its own: the sum over ranks of `<x, x.grad>` is then
+# `world_size` times `<y, g>` without the scaling. Both settings are right, for different `x`:
+#
+# * `scale_grad=False`: `x` is **one** tensor every rank holds a copy of, and nothing upstream
+#   sums the ranks' gradients again (a constant input, a weight each rank updates itself).
+#   Every rank's `x.grad` is then the full gradient of the sum of losses, as checked above.
+# * `scale_grad=True`: the copies came out of a collective whose backward sums over ranks (an
+#   all-gather, an all-reduce, Megatron's *f*), or their gradients are all-reduced later, as
+#   data parallelism does. That sum would count the gradient `world_size` times, so `slice`
+#   divides first. Below, `slice(all_gather(y))` gives each rank its own `y` back, so `y.grad`
+#   must equal `2 y`:
+
+# %% expect=["slice(scale_grad=False): sum of <x, x.grad> / sum of <y, g> = 4, y.grad after all_gather = 4 x exact", "slice(scale_grad=True): sum of <x, x.grad> / sum of <y, g> = 1, y.grad after all_gather = 1 x exact"]
+def slice_dot_test(comm, scale_grad):
+    x = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = x.to(comm.device).requires_grad_()
+    y = comm.slice(x, dim=0, scale_grad=scale_grad)            # x is the same on every rank
+    g = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1 + comm.rank))
+    g = g.to(comm.device)
+    y.backward(g)
+    return (y * g).sum().item(), (x * x.grad).sum().item()
+
+def gathered_then_sliced(comm, scale_grad):
+    y = torch.arange(2.0, dtype=torch.float64, device=comm.device) + 10 * comm.rank + 1   # this rank's own
+    y.requires_grad_()
+    mine = comm.slice(comm.all_gather(y, dim=0), dim=0, scale_grad=scale_grad)          # y again
+    (mine ** 2).sum().backward()
+    return (y.grad / (2 * y.detach())).mean().item()             # 1 when y.grad is exact
+
+for scale_grad in (False, True):
+    sides = world.run(slice_dot_test, scale_grad)
+    ratio = sum(b for _, b in sides) / sum(f for f, _ in sides)
+    factor = world.run(gathered_then_sliced, scale_grad)[0]
+    print(f"slice(scale_grad={scale_grad}): sum of <x, x.grad> / sum of <y, g> = {ratio:.3g}, "
+          f"y.grad after all_gather = {factor:.3g} x exact")
+
 
 # %% [markdown]
 # ## 3. Sum of losses, or one replicated loss?
@@ -255,19 +293,14 @@ print(lessons.check_all_gather_backward(my_all_gather_backward))
 
 
 # %% [markdown]
-# Solution (expand the cell to see it):
+# Solution (expand the cell to see it; try first):
 
 # %% expect=["Correct: your backward equals autograd's on every rank, for dim in (0, 1)."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of the exercise.
 def all_gather_backward(comm, grad_out, dim):
     return comm.reduce_scatter(grad_out, dim=dim)   # sum over ranks, keep my chunk
 
 print(lessons.check_all_gather_backward(all_gather_backward))
-# taking only this rank's chunk, without summing over ranks, is not enough:
-def only_my_chunk(comm, grad_out, dim):
-    return comm.slice(grad_out, dim=dim, scale_grad=False)
-
-failure = lessons.expect_error(lambda: lessons.check_all_gather_backward(only_my_chunk),
-                               AssertionError, "differs from autograd's")
 
 # %% [markdown]
 # ## Takeaway
