@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from simcomm import collectives
-from simcomm.viz import allreduce_steps, ring_allreduce_figure
+from simcomm.viz import allreduce_figure, allreduce_steps, ring_allreduce_figure, tree_allreduce_figure
 
 
 def chunk_values(world_size):
@@ -47,7 +47,8 @@ def test_ring_partial_sums_after_each_reduce_scatter_step():
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
 def test_tree_has_2_ceil_log2_n_steps_plus_the_start(world_size):
-    fig = ring_allreduce_figure(world_size, algorithm="tree")
+    fig = tree_allreduce_figure(world_size)
+    assert fig.to_dict() == allreduce_figure(world_size, "tree").to_dict()
     levels = math.ceil(math.log2(world_size)) if world_size > 1 else 0
     assert len(fig.frames) == 2 * levels + 1
     expected = collectives.all_reduce(chunk_values(world_size))
@@ -75,7 +76,9 @@ def test_html_export_contains_frames_slider_and_play_button(tmp_path):
 
 
 def test_errors_name_the_argument():
-    with pytest.raises(ValueError, match=r"ring_allreduce_figure: algorithm='butterfly'"):
-        ring_allreduce_figure(4, algorithm="butterfly")
-    with pytest.raises(ValueError, match=r"ring_allreduce_figure: world_size=0"):
+    with pytest.raises(ValueError, match=r"allreduce_figure: algorithm='butterfly'"):
+        allreduce_figure(4, algorithm="butterfly")
+    with pytest.raises(ValueError, match=r"allreduce_figure: world_size=0"):
         ring_allreduce_figure(0)
+    with pytest.raises(TypeError):
+        ring_allreduce_figure(4, algorithm="tree")      # a ring figure draws only the ring

@@ -48,10 +48,24 @@ world = simcomm.configured_backend(world_size)
 # exported HTML file). Each cell shows a chunk's partial sum and the ranks it already contains.
 
 # %% tags=["nbval-ignore-output"]
-ring = viz.ring_allreduce_figure(world_size, algorithm="ring")
+ring = viz.ring_allreduce_figure(world_size)
 assert len(ring.frames) == 2 * (world_size - 1) + 1       # the steps, plus the start
 ring
 
+
+# %% [markdown]
+# Stop the animation after the last reduce-scatter step (`RS3`) and read the diagonal: rank `r`
+# holds the complete sum of chunk `r + 1` (mod `n`), **not** chunk `r`, which is what
+# `reduce_scatter` hands rank `r` in lesson 1. In step `s` rank `r` sends chunk `r - s`, so the
+# chunk that goes once around the ring and ends complete at rank `r` is the one that started at
+# rank `r + 1`. Which chunk ends where only depends on where the rotation starts; a library that
+# builds `reduce_scatter` from this ring starts it one chunk later. For the all-reduce it does
+# not matter: the all-gather passes every finished chunk to every rank.
+
+# %%
+after_reduce_scatter = allreduce_steps(world_size, "ring")[world_size - 1]   # [0] is the start
+complete = [[len(ranks) == world_size for ranks in row] for row in after_reduce_scatter.ranks]
+assert all(complete[r][(r + 1) % world_size] and sum(complete[r]) == 1 for r in range(world_size))
 
 # %% [markdown]
 # ## 2. The ring, written with `send` and `recv`
@@ -83,6 +97,19 @@ print(f"{len(sends)} sends of {sends[0].nbytes} bytes: {ring_bytes} bytes for a 
 
 
 # %% [markdown]
+# The trace of that run holds both all-reduces. Lesson 0's trace *charged* the built-in
+# `all_reduce` to every peer evenly (the simulator does not run an algorithm; it counts the
+# bytes any all-reduce must send); the ring's `send`s are recorded one by one, as they moved.
+# Pick the op in the figure's menu: `send` fills only the band "rank r -> rank r + 1", the
+# `all_reduce` row fills the whole matrix, and both charge each rank the same 48 bytes.
+
+# %%
+charged = sum(sum(event.sent.values()) for event in world.trace.filter(rank=0, op="all_reduce").events)
+assert charged == ring_bytes
+assert all(set(event.sent) == {(event.rank + 1) % world_size} for event in world.trace.filter(op="send").events)
+viz.comm_matrix_figure(world.trace)
+
+# %% [markdown]
 # Each rank sends `2 (n - 1) / n` times its buffer, **whatever the number of ranks**: 1.5x for
 # 4 ranks, 1.75x for 8, never more than 2x. That is why the ring is the algorithm of choice for
 # large messages: adding ranks does not add bytes per link.
@@ -104,11 +131,13 @@ print(type(error).__name__)
 # %% [markdown]
 # ## 3. The tree: fewer steps, more bytes
 #
-# A tree all-reduce adds buffers up a binary tree to rank 0 and sends the result back down. It
-# takes only `2 log2(n)` steps, but every send carries the *whole* buffer. Step through it:
+# A tree all-reduce adds buffers up a *binomial* tree to rank 0 (in step `k`, every rank
+# `r` with `r mod 2^(k+1) = 2^k` sends to rank `r - 2^k`) and sends the result back down the
+# same tree. It takes only `2 log2(n)` steps, but every send carries the *whole* buffer. Step
+# through it:
 
 # %% tags=["nbval-ignore-output"]
-viz.ring_allreduce_figure(world_size, algorithm="tree")
+viz.tree_allreduce_figure(world_size)
 
 
 # %% [markdown]
@@ -214,31 +243,38 @@ print(f"64 MiB all-reduce: 8 GPUs in one node {one_node.time * 1e3:.2f} ms, "
 
 
 # %% [markdown]
-# ## Exercise: steps and bytes of the ring
+# ## Exercise: write a ring all-gather
 #
-# Write `ring_steps(n)`, the number of steps of a ring all-reduce on `n` ranks, and
-# `ring_bytes(n, nbytes)`, the bytes one rank sends in it for a buffer of `nbytes` bytes. The
-# check compares with the ring's schedule for 2 to 16 ranks.
+# The all-reduce's second half *is* an all-gather. Write `my_ring_all_gather(comm, x)`: every
+# rank holds one shard `x`; return every rank's shard concatenated in rank order (dim 0), as
+# `comm.all_gather(x, dim=0)` would, using only the ring: in each of `n - 1` steps, pass one
+# shard to the next rank and receive one from the previous rank, with
+# `lessons.ring_exchange(comm, shard)` (which orders the send and the recv so that no rank
+# waits forever; it returns what the previous rank passed). Do not modify `x`. The check runs
+# it on 2 to 5 virtual ranks and reads the trace: only `send`/`recv`, to the next rank only,
+# `n - 1` sends per rank.
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
-def ring_steps(n):
-    raise NotImplementedError   # your formula
+def my_ring_all_gather(comm, x):
+    raise NotImplementedError   # your code
 
-def ring_bytes(n, nbytes):
-    raise NotImplementedError   # your formula
-
-print(lessons.check_ring_counts(ring_steps, ring_bytes))
+print(lessons.check_ring_all_gather(my_ring_all_gather))
 
 # %% [markdown]
-# Solution (expand the cell to see it):
+# Solution (expand the cell to see it; try first):
 
-# %% expect=["Correct: steps and bytes per rank for 2 to 16 ranks."] jupyter={"source_hidden": true} tags=["solution"]
-print(lessons.check_ring_counts(lambda n: 2 * (n - 1), lambda n, nbytes: 2 * (n - 1) * nbytes / n))
-# the tree's step count is caught as wrong for a ring:
-tree_steps = lambda n: 2 * (n - 1).bit_length()
-ring_bytes_right = lambda n, nbytes: 2 * (n - 1) * nbytes / n
-failure = lessons.expect_error(lambda: lessons.check_ring_counts(tree_steps, ring_bytes_right),
-                               AssertionError, "4 ranks: you said 4 steps, the ring takes 6")
+# %% expect=["Correct: a ring all-gather on 2, 3, 4, 5 ranks, neighbours only."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of the exercise.
+def ring_all_gather_solution(comm, x):
+    n, rank = comm.world_size, comm.rank
+    shards = [None] * n
+    shards[rank] = x.clone()
+    for step in range(n - 1):
+        # pass on the shard received in the previous step (first: my own); receive my predecessor's
+        shards[(rank - 1 - step) % n] = lessons.ring_exchange(comm, shards[(rank - step) % n])
+    return torch.cat(shards)
+
+print(lessons.check_ring_all_gather(ring_all_gather_solution))
 
 # %% [markdown]
 # ## Takeaway
@@ -249,6 +285,7 @@ failure = lessons.expect_error(lambda: lessons.check_ring_counts(tree_steps, rin
 # * Time = latency x steps + bytes on the busiest link / bandwidth. busbw = algbw x `2 (n - 1) / n`
 #   is the per-link bandwidth, comparable with the hardware's.
 # * Crossing nodes costs several times more: keep the chattiest parallelism inside a node.
+# * An all-gather is the ring's second half: `n - 1` steps, each passing one shard to a neighbour.
 
 # %%
 world.close()

@@ -8,7 +8,8 @@ element by the rank it came from.
 =========================  =====================================================
 ``collective_figure``      one op on every rank: input, output, incoming grad, input grad
 ``rank_grid``              one heatmap panel per rank's tensor
-``ring_allreduce_figure``  ring or tree all-reduce step by step (animation frames)
+``allreduce_figure``       ring or binomial-tree all-reduce step by step (animation frames);
+                           ``ring_allreduce_figure`` / ``tree_allreduce_figure`` name one each
 ``timeline_figure``        one row per rank, a bar per traced call
 ``comm_matrix_figure``     bytes from rank i to rank j, per op on a selector
 ``explore``                ipywidgets panel that redraws ``collective_figure``
@@ -18,7 +19,7 @@ element by the rank it came from.
 Imported in a Jupyter kernel, this package makes :mod:`simcomm.viz.render`'s
 ``"simcomm"`` renderer plotly's default, so figures also survive an HTML export.
 """
-from .algorithms import allreduce_steps, ring_allreduce_figure
+from .algorithms import allreduce_figure, allreduce_steps, ring_allreduce_figure, tree_allreduce_figure
 from .busbw import busbw_figure
 from .collective import OPS, CollectiveRun, collective_figure, collective_run_figure, run_collective
 from .explore import Explorer, explore
@@ -30,7 +31,8 @@ from .timeline import human_bytes, timeline_figure
 
 __all__ = [
     "OPS", "CollectiveRun", "collective_figure", "collective_run_figure", "run_collective",
-    "as_grid", "grid_layout", "rank_grid", "allreduce_steps", "ring_allreduce_figure", "Explorer", "explore",
+    "as_grid", "grid_layout", "rank_grid", "allreduce_steps", "allreduce_figure", "ring_allreduce_figure",
+    "tree_allreduce_figure", "Explorer", "explore",
     "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure",
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
     "use_export_renderer",

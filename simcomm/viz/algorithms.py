@@ -30,7 +30,7 @@ import plotly.graph_objects as go
 from ..ring import ring_schedule
 from .provenance import provenance_base
 
-__all__ = ["AllReduceStep", "allreduce_steps", "ring_allreduce_figure"]
+__all__ = ["AllReduceStep", "allreduce_steps", "allreduce_figure", "ring_allreduce_figure", "tree_allreduce_figure"]
 
 _COUNT_COLOURSCALE = [[0.0, "rgb(247, 252, 240)"], [0.5, "rgb(186, 228, 188)"], [1.0, "rgb(90, 180, 200)"]]
 _ARROW_COLOUR = "rgb(214, 96, 77)"
@@ -164,7 +164,17 @@ def _frame_parts(step: AllReduceStep, world_size: int, algorithm: str, cell_px: 
     return [heatmap, outline], arrows
 
 
-def ring_allreduce_figure(world_size: int = 4, algorithm: str = "ring") -> go.Figure:
+def ring_allreduce_figure(world_size: int = 4) -> go.Figure:
+    """The ring all-reduce step by step: ``allreduce_figure(world_size, "ring")``."""
+    return allreduce_figure(world_size, "ring")
+
+
+def tree_allreduce_figure(world_size: int = 4) -> go.Figure:
+    """The binomial-tree all-reduce step by step: ``allreduce_figure(world_size, "tree")``."""
+    return allreduce_figure(world_size, "tree")
+
+
+def allreduce_figure(world_size: int = 4, algorithm: str = "ring") -> go.Figure:
     """An all-reduce step by step, as animation frames with a slider and a play button.
 
     Rows are ranks, columns are chunks of each rank's buffer. Every cell
@@ -177,9 +187,9 @@ def ring_allreduce_figure(world_size: int = 4, algorithm: str = "ring") -> go.Fi
     ``fig.write_html`` exports.
     """
     if algorithm not in ("ring", "tree"):
-        raise ValueError(f"ring_allreduce_figure: algorithm={algorithm!r} must be 'ring' or 'tree'")
+        raise ValueError(f"allreduce_figure: algorithm={algorithm!r} must be 'ring' or 'tree'")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 64:
-        raise ValueError(f"ring_allreduce_figure: world_size={world_size!r} must be an int from 1 to 64")
+        raise ValueError(f"allreduce_figure: world_size={world_size!r} must be an int from 1 to 64")
     n = world_size
     steps = allreduce_steps(n, algorithm)
     summary = ("ring all-reduce: reduce-scatter then all-gather, each rank sends 2(n-1)/n of its buffer"
