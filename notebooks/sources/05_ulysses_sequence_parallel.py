@@ -70,10 +70,11 @@ print(lessons.assert_close([back for _, _, back in outs], [mine for mine, _, _ i
 
 # %% [markdown]
 # The same re-sharding as a figure, coloured by the rank each element came from (drawn on the
-# simulator): the left panels are sequence shards, the right ones head shards.
+# simulator, with `head_dim` 1 so that one cell is one token of one head): the left panels are
+# sequence shards, the right ones head shards.
 
 # %% tags=["nbval-ignore-output"]
-viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(batch, shard, heads, head_dim))  # per-rank shape
+viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(batch, shard, heads, 1), backward=False)
 
 # %% [markdown]
 # ## 2. Ulysses attention equals single-device attention
@@ -114,7 +115,7 @@ assert calls == [("all_to_all", "forward")] * 4 + [("all_to_all", "backward")] *
 print(f"{len(calls)} calls: {sorted(set(calls))}")
 
 # %% [markdown]
-# ## 3. When the heads do not divide the world size
+# ## 3. When the number of heads is not divisible by the world size
 #
 # With 6 heads on 4 ranks there is no even split of heads. The communicator refuses before any
 # data moves, names the op, the dim, the size and the world size, and the run reports which rank
@@ -135,72 +136,63 @@ print(str(error).splitlines()[0])
 # forward pass of both, from the trace, for several world sizes (the sequence grows with the
 # world size, so every rank keeps the same number of tokens).
 
-# %%
-def my_tokens(comm, seq_len):
-    per_rank = seq_len // comm.world_size
-    return slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
-
-def allgather_kv_step(comm, q, k, v):
-    mine = my_tokens(comm, q.shape[1])
-    k_all, v_all = comm.all_gather(k[:, mine], dim=1), comm.all_gather(v[:, mine], dim=1)  # (b, s, h, d)
-    return attention(q[:, mine], k_all, v_all)                                           # (b, s/P, h, d)
-
-def ulysses_forward(comm, q, k, v):
-    mine = my_tokens(comm, q.shape[1])
-    return ulysses_attention(comm, q[:, mine], k[:, mine], v[:, mine])
-
-def bytes_sent_by_rank_0(trace):
-    return sum(sum(event.sent.values()) for event in trace.filter(rank=0))
-
-
 # %% expect=["2 ranks: Ulysses  1024 B, all-gather K,V  1024 B per rank  (ratio 1)", "4 ranks: Ulysses  1536 B, all-gather K,V  3072 B per rank  (ratio 2)", "8 ranks: Ulysses  1792 B, all-gather K,V  7168 B per rank  (ratio 4)"]
+def sharded_attention(comm, q, k, v, method):
+    per_rank = q.shape[1] // comm.world_size
+    q, k, v = (t[:, comm.rank * per_rank:(comm.rank + 1) * per_rank] for t in (q, k, v))  # (b, s/P, h, d)
+    if method == "Ulysses":
+        return ulysses_attention(comm, q, k, v)
+    return attention(q, comm.all_gather(k, dim=1), comm.all_gather(v, dim=1))   # K, V: (b, s, h, d)
+
 for size in (2, 4, 8):
     sim = simcomm.World(size)                                   # byte counts: the simulator's trace
     q_n, k_n, v_n = make_qkv(batch, 4 * size, 8, head_dim)      # 4 tokens per rank, 8 heads
-    ours = torch.cat(sim.run(ulysses_forward, q_n, k_n, v_n), dim=1)
-    ulysses_bytes = bytes_sent_by_rank_0(sim.trace)
-    theirs = torch.cat(sim.run(allgather_kv_step, q_n, k_n, v_n), dim=1)
-    gather_bytes = bytes_sent_by_rank_0(sim.trace)
-    lessons.assert_close([ours, theirs], [attention(q_n, k_n, v_n)] * 2, "both methods")
-    assert gather_bytes / ulysses_bytes == size / 2
-    print(f"{size} ranks: Ulysses {ulysses_bytes:5} B, all-gather K,V {gather_bytes:5} B per rank"
-          f"  (ratio {gather_bytes / ulysses_bytes:g})")
+    sent = {}
+    for method in ("Ulysses", "all-gather K,V"):
+        out = torch.cat(sim.run(sharded_attention, q_n, k_n, v_n, method), dim=1)   # shards in order
+        lessons.assert_close(out, attention(q_n, k_n, v_n), method)
+        sent[method] = sum(sum(event.sent.values()) for event in sim.trace.filter(rank=0).events)
+    ratio = sent["all-gather K,V"] / sent["Ulysses"]
+    assert ratio == size / 2
+    print(f"{size} ranks: " + ", ".join(f"{m} {b:5} B" for m, b in sent.items()) + f" per rank  (ratio {ratio:g})")
 
 
 # %% [markdown]
 # With a fixed number of tokens per rank, Ulysses sends almost the same bytes per rank however
 # many ranks there are (each all-to-all sends `(P-1)/P` of the rank's shard), while gathering K
 # and V grows with `P`: the ratio is `P / 2`. (The all-gather way also keeps the whole K and V
-# on every rank.) Ulysses' limit is the other one you just met: at most `h` ranks, and `h` must
-# divide evenly.
+# on every rank.) Ulysses' limit is the other one you just met: at most `h` ranks, and the
+# number of heads `h` must be divisible by the world size.
 
 # %% [markdown]
-# ## Exercise: predict Ulysses' bytes
+# ## Exercise: Ulysses bytes with grouped-query attention
 #
-# Write `per_rank_bytes(batch, seq, heads, head_dim, world_size, itemsize)`: the bytes one rank
-# sends in the forward pass of `ulysses_attention` (four all-to-alls), for tensors of
-# `itemsize` bytes per element. The check compares with traced runs for several shapes.
+# Many models use *grouped-query attention* (GQA): `q` has `q_heads` heads, but `k` and `v` have
+# only `kv_heads` (each key/value head serves `q_heads / kv_heads` query heads). Ulysses then
+# all-to-alls `q`, `k` and `v` as before (each rank gets `q_heads / P` query heads and the
+# `kv_heads / P` key/value heads they use; both counts must be divisible by `P`), attends, and
+# all-to-alls the output back. Write `gqa_bytes(batch, seq, q_heads, kv_heads, head_dim,
+# world_size, itemsize)`: the bytes one rank sends in that forward pass. The check traces runs
+# of Ulysses GQA attention for several shapes and world sizes.
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
-def per_rank_bytes(batch, seq, heads, head_dim, world_size, itemsize):
+def gqa_bytes(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):
     raise NotImplementedError   # your formula
 
-print(lessons.check_ulysses_bytes(per_rank_bytes))
+print(lessons.check_ulysses_gqa_bytes(gqa_bytes))
 
 
 # %% [markdown]
-# Solution (expand the cell to see it):
+# Solution (expand the cell to see it; try first):
 
 # %% expect=["Correct: bytes per rank for 4 shapes and world sizes."] jupyter={"source_hidden": true} tags=["solution"]
-def ulysses_bytes_solution(batch, seq, heads, head_dim, world_size, itemsize):
-    shard_bytes = batch * (seq // world_size) * heads * head_dim * itemsize   # one (b, s/P, h, d) tensor
-    return 4 * shard_bytes * (world_size - 1) / world_size                    # 4 all-to-alls, keep 1/P
+# Solution of the exercise.
+def gqa_bytes_solution(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):
+    per_head = batch * (seq // world_size) * head_dim * itemsize     # one head of a (b, s/P, h, d) shard
+    heads_moved = 2 * q_heads + 2 * kv_heads                          # q and the output; k and v
+    return heads_moved * per_head * (world_size - 1) / world_size     # each all-to-all keeps 1/P
 
-print(lessons.check_ulysses_bytes(ulysses_bytes_solution))
-# forgetting that each rank keeps its own chunk is caught:
-failure = lessons.expect_error(
-    lambda: lessons.check_ulysses_bytes(lambda b, s, h, d, p, i: 4 * b * (s // p) * h * d * i),
-    AssertionError, "you said")
+print(lessons.check_ulysses_gqa_bytes(gqa_bytes_solution))
 
 # %% [markdown]
 # ## Takeaway
@@ -209,9 +201,11 @@ failure = lessons.expect_error(
 #   head shards `(b, s, h/P, d)`; `(1, 2)` turns them back. Its backward is the swapped one.
 # * Attention on head shards is ordinary attention, so Ulysses gives exactly the single-device
 #   outputs and gradients, causal or not.
-# * The heads must divide the world size; the communicator says so instead of hanging.
+# * The number of heads must be divisible by the world size; the communicator says so instead of
+#   hanging.
 # * Per rank, Ulysses sends `4 (P-1)/P` shards forward, independent of `P`; gathering K and V
-#   sends `2 (P-1)` shards, `P/2` times more.
+#   sends `2 (P-1)` shards, `P/2` times more. With GQA, `k` and `v` are smaller and so is their
+#   share: `(2 q_heads + 2 kv_heads) / (4 q_heads)` of the MHA bytes.
 
 # %%
 world.close()
