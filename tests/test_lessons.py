@@ -235,6 +235,12 @@ def test_check_tp_mlp():
     _not_yet(lessons.check_tp_mlp(lambda comm, x, s: x), "the output differs")                 # partial
     _not_yet(lessons.check_tp_mlp(lambda comm, x, s: x @ s["w1"].T), "shape")                  # malformed
     _not_yet(lessons.check_tp_mlp(lambda comm, x, s: "out"), "raised")
+    _not_yet(lessons.check_tp_mlp(_bias_inside_the_sum), "the output differs")    # lesson 04's buggy layer
+
+
+def _bias_inside_the_sum(comm, x, shards):
+    h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
+    return comm.reduce_from_group(h @ shards["w2"].T + shards["b2"])
 
 
 def _gqa_bytes(b, s, hq, hkv, d, p, i):

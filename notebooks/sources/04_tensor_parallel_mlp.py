@@ -43,7 +43,11 @@ print({name: tuple(p.shape) for name, p in params.items()})
 # Rank `r` keeps rows `r*ffn/P ... (r+1)*ffn/P` of `w1` (and of `b1`). With the whole input `x`
 # it computes its own columns of the hidden activation: `h_r = gelu(x @ w1_r.T + b1_r)`, of
 # shape `(batch, ffn/P)`. No communication is needed: GELU acts element by element, so each
-# rank's columns are finished on their own.
+# rank's columns are finished on their own. Section 2 splits `w2` by the matching columns; the
+# figure shows which weights each rank holds, in its rank colour:
+
+# %% tags=["nbval-ignore-output"]
+viz.tp_mlp_shards_figure(hidden, ffn, world_size)
 
 # %% expect=["rank 0 holds {'w1': (4, 8), 'b1': (4,), 'w2': (8, 4), 'b2': (8,)} and computes h of shape (3, 4)", "the ranks' h side by side: matches the reference"]
 def column_parallel(comm, x, params):
@@ -117,13 +121,15 @@ print(lessons.assert_close([grads for _, _, grads in outs], ref_shards, "every s
 
 # %% [markdown]
 # What did that cost in communication? One all-reduce forward (from *g*) and one backward
-# (from *f*), each of one `(batch, hidden)` activation:
+# (from *f*), each over one `(batch, hidden)` activation: the trace records the buffer size of
+# each call. On the wire, an all-reduce of that buffer sends `2 (n - 1) / n` of it per rank with
+# the ring of lesson 3.
 
 # %% expect=["[('all_reduce', 'forward'), ('all_reduce', 'backward')] each on 192 bytes per rank"]
 calls = [(op, phase) for _, op, phase in world.trace.ops()]
 assert calls == [("all_reduce", "forward"), ("all_reduce", "backward")], calls
 activation_bytes = batch * hidden * 8                                  # float64
-assert all(e.nbytes == activation_bytes for e in world.trace), "each all-reduce moves one activation"
+assert all(e.nbytes == activation_bytes for e in world.trace), "each all-reduce is over one activation"
 print(calls, f"each on {activation_bytes} bytes per rank")
 
 # %% [markdown]
@@ -167,7 +173,8 @@ print(lessons.assert_close(sum(g for _, g, _ in outs), world_size * ref_x.grad,
 assert lessons.max_error(outs[0][1], ref_x.grad) > 1e-3, "without f, one rank's x.grad is incomplete"
 
 # %% [markdown]
-# The seed communicator this project grew from has only the plain all-reduce. Its gradients are
+# A communicator with only the plain all-reduce (like the vLLM-style one whose API `simcomm`
+# keeps) gets these gradients, and they are
 # right under the other convention: the objective is the **sum of per-rank losses**, so each
 # rank scales its loss by `1 / world_size`. Then the sharded weights get exact gradients, but a
 # replicated parameter such as `b2` gets only its rank's share, and must be all-reduced
@@ -183,35 +190,41 @@ print(lessons.assert_close(sum(grads["b2"] for _, _, grads in outs), ref_grads["
 
 
 # %% [markdown]
-# ## Exercise: write the tensor-parallel MLP yourself
+# ## Exercise: find the bugs in a tensor-parallel MLP
 #
-# Write `my_tp_mlp(comm, x, shards)` for a replicated loss: `x` is the same on every rank,
-# `shards` is this rank's `{"w1", "b1", "w2", "b2"}` from `shard_mlp`, and the output must be
-# the full `(batch, hidden)` MLP output on every rank. Use `comm.copy_to_group` and
-# `comm.reduce_from_group`. The check compares your output, `x.grad` and every shard's gradient
-# with the single-device MLP, running your function on 4 virtual ranks.
+# A colleague wrote this layer for a replicated loss, with the shards of `shard_mlp`. It runs,
+# and its output even has the right shape, but it has **two** bugs. Run the check on it to see
+# what it reports, find both bugs, and write the fixed layer as `my_tp_mlp` (the check
+# compares your output, `x.grad` and every shard's gradient with the single-device MLP on 4
+# virtual ranks).
+
+# %%
+def buggy_tp_mlp(comm, x, shards):
+    h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
+    return comm.reduce_from_group(h @ shards["w2"].T + shards["b2"])     # (batch, hidden)
+
+print(lessons.check_tp_mlp(buggy_tp_mlp))
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def my_tp_mlp(comm, x, shards):
-    raise NotImplementedError   # your code
+    raise NotImplementedError   # your fixed layer
 
 print(lessons.check_tp_mlp(my_tp_mlp))
 
 
 # %% [markdown]
-# Solution (expand the cell to see it):
+# Solution (expand the cell to see it; try first):
 
 # %% expect=["Correct: output and every gradient equal the single-device MLP on every rank."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of the exercise.
+# Bug 1: b2 is added on every rank before the sum, so the output holds world_size x b2.
+# Bug 2: no f (copy_to_group) where x enters, so each rank's x.grad misses the other shards' part.
 def tp_mlp_solution(comm, x, shards):
     x = comm.copy_to_group(x)                                            # f
     h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
     return comm.reduce_from_group(h @ shards["w2"].T) + shards["b2"]     # g, then the bias once
 
 print(lessons.check_tp_mlp(tp_mlp_solution))
-# the plain all-reduce gives world_size times the gradients, and the check says so:
-plain = lambda comm, x, shards: tp_mlp(comm, x, shards, conjugate=False)
-failure = lessons.expect_error(lambda: lessons.check_tp_mlp(plain), AssertionError,
-                               "differs from the single-device MLP", f"= {world_size}")
 
 # %% [markdown]
 # ## Takeaway

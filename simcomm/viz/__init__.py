@@ -13,6 +13,7 @@ element by the rank it came from.
 ``timeline_figure``        one row per rank, a bar per traced call
 ``comm_matrix_figure``     bytes from rank i to rank j, per op on a selector
 ``explore``                ipywidgets panel that redraws ``collective_figure``
+``tp_mlp_shards_figure``   which rows of w1 and columns of w2 each rank holds (lesson 04)
 ``busbw_figure``           bus bandwidth per message size: cost model curves and measured rows
 =========================  =====================================================
 
@@ -26,6 +27,7 @@ from .explore import Explorer, explore
 from .grids import as_grid, grid_layout, rank_grid
 from .matrix import comm_matrix_figure
 from .render import in_kernel, use_export_renderer
+from .sharding import tp_mlp_shards_figure
 from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
 from .timeline import human_bytes, timeline_figure
 
@@ -35,7 +37,7 @@ __all__ = [
     "tree_allreduce_figure", "Explorer", "explore",
     "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure",
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
-    "use_export_renderer",
+    "use_export_renderer", "tp_mlp_shards_figure",
 ]
 
 if in_kernel():   # figures then survive an HTML export; see simcomm.viz.render

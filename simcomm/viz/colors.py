@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import plotly.colors
 
-__all__ = ["RANK_COLOURS", "MIXED_COLOURSCALE", "EMPTY_COLOUR", "rank_colour", "rank_colourscale", "colour_at"]
+__all__ = ["RANK_COLOURS", "MIXED_COLOURSCALE", "rank_colour", "rank_colourscale", "colour_at"]
 
 #: plotly's "Pastel" qualitative palette without its grey, which marks mixed values here
 RANK_COLOURS: tuple[str, ...] = tuple(plotly.colors.qualitative.Pastel[:10])
 
 #: values that combine several ranks (sums, averages, products, scaled gradients): near-white to grey
 MIXED_COLOURSCALE: list[list] = [[0.0, "rgb(250, 250, 250)"], [1.0, "rgb(160, 160, 160)"]]
-
-#: the fill of a panel that holds nothing (``None`` outputs of gather)
-EMPTY_COLOUR = "rgb(245, 245, 245)"
-
 
 def rank_colour(rank: int) -> str:
     """The colour of rank ``rank`` in every figure."""
