@@ -28,11 +28,22 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from ..ring import ring_schedule
+from .colors import SUM_COLOUR, rank_colour
 from .provenance import provenance_base
 
 __all__ = ["AllReduceStep", "allreduce_steps", "allreduce_figure", "ring_allreduce_figure", "tree_allreduce_figure"]
 
-_COUNT_COLOURSCALE = [[0.0, "rgb(247, 252, 240)"], [0.5, "rgb(186, 228, 188)"], [1.0, "rgb(90, 180, 200)"]]
+
+
+def _owner_colourscale(world_size: int) -> list[list]:
+    """Bands ``0 .. n-1``: the rank colours; band ``n``: the neutral colour of a sum of several ranks."""
+    bands = world_size + 1
+    scale = []
+    for index in range(bands):
+        colour = rank_colour(index) if index < world_size else SUM_COLOUR
+        scale += [[index / bands, colour], [(index + 1) / bands, colour]]
+    return scale
+
 _ARROW_COLOUR = "rgb(214, 96, 77)"
 _SHORT = {"reduce-scatter": "RS", "all-gather": "AG", "reduce": "reduce", "broadcast": "bcast"}
 
@@ -138,15 +149,18 @@ def _frame_parts(step: AllReduceStep, world_size: int, algorithm: str, cell_px: 
     ``customdata`` the partial sums, its ``text`` the sum and the ranks.
     """
     n = world_size
-    counts = [[len(cell) for cell in row] for row in step.ranks]
+    # colour means the source rank, as in every figure: a chunk holding one rank's data has that
+    # rank's colour; a partial sum of several ranks is neutral, and its text names the ranks
+    owner = [[next(iter(cell)) if len(cell) == 1 else n for cell in row] for row in step.ranks]
     labels = [[f"{value:g}<br>{{{_ranges(cell)}}}" for value, cell in zip(values, cells)]
               for values, cells in zip(step.values, step.ranks)]
+    show_text = cell_px >= 50
     heatmap = dict(
-        type="heatmap", z=counts, customdata=step.values, text=labels, zmin=1, zmax=max(n, 2),
-        colorscale=_COUNT_COLOURSCALE, xgap=2, ygap=2, texttemplate="%{text}" if cell_px >= 44 else "",
-        textfont=dict(size=11 if cell_px >= 60 else 9, color="rgb(40, 40, 40)"),
+        type="heatmap", z=owner, customdata=step.values, text=labels, zmin=-0.5, zmax=n + 0.5,
+        colorscale=_owner_colourscale(n), showscale=False, xgap=2, ygap=2,
+        texttemplate="%{text}" if show_text else "",
+        textfont=dict(size=14 if cell_px >= 70 else 12, color="rgb(40, 40, 40)"),
         hovertemplate="rank %{y}, chunk %{x}: partial sum %{text}<extra></extra>",
-        colorbar=dict(title=dict(text="ranks summed", side="top"), thickness=14, tickvals=list(range(1, n + 1))),
         x=list(range(n)), y=list(range(n)))
     received = [(dst, chunk) for _, dst, chunks in step.sends for chunk in chunks]
     outline = dict(type="scatter", mode="markers", hoverinfo="skip", showlegend=False,

@@ -31,6 +31,9 @@ __all__ = ["OPS", "CollectiveRun", "run_collective", "collective_figure"]
 
 _ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
 
+#: the tallest figure that fits a projected screen below a notebook's toolbar, in px
+SCREEN_HEIGHT_PX = 800
+
 
 @dataclass(frozen=True)
 class _Op:
@@ -365,6 +368,14 @@ def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None
     if not backward:
         title = title.split("<br>backward")[0].split("<br>no backward")[0]
     title += f"<br><sup>{subtitle}</sup>"
-    return draw_panels(rows, world_size=run.world_size, base=run.base, title=title, column_titles=columns,
-                       row_titles=[f"rank {rank}" for rank in range(run.world_size)], show_values=show_values,
-                       function="collective_figure")
+    rank_names = [f"rank {rank}" for rank in range(run.world_size)]
+    fig = draw_panels(rows, world_size=run.world_size, base=run.base, title=title, column_titles=columns,
+                      row_titles=rank_names, show_values=show_values, function="collective_figure")
+    if fig.layout.height <= SCREEN_HEIGHT_PX:
+        return fig
+    # too tall for a screen (tall outputs, many ranks): ranks side by side, stages one under another
+    stages = [list(stage) for stage in zip(*rows)]
+    across = draw_panels(stages, world_size=run.world_size, base=run.base, title=title, column_titles=rank_names,
+                         row_titles=[column.replace("<br>", " ") for column in columns], show_values=show_values,
+                         function="collective_figure")
+    return across if across.layout.height < fig.layout.height else fig
