@@ -228,7 +228,7 @@ def allreduce_figure(world_size: int = 4, algorithm: str = "ring") -> go.Figure:
                    range=[n - 0.5, -0.5], showgrid=False, zeroline=False),
         annotations=frames[0].layout.annotations,
         width=int(80 + 130 + cell_px * (n + right_lane)), height=int(120 + 110 + cell_px * n),
-        margin=dict(l=80, r=130, t=120, b=110), plot_bgcolor="white", paper_bgcolor="white",
+        margin=dict(l=80, r=130, t=120, b=110), plot_bgcolor="white", paper_bgcolor="white", font=dict(size=13),
         updatemenus=[dict(
             type="buttons", direction="left", x=0.0, xanchor="right", y=0.0, yanchor="top",
             pad=dict(r=10, t=48), showactive=False, buttons=[

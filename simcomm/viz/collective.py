@@ -376,6 +376,6 @@ def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None
     # too tall for a screen (tall outputs, many ranks): ranks side by side, stages one under another
     stages = [list(stage) for stage in zip(*rows)]
     across = draw_panels(stages, world_size=run.world_size, base=run.base, title=title, column_titles=rank_names,
-                         row_titles=[column.replace("<br>", " ") for column in columns], show_values=show_values,
+                         row_titles=[column.split("<br>")[0].rstrip(" =") for column in columns], show_values=show_values,
                          function="collective_figure")
     return across if across.layout.height < fig.layout.height else fig

@@ -44,7 +44,8 @@ def tp_mlp_shards_figure(hidden: int, ffn: int, world_size: int) -> go.Figure:
             text=[[f"r{r}" for r in row] for row in owner], texttemplate="%{text}",
             textfont=dict(size=MIN_FONT_PX), hovertemplate="row %{y}, column %{x}: held by rank %{z}<extra></extra>"),
             row=1, col=col)
-        fig.update_yaxes(autorange="reversed", title_text="row", row=1, col=col)
+        fig.update_yaxes(autorange="reversed", title_text="row", scaleanchor="x" if col == 1 else "x2",
+                         constrain="domain", row=1, col=col)
         fig.update_xaxes(title_text="column", side="bottom", row=1, col=col)
     for rank in range(world_size):      # a legend: one entry per rank, in its colour
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"rank {rank}",
