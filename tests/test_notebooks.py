@@ -74,6 +74,20 @@ def test_lesson_has_goal_exercise_solution_takeaway_and_short_cells(notebook: Pa
     assert not long_cells, f"code cells longer than {MAX_CELL_LINES} lines (index, lines): {long_cells}"
 
 
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_solutions_are_hidden_behind_a_harmless_first_line_and_test_no_checker(notebook: Path):
+    """JupyterLab shows a collapsed cell's first line: it must not give the answer away."""
+    solutions = [cell for cell in json.loads(notebook.read_text())["cells"]
+                 if "solution" in cell["metadata"].get("tags", [])]
+    assert solutions
+    for cell in solutions:
+        source = "".join(cell["source"])
+        assert cell["metadata"].get("jupyter", {}).get("source_hidden") is True
+        assert source.splitlines()[0].startswith("# Solution"), source.splitlines()[0]
+        assert "expect_error" not in source, "tests of the checkers belong in tests/test_lessons.py"
+        assert cell["metadata"].get("expect", [""])[-1].startswith("Correct"), "a solution's check says Correct"
+
+
 SOURCES = NOTEBOOK_DIR / "sources"
 PAIRING = "ipynb,sources//py:percent"
 
