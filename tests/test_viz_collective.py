@@ -182,3 +182,16 @@ def test_hover_of_mixed_values_names_the_position_they_combine():
     assert panels["rank 0 dL/dx"].customdata[0][0].endswith("= 0: nothing reaches this element")
     panels = heatmaps(collective_figure("all_reduce", 3, (2, 2), op="product"))
     assert panels["rank 1 y"].customdata[1][1].endswith("mixes several ranks' values")
+
+
+def test_ulysses_cells_are_labelled_by_token_and_head():
+    world_size, tokens, heads = 4, 2, 4
+    fig = collective_figure("all_to_all_4D", world_size, (1, tokens, heads, 1))
+    panels = {trace.name: [text for row in trace.text for text in row] for trace in fig.data}
+    for rank in range(world_size):
+        # input: rank r's sequence shard, tokens r*2 and r*2+1 of every head, row by row
+        assert panels[f"rank {rank} x"] == [f"t{rank * tokens + t} h{h}" for t in range(tokens) for h in range(heads)]
+        # output: head r, every token in order (the head shard Ulysses attends over)
+        assert panels[f"rank {rank} y"] == [f"t{t} h{rank}" for t in range(tokens * world_size)]
+        # the incoming grad lives in the head-shard layout; its backward returns it to sequence shards
+        assert panels[f"rank {rank} dL/dx"] == panels[f"rank {rank} x"]

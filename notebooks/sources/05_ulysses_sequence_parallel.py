@@ -69,9 +69,10 @@ print(lessons.assert_close([back for _, _, back in outs], [mine for mine, _, _ i
                            "back to sequence shards"))
 
 # %% [markdown]
-# The same re-sharding as a figure, coloured by the rank each element came from (drawn on the
-# simulator, with `head_dim` 1 so that one cell is one token of one head): the left panels are
-# sequence shards, the right ones head shards.
+# The same re-sharding as a figure (drawn on the simulator, with `head_dim` 1 so that one cell
+# is one token of one head): each cell is labelled with its token and head (`t5 h2`) and
+# coloured by the rank it came from. Top row: the sequence shards each rank starts with; below:
+# the head shards after the all-to-all (the figure lays the ranks side by side to fit a screen).
 
 # %% tags=["nbval-ignore-output"]
 viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(batch, shard, heads, 1), backward=False)

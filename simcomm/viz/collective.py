@@ -49,6 +49,9 @@ class _Op:
     title: Callable[[dict, int], str]              # the lesson, two lines
     replicated: bool = False                       # every rank holds the same input
     dim_names: tuple[str, ...] | None = None
+    # the cell text of a coded element: (scatter dim of its source layout, source shape) -> labeller;
+    # None: the provenance code
+    label: Callable[[int, tuple[int, ...]], Callable[[int, tuple[int, ...]], str]] | None = None
 
 
 def _split_shape(size_per_rank: int) -> Callable[[int, dict], tuple[int, ...]]:
@@ -56,6 +59,23 @@ def _split_shape(size_per_rank: int) -> Callable[[int, dict], tuple[int, ...]]:
     def shape(world_size: int, args: dict) -> tuple[int, ...]:
         return (size_per_rank * world_size, 2) if args.get("dim") in (0, -2) else (2, size_per_rank * world_size)
     return shape
+
+
+def _token_head_label(scatter_dim: int, source_shape: tuple[int, ...]) -> Callable[[int, tuple[int, ...]], str]:
+    """Cell text ``"t5 h2"`` (token 5, head 2) of an element of Ulysses' layout ``(b, s, h, d)``.
+
+    ``scatter_dim=2``: the source holds sequence shards ``(b, s/P, h, d)``, so
+    rank ``r``'s local token ``i`` is token ``r * s/P + i``; otherwise head
+    shards ``(b, s, h/P, d)``, rank ``r``'s local head ``j`` is head ``r * h/P + j``.
+    """
+    tokens, heads = source_shape[1], source_shape[2]
+
+    def label(rank: int, position: tuple[int, ...]) -> str:
+        _, token, head, _ = position                       # position in (b, s_local, h_local, d)
+        if scatter_dim == 2:
+            return f"t{rank * tokens + token} h{head}"
+        return f"t{token} h{rank * heads + head}"
+    return label
 
 
 def _ulysses_shape(world_size: int, args: dict) -> tuple[int, ...]:
@@ -149,7 +169,7 @@ OPS: dict[str, _Op] = {
              "along the heads")
             + "<br>backward: the all-to-all with the dims swapped sends every gradient element back to "
               "where its input sat"),
-        dim_names=_ULYSSES_DIMS),
+        dim_names=_ULYSSES_DIMS, label=_token_head_label),
     "gather": _Op(
         call=lambda comm, x, a: comm.gather(x, a["dst"], a["dim"]),
         args={"dst": 0, "dim": -1},
@@ -333,13 +353,13 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
 
 
 def _panel(tensor: torch.Tensor | None, name: str, rank: int, kind: str, source_shape: tuple[int, ...],
-           note: str = "") -> Panel:
+           note: str = "", label: Callable[[int, tuple[int, ...]], str] | None = None) -> Panel:
     if kind not in _KINDS:
         raise ValueError(f"collective_figure: panel {name} on rank {rank} has kind={kind!r}, not one of {_KINDS}")
     if kind == "coded_or_zero":  # the gradient reached this rank unchanged, or not at all
         kind = "coded" if tensor is not None and bool(tensor.any()) else "sum"
     return Panel(tensor, name, rank, coded=kind == "coded", mixed=kind if kind != "coded" else "",
-                 source_shape=source_shape, note=note)
+                 source_shape=source_shape, note=note, label=label)
 
 
 def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None,
@@ -349,14 +369,19 @@ def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None
     with_grads = backward and run.grad_outputs is not None
     out_shape = next((tuple(y.shape) for y in run.outputs if y is not None), run.shape)
     columns = ["x<br>(input)", f"y =<br>{spec.forward(args)}"]
+    forward_label = grad_label = None
+    if spec.label is not None:     # values from the input's layout; gradients from the output's (dims swapped)
+        forward_label = spec.label(args["scatter_dim"], run.shape)
+        grad_label = spec.label(args["gather_dim"], out_shape)
     rows = []
     for rank in range(run.world_size):
-        row = [_panel(run.inputs[rank], "x", rank, "coded", run.shape),
+        row = [_panel(run.inputs[rank], "x", rank, "coded", run.shape, label=forward_label),
                _panel(run.outputs[rank], "y", rank, spec.forward_kind(args), run.shape,
-                      note=f"None: only rank {args.get('dst')} receives")]
+                      note=f"None: only rank {args.get('dst')} receives", label=forward_label)]
         if with_grads:
-            row += [_panel(run.grad_outputs[rank], "dL/dy", rank, "coded", out_shape),
-                    _panel(run.grad_inputs[rank], "dL/dx", rank, spec.backward_kind(args), out_shape)]
+            row += [_panel(run.grad_outputs[rank], "dL/dy", rank, "coded", out_shape, label=grad_label),
+                    _panel(run.grad_inputs[rank], "dL/dx", rank, spec.backward_kind(args), out_shape,
+                           label=grad_label)]
         rows.append(row)
     if with_grads:
         columns += ["dL/dy<br>(incoming grad, coded)", f"dL/dx =<br>{spec.backward(args)}"]

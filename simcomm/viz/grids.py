@@ -21,7 +21,7 @@ ndim   grid                                 layout named in the figure
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +101,9 @@ class Panel:
     source_shape: tuple[int, ...] | None = None
     note: str = ""
     mixed: str = ""
+    #: the cell text of a coded element, from its source rank and position in ``source_shape``
+    #: (``None``: the code itself)
+    label: Callable[[int, tuple[int, ...]], str] | None = None
 
 
 def _index_labels(shape: tuple[int, ...]) -> list[str]:
@@ -190,6 +193,10 @@ def _panel_cells(panel: Panel, base: int | None, world_size: int, function: str
                              f"{_format_value(flat[ranks.argmax()])}, from rank {ranks.max()}, but "
                              f"world_size={world_size}")
         source_labels = _index_labels(panel.source_shape or shape)
+        if panel.label is not None:
+            source_shape = panel.source_shape or shape
+            texts = [panel.label(int(ranks[k]), tuple(int(i) for i in np.unravel_index(positions[k], source_shape)))
+                     for k in range(flat.size)]
         hover = [f"{head[k]}<br>came from rank {ranks[k]}, element "
                  f"{source_labels[positions[k]] if positions[k] < len(source_labels) else positions[k]}"
                  for k in range(flat.size)]
