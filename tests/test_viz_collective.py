@@ -195,3 +195,11 @@ def test_ulysses_cells_are_labelled_by_token_and_head():
         assert panels[f"rank {rank} y"] == [f"t{t} h{rank}" for t in range(tokens * world_size)]
         # the incoming grad lives in the head-shard layout; its backward returns it to sequence shards
         assert panels[f"rank {rank} dL/dx"] == panels[f"rank {rank} x"]
+
+
+def test_forward_only_figures_label_like_the_lesson_inputs():
+    # lesson 01 prints rank r's input as [10r, 10r + 1, ...]: its figures use the same labels
+    fig = collective_figure("all_gather", 4, (4,), dim=0, backward=False)
+    texts = {trace.name: [t for row in trace.text for t in row] for trace in fig.data}
+    assert texts["rank 3 x"] == ["30", "31", "32", "33"]
+    assert texts["rank 0 y"] == [str(10 * r + i) for r in range(4) for i in range(4)]

@@ -273,10 +273,10 @@ def _resolve(function: str, op: str, op_args: dict) -> tuple[str, _Op, dict]:
     return name, spec, args
 
 
-def _program(comm, spec: _Op, args: dict, inputs: list[torch.Tensor], base: int):
-    x = inputs[comm.rank].clone().requires_grad_(spec.backward_kind is not None)
+def _program(comm, spec: _Op, args: dict, inputs: list[torch.Tensor], base: int, backward: bool):
+    x = inputs[comm.rank].clone().requires_grad_(backward)
     y = spec.call(comm, x, args)
-    if spec.backward_kind is None or y is None:
+    if not backward or y is None:
         return (y.detach() if y is not None else None), None, None
     grad_output = provenance_tensor(comm.rank, y.shape, base=base)
     y.backward(grad_output)
@@ -295,7 +295,8 @@ def run_collective(op: str, /, world_size: int = 4, shape: Sequence[int] | None 
     return _run("run_collective", op, world_size, shape, op_args)
 
 
-def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, op_args: dict) -> CollectiveRun:
+def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, op_args: dict,
+         backward: bool = True) -> CollectiveRun:
     name, spec, args = _resolve(function, op, op_args)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"{function}: world_size={world_size!r} must be a positive int")
@@ -308,11 +309,14 @@ def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, o
         raise ValueError(f"{function}: shape={shape!r} must be a non-empty sequence of positive ints")
     shape = tuple(shape)
     numel = math.prod(shape)
-    base = provenance_base(numel * world_size)  # the largest output (all_gather, gather) has n x numel
+    backward = backward and spec.backward_kind is not None
+    # codes must tell every element of every coded tensor apart: the incoming grad of a gathered
+    # output has n x numel elements; without a backward the inputs' numel suffices (labels 10r + i)
+    base = provenance_base(numel * world_size if backward else numel)
     inputs = [provenance_tensor(0 if spec.replicated else rank, shape, base=base) for rank in range(world_size)]
     world = World(world_size)
     try:
-        results = world.run(_program, spec, args, inputs, base)
+        results = world.run(_program, spec, args, inputs, base, backward)
     except Exception as error:  # a bad dim or an indivisible shape: say which call of ours it was
         cause = error.__cause__ if error.__cause__ is not None else error
         if not isinstance(cause, ValueError):
@@ -320,7 +324,7 @@ def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, o
         raise ValueError(f"{function}: {name} with shape={shape}, world_size={world_size}, "
                          f"{', '.join(f'{k}={v!r}' for k, v in args.items())} failed: {cause}") from error
     outputs = [result[0] for result in results]
-    has_backward = spec.backward_kind is not None
+    has_backward = backward
     return CollectiveRun(
         op=name, args=args, world_size=world_size, shape=shape, base=base, inputs=inputs, outputs=outputs,
         grad_outputs=[result[1] for result in results] if has_backward else None,
@@ -348,7 +352,7 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
     communicator's name for it: ``collective_figure("all_reduce", op="max")``.
     ``backward=False`` draws the forward columns only (before gradients are taught).
     """
-    run = _run("collective_figure", op, world_size, shape, op_args)
+    run = _run("collective_figure", op, world_size, shape, op_args, backward)
     return collective_run_figure(run, show_values=show_values, backward=backward)
 
 
