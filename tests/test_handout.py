@@ -11,7 +11,6 @@ executed by nbconvert on the simulator) feeds every test:
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -28,8 +27,9 @@ LESSONS = [nb.stem for nb in handout.lesson_notebooks()]
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> tuple[Path, dict[str, handout.Page]]:
     out = tmp_path_factory.mktemp("handout")
-    os.environ["SIMCOMM_BACKEND"] = "sim"      # the kernels inherit it
-    pages = handout.build_handout(out)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SIMCOMM_BACKEND", "sim")      # the kernels inherit it
+        pages = handout.build_handout(out)
     return out, {page.path.stem: page for page in pages}
 
 
