@@ -157,11 +157,12 @@ assert all(torch.equal(out, torch.stack(inputs)[:, rank]) for rank, out in enume
 print(lessons.per_rank(outs))
 
 # %% [markdown]
-# The figure draws the 4-D form of lesson 5 on a small tensor: each rank starts with 2
-# sequence positions of all 4 heads and ends with all 8 positions of one head.
+# The figure draws the 4-D form of lesson 5 on a small tensor, each cell labelled with its
+# token and head (`t5 h2`): each rank starts with 2 tokens of all 4 heads and ends with all 8
+# tokens of one head.
 
 # %% tags=["nbval-ignore-output"]
-viz.collective_figure("all_to_all_4D", world_size=world_size, backward=False)
+viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(1, 2, 4, 1), backward=False)
 
 # %% [markdown]
 # ## Explore
