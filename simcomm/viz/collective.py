@@ -8,8 +8,10 @@ element went forward and where every gradient element went backward.
 :func:`collective_figure` draws the four stages side by side, one row per rank.
 
 Panels whose values only moved between ranks are coloured by source rank;
-panels whose values mix several ranks (sums, averages, products, scaled
-gradients) are drawn on a grey scale.
+values that combine several ranks (sums, averages, scaled gradients) are
+drawn in one neutral colour, and each cell names the ranks combined
+(``Σ0-3``). Figures taller than :data:`SCREEN_HEIGHT_PX` lay the ranks side by
+side.
 """
 from __future__ import annotations
 
@@ -340,8 +342,11 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
     ``r * base + position``) and the resulting input gradient ``dL/dx``. Ops
     without a backward (``gather``, ``send_recv``) show the forward only, with
     a note in the title. Values that only moved are coloured by the rank they
-    came from and hover names their original position; values that mix ranks
-    (sums, averages, products) are grey.
+    came from and hover names their original position; a value that combines
+    ranks (a sum, a mean) is neutral and its cell names the ranks (``Σ0-3``).
+    Numbers are drawn at 13 px or more, or only on hover when cells are too
+    small; a figure taller than a screen puts the ranks side by side.
+    ``all_to_all_4D`` cells are labelled by token and head (``t5 h2``).
 
     ``op`` is one of :data:`OPS`: ``all_reduce`` (``reduce_op=``), ``all_gather``
     (``dim=``), ``reduce_scatter`` (``dim=``, ``reduce_op=``), ``slice`` (``dim=``,

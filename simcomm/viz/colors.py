@@ -10,7 +10,7 @@ import plotly.colors
 
 __all__ = ["RANK_COLOURS", "SUM_COLOUR", "MIXED_COLOURSCALE", "VALUE_COLOURSCALE", "rank_colour", "rank_colourscale", "colour_at"]
 
-#: plotly's "Pastel" qualitative palette without its grey, which marks mixed values here
+#: plotly's "Pastel" qualitative palette without its grey, which marks combined values here
 RANK_COLOURS: tuple[str, ...] = tuple(plotly.colors.qualitative.Pastel[:10])
 
 #: a value that combines several ranks (a sum, a mean, a product): one neutral colour, no scale;

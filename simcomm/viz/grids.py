@@ -87,8 +87,9 @@ class Panel:
 
     ``coded``: the values are provenance codes (colour by source rank; hover
     names the source rank and the element's position in ``source_shape``).
-    Otherwise they mix several ranks and are drawn on the grey value scale;
-    ``mixed`` says how, so hover can still name the position: ``"sum"`` /
+    Otherwise they combine several ranks: drawn in one neutral colour, the
+    cell naming the ranks combined; ``mixed`` says how, so the cell and hover
+    can name them and the position: ``"sum"`` /
     ``"avg"`` (sum / mean over all ranks of one position), ``"scaled"`` (a
     code divided by the world size). ``tensor=None`` draws an empty panel
     showing ``note``.
@@ -234,7 +235,9 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
     """A figure with ``panels[row][column]`` laid out as a table of heatmaps.
 
     Coded panels share one colour axis that colours each value by its source
-    rank; the others share a grey value scale. Cells are square and the same
+    rank; values that combine ranks (``Panel.mixed`` set) are neutral, with
+    the ranks named in each cell; plain values (``rank_grid`` of any tensors)
+    share a grey value scale. No number is drawn below :data:`MIN_FONT_PX`. Cells are square and the same
     size in every panel, so a tensor twice as long is drawn twice as long.
     The figure is built from plain dicts and validated once by ``go.Figure``
     (adding panels one by one through plotly's API is ten times slower).
