@@ -190,9 +190,9 @@ def test_ulysses_cells_are_labelled_by_token_and_head():
     panels = {trace.name: [text for row in trace.text for text in row] for trace in fig.data}
     for rank in range(world_size):
         # input: rank r's sequence shard, tokens r*2 and r*2+1 of every head, row by row
-        assert panels[f"rank {rank} x"] == [f"t{rank * tokens + t} h{h}" for t in range(tokens) for h in range(heads)]
+        assert panels[f"rank {rank} x"] == [f"t{rank * tokens + t}<br>h{h}" for t in range(tokens) for h in range(heads)]
         # output: head r, every token in order (the head shard Ulysses attends over)
-        assert panels[f"rank {rank} y"] == [f"t{t} h{rank}" for t in range(tokens * world_size)]
+        assert panels[f"rank {rank} y"] == [f"t{t}<br>h{rank}" for t in range(tokens * world_size)]
         # the incoming grad lives in the head-shard layout; its backward returns it to sequence shards
         assert panels[f"rank {rank} dL/dx"] == panels[f"rank {rank} x"]
 

@@ -64,7 +64,7 @@ def _split_shape(size_per_rank: int) -> Callable[[int, dict], tuple[int, ...]]:
 
 
 def _token_head_label(scatter_dim: int, source_shape: tuple[int, ...]) -> Callable[[int, tuple[int, ...]], str]:
-    """Cell text ``"t5 h2"`` (token 5, head 2) of an element of Ulysses' layout ``(b, s, h, d)``.
+    """Cell text ``"t5<br>h2"`` (token 5, head 2) of an element of Ulysses' layout ``(b, s, h, d)``.
 
     ``scatter_dim=2``: the source holds sequence shards ``(b, s/P, h, d)``, so
     rank ``r``'s local token ``i`` is token ``r * s/P + i``; otherwise head
@@ -75,8 +75,8 @@ def _token_head_label(scatter_dim: int, source_shape: tuple[int, ...]) -> Callab
     def label(rank: int, position: tuple[int, ...]) -> str:
         _, token, head, _ = position                       # position in (b, s_local, h_local, d)
         if scatter_dim == 2:
-            return f"t{rank * tokens + token} h{head}"
-        return f"t{token} h{rank * heads + head}"
+            return f"t{rank * tokens + token}<br>h{head}"
+        return f"t{token}<br>h{rank * heads + head}"
     return label
 
 

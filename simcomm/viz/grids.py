@@ -272,13 +272,24 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
     row_px = [rows * cell_px for rows in grid_rows]
     plot_width = sum(col_px) + (col_count - 1) * _GAP_PX
     plot_height = sum(row_px) + (row_count - 1) * _GAP_PX
-    longest = max((len(t) for row in cells for c in row if c is not None for line in c[1] for t in line),
-                  default=1)
     # numbers are never drawn below MIN_FONT_PX (readable when projected): when the cells are too
     # small for that (many ranks, long tensors), the values are dropped and stay on hover
     font_px = max(MIN_FONT_PX, min(16, int(cell_px * 0.45)))
-    if show_values is None:
-        show_values = longest * font_px * 0.6 + 4 <= cell_px * 1.7
+
+    def panel_font(panel_texts: list[list[str]]) -> int | None:
+        """The largest font from ``font_px`` down to MIN_FONT_PX at which the panel's texts fit its cells.
+
+        ``None``: they do not fit even at MIN_FONT_PX, so the numbers are left to hover.
+        """
+        if show_values is False:
+            return None
+        lines = [line for row in panel_texts for text in row for line in text.split("<br>")]
+        widest = max((len(line) for line in lines), default=1)
+        rows = max((text.count("<br>") + 1 for row in panel_texts for text in row), default=1)
+        for size in range(font_px, MIN_FONT_PX - 1, -1):
+            if widest * size * 0.58 + 2 <= cell_px * 1.05 and rows * size * 1.15 <= cell_px:
+                return size
+        return MIN_FONT_PX if show_values else None
     # colour bars need room for one label per rank: a short figure gets white space below its panels
     has_coded = any(p.coded and p.tensor is not None for row in panels for p in row)
     plot_height = max(plot_height, 30 * world_size * has_coded)
@@ -308,11 +319,12 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
                 layout[_axis_name("yaxis", index)]["visible"] = False
                 continue
             grid, texts, hover = cells[r][c]
+            size = panel_font(texts)
             if not panel.coded:
                 mixed_values.append(grid)
             traces.append(dict(
                 type="heatmap", z=grid, customdata=hover, hovertemplate="%{customdata}<extra></extra>",
-                text=texts, texttemplate="%{text}" if show_values else "", textfont=text_font,
+                text=texts, texttemplate="%{text}" if size else "", textfont=dict(text_font, size=size or font_px),
                 coloraxis="coloraxis" if panel.coded else "coloraxis2", xgap=1, ygap=1,
                 name=f"rank {panel.rank} {panel.name}", xaxis=x_name, yaxis=y_name))
     for c, text in enumerate(column_titles or []):
