@@ -13,9 +13,8 @@ JupyterLab is stopped the way it expects: SIGINT twice (the first asks for a
 confirmation that nobody gives). The test then asserts that the server and
 every process it started (kernels) are gone.
 
-A second test exports lesson 03 to static HTML (``nbconvert --execute``) and
-opens the file with every network request blocked: the ring animation must
-draw and play without a kernel.
+Exported lessons (static HTML, no kernel, network blocked) are tested with
+the workshop handout in ``tests/test_handout.py``.
 """
 from __future__ import annotations
 
@@ -222,51 +221,3 @@ def test_lesson_01_in_chromium(jupyterlab, tmp_path: Path):
     assert NOTEBOOK.read_bytes() == before, "JupyterLab wrote into the repository's notebook"
     print(f"screenshot: {screenshot}")
     print(f"explorer: {subplots_before} subplots ({status_before}) -> {subplots_after} ({status_after})")
-
-
-def test_lesson_03_html_export_animates_without_kernel_or_network(tmp_path: Path):
-    """Lesson 03 exported to static HTML: the ring animation plays in Chromium, offline, no kernel."""
-    from playwright.sync_api import sync_playwright
-
-    lesson = ROOT / "notebooks" / "03_ring_allreduce_and_cost.ipynb"
-    shutil.copy(lesson, tmp_path / lesson.name)
-    env = dict(os.environ, SIMCOMM_BACKEND="sim", JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               IPYTHONDIR=str(tmp_path / "ipython"))
-    export = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", "--execute",
-                             "--ExecutePreprocessor.timeout=300", lesson.name], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert export.returncode == 0, export.stderr[-3000:]
-    html = tmp_path / f"{lesson.stem}.html"
-
-    blocked: list[str] = []
-
-    def offline(route) -> None:
-        if route.request.url.startswith("file:"):
-            route.continue_()
-        else:
-            blocked.append(route.request.url)
-            route.abort()
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)
-            page.route("**/*", offline)
-            page.goto(html.as_uri())
-            ring = page.locator(".js-plotly-plot:has(g.slider-container)").first
-            ring.wait_for()
-            ring.scroll_into_view_if_needed()
-            labels = ring.locator("g.slider-container g.slider-label-group text").all_text_contents()
-            assert len(labels) == 2 * (4 - 1) + 1, labels            # 4 ranks: 6 steps and the start
-            start_title = ring.locator("g.g-gtitle").text_content()
-            ring.locator("g.updatemenu-button").first.click()        # play
-            assert "start" in start_title, start_title
-            # the frames advance (one a second) through the reduce-scatter into the all-gather
-            page.wait_for_function(
-                "([plot]) => plot.querySelector('g.g-gtitle').textContent.includes('all-gather step')",
-                arg=[ring.element_handle()])
-            page.screenshot(path=str(tmp_path / "03_ring_export.png"))
-        finally:
-            browser.close()
-    print(f"export: {html} ({html.stat().st_size} bytes); blocked requests: {len(blocked)}")

@@ -55,6 +55,17 @@ def test_ring_sends_two_n_minus_one_chunks_per_rank():
     assert len(sends) == 6 and all(event.nbytes == 8 for event in sends)
 
 
+def test_ring_reduce_scatter_leaves_rank_r_with_chunk_r_plus_1():
+    for n in (2, 3, 4, 5):
+        # follow which ranks have been added into each (rank, chunk) along the reduce-scatter
+        holders = {(rank, chunk): {rank} for rank in range(n) for chunk in range(n)}
+        for step in lessons.ring_schedule(n)[:n - 1]:
+            for sender, receiver, chunk in step:
+                holders[(receiver, chunk)] = holders[(receiver, chunk)] | holders[(sender, chunk)]
+        for rank in range(n):
+            assert holders[(rank, (rank + 1) % n)] == set(range(n))
+
+
 def test_ring_schedule_matches_the_figure_module():
     from simcomm.viz import allreduce_steps
     for n in (2, 3, 4, 8):
@@ -92,61 +103,154 @@ def _placeholder(*args):
     raise NotImplementedError
 
 
-def test_check_shapes():
-    calls = {"all_gather": {"dim": 0}, "gather": {"dst": 1}}
-    assert lessons.check_shapes({"all_gather": ..., "gather": ...}, world_size=2, shape=(2, 2), args=calls) \
-        == lessons.NOT_ANSWERED
-    assert lessons.check_shapes({"all_gather": (4, 2), "gather": None}, world_size=2, shape=(2, 2),
-                                args=calls).startswith("Correct")
-    with pytest.raises(AssertionError, match=r"you said \(2, 2\), rank 0 gets \(4, 2\)"):
-        lessons.check_shapes({"all_gather": (2, 2)}, world_size=2, shape=(2, 2), args=calls)
+def _not_yet(verdict: str, *fragments: str) -> None:
+    """A checker's verdict on a wrong answer: ``Not yet``, the fragments, no traceback text."""
+    assert verdict.startswith("Not yet: "), verdict
+    assert not lessons.is_correct(verdict)
+    assert "Traceback" not in verdict and "File \"" not in verdict, verdict
+    for fragment in fragments:
+        assert fragment in verdict, (fragment, verdict)
+
+
+CALLS = {"all_gather": {"dim": 0}, "gather": {"dst": 1}}
+
+
+def _shapes(predictions):
+    return lessons.check_shapes(predictions, world_size=2, shape=(2, 2), args=CALLS)
+
+
+def test_check_shapes_right_placeholder():
+    assert _shapes({"all_gather": ..., "gather": ...}) == lessons.NOT_ANSWERED
+    assert _shapes({"all_gather": (4, 2), "gather": None}) == "Correct: all 2 shapes."
+    assert _shapes({"all_gather": [4, 2], "gather": None}) == "Correct: all 2 shapes."
+
+
+def test_check_shapes_wrong_partial_malformed():
+    _not_yet(_shapes({"all_gather": (2, 2), "gather": None}), "1 of 2 shapes are wrong", "all_gather", "Hint:")
+    assert "(4, 2)" not in _shapes({"all_gather": (2, 2), "gather": None}), "a wrong answer is not corrected"
+    _not_yet(_shapes({"all_gather": (4, 2)}), "1 of 2 calls", "missing: ['gather']")   # partial
+    _not_yet(_shapes({"all_gather": 4, "gather": None}), "all_gather", "tuple of ints")   # an int, not a shape
+    _not_yet(_shapes({"all_gathr": (4, 2), "gather": None}), "['all_gathr'] is not one of the calls")
+    _not_yet(_shapes([(4, 2), None]), "write a dict")
+    _not_yet(_shapes({"all_gather": ("4", 2), "gather": None}), "tuple of ints")
 
 
 def test_check_prediction():
     assert lessons.check_prediction(..., torch.tensor([1.0]), "x") == lessons.NOT_ANSWERED
     assert lessons.check_prediction([1], torch.tensor([1.0]), "x") == "Correct: x is [1]."
-    with pytest.raises(AssertionError, match=r"you said \[2\], it is \[1\]"):
-        lessons.check_prediction([2], torch.tensor([1.0]), "x")
-    with pytest.raises(AssertionError, match="not a number"):
-        lessons.check_prediction("one", torch.tensor([1.0]), "x")
+    assert lessons.check_prediction(1, torch.tensor([1.0]), "x") == "Correct: x is [1]."
+    _not_yet(lessons.check_prediction([2], torch.tensor([1.0]), "x", hint="think"), "x is not [2]", "Hint: think")
+    _not_yet(lessons.check_prediction([1, 2], torch.tensor([1.0]), "x"), "holds 1 number(s); you gave 2")  # partial
+    _not_yet(lessons.check_prediction("one", torch.tensor([1.0]), "x"), "not a number")                      # malformed
+    _not_yet(lessons.check_prediction([[1], [2, 3]], torch.tensor([1.0]), "x"), "not a number")
+
+
+def _count_with_all_reduce(comm):
+    return comm.all_reduce(torch.ones(1)).item()
 
 
 def test_check_count_ranks():
     assert lessons.check_count_ranks(_placeholder) == lessons.NOT_ANSWERED
-    assert lessons.check_count_ranks(lambda comm: comm.all_reduce(torch.ones(1)).item()).startswith("Correct")
-    with pytest.raises(AssertionError, match="returned"):
-        lessons.check_count_ranks(lambda comm: comm.all_reduce(torch.ones(1)).item() + 1)
-    with pytest.raises(AssertionError, match="no all-reduce"):
-        lessons.check_count_ranks(lambda comm: comm.world_size)
+    assert lessons.check_count_ranks(_count_with_all_reduce) == "Correct: right on 1, 2, 3, 5 ranks."
+    assert lessons.check_count_ranks(lambda comm: comm.all_reduce(torch.ones(1))).startswith("Correct")
+    _not_yet(lessons.check_count_ranks(lambda comm: comm.all_reduce(torch.ones(1)).item() + 1), "returned")
+    _not_yet(lessons.check_count_ranks(lambda comm: comm.world_size), "comm.world_size")   # forbidden
+    _not_yet(lessons.check_count_ranks(lambda comm: len(comm.ranks)), "comm.ranks")
+    _not_yet(lessons.check_count_ranks(lambda comm: comm.all_reduce(torch.ones(2))), "one number")  # malformed
+    _not_yet(lessons.check_count_ranks(lambda comm: 1 / 0), "ZeroDivisionError", "rank")
+
+
+def _even_odd(comm):
+    lessons.ring_exchange(comm, torch.ones(2))
+
+
+def _all_send_first(comm):
+    comm.send(torch.ones(2))
+    comm.recv((2,))
+
+
+def _barrier_on_rank_0_only(comm):
+    if comm.rank == 0:
+        comm.barrier()
+
+
+PROGRAMS = {"A": _even_odd, "B": _all_send_first, "C": _barrier_on_rank_0_only}
+
+
+def test_check_deadlocks():
+    assert lessons.check_deadlocks(..., PROGRAMS) == lessons.NOT_ANSWERED
+    assert lessons.check_deadlocks({"B", "C"}, PROGRAMS) == "Correct: B, C deadlock(s) on 4 ranks."
+    assert lessons.check_deadlocks(["C", "B"], PROGRAMS).startswith("Correct")
+    _not_yet(lessons.check_deadlocks({"A", "B"}, PROGRAMS), "2 of the 3")
+    _not_yet(lessons.check_deadlocks({"B"}, PROGRAMS), "1 of the 3")                     # partial
+    _not_yet(lessons.check_deadlocks({"D"}, PROGRAMS), "not one of the programs")        # malformed
+    _not_yet(lessons.check_deadlocks(2, PROGRAMS), "set of program names")
 
 
 def test_check_all_gather_backward():
     assert lessons.check_all_gather_backward(_placeholder) == lessons.NOT_ANSWERED
     right = lambda comm, grad, dim: comm.reduce_scatter(grad, dim=dim)
     assert lessons.check_all_gather_backward(right).startswith("Correct")
-    with pytest.raises(AssertionError, match="differs"):
-        lessons.check_all_gather_backward(lambda comm, grad, dim: comm.slice(grad, dim=dim, scale_grad=False))
-    with pytest.raises(AssertionError, match="shape"):
-        lessons.check_all_gather_backward(lambda comm, grad, dim: grad)
+    _not_yet(lessons.check_all_gather_backward(lambda comm, grad, dim: comm.slice(grad, dim=dim, scale_grad=False)),
+             "differs")
+    _not_yet(lessons.check_all_gather_backward(lambda comm, grad, dim: grad), "shape")
+    _not_yet(lessons.check_all_gather_backward(lambda comm, grad, dim: None), "NoneType")
+    _not_yet(lessons.check_all_gather_backward(lambda comm, grad, dim: comm.reduce_scatter(grad, dim=5)),
+             "raised", "rank")
+
+
+def _ring_all_gather(comm, x):
+    shards = [None] * comm.world_size
+    shards[comm.rank] = x.clone()
+    for step in range(comm.world_size - 1):
+        shards[(comm.rank - 1 - step) % comm.world_size] = lessons.ring_exchange(
+            comm, shards[(comm.rank - step) % comm.world_size])
+    return torch.cat(shards)
+
+
+def _ring_in_wrong_order(comm, x):
+    return torch.cat(list(reversed(list(_ring_all_gather(comm, x).chunk(comm.world_size)))))
+
+
+def _naive_sends(comm, x):
+    comm.send(x)
+    return comm.recv(x.shape, x.dtype)
+
+
+def test_check_ring_all_gather():
+    assert lessons.check_ring_all_gather(_placeholder) == lessons.NOT_ANSWERED
+    assert lessons.check_ring_all_gather(_ring_all_gather).startswith("Correct")
+    _not_yet(lessons.check_ring_all_gather(lambda comm, x: comm.all_gather(x, dim=0)), "only send and recv")
+    _not_yet(lessons.check_ring_all_gather(_ring_in_wrong_order), "wrong values or order")
+    _not_yet(lessons.check_ring_all_gather(_naive_sends), "deadlocked", "ring_exchange")
+    _not_yet(lessons.check_ring_all_gather(lambda comm, x: x), "returned (3,)")                 # partial
+    _not_yet(lessons.check_ring_all_gather(lambda comm, x: x.add_(1)), "input was modified")
 
 
 def test_check_tp_mlp():
     assert lessons.check_tp_mlp(_placeholder) == lessons.NOT_ANSWERED
     assert lessons.check_tp_mlp(lambda comm, x, s: tp_mlp(comm, x, s, conjugate=True)).startswith("Correct")
-    with pytest.raises(AssertionError, match="= 4"):
-        lessons.check_tp_mlp(lambda comm, x, s: tp_mlp(comm, x, s, conjugate=False))
+    _not_yet(lessons.check_tp_mlp(lambda comm, x, s: tp_mlp(comm, x, s, conjugate=False)), "= 4")
+    _not_yet(lessons.check_tp_mlp(lambda comm, x, s: x), "the output differs")                 # partial
+    _not_yet(lessons.check_tp_mlp(lambda comm, x, s: x @ s["w1"].T), "shape")                  # malformed
+    _not_yet(lessons.check_tp_mlp(lambda comm, x, s: "out"), "raised")
+    _not_yet(lessons.check_tp_mlp(_bias_inside_the_sum), "the output differs")    # lesson 04's buggy layer
 
 
-def test_check_ring_counts():
-    assert lessons.check_ring_counts(_placeholder, _placeholder) == lessons.NOT_ANSWERED
-    assert lessons.check_ring_counts(lambda n: 2 * (n - 1), lambda n, b: 2 * (n - 1) * b / n).startswith("Correct")
-    with pytest.raises(AssertionError, match="you said each rank sends"):
-        lessons.check_ring_counts(lambda n: 2 * (n - 1), lambda n, b: 2 * b)
+def _bias_inside_the_sum(comm, x, shards):
+    h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
+    return comm.reduce_from_group(h @ shards["w2"].T + shards["b2"])
 
 
-def test_check_ulysses_bytes():
-    assert lessons.check_ulysses_bytes(_placeholder) == lessons.NOT_ANSWERED
-    right = lambda b, s, h, d, p, i: 4 * b * (s // p) * h * d * i * (p - 1) / p
-    assert lessons.check_ulysses_bytes(right).startswith("Correct")
-    with pytest.raises(AssertionError, match="you said"):
-        lessons.check_ulysses_bytes(lambda b, s, h, d, p, i: 4 * b * (s // p) * h * d * i)
+def _gqa_bytes(b, s, hq, hkv, d, p, i):
+    return b * (s // p) * d * i * (2 * hq + 2 * hkv) * (p - 1) / p
+
+
+def test_check_ulysses_gqa_bytes():
+    assert lessons.check_ulysses_gqa_bytes(_placeholder) == lessons.NOT_ANSWERED
+    assert lessons.check_ulysses_gqa_bytes(lambda *args: ...) == lessons.NOT_ANSWERED
+    assert lessons.check_ulysses_gqa_bytes(_gqa_bytes).startswith("Correct")
+    mha = lambda b, s, hq, hkv, d, p, i: 4 * b * (s // p) * hq * d * i * (p - 1) / p   # ignores kv_heads
+    _not_yet(lessons.check_ulysses_gqa_bytes(mha), "does not send", "kv_heads")
+    _not_yet(lessons.check_ulysses_gqa_bytes(lambda *args: "many"), "not a number")
+    _not_yet(lessons.check_ulysses_gqa_bytes(lambda b, s: 0), "TypeError")

@@ -2,11 +2,11 @@
 
 Each notebook runs in a fresh kernel with ``--nbval-lax --nbval-current-env``:
 every cell must run without error, and the ``assert`` statements in the cells
-are the checks. Cells whose printed text is deterministic have that text in
-their source (``# %% expect`` in ``notebooks/src/``); the committed notebooks
-hold no outputs, so each run works on a temporary copy whose checked cells
-carry the expected text as stored output and the ``nbval-check-output`` tag,
-and nbval compares them.
+are the checks. Cells whose printed text is deterministic hold that text, line
+by line, in their ``expect`` metadata (``# %% expect=[...]`` in the paired
+``notebooks/sources/*.py``); the committed notebooks hold no outputs, so each
+run works on a temporary copy whose checked cells carry the expected text as
+stored output and the ``nbval-check-output`` tag, and nbval compares them.
 
 ``SIMCOMM_BACKEND=sim`` runs the programs on virtual ranks in the kernel;
 ``SIMCOMM_BACKEND=real`` runs them on gloo worker processes through
@@ -15,12 +15,11 @@ cannot start workers on this machine. Each run must finish within
 ``SIMCOMM_LESSON_BUDGET_S`` seconds (default 60), kernel start included.
 
 Also checked: every committed notebook is stripped (no outputs, execution
-counts or widget state) and equals what ``notebooks/build.py`` makes from its
-source.
+counts or widget state) and has the same cells (type, source, metadata) as its
+jupytext-paired source ``notebooks/sources/NN_name.py``.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -75,31 +74,57 @@ def test_lesson_has_goal_exercise_solution_takeaway_and_short_cells(notebook: Pa
     assert not long_cells, f"code cells longer than {MAX_CELL_LINES} lines (index, lines): {long_cells}"
 
 
-def test_notebooks_match_their_sources():
-    result = subprocess.run([sys.executable, str(NOTEBOOK_DIR / "build.py"), "--check"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_solutions_are_hidden_behind_a_harmless_first_line_and_test_no_checker(notebook: Path):
+    """JupyterLab shows a collapsed cell's first line: it must not give the answer away."""
+    solutions = [cell for cell in json.loads(notebook.read_text())["cells"]
+                 if "solution" in cell["metadata"].get("tags", [])]
+    assert solutions
+    for cell in solutions:
+        source = "".join(cell["source"])
+        assert cell["metadata"].get("jupyter", {}).get("source_hidden") is True
+        assert source.splitlines()[0].startswith("# Solution"), source.splitlines()[0]
+        assert "expect_error" not in source, "tests of the checkers belong in tests/test_lessons.py"
+        assert cell["metadata"].get("expect", [""])[-1].startswith("Correct"), "a solution's check says Correct"
 
 
-def _load_build():
-    spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOK_DIR / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SOURCES = NOTEBOOK_DIR / "sources"
+PAIRING = "ipynb,sources//py:percent"
 
 
-build = _load_build()
+def _cells(nb) -> list[tuple[str, str, dict]]:
+    return [(cell["cell_type"], "".join(cell["source"]), dict(cell.get("metadata", {}))) for cell in nb["cells"]]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_matches_its_paired_source(notebook: Path):
+    import jupytext
+
+    source = SOURCES / f"{notebook.stem}.py"
+    assert source.exists(), f"{source} is missing: run jupytext --sync notebooks/{notebook.name}"
+    nb = json.loads(notebook.read_text())
+    assert nb["metadata"].get("jupytext", {}).get("formats") == PAIRING, f"{notebook.name} is not paired"
+    paired = jupytext.read(source)
+    assert _cells(paired) == _cells(nb), (f"{notebook.name} and {source.name} differ: run "
+                                          f"jupytext --sync notebooks/{notebook.name} (the newer file wins)")
+
+
+def expected_outputs(notebook: Path) -> dict[int, str]:
+    """``{cell index: text}`` for every code cell with ``expect`` metadata."""
+    cells = json.loads(notebook.read_text())["cells"]
+    return {index: "\n".join(cell["metadata"]["expect"]) + "\n" for index, cell in enumerate(cells)
+            if "expect" in cell.get("metadata", {})}
 
 
 def with_expected_outputs(notebook: Path, folder: Path) -> tuple[Path, int]:
     """Copy ``notebook`` into ``folder`` with its checked cells' expected text as stored output."""
     nb = json.loads(notebook.read_text())
-    expected = build.expected_outputs(build.source_of(notebook))
+    expected = expected_outputs(notebook)
     for index, cell in enumerate(nb["cells"]):
-        if cell.get("id") in expected:
+        if index in expected:
             cell["metadata"].setdefault("tags", []).append("nbval-check-output")
             cell["execution_count"] = index + 1  # nbval compares only cells that were run
-            cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": expected[cell["id"]]}]
+            cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": expected[index]}]
     copy = folder / notebook.name
     copy.write_text(json.dumps(nb, indent=1))
     return copy, len(expected)

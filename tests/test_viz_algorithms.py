@@ -5,7 +5,16 @@ import pytest
 import torch
 
 from simcomm import collectives
-from simcomm.viz import allreduce_steps, ring_allreduce_figure
+from simcomm.viz import allreduce_figure, allreduce_steps, ring_allreduce_figure, tree_allreduce_figure
+
+
+def _count(text: str) -> int:
+    """How many ranks a cell's text ``"value<br>{0-2,5}"`` names."""
+    ranks = 0
+    for part in text.split("{")[1].rstrip("}").split(","):
+        low, _, high = part.partition("-")
+        ranks += int(high or low) - int(low) + 1
+    return ranks
 
 
 def chunk_values(world_size):
@@ -23,7 +32,10 @@ def test_ring_has_2_n_minus_1_steps_plus_the_start_and_ends_with_the_all_reduce(
     final = fig.frames[-1].data[0]
     for rank in range(world_size):
         assert list(final.customdata[rank]) == expected[rank].tolist()
-        assert list(final.z[rank]) == [world_size] * world_size  # every chunk holds every rank
+        assert all(text.endswith("{" + (f"0-{world_size - 1}" if world_size > 1 else "0") + "}")
+                   for text in final.text[rank])                    # every chunk holds every rank
+        # colour is the source rank; a sum of several ranks is the neutral band (index world_size)
+        assert list(final.z[rank]) == [world_size if world_size > 1 else 0] * world_size
 
 
 def test_ring_partial_sums_after_each_reduce_scatter_step():
@@ -37,23 +49,25 @@ def test_ring_partial_sums_after_each_reduce_scatter_step():
             chunk = (rank - step) % 4
             contributors = [(rank - k) % 4 for k in range(step + 1)]
             assert heatmap.customdata[rank][chunk] == sum(values[s][chunk].item() for s in contributors)
-            assert heatmap.z[rank][chunk] == step + 1
+            assert _count(heatmap.text[rank][chunk]) == step + 1
+            assert heatmap.z[rank][chunk] == 4                       # a sum of several ranks: neutral
     # after reduce-scatter, rank r holds the complete chunk r + 1; nothing else is complete yet
     last_rs = fig.frames[3].data[0]
-    complete = {(r, c) for r in range(4) for c in range(4) if last_rs.z[r][c] == 4}
+    complete = {(r, c) for r in range(4) for c in range(4) if _count(last_rs.text[r][c]) == 4}
     assert complete == {(r, (r + 1) % 4) for r in range(4)}
     assert len(fig.frames[1].layout.annotations) == 4  # one arrow per send
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
 def test_tree_has_2_ceil_log2_n_steps_plus_the_start(world_size):
-    fig = ring_allreduce_figure(world_size, algorithm="tree")
+    fig = tree_allreduce_figure(world_size)
+    assert fig.to_dict() == allreduce_figure(world_size, "tree").to_dict()
     levels = math.ceil(math.log2(world_size)) if world_size > 1 else 0
     assert len(fig.frames) == 2 * levels + 1
     expected = collectives.all_reduce(chunk_values(world_size))
     assert list(fig.frames[-1].data[0].customdata[world_size - 1]) == expected[0].tolist()
     after_reduce = fig.frames[levels].data[0]
-    assert list(after_reduce.z[0]) == [world_size] * world_size  # rank 0 holds the full sum
+    assert [_count(text) for text in after_reduce.text[0]] == [world_size] * world_size  # rank 0: the full sum
 
 
 def test_steps_read_the_state_before_the_step():
@@ -75,7 +89,9 @@ def test_html_export_contains_frames_slider_and_play_button(tmp_path):
 
 
 def test_errors_name_the_argument():
-    with pytest.raises(ValueError, match=r"ring_allreduce_figure: algorithm='butterfly'"):
-        ring_allreduce_figure(4, algorithm="butterfly")
-    with pytest.raises(ValueError, match=r"ring_allreduce_figure: world_size=0"):
+    with pytest.raises(ValueError, match=r"allreduce_figure: algorithm='butterfly'"):
+        allreduce_figure(4, algorithm="butterfly")
+    with pytest.raises(ValueError, match=r"allreduce_figure: world_size=0"):
         ring_allreduce_figure(0)
+    with pytest.raises(TypeError):
+        ring_allreduce_figure(4, algorithm="tree")      # a ring figure draws only the ring

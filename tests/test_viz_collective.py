@@ -4,7 +4,9 @@ import pytest
 
 import simcomm
 from simcomm.viz import OPS, collective_figure, provenance_tensor, run_collective
+from simcomm.viz.collective import SCREEN_HEIGHT_PX
 from simcomm.viz.colors import MIXED_COLOURSCALE, colour_at, rank_colour
+from simcomm.viz.grids import MIN_FONT_PX
 
 
 def heatmaps(fig):
@@ -46,7 +48,29 @@ def test_every_op_draws_one_row_per_rank(op, world_size):
     assert names == expected
     assert len(fig.data) == len(expected)
     rank_titles = [fig.layout[f"yaxis{'' if i == 0 else i * len(stages) + 1}"].title.text for i in range(world_size)]
-    assert rank_titles == [f"rank {r}" for r in range(world_size)]
+    top_titles = [a.text for a in fig.layout.annotations if a.yref == "paper" and a.y == 1.0][:world_size]
+    # ranks are rows, or (a figure too tall for a screen) columns with the stages as rows
+    assert rank_titles == [f"rank {r}" for r in range(world_size)] or (
+        top_titles == [f"rank {r}" for r in range(world_size)] and fig.layout.height <= SCREEN_HEIGHT_PX + 60)
+
+
+@pytest.mark.parametrize("world_size", [6, 8])
+def test_projector_minimum_font_and_screen_height(world_size):
+    for op, kwargs in [("all_gather", {"shape": (2, 2), "dim": 0}), ("all_reduce", {"shape": (2, 3)}),
+                       ("all_to_all_4D", {})]:
+        fig = collective_figure(op, world_size, **kwargs)
+        assert all(trace.textfont.size >= MIN_FONT_PX for trace in fig.data), op
+        assert all(a.font.size is None or a.font.size >= MIN_FONT_PX for a in fig.layout.annotations), op
+        assert fig.layout.height <= SCREEN_HEIGHT_PX + 60, (op, fig.layout.height)
+
+
+def test_sums_name_the_ranks_added_not_a_grey_value():
+    fig = collective_figure("all_reduce", 4, (2, 3), backward=False)
+    output = next(trace for trace in fig.data if trace.name == "rank 2 y")
+    assert all(text == "Σ0-3" for row in output.text for text in row)
+    assert all("sum over ranks 0-3 of their element" in hover for row in output.customdata for hover in row)
+    assert fig.layout.coloraxis2.showscale is False         # no "mixed value" colour bar
+    assert {trace.name.split()[-1] for trace in fig.data} == {"x", "y"}   # backward=False: forward only
 
 
 def test_all_gather_values_equal_the_world_run_and_colours_are_source_ranks():
@@ -158,3 +182,24 @@ def test_hover_of_mixed_values_names_the_position_they_combine():
     assert panels["rank 0 dL/dx"].customdata[0][0].endswith("= 0: nothing reaches this element")
     panels = heatmaps(collective_figure("all_reduce", 3, (2, 2), op="product"))
     assert panels["rank 1 y"].customdata[1][1].endswith("mixes several ranks' values")
+
+
+def test_ulysses_cells_are_labelled_by_token_and_head():
+    world_size, tokens, heads = 4, 2, 4
+    fig = collective_figure("all_to_all_4D", world_size, (1, tokens, heads, 1))
+    panels = {trace.name: [text for row in trace.text for text in row] for trace in fig.data}
+    for rank in range(world_size):
+        # input: rank r's sequence shard, tokens r*2 and r*2+1 of every head, row by row
+        assert panels[f"rank {rank} x"] == [f"t{rank * tokens + t}<br>h{h}" for t in range(tokens) for h in range(heads)]
+        # output: head r, every token in order (the head shard Ulysses attends over)
+        assert panels[f"rank {rank} y"] == [f"t{t}<br>h{rank}" for t in range(tokens * world_size)]
+        # the incoming grad lives in the head-shard layout; its backward returns it to sequence shards
+        assert panels[f"rank {rank} dL/dx"] == panels[f"rank {rank} x"]
+
+
+def test_forward_only_figures_label_like_the_lesson_inputs():
+    # lesson 01 prints rank r's input as [10r, 10r + 1, ...]: its figures use the same labels
+    fig = collective_figure("all_gather", 4, (4,), dim=0, backward=False)
+    texts = {trace.name: [t for row in trace.text for t in row] for trace in fig.data}
+    assert texts["rank 3 x"] == ["30", "31", "32", "33"]
+    assert texts["rank 0 y"] == [str(10 * r + i) for r in range(4) for i in range(4)]

@@ -27,11 +27,23 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
+from ..ring import ring_schedule
+from .colors import SUM_COLOUR, rank_colour
 from .provenance import provenance_base
 
-__all__ = ["AllReduceStep", "allreduce_steps", "ring_allreduce_figure"]
+__all__ = ["AllReduceStep", "allreduce_steps", "allreduce_figure", "ring_allreduce_figure", "tree_allreduce_figure"]
 
-_COUNT_COLOURSCALE = [[0.0, "rgb(247, 252, 240)"], [0.5, "rgb(186, 228, 188)"], [1.0, "rgb(90, 180, 200)"]]
+
+
+def _owner_colourscale(world_size: int) -> list[list]:
+    """Bands ``0 .. n-1``: the rank colours; band ``n``: the neutral colour of a sum of several ranks."""
+    bands = world_size + 1
+    scale = []
+    for index in range(bands):
+        colour = rank_colour(index) if index < world_size else SUM_COLOUR
+        scale += [[index / bands, colour], [(index + 1) / bands, colour]]
+    return scale
+
 _ARROW_COLOUR = "rgb(214, 96, 77)"
 _SHORT = {"reduce-scatter": "RS", "all-gather": "AG", "reduce": "reduce", "broadcast": "bcast"}
 
@@ -82,17 +94,18 @@ def allreduce_steps(world_size: int, algorithm: str = "ring") -> list[AllReduceS
         f"start: rank r's buffer is split into {n} chunks; chunk c of rank r holds r*{base} + c")
     steps = [state]
     if algorithm == "ring":
-        for s in range(n - 1):
-            sends = [(r, (r + 1) % n, ((r - s) % n,)) for r in range(n)]
-            state = _apply(state, sends, True, "reduce-scatter", s + 1,
-                           f"reduce-scatter step {s + 1}/{n - 1}: rank r sends chunk (r - {s}) mod {n} to "
-                           f"rank r+1, which adds it to its own")
-            steps.append(state)
-        for s in range(n - 1):
-            sends = [(r, (r + 1) % n, ((r + 1 - s) % n,)) for r in range(n)]
-            state = _apply(state, sends, False, "all-gather", s + 1,
-                           f"all-gather step {s + 1}/{n - 1}: rank r sends the complete chunk "
-                           f"(r + 1 - {s}) mod {n} to rank r+1, which keeps it")
+        schedule = ring_schedule(n)
+        for index, transfers in enumerate(schedule):
+            reduce = index < n - 1
+            s = index if reduce else index - (n - 1)
+            sends = [(src, dst, (chunk,)) for src, dst, chunk in transfers]
+            if reduce:
+                text = (f"reduce-scatter step {s + 1}/{n - 1}: rank r sends chunk (r - {s}) mod {n} to "
+                        f"rank r+1, which adds it to its own")
+            else:
+                text = (f"all-gather step {s + 1}/{n - 1}: rank r sends the complete chunk "
+                        f"(r + 1 - {s}) mod {n} to rank r+1, which keeps it")
+            state = _apply(state, sends, reduce, "reduce-scatter" if reduce else "all-gather", s + 1, text)
             steps.append(state)
         return steps
     levels = math.ceil(math.log2(n)) if n > 1 else 0
@@ -136,15 +149,18 @@ def _frame_parts(step: AllReduceStep, world_size: int, algorithm: str, cell_px: 
     ``customdata`` the partial sums, its ``text`` the sum and the ranks.
     """
     n = world_size
-    counts = [[len(cell) for cell in row] for row in step.ranks]
+    # colour means the source rank, as in every figure: a chunk holding one rank's data has that
+    # rank's colour; a partial sum of several ranks is neutral, and its text names the ranks
+    owner = [[next(iter(cell)) if len(cell) == 1 else n for cell in row] for row in step.ranks]
     labels = [[f"{value:g}<br>{{{_ranges(cell)}}}" for value, cell in zip(values, cells)]
               for values, cells in zip(step.values, step.ranks)]
+    show_text = cell_px >= 50
     heatmap = dict(
-        type="heatmap", z=counts, customdata=step.values, text=labels, zmin=1, zmax=max(n, 2),
-        colorscale=_COUNT_COLOURSCALE, xgap=2, ygap=2, texttemplate="%{text}" if cell_px >= 44 else "",
-        textfont=dict(size=11 if cell_px >= 60 else 9, color="rgb(40, 40, 40)"),
+        type="heatmap", z=owner, customdata=step.values, text=labels, zmin=-0.5, zmax=n + 0.5,
+        colorscale=_owner_colourscale(n), showscale=False, xgap=2, ygap=2,
+        texttemplate="%{text}" if show_text else "",
+        textfont=dict(size=14 if cell_px >= 70 else 12, color="rgb(40, 40, 40)"),
         hovertemplate="rank %{y}, chunk %{x}: partial sum %{text}<extra></extra>",
-        colorbar=dict(title=dict(text="ranks summed", side="top"), thickness=14, tickvals=list(range(1, n + 1))),
         x=list(range(n)), y=list(range(n)))
     received = [(dst, chunk) for _, dst, chunks in step.sends for chunk in chunks]
     outline = dict(type="scatter", mode="markers", hoverinfo="skip", showlegend=False,
@@ -162,7 +178,17 @@ def _frame_parts(step: AllReduceStep, world_size: int, algorithm: str, cell_px: 
     return [heatmap, outline], arrows
 
 
-def ring_allreduce_figure(world_size: int = 4, algorithm: str = "ring") -> go.Figure:
+def ring_allreduce_figure(world_size: int = 4) -> go.Figure:
+    """The ring all-reduce step by step: ``allreduce_figure(world_size, "ring")``."""
+    return allreduce_figure(world_size, "ring")
+
+
+def tree_allreduce_figure(world_size: int = 4) -> go.Figure:
+    """The binomial-tree all-reduce step by step: ``allreduce_figure(world_size, "tree")``."""
+    return allreduce_figure(world_size, "tree")
+
+
+def allreduce_figure(world_size: int = 4, algorithm: str = "ring") -> go.Figure:
     """An all-reduce step by step, as animation frames with a slider and a play button.
 
     Rows are ranks, columns are chunks of each rank's buffer. Every cell
@@ -175,9 +201,9 @@ def ring_allreduce_figure(world_size: int = 4, algorithm: str = "ring") -> go.Fi
     ``fig.write_html`` exports.
     """
     if algorithm not in ("ring", "tree"):
-        raise ValueError(f"ring_allreduce_figure: algorithm={algorithm!r} must be 'ring' or 'tree'")
+        raise ValueError(f"allreduce_figure: algorithm={algorithm!r} must be 'ring' or 'tree'")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 64:
-        raise ValueError(f"ring_allreduce_figure: world_size={world_size!r} must be an int from 1 to 64")
+        raise ValueError(f"allreduce_figure: world_size={world_size!r} must be an int from 1 to 64")
     n = world_size
     steps = allreduce_steps(n, algorithm)
     summary = ("ring all-reduce: reduce-scatter then all-gather, each rank sends 2(n-1)/n of its buffer"
@@ -202,7 +228,7 @@ def ring_allreduce_figure(world_size: int = 4, algorithm: str = "ring") -> go.Fi
                    range=[n - 0.5, -0.5], showgrid=False, zeroline=False),
         annotations=frames[0].layout.annotations,
         width=int(80 + 130 + cell_px * (n + right_lane)), height=int(120 + 110 + cell_px * n),
-        margin=dict(l=80, r=130, t=120, b=110), plot_bgcolor="white", paper_bgcolor="white",
+        margin=dict(l=80, r=130, t=120, b=110), plot_bgcolor="white", paper_bgcolor="white", font=dict(size=13),
         updatemenus=[dict(
             type="buttons", direction="left", x=0.0, xanchor="right", y=0.0, yanchor="top",
             pad=dict(r=10, t=48), showactive=False, buttons=[

@@ -8,8 +8,10 @@ element went forward and where every gradient element went backward.
 :func:`collective_figure` draws the four stages side by side, one row per rank.
 
 Panels whose values only moved between ranks are coloured by source rank;
-panels whose values mix several ranks (sums, averages, products, scaled
-gradients) are drawn on a grey scale.
+values that combine several ranks (sums, averages, scaled gradients) are
+drawn in one neutral colour, and each cell names the ranks combined
+(``Σ0-3``). Figures taller than :data:`SCREEN_HEIGHT_PX` lay the ranks side by
+side.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import plotly.graph_objects as go
 import torch
 
 from ..collectives import reduce_op_name
+from ..ring import ring_exchange
 from ..world import World
 from .grids import Panel, draw_panels, grid_layout
 from .provenance import provenance_base, provenance_tensor
@@ -30,15 +33,8 @@ __all__ = ["OPS", "CollectiveRun", "run_collective", "collective_figure"]
 
 _ULYSSES_DIMS = ("batch", "seq", "heads", "head_dim")
 
-
-def _send_recv(comm, x: torch.Tensor) -> torch.Tensor:
-    """Shift by one rank around a ring; even ranks send first so blocking calls pair up."""
-    if comm.rank % 2 == 0:
-        comm.send(x)
-        return comm.recv(x.shape, x.dtype)
-    y = comm.recv(x.shape, x.dtype)
-    comm.send(x)
-    return y
+#: the tallest figure that fits a projected screen below a notebook's toolbar, in px
+SCREEN_HEIGHT_PX = 800
 
 
 @dataclass(frozen=True)
@@ -55,6 +51,9 @@ class _Op:
     title: Callable[[dict, int], str]              # the lesson, two lines
     replicated: bool = False                       # every rank holds the same input
     dim_names: tuple[str, ...] | None = None
+    # the cell text of a coded element: (scatter dim of its source layout, source shape) -> labeller;
+    # None: the provenance code
+    label: Callable[[int, tuple[int, ...]], Callable[[int, tuple[int, ...]], str]] | None = None
 
 
 def _split_shape(size_per_rank: int) -> Callable[[int, dict], tuple[int, ...]]:
@@ -62,6 +61,23 @@ def _split_shape(size_per_rank: int) -> Callable[[int, dict], tuple[int, ...]]:
     def shape(world_size: int, args: dict) -> tuple[int, ...]:
         return (size_per_rank * world_size, 2) if args.get("dim") in (0, -2) else (2, size_per_rank * world_size)
     return shape
+
+
+def _token_head_label(scatter_dim: int, source_shape: tuple[int, ...]) -> Callable[[int, tuple[int, ...]], str]:
+    """Cell text ``"t5<br>h2"`` (token 5, head 2) of an element of Ulysses' layout ``(b, s, h, d)``.
+
+    ``scatter_dim=2``: the source holds sequence shards ``(b, s/P, h, d)``, so
+    rank ``r``'s local token ``i`` is token ``r * s/P + i``; otherwise head
+    shards ``(b, s, h/P, d)``, rank ``r``'s local head ``j`` is head ``r * h/P + j``.
+    """
+    tokens, heads = source_shape[1], source_shape[2]
+
+    def label(rank: int, position: tuple[int, ...]) -> str:
+        _, token, head, _ = position                       # position in (b, s_local, h_local, d)
+        if scatter_dim == 2:
+            return f"t{rank * tokens + token}<br>h{head}"
+        return f"t{token}<br>h{rank * heads + head}"
+    return label
 
 
 def _ulysses_shape(world_size: int, args: dict) -> tuple[int, ...]:
@@ -155,7 +171,7 @@ OPS: dict[str, _Op] = {
              "along the heads")
             + "<br>backward: the all-to-all with the dims swapped sends every gradient element back to "
               "where its input sat"),
-        dim_names=_ULYSSES_DIMS),
+        dim_names=_ULYSSES_DIMS, label=_token_head_label),
     "gather": _Op(
         call=lambda comm, x, a: comm.gather(x, a["dst"], a["dim"]),
         args={"dst": 0, "dim": -1},
@@ -180,7 +196,7 @@ OPS: dict[str, _Op] = {
             f"broadcast forward: every rank gets rank {a['src']}'s input<br>backward: the incoming grads "
             f"are summed onto rank {a['src']}; the other ranks' inputs get zero grad")),
     "send_recv": _Op(
-        call=lambda comm, x, a: _send_recv(comm, x),
+        call=lambda comm, x, a: ring_exchange(comm, x),
         args={},
         default_shape=lambda n, a: (2, 3),
         forward_kind=lambda a: "coded",
@@ -259,10 +275,10 @@ def _resolve(function: str, op: str, op_args: dict) -> tuple[str, _Op, dict]:
     return name, spec, args
 
 
-def _program(comm, spec: _Op, args: dict, inputs: list[torch.Tensor], base: int):
-    x = inputs[comm.rank].clone().requires_grad_(spec.backward_kind is not None)
+def _program(comm, spec: _Op, args: dict, inputs: list[torch.Tensor], base: int, backward: bool):
+    x = inputs[comm.rank].clone().requires_grad_(backward)
     y = spec.call(comm, x, args)
-    if spec.backward_kind is None or y is None:
+    if not backward or y is None:
         return (y.detach() if y is not None else None), None, None
     grad_output = provenance_tensor(comm.rank, y.shape, base=base)
     y.backward(grad_output)
@@ -281,7 +297,8 @@ def run_collective(op: str, /, world_size: int = 4, shape: Sequence[int] | None 
     return _run("run_collective", op, world_size, shape, op_args)
 
 
-def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, op_args: dict) -> CollectiveRun:
+def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, op_args: dict,
+         backward: bool = True) -> CollectiveRun:
     name, spec, args = _resolve(function, op, op_args)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"{function}: world_size={world_size!r} must be a positive int")
@@ -294,11 +311,14 @@ def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, o
         raise ValueError(f"{function}: shape={shape!r} must be a non-empty sequence of positive ints")
     shape = tuple(shape)
     numel = math.prod(shape)
-    base = provenance_base(numel * world_size)  # the largest output (all_gather, gather) has n x numel
+    backward = backward and spec.backward_kind is not None
+    # codes must tell every element of every coded tensor apart: the incoming grad of a gathered
+    # output has n x numel elements; without a backward the inputs' numel suffices (labels 10r + i)
+    base = provenance_base(numel * world_size if backward else numel)
     inputs = [provenance_tensor(0 if spec.replicated else rank, shape, base=base) for rank in range(world_size)]
     world = World(world_size)
     try:
-        results = world.run(_program, spec, args, inputs, base)
+        results = world.run(_program, spec, args, inputs, base, backward)
     except Exception as error:  # a bad dim or an indivisible shape: say which call of ours it was
         cause = error.__cause__ if error.__cause__ is not None else error
         if not isinstance(cause, ValueError):
@@ -306,7 +326,7 @@ def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, o
         raise ValueError(f"{function}: {name} with shape={shape}, world_size={world_size}, "
                          f"{', '.join(f'{k}={v!r}' for k, v in args.items())} failed: {cause}") from error
     outputs = [result[0] for result in results]
-    has_backward = spec.backward_kind is not None
+    has_backward = backward
     return CollectiveRun(
         op=name, args=args, world_size=world_size, shape=shape, base=base, inputs=inputs, outputs=outputs,
         grad_outputs=[result[1] for result in results] if has_backward else None,
@@ -314,7 +334,7 @@ def _run(function: str, op: str, world_size: int, shape: Sequence[int] | None, o
 
 
 def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | None = None, *,
-                      show_values: bool | None = None, **op_args: Any) -> go.Figure:
+                      show_values: bool | None = None, backward: bool = True, **op_args: Any) -> go.Figure:
     """Forward and backward of one collective on every rank, each element coloured by its source rank.
 
     One row per rank; columns, left to right: the input ``x``, the output
@@ -322,8 +342,11 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
     ``r * base + position``) and the resulting input gradient ``dL/dx``. Ops
     without a backward (``gather``, ``send_recv``) show the forward only, with
     a note in the title. Values that only moved are coloured by the rank they
-    came from and hover names their original position; values that mix ranks
-    (sums, averages, products) are grey.
+    came from and hover names their original position; a value that combines
+    ranks (a sum, a mean) is neutral and its cell names the ranks (``Σ0-3``).
+    Numbers are drawn at 13 px or more, or only on hover when cells are too
+    small; a figure taller than a screen puts the ranks side by side.
+    ``all_to_all_4D`` cells are labelled by token and head (``t5 h2``).
 
     ``op`` is one of :data:`OPS`: ``all_reduce`` (``reduce_op=``), ``all_gather``
     (``dim=``), ``reduce_scatter`` (``dim=``, ``reduce_op=``), ``slice`` (``dim=``,
@@ -332,42 +355,61 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
     ``dim=``), ``broadcast`` (``src=``), ``send_recv``, ``copy_to_group``,
     ``reduce_from_group``. The reduction may also be given as ``op=``, the
     communicator's name for it: ``collective_figure("all_reduce", op="max")``.
+    ``backward=False`` draws the forward columns only (before gradients are taught).
     """
-    run = _run("collective_figure", op, world_size, shape, op_args)
-    return collective_run_figure(run, show_values=show_values)
+    run = _run("collective_figure", op, world_size, shape, op_args, backward)
+    return collective_run_figure(run, show_values=show_values, backward=backward)
 
 
 def _panel(tensor: torch.Tensor | None, name: str, rank: int, kind: str, source_shape: tuple[int, ...],
-           note: str = "") -> Panel:
+           note: str = "", label: Callable[[int, tuple[int, ...]], str] | None = None) -> Panel:
     if kind not in _KINDS:
         raise ValueError(f"collective_figure: panel {name} on rank {rank} has kind={kind!r}, not one of {_KINDS}")
     if kind == "coded_or_zero":  # the gradient reached this rank unchanged, or not at all
         kind = "coded" if tensor is not None and bool(tensor.any()) else "sum"
     return Panel(tensor, name, rank, coded=kind == "coded", mixed=kind if kind != "coded" else "",
-                 source_shape=source_shape, note=note)
+                 source_shape=source_shape, note=note, label=label)
 
 
-def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None) -> go.Figure:
+def collective_run_figure(run: CollectiveRun, *, show_values: bool | None = None,
+                          backward: bool = True) -> go.Figure:
     """The figure of :func:`collective_figure` for a :class:`CollectiveRun` already made."""
     spec, args = OPS[run.op], run.args
+    with_grads = backward and run.grad_outputs is not None
     out_shape = next((tuple(y.shape) for y in run.outputs if y is not None), run.shape)
     columns = ["x<br>(input)", f"y =<br>{spec.forward(args)}"]
+    forward_label = grad_label = None
+    if spec.label is not None:     # values from the input's layout; gradients from the output's (dims swapped)
+        forward_label = spec.label(args["scatter_dim"], run.shape)
+        grad_label = spec.label(args["gather_dim"], out_shape)
     rows = []
     for rank in range(run.world_size):
-        row = [_panel(run.inputs[rank], "x", rank, "coded", run.shape),
+        row = [_panel(run.inputs[rank], "x", rank, "coded", run.shape, label=forward_label),
                _panel(run.outputs[rank], "y", rank, spec.forward_kind(args), run.shape,
-                      note=f"None: only rank {args.get('dst')} receives")]
-        if run.grad_outputs is not None:
-            row += [_panel(run.grad_outputs[rank], "dL/dy", rank, "coded", out_shape),
-                    _panel(run.grad_inputs[rank], "dL/dx", rank, spec.backward_kind(args), out_shape)]
+                      note=f"None: only rank {args.get('dst')} receives", label=forward_label)]
+        if with_grads:
+            row += [_panel(run.grad_outputs[rank], "dL/dy", rank, "coded", out_shape, label=grad_label),
+                    _panel(run.grad_inputs[rank], "dL/dx", rank, spec.backward_kind(args), out_shape,
+                           label=grad_label)]
         rows.append(row)
-    if run.grad_outputs is not None:
+    if with_grads:
         columns += ["dL/dy<br>(incoming grad, coded)", f"dL/dx =<br>{spec.backward(args)}"]
     layout = grid_layout(run.shape, spec.dim_names)
     subtitle = f"{run.world_size} ranks, input shape {run.shape} per rank"
     if len(run.shape) != 2:
         subtitle += f"; grids: {layout}"
-    title = spec.title(args, run.world_size) + f"<br><sup>{subtitle}</sup>"
-    return draw_panels(rows, world_size=run.world_size, base=run.base, title=title, column_titles=columns,
-                       row_titles=[f"rank {rank}" for rank in range(run.world_size)], show_values=show_values,
-                       function="collective_figure")
+    title = spec.title(args, run.world_size)
+    if not backward:
+        title = title.split("<br>backward")[0].split("<br>no backward")[0]
+    title += f"<br><sup>{subtitle}</sup>"
+    rank_names = [f"rank {rank}" for rank in range(run.world_size)]
+    fig = draw_panels(rows, world_size=run.world_size, base=run.base, title=title, column_titles=columns,
+                      row_titles=rank_names, show_values=show_values, function="collective_figure")
+    if fig.layout.height <= SCREEN_HEIGHT_PX:
+        return fig
+    # too tall for a screen (tall outputs, many ranks): ranks side by side, stages one under another
+    stages = [list(stage) for stage in zip(*rows)]
+    across = draw_panels(stages, world_size=run.world_size, base=run.base, title=title, column_titles=rank_names,
+                         row_titles=[column.split("<br>")[0].rstrip(" =") for column in columns], show_values=show_values,
+                         function="collective_figure")
+    return across if across.layout.height < fig.layout.height else fig

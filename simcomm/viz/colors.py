@@ -1,4 +1,4 @@
-"""The colours every figure shares: one light colour per rank, a grey scale for mixed values.
+"""The colours every figure shares: colour means the source rank; a combination of ranks is neutral.
 
 Rank colours are light enough for dark cell text and distinct for ten ranks;
 rank ``r`` and rank ``r + 10`` share a colour (their codes still differ, and
@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import plotly.colors
 
-__all__ = ["RANK_COLOURS", "MIXED_COLOURSCALE", "EMPTY_COLOUR", "rank_colour", "rank_colourscale", "colour_at"]
+__all__ = ["RANK_COLOURS", "SUM_COLOUR", "MIXED_COLOURSCALE", "VALUE_COLOURSCALE", "rank_colour", "rank_colourscale", "colour_at"]
 
-#: plotly's "Pastel" qualitative palette without its grey, which marks mixed values here
+#: plotly's "Pastel" qualitative palette without its grey, which marks combined values here
 RANK_COLOURS: tuple[str, ...] = tuple(plotly.colors.qualitative.Pastel[:10])
 
-#: values that combine several ranks (sums, averages, products, scaled gradients): near-white to grey
-MIXED_COLOURSCALE: list[list] = [[0.0, "rgb(250, 250, 250)"], [1.0, "rgb(160, 160, 160)"]]
+#: a value that combines several ranks (a sum, a mean, a product): one neutral colour, no scale;
+#: the cell's text names the ranks combined (``Σ0-3``), its hover the position they combine
+SUM_COLOUR = "rgb(228, 228, 228)"
 
-#: the fill of a panel that holds nothing (``None`` outputs of gather)
-EMPTY_COLOUR = "rgb(245, 245, 245)"
+#: plain values that are not provenance codes (``rank_grid`` of any tensors): near-white to grey
+VALUE_COLOURSCALE: list[list] = [[0.0, "rgb(250, 250, 250)"], [1.0, "rgb(160, 160, 160)"]]
 
+#: the colour axis of combined values: every value gets :data:`SUM_COLOUR`
+MIXED_COLOURSCALE: list[list] = [[0.0, SUM_COLOUR], [1.0, SUM_COLOUR]]
 
 def rank_colour(rank: int) -> str:
     """The colour of rank ``rank`` in every figure."""

@@ -21,7 +21,7 @@ ndim   grid                                 layout named in the figure
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,16 +29,19 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from .colors import MIXED_COLOURSCALE, rank_colourscale
+from .colors import MIXED_COLOURSCALE, VALUE_COLOURSCALE, rank_colourscale
 from .provenance import decode
 
 __all__ = ["Panel", "as_grid", "grid_layout", "draw_panels", "rank_grid"]
 
-_MAX_CELL_PX = 30
+#: the smallest font of any label or number, in px: a projected figure stays readable
+MIN_FONT_PX = 13
+
+_MAX_CELL_PX = 34
 _MIN_CELL_PX = 6
 _GAP_PX = 24
 _WIDTH_PX = 780   # panels of a figure fit a JupyterLab output area next to the file browser
-_HEIGHT_PX = 1000
+_HEIGHT_PX = 640   # and within a projected screen (SCREEN_HEIGHT_PX in collective.py, with titles)
 
 
 def _dim_name(dim: int, dim_names: Sequence[str] | None) -> str:
@@ -84,8 +87,9 @@ class Panel:
 
     ``coded``: the values are provenance codes (colour by source rank; hover
     names the source rank and the element's position in ``source_shape``).
-    Otherwise they mix several ranks and are drawn on the grey value scale;
-    ``mixed`` says how, so hover can still name the position: ``"sum"`` /
+    Otherwise they combine several ranks: drawn in one neutral colour, the
+    cell naming the ranks combined; ``mixed`` says how, so the cell and hover
+    can name them and the position: ``"sum"`` /
     ``"avg"`` (sum / mean over all ranks of one position), ``"scaled"`` (a
     code divided by the world size). ``tensor=None`` draws an empty panel
     showing ``note``.
@@ -98,6 +102,9 @@ class Panel:
     source_shape: tuple[int, ...] | None = None
     note: str = ""
     mixed: str = ""
+    #: the cell text of a coded element, from its source rank and position in ``source_shape``
+    #: (``None``: the code itself)
+    label: Callable[[int, tuple[int, ...]], str] | None = None
 
 
 def _index_labels(shape: tuple[int, ...]) -> list[str]:
@@ -139,6 +146,18 @@ def _mixed_explainer(panel: Panel, base: int | None, world_size: int, shape: tup
             return None
         return int(q) if q == round(q) and 0 <= q < numel else None
 
+    ranks_text = f"0-{n - 1}" if n > 1 else "0"
+
+    def short(value: float) -> str:
+        """The cell's text: which ranks the value combines (``Σ0-3``), or the value itself."""
+        if panel.mixed == "scaled" and base is not None:
+            code = value * n
+            if code == round(code) and 0 <= code < n * base:
+                return f"{_format_value(code)}/{n}"
+        if position(value) is not None:
+            return ("Σ" if panel.mixed == "sum" else "avg ") + ranks_text
+        return _format_value(value)
+
     def explain(value: float) -> str:
         if panel.mixed == "scaled" and base is not None:
             code = value * n
@@ -152,7 +171,7 @@ def _mixed_explainer(panel: Panel, base: int | None, world_size: int, shape: tup
         if value == 0:
             return "= 0: nothing reaches this element"
         return "mixes several ranks' values"
-    return explain
+    return short, explain
 
 
 def _panel_cells(panel: Panel, base: int | None, world_size: int, function: str
@@ -175,11 +194,16 @@ def _panel_cells(panel: Panel, base: int | None, world_size: int, function: str
                              f"{_format_value(flat[ranks.argmax()])}, from rank {ranks.max()}, but "
                              f"world_size={world_size}")
         source_labels = _index_labels(panel.source_shape or shape)
+        if panel.label is not None:
+            source_shape = panel.source_shape or shape
+            texts = [panel.label(int(ranks[k]), tuple(int(i) for i in np.unravel_index(positions[k], source_shape)))
+                     for k in range(flat.size)]
         hover = [f"{head[k]}<br>came from rank {ranks[k]}, element "
                  f"{source_labels[positions[k]] if positions[k] < len(source_labels) else positions[k]}"
                  for k in range(flat.size)]
     else:
-        explain = _mixed_explainer(panel, base, world_size, shape)
+        short, explain = _mixed_explainer(panel, base, world_size, shape)
+        texts = [short(v) for v in flat]
         hover = [f"{head[k]}<br>{explain(flat[k])}" for k in range(flat.size)]
     columns = grid.shape[1]
     rows = lambda items: [items[i:i + columns] for i in range(0, len(items), columns)]  # noqa: E731
@@ -211,7 +235,9 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
     """A figure with ``panels[row][column]`` laid out as a table of heatmaps.
 
     Coded panels share one colour axis that colours each value by its source
-    rank; the others share a grey value scale. Cells are square and the same
+    rank; values that combine ranks (``Panel.mixed`` set) are neutral, with
+    the ranks named in each cell; plain values (``rank_grid`` of any tensors)
+    share a grey value scale. No number is drawn below :data:`MIN_FONT_PX`. Cells are square and the same
     size in every panel, so a tensor twice as long is drawn twice as long.
     The figure is built from plain dicts and validated once by ``go.Figure``
     (adding panels one by one through plotly's API is ten times slower).
@@ -246,20 +272,33 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
     row_px = [rows * cell_px for rows in grid_rows]
     plot_width = sum(col_px) + (col_count - 1) * _GAP_PX
     plot_height = sum(row_px) + (row_count - 1) * _GAP_PX
-    longest = max((len(t) for row in cells for c in row if c is not None for line in c[1] for t in line),
-                  default=1)
-    if show_values is None:
-        show_values = cell_px >= 20 and longest * 7 + 4 <= cell_px * 1.6
+    # numbers are never drawn below MIN_FONT_PX (readable when projected): when the cells are too
+    # small for that (many ranks, long tensors), the values are dropped and stay on hover
+    font_px = max(MIN_FONT_PX, min(16, int(cell_px * 0.45)))
+
+    def panel_font(panel_texts: list[list[str]]) -> int | None:
+        """The largest font from ``font_px`` down to MIN_FONT_PX at which the panel's texts fit its cells.
+
+        ``None``: they do not fit even at MIN_FONT_PX, so the numbers are left to hover.
+        """
+        if show_values is False:
+            return None
+        lines = [line for row in panel_texts for text in row for line in text.split("<br>")]
+        widest = max((len(line) for line in lines), default=1)
+        rows = max((text.count("<br>") + 1 for row in panel_texts for text in row), default=1)
+        for size in range(font_px, MIN_FONT_PX - 1, -1):
+            if widest * size * 0.58 + 2 <= cell_px * 1.05 and rows * size * 1.15 <= cell_px:
+                return size
+        return MIN_FONT_PX if show_values else None
     # colour bars need room for one label per rank: a short figure gets white space below its panels
     has_coded = any(p.coded and p.tensor is not None for row in panels for p in row)
-    has_mixed = any(not p.coded and p.tensor is not None for row in panels for p in row)
-    plot_height = max(plot_height, 30 * world_size * has_coded + 90 * has_mixed)
+    plot_height = max(plot_height, 30 * world_size * has_coded)
     x_domains = _domains(col_px, plot_width)
     y_domains = [(1 - end, 1 - start) for start, end in _domains(row_px, plot_height)]
     layout: dict[str, Any] = {}
     traces, annotations = [], []
     mixed_values = []
-    text_font = dict(size=max(8, min(12, int(cell_px * 0.42))), color="rgb(40, 40, 40)")
+    text_font = dict(size=font_px, color="rgb(40, 40, 40)")
     for r, row in enumerate(panels):
         for c, panel in enumerate(row):
             index = r * col_count + c + 1
@@ -271,40 +310,46 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
             if panel_titles is not None and panel_titles[r][c]:
                 annotations.append(dict(text=panel_titles[r][c], xref=f"{x_name} domain",
                                         yref=f"{y_name} domain", x=0.5, y=1.0, xanchor="center", yanchor="bottom",
-                                        showarrow=False, font=dict(size=12)))
+                                        showarrow=False, font=dict(size=MIN_FONT_PX)))
             if cells[r][c] is None:  # an axis without a trace is not drawn: place the note on the paper
                 annotations.append(dict(text=panel.note or "None", xref="paper", yref="paper",
                                         x=sum(x_domains[c]) / 2, y=sum(y_domains[r]) / 2, xanchor="center",
-                                        showarrow=False, font=dict(size=11, color="rgb(110, 110, 110)")))
+                                        showarrow=False, font=dict(size=MIN_FONT_PX, color="rgb(110, 110, 110)")))
                 layout[_axis_name("xaxis", index)]["visible"] = False
                 layout[_axis_name("yaxis", index)]["visible"] = False
                 continue
             grid, texts, hover = cells[r][c]
+            size = panel_font(texts)
             if not panel.coded:
                 mixed_values.append(grid)
             traces.append(dict(
                 type="heatmap", z=grid, customdata=hover, hovertemplate="%{customdata}<extra></extra>",
-                text=texts, texttemplate="%{text}" if show_values else "", textfont=text_font,
+                text=texts, texttemplate="%{text}" if size else "", textfont=dict(text_font, size=size or font_px),
                 coloraxis="coloraxis" if panel.coded else "coloraxis2", xgap=1, ygap=1,
                 name=f"rank {panel.rank} {panel.name}", xaxis=x_name, yaxis=y_name))
     for c, text in enumerate(column_titles or []):
         annotations.append(dict(text=text, xref="paper", yref="paper", x=sum(x_domains[c]) / 2, y=1.0,
-                                xanchor="center", yanchor="bottom", yshift=4, showarrow=False, font=dict(size=12)))
+                                xanchor="center", yanchor="bottom", yshift=4, showarrow=False,
+                                font=dict(size=MIN_FONT_PX)))
     for r, text in enumerate(row_titles or []):
-        layout[_axis_name("yaxis", r * col_count + 1)]["title"] = dict(text=text, font=dict(size=12))
+        layout[_axis_name("yaxis", r * col_count + 1)]["title"] = dict(text=text, font=dict(size=MIN_FONT_PX))
+    combined = all(p.mixed for row in panels for p in row if not p.coded and p.tensor is not None)
     if has_coded:
         layout["coloraxis"] = dict(
             colorscale=rank_colourscale(world_size), cmin=-0.5, cmax=world_size * base - 0.5,
             colorbar=dict(title=dict(text="came from", side="top"), thickness=14,
                           tickvals=[(rank + 0.5) * base - 0.5 for rank in range(world_size)],
                           ticktext=[f"rank {rank}" for rank in range(world_size)],
-                          len=0.48 if mixed_values else 1.0, y=1.0, yanchor="top"))
-    if mixed_values:
+                          tickfont=dict(size=MIN_FONT_PX), len=0.48 if mixed_values and not combined else 1.0,
+                          y=1.0, yanchor="top"))
+    if mixed_values and combined:   # one neutral colour; each cell's text names the ranks it combines
+        layout["coloraxis2"] = dict(colorscale=MIXED_COLOURSCALE, cmin=0.0, cmax=1.0, showscale=False)
+    elif mixed_values:              # plain values (rank_grid of any tensors): a value scale
         low = min(0.0, min(float(v.min()) for v in mixed_values))
         high = max(float(v.max()) for v in mixed_values)
         layout["coloraxis2"] = dict(
-            colorscale=MIXED_COLOURSCALE, cmin=low, cmax=high if high > low else low + 1.0,
-            colorbar=dict(title=dict(text="mixed value", side="top"), thickness=14,
+            colorscale=VALUE_COLOURSCALE, cmin=low, cmax=high if high > low else low + 1.0,
+            colorbar=dict(title=dict(text="value", side="top"), thickness=14, tickfont=dict(size=MIN_FONT_PX),
                           len=0.48 if has_coded else 1.0, y=0.0, yanchor="bottom"))
     title_lines = title.count("<br>") + 1 if title else 0
     heading_lines = max([t.count("<br>") + 1 for ts in titles_of for t in ts], default=0)

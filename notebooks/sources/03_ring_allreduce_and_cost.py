@@ -1,4 +1,17 @@
-"""Lesson 03 source; build the notebook with `python notebooks/build.py`."""
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
 
 # %% [markdown]
 # # Lesson 3: the ring all-reduce, and what it costs
@@ -12,13 +25,11 @@
 # sends, decides the time.
 
 # %%
-import plotly.io as pio
 import torch
 import simcomm
 from simcomm import cost, lessons, viz
 from simcomm.viz import allreduce_steps
 
-pio.renderers.default = "plotly_mimetype+notebook"   # figures also work in an exported HTML file
 world_size = 4
 world = simcomm.configured_backend(world_size)
 
@@ -36,10 +47,25 @@ world = simcomm.configured_backend(world_size)
 # Press play, or drag the slider (the animation needs no running kernel, so it also works in an
 # exported HTML file). Each cell shows a chunk's partial sum and the ranks it already contains.
 
-# %% ignore-output
-ring = viz.ring_allreduce_figure(world_size, algorithm="ring")
+# %% tags=["nbval-ignore-output"]
+ring = viz.ring_allreduce_figure(world_size)
 assert len(ring.frames) == 2 * (world_size - 1) + 1       # the steps, plus the start
 ring
+
+
+# %% [markdown]
+# Stop the animation after the last reduce-scatter step (`RS3`) and read the diagonal: rank `r`
+# holds the complete sum of chunk `r + 1` (mod `n`), **not** chunk `r`, which is what
+# `reduce_scatter` hands rank `r` in lesson 1. In step `s` rank `r` sends chunk `r - s`, so the
+# chunk that goes once around the ring and ends complete at rank `r` is the one that started at
+# rank `r + 1`. Which chunk ends where only depends on where the rotation starts; a library that
+# builds `reduce_scatter` from this ring starts it one chunk later. For the all-reduce it does
+# not matter: the all-gather passes every finished chunk to every rank.
+
+# %%
+after_reduce_scatter = allreduce_steps(world_size, "ring")[world_size - 1]   # [0] is the start
+complete = [[len(ranks) == world_size for ranks in row] for row in after_reduce_scatter.ranks]
+assert all(complete[r][(r + 1) % world_size] and sum(complete[r]) == 1 for r in range(world_size))
 
 # %% [markdown]
 # ## 2. The ring, written with `send` and `recv`
@@ -48,7 +74,7 @@ ring
 # `comm.send` and `comm.recv` (read it with `lessons.ring_all_reduce??`). It runs on the
 # configured backend and must agree with the built-in all-reduce:
 
-# %%
+# %% expect=["rank 0: [600, 604, 608, 612, 616, 620, 624, 628] (the same on every rank)"]
 def ring_vs_builtin(comm):
     x = torch.arange(8.0, device=comm.device) + 100 * comm.rank      # 8 numbers = 4 chunks of 2
     return lessons.ring_all_reduce(comm, x), comm.all_reduce(x)
@@ -57,13 +83,10 @@ outs = world.run(ring_vs_builtin)
 assert all(torch.equal(ring_sum, builtin) for ring_sum, builtin in outs)
 print(lessons.per_rank([ring_sum for ring_sum, _ in outs][:1]), "(the same on every rank)")
 
-# %% expect
-# rank 0: [600, 604, 608, 612, 616, 620, 624, 628] (the same on every rank)
-
 # %% [markdown]
 # Now count, from the trace, what rank 0 sent in the ring:
 
-# %%
+# %% expect=["6 sends of 8 bytes: 48 bytes for a 32-byte buffer"]
 sends = world.trace.filter(rank=0, op="send").events
 buffer_bytes = 8 * torch.tensor(0.0).element_size()                     # one rank's x: 8 float32
 ring_bytes = sum(event.nbytes for event in sends)
@@ -72,8 +95,19 @@ assert all(event.nbytes == buffer_bytes // world_size for event in sends)   # on
 assert ring_bytes == 2 * (world_size - 1) / world_size * buffer_bytes
 print(f"{len(sends)} sends of {sends[0].nbytes} bytes: {ring_bytes} bytes for a {buffer_bytes}-byte buffer")
 
-# %% expect
-# 6 sends of 8 bytes: 48 bytes for a 32-byte buffer
+
+# %% [markdown]
+# The trace of that run holds both all-reduces. Lesson 0's trace *charged* the built-in
+# `all_reduce` to every peer evenly (the simulator does not run an algorithm; it counts the
+# bytes any all-reduce must send); the ring's `send`s are recorded one by one, as they moved.
+# Pick the op in the figure's menu: `send` fills only the band "rank r -> rank r + 1", the
+# `all_reduce` row fills the whole matrix, and both charge each rank the same 48 bytes.
+
+# %%
+charged = sum(sum(event.sent.values()) for event in world.trace.filter(rank=0, op="all_reduce").events)
+assert charged == ring_bytes
+assert all(set(event.sent) == {(event.rank + 1) % world_size} for event in world.trace.filter(op="send").events)
+viz.comm_matrix_figure(world.trace)
 
 # %% [markdown]
 # Each rank sends `2 (n - 1) / n` times its buffer, **whatever the number of ranks**: 1.5x for
@@ -85,7 +119,7 @@ print(f"{len(sends)} sends of {sends[0].nbytes} bytes: {ring_bytes} bytes for a 
 # forever; `ring_all_reduce` lets even ranks send first and odd ranks receive first. The
 # simulator catches the naive version at once:
 
-# %%
+# %% expect=["DeadlockError"]
 def everyone_sends_first(comm):
     comm.send(torch.ones(2))              # to the next rank
     return comm.recv((2,))                # from the previous rank
@@ -94,23 +128,23 @@ error = lessons.expect_error(lambda: simcomm.World(world_size).run(everyone_send
                              simcomm.DeadlockError, "send")
 print(type(error).__name__)
 
-# %% expect
-# DeadlockError
-
 # %% [markdown]
 # ## 3. The tree: fewer steps, more bytes
 #
-# A tree all-reduce adds buffers up a binary tree to rank 0 and sends the result back down. It
-# takes only `2 log2(n)` steps, but every send carries the *whole* buffer. Step through it:
+# A tree all-reduce adds buffers up a *binomial* tree to rank 0 (in step `k`, every rank
+# `r` with `r mod 2^(k+1) = 2^k` sends to rank `r - 2^k`) and sends the result back down the
+# same tree. It takes only `2 log2(n)` steps, but every send carries the *whole* buffer. Step
+# through it:
 
-# %% ignore-output
-viz.ring_allreduce_figure(world_size, algorithm="tree")
+# %% tags=["nbval-ignore-output"]
+viz.tree_allreduce_figure(world_size)
+
 
 # %% [markdown]
 # Both schedules, counted from their step lists for several world sizes: the number of steps
 # (each costs a fixed latency) and the most bytes one rank sends (in buffers):
 
-# %%
+# %% expect=[" 2 ranks: ring  2 steps, 1 buffers;  tree 2 steps, 1 buffers", " 4 ranks: ring  6 steps, 1.5 buffers;  tree 4 steps, 2 buffers", " 8 ranks: ring 14 steps, 1.75 buffers;  tree 6 steps, 3 buffers", "16 ranks: ring 30 steps, 1.88 buffers;  tree 8 steps, 4 buffers"]
 def most_sent(steps, n):
     sent = [0.0] * n
     for step in steps:
@@ -123,12 +157,6 @@ for n in (2, 4, 8, 16):
     assert len(ring_steps) == 2 * (n - 1) and most_sent(ring_steps, n) == 2 * (n - 1) / n
     print(f"{n:2} ranks: ring {len(ring_steps):2} steps, {most_sent(ring_steps, n):.3g} buffers;"
           f"  tree {len(tree_steps)} steps, {most_sent(tree_steps, n):.3g} buffers")
-
-# %% expect
-#  2 ranks: ring  2 steps, 1 buffers;  tree 2 steps, 1 buffers
-#  4 ranks: ring  6 steps, 1.5 buffers;  tree 4 steps, 2 buffers
-#  8 ranks: ring 14 steps, 1.75 buffers;  tree 6 steps, 3 buffers
-# 16 ranks: ring 30 steps, 1.88 buffers;  tree 8 steps, 4 buffers
 
 # %% [markdown]
 # The ring's steps grow with `n`, its bytes do not; the tree's steps grow only as `log2(n)`,
@@ -143,40 +171,43 @@ for n in (2, 4, 8, 16):
 # `time = latency + steps x hop latency + bytes on the busiest link / bandwidth`
 #
 # `simcomm.cost.estimate(op, nbytes, world_size, topology)` evaluates it for presets of real
-# machines (their sources are cited in `simcomm.topology`). For an all-reduce on an 8-GPU H100
-# NVSwitch node:
+# machines (their sources are cited in `simcomm.topology`). Small messages pay latency per
+# step, so the algorithm with fewer steps wins; large ones pay bytes, so the one with fewer
+# bytes wins. Inside one NVLink node NCCL's tree is a chain (no fewer steps than the ring);
+# the tree's `log2` steps pay off *across nodes*. An all-reduce over 16 GPUs on two
+# InfiniBand-connected A100 nodes:
 
 # %%
-topology = cost.get_topology("h100-nvswitch")
-n = 8
+cluster = cost.get_topology("a100-hdr-cluster")
 for nbytes in (2 ** 10, 2 ** 20, 2 ** 30):
-    ring_est = cost.estimate("all_reduce", nbytes, n, topology, algorithm="ring")
-    tree_est = cost.estimate("all_reduce", nbytes, n, topology, algorithm="tree")
+    ring_est = cost.estimate("all_reduce", nbytes, 16, cluster, algorithm="ring")
+    tree_est = cost.estimate("all_reduce", nbytes, 16, cluster, algorithm="tree")
     print(f"{nbytes:>10} B: ring {ring_est.time * 1e6:8.1f} us, tree {tree_est.time * 1e6:8.1f} us")
 
-small = [cost.estimate("all_reduce", 2 ** 10, n, topology, algorithm=a) for a in ("ring", "tree")]
-large = [cost.estimate("all_reduce", 2 ** 30, n, topology, algorithm=a) for a in ("ring", "tree")]
+small = [cost.estimate("all_reduce", 2 ** 10, 16, cluster, algorithm=a) for a in ("ring", "tree")]
+large = [cost.estimate("all_reduce", 2 ** 30, 16, cluster, algorithm=a) for a in ("ring", "tree")]
 assert small[1].time < small[0].time, "small messages: fewer steps win (latency)"
 assert large[0].time < large[1].time, "large messages: fewer bytes win (bandwidth)"
 assert small[0].latency / small[0].time > 0.9 and large[0].latency / large[0].time < 0.1
-simple_tree_bytes = most_sent(allreduce_steps(n, "tree")[1:], n) * 2 ** 30
-assert large[1].bandwidth_time < simple_tree_bytes / topology.intra_bandwidth   # NCCL's tree sends less
+simple_tree_bytes = most_sent(allreduce_steps(16, "tree")[1:], 16) * 2 ** 30
+assert large[1].bandwidth_time < simple_tree_bytes / cluster.nic_share(8)   # NCCL's tree sends less
 
 # %% [markdown]
 # For 1 KiB, latency is almost all of the time and the tree's fewer steps win; for 1 GiB the
-# bytes dominate and the ring wins. The bandwidth part of the ring is exactly the byte count of
-# section 2 divided by the link's bandwidth:
+# bytes dominate and the ring wins. (For small messages NCCL also switches protocol: its LL
+# protocol trades bandwidth for latency, and the model picks the fastest of Simple, LL and LL128,
+# as NCCL's tuner does.) Inside one 8-GPU H100 node, the bandwidth part of the ring is exactly
+# the byte count of section 2 divided by the link's bandwidth:
 
-# %%
+# %% expect=["1.750 GiB over 369 GB/s = 5.09 ms"]
+topology = cost.get_topology("h100-nvswitch")
+n = 8
 nbytes = 2 ** 30
 ring_est = cost.estimate("all_reduce", nbytes, n, topology, algorithm="ring")
 bytes_per_link = 2 * (n - 1) / n * nbytes
 assert abs(ring_est.bandwidth_time - bytes_per_link / topology.intra_bandwidth) < 1e-6 * ring_est.time
 print(f"{bytes_per_link / 2 ** 30:.3f} GiB over {topology.intra_bandwidth / 1e9:.0f} GB/s "
       f"= {ring_est.bandwidth_time * 1e3:.2f} ms")
-
-# %% expect
-# 1.750 GiB over 369 GB/s = 5.09 ms
 
 # %% [markdown]
 # ## 5. algbw and busbw: reading nccl-tests
@@ -186,31 +217,48 @@ print(f"{bytes_per_link / 2 ** 30:.3f} GiB over {topology.intra_bandwidth / 1e9:
 # ring's bytes per buffer from section 2. busbw is therefore the bandwidth each link really
 # carries, and it can be compared across ops and world sizes, and with the hardware's link rate.
 
-# %%
+# %% expect=["busbw of a 1 GiB all-reduce: 365 GB/s, algbw 209 GB/s"]
 assert cost.busbw_factor("all_reduce", world_size) == ring_bytes / buffer_bytes   # measured in section 2
 assert cost.busbw_factor("all_gather", world_size) == (world_size - 1) / world_size
 print(f"busbw of a 1 GiB all-reduce: {ring_est.busbw / 1e9:.0f} GB/s, algbw {ring_est.algbw / 1e9:.0f} GB/s")
 assert ring_est.busbw / topology.intra_bandwidth > 0.95, "large messages reach the link's bandwidth"
 
-# %% expect
-# busbw of a 1 GiB all-reduce: 365 GB/s, algbw 209 GB/s
+# %% [markdown]
+# One exception to "busbw is at most the link rate": H100 NVSwitches can add the buffers
+# themselves (NVLink SHARP, NCCL's `NVLS` algorithm), so each GPU sends its data once and
+# receives the sum once instead of taking part in `2 (n - 1)` ring steps. Its busbw, computed
+# with the same ring factor, then exceeds the link rate: NVIDIA quotes about 480 GB/s on an
+# 8-GPU H100 node, and the model's `nvls` algorithm is calibrated to that figure.
+
+# %%
+nvls = cost.estimate("all_reduce", 2 ** 33, 8, topology, algorithm="nvls")
+print(f"8 GiB all-reduce with NVLS: busbw {nvls.busbw / 1e9:.0f} GB/s (link rate {topology.intra_bandwidth / 1e9:.0f} GB/s)")
+assert nvls.busbw > topology.intra_bandwidth
 
 # %% [markdown]
 # busbw against size, from the model (`real.bench --json` results can be drawn on the same
 # axes: `viz.busbw_figure("bench.json", "h100-nvswitch")`):
 
-# %% ignore-output
+# %% tags=["nbval-ignore-output"]
 viz.busbw_figure(topology="h100-nvswitch", world_size=8, algorithms=True)
 
 # %% [markdown]
 # ## 6. Crossing nodes
 #
 # Inside a node, GPUs talk over NVLink; between nodes, over network cards (InfiniBand) that are
-# several times slower per GPU. A collective over two nodes runs at the slower level. That is why
-# tensor parallelism, which all-reduces activations in every layer, is usually kept inside one
-# node:
+# an order of magnitude slower per GPU. A collective over two nodes runs at the slower level.
+# That is why tensor parallelism, which all-reduces activations in every layer, is usually kept
+# inside one node:
 
 # %%
+for preset in ("a100-hdr-cluster", "h100-ndr-cluster"):
+    machine = cost.get_topology(preset)
+    per_gpu_network = machine.nic_share(machine.gpus_per_node) / machine.gpus_per_node
+    ratio = machine.intra_bandwidth / per_gpu_network
+    assert 5 < ratio < 30
+    print(f"{preset}: NVLink {machine.intra_bandwidth / 1e9:.0f} GB/s per GPU, network "
+          f"{per_gpu_network / 1e9:.1f} GB/s per GPU: {ratio:.0f}x slower")
+
 cluster = cost.get_topology("a100-hdr-cluster")
 one_node = cost.estimate("all_reduce", 2 ** 26, 8, cluster)
 two_nodes = cost.estimate("all_reduce", 2 ** 26, 16, cluster)
@@ -219,38 +267,40 @@ assert two_nodes.time > 2 * one_node.time
 print(f"64 MiB all-reduce: 8 GPUs in one node {one_node.time * 1e3:.2f} ms, "
       f"16 GPUs on two nodes {two_nodes.time * 1e3:.2f} ms")
 
+
 # %% [markdown]
-# ## Exercise: steps and bytes of the ring
+# ## Exercise: write a ring all-gather
 #
-# Write `ring_steps(n)`, the number of steps of a ring all-reduce on `n` ranks, and
-# `ring_bytes(n, nbytes)`, the bytes one rank sends in it for a buffer of `nbytes` bytes. The
-# check compares with the ring's schedule for 2 to 16 ranks.
+# The all-reduce's second half *is* an all-gather. Write `my_ring_all_gather(comm, x)`: every
+# rank holds one shard `x`; return every rank's shard concatenated in rank order (dim 0), as
+# `comm.all_gather(x, dim=0)` would, using only the ring: in each of `n - 1` steps, pass one
+# shard to the next rank and receive one from the previous rank, with
+# `lessons.ring_exchange(comm, shard)` (which orders the send and the recv so that no rank
+# waits forever; it returns what the previous rank passed). Do not modify `x`. The check runs
+# it on 2 to 5 virtual ranks and reads the trace: only `send`/`recv`, to the next rank only,
+# `n - 1` sends per rank.
 
-# %%
-def ring_steps(n):
-    raise NotImplementedError   # your formula
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def my_ring_all_gather(comm, x):
+    raise NotImplementedError   # your code
 
-def ring_bytes(n, nbytes):
-    raise NotImplementedError   # your formula
-
-print(lessons.check_ring_counts(ring_steps, ring_bytes))
-
-# %% expect
-# Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.
+print(lessons.check_ring_all_gather(my_ring_all_gather))
 
 # %% [markdown]
-# Solution (expand the cell to see it):
+# Solution (expand the cell to see it; try first):
 
-# %% solution
-print(lessons.check_ring_counts(lambda n: 2 * (n - 1), lambda n, nbytes: 2 * (n - 1) * nbytes / n))
-# the tree's step count is caught as wrong for a ring:
-tree_steps = lambda n: 2 * (n - 1).bit_length()
-ring_bytes_right = lambda n, nbytes: 2 * (n - 1) * nbytes / n
-failure = lessons.expect_error(lambda: lessons.check_ring_counts(tree_steps, ring_bytes_right),
-                               AssertionError, "4 ranks: you said 4 steps, the ring takes 6")
+# %% expect=["Correct: a ring all-gather on 2, 3, 4, 5 ranks, neighbours only."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of the exercise.
+def ring_all_gather_solution(comm, x):
+    n, rank = comm.world_size, comm.rank
+    shards = [None] * n
+    shards[rank] = x.clone()
+    for step in range(n - 1):
+        # pass on the shard received in the previous step (first: my own); receive my predecessor's
+        shards[(rank - 1 - step) % n] = lessons.ring_exchange(comm, shards[(rank - step) % n])
+    return torch.cat(shards)
 
-# %% expect
-# Correct: steps and bytes per rank for 2 to 16 ranks.
+print(lessons.check_ring_all_gather(ring_all_gather_solution))
 
 # %% [markdown]
 # ## Takeaway
@@ -261,6 +311,7 @@ failure = lessons.expect_error(lambda: lessons.check_ring_counts(tree_steps, rin
 # * Time = latency x steps + bytes on the busiest link / bandwidth. busbw = algbw x `2 (n - 1) / n`
 #   is the per-link bandwidth, comparable with the hardware's.
 # * Crossing nodes costs several times more: keep the chattiest parallelism inside a node.
+# * An all-gather is the ring's second half: `n - 1` steps, each passing one shard to a neighbour.
 
 # %%
 world.close()

@@ -1,0 +1,127 @@
+"""A workshop handout: every lesson executed and written as a static web site.
+
+    python -m simcomm.handout OUT_DIR            # all lessons
+    python -m simcomm.handout OUT_DIR 03 04      # only lessons whose names start so
+
+writes ``OUT_DIR/index.html`` (each lesson's title and goal, linked) and one
+``OUT_DIR/NN_name.html`` per lesson. Each page is the lesson run top to bottom
+in a fresh kernel and exported by nbconvert; the figures are there because
+:mod:`simcomm.viz.render` gives each one an HTML form. plotly.js is inlined
+once per page, so every figure is interactive and the ring animation plays
+with no kernel and no network (the template's own CDN links, require.js and
+MathJax, are not needed by any figure). Links from one lesson to the next
+point to the pages. The ipywidgets explorer of lesson 01 needs a kernel and
+is not part of a static page.
+
+The lessons run on the backend ``SIMCOMM_BACKEND`` names (the simulator when
+unset). Nothing is written outside ``OUT_DIR``.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+__all__ = ["NOTEBOOK_DIR", "Page", "lesson_notebooks", "build_page", "build_handout", "main"]
+
+#: the lessons, as the repository holds them
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+
+_LESSON_LINK = re.compile(r'href="(\d\d_[A-Za-z0-9_]+)\.ipynb(#[^"]*)?"')
+_PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+@dataclass(frozen=True)
+class Page:
+    """One written lesson page: its file, title, goal and how many figures it holds."""
+
+    path: Path
+    title: str
+    goal: str
+    figures: int
+
+
+def lesson_notebooks(prefixes: list[str] | None = None, folder: Path = NOTEBOOK_DIR) -> list[Path]:
+    """The lesson notebooks in order, only those whose names start with one of ``prefixes`` if given."""
+    notebooks = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+    if prefixes:
+        notebooks = [nb for nb in notebooks if any(nb.stem.startswith(prefix) for prefix in prefixes)]
+        if not notebooks:
+            raise ValueError(f"handout: no lesson in {folder} starts with any of {prefixes}")
+    return notebooks
+
+
+def _title_and_goal(nb: nbformat.NotebookNode) -> tuple[str, str]:
+    text = "".join(nb.cells[0].source) if nb.cells else ""
+    title = next((line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("# ")), "")
+    goal = re.search(r"\*\*Goal:\*\*(.*?)(\n\n|$)", text, re.S)
+    return title, " ".join(goal.group(1).split()) if goal else ""
+
+
+def _figure_count(nb: nbformat.NotebookNode) -> int:
+    return sum(1 for cell in nb.cells if cell.cell_type == "code"
+               for output in cell.get("outputs", []) if _PLOTLY_MIME in output.get("data", {}))
+
+
+def build_page(notebook: Path, out_dir: Path, *, timeout: int = 600) -> Page:
+    """Execute ``notebook`` in a fresh kernel (working directory: its folder) and write its page."""
+    from nbconvert import HTMLExporter
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    nb = nbformat.read(notebook, as_version=4)
+    ExecutePreprocessor(timeout=timeout, kernel_name="python3").preprocess(
+        nb, {"metadata": {"path": str(notebook.parent)}})
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    body = _LESSON_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(2) or ""}"', body)
+    path = out_dir / f"{notebook.stem}.html"
+    path.write_text(body, encoding="utf-8")
+    title, goal = _title_and_goal(nb)
+    return Page(path, title or notebook.stem, goal, _figure_count(nb))
+
+
+def _index(pages: list[Page]) -> str:
+    items = "\n".join(
+        f'<li><a href="{page.path.name}">{html.escape(page.title)}</a>'
+        f"<p>{html.escape(page.goal)}</p></li>" for page in pages)
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<title>simcomm lessons</title><style>body{font:18px/1.5 sans-serif;max-width:50em;"
+            "margin:2em auto;padding:0 1em}li{margin-bottom:1em}p{margin:.2em 0}</style></head>\n"
+            "<body><h1>simcomm: differentiable collectives, lesson by lesson</h1>\n"
+            "<p>Every lesson below was run from top to bottom; its figures are interactive "
+            "(hover, zoom, play) and need neither a kernel nor a network.</p>\n"
+            f"<ol>\n{items}\n</ol></body></html>\n")
+
+
+def build_handout(out_dir: str | Path, prefixes: list[str] | None = None, *,
+                  folder: Path = NOTEBOOK_DIR, timeout: int = 600) -> list[Page]:
+    """Write ``index.html`` and one page per lesson into ``out_dir`` (created if missing).
+
+    Raises the kernel's error (nbconvert's ``CellExecutionError``) if a lesson
+    fails to run; pages written before it stay.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pages = [build_page(notebook, out_dir, timeout=timeout) for notebook in lesson_notebooks(prefixes, folder)]
+    (out_dir / "index.html").write_text(_index(pages), encoding="utf-8")
+    return pages
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simcomm.handout", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="folder to write index.html and the lesson pages into")
+    parser.add_argument("lessons", nargs="*", help="only lessons whose names start so (e.g. 03)")
+    args = parser.parse_args(argv)
+    pages = build_handout(args.out_dir, args.lessons or None)
+    for page in pages:
+        sys.stdout.write(f"{page.path}: {page.figures} figures\n")
+    sys.stdout.write(f"{args.out_dir / 'index.html'}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
