@@ -20,6 +20,7 @@ import torch
 
 from simcomm import collectives as math
 from simcomm.communicator import Communicator
+from simcomm.ring import ring_exchange
 
 __all__ = ["Case", "collective_cases", "rooted_and_uneven_cases", "async_cases", "RankResult"]
 
@@ -181,13 +182,7 @@ def _ring_program(comm: Communicator) -> RankResult:
     x = _data("ring", (2, 5), comm.rank).to(comm.device)
     if comm.world_size == 1:
         return [x.cpu()], []
-    if comm.rank % 2 == 0:                       # even ranks send first, odd ranks receive first
-        comm.send(x)
-        y = comm.recv((2, 5), torch.float64)
-    else:
-        y = comm.recv((2, 5), torch.float64)
-        comm.send(x)
-    return _cpu([y]), []
+    return _cpu([ring_exchange(comm, x)]), []   # to the next rank, from the previous one
 
 
 def _ring_reference(world_size: int) -> list[RankResult]:

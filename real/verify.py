@@ -194,6 +194,7 @@ def _under_torchrun(args: argparse.Namespace, fault: str | None) -> bool:
         except Exception:
             traceback.print_exc()
     dist.broadcast_object_list(verdict, src=0)
+    dist.barrier()                  # nobody closes its connections while a peer still reads from them
     dist.destroy_process_group()
     return verdict[0]
 
@@ -240,4 +241,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "RANK" in os.environ:        # under torchrun: leave without the interpreter's teardown of
+        sys.stdout.flush()          # torch and gloo's threads, which can abort a process at exit
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

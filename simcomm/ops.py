@@ -58,6 +58,8 @@ def canonical_op(name: str, allowed: Iterable[str] | None = None, *, where: str 
     choices = tuple(allowed) if allowed is not None else _KNOWN
     if not isinstance(name, str):
         raise ValueError(f"{where}: op must be a string, got {name!r} ({type(name).__name__})")
+    if name in choices:                                 # exact, case kept (all_to_all_4D)
+        return name
     key = name.strip().lower().replace("-", "_").replace(" ", "_")
     key = ALIASES.get(key, ALIASES.get(key.replace("_", ""), key))
     if key in choices:

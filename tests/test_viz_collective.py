@@ -150,7 +150,7 @@ def test_hover_names_the_source_rank_and_position():
 
 
 def test_errors_name_function_argument_and_value():
-    with pytest.raises(ValueError, match=r"collective_figure: op='all_gahter' is not one of"):
+    with pytest.raises(ValueError, match=r"collective_figure: unknown op 'all_gahter' \(did you mean 'all_gather'\?\)"):
         collective_figure("all_gahter")
     with pytest.raises(ValueError, match=r"all_gather takes dim; got src=1"):
         collective_figure("all_gather", src=1)

@@ -24,6 +24,7 @@ import plotly.graph_objects as go
 import torch
 
 from ..collectives import reduce_op_name
+from ..ops import canonical_op
 from ..ring import ring_exchange
 from ..world import World
 from .grids import Panel, draw_panels, grid_layout
@@ -230,7 +231,6 @@ OPS: dict[str, _Op] = {
             "reduce_from_group (Megatron's g) forward: all-reduce (sum)<br>backward: identity, each "
             "rank's incoming grad passes through unchanged")),
 }
-_ALIASES = {"send": "send_recv", "recv": "send_recv", "send/recv": "send_recv", "all_to_all": "all_to_all_4D"}
 
 
 @dataclass
@@ -254,9 +254,7 @@ class CollectiveRun:
 
 
 def _resolve(function: str, op: str, op_args: dict) -> tuple[str, _Op, dict]:
-    name = _ALIASES.get(op, op) if isinstance(op, str) else op
-    if name not in OPS:
-        raise ValueError(f"{function}: op={op!r} is not one of {sorted(OPS)}")
+    name = canonical_op(op, OPS, where=function)   # "all_to_all" is not all_to_all_4D: the error says so
     spec = OPS[name]
     if "op" in op_args:  # the communicator's name for the reduction
         if "reduce_op" in op_args:
