@@ -1,11 +1,11 @@
-"""The seed's ``DeviceCommunicatorBase`` constructor on simcomm's communicator.
+"""vLLM's ``DeviceCommunicatorBase`` constructor (extended with differentiable collectives) on simcomm's communicator.
 
-Code written against the seed (``DeviceCommunicatorBase(cpu_group, device,
+Code written against that interface (``DeviceCommunicatorBase(cpu_group, device,
 device_group, unique_name)``) drops in: same constructor, same attributes
 (``cpu_group``, ``device_group``, ``device``, ``unique_name``, ``rank``,
 ``world_size``, ``ranks``, ``global_rank``, ``global_world_size``,
 ``rank_in_group``), same methods, with simcomm's semantics and backward rules.
-What differs from the seed is what the seed got wrong:
+What differs is what a straightforward differentiable version of it gets wrong:
 
 * the collectives run on ``device_group`` when given, else on ``cpu_group``
   itself: never on the whole world;
@@ -37,7 +37,7 @@ def _check_member(group: ProcessGroup | None, argument: str) -> None:
 
 
 class DeviceCommunicatorBase(Communicator):
-    """simcomm's :class:`~simcomm.Communicator` built from the seed's constructor arguments.
+    """simcomm's :class:`~simcomm.Communicator` built from ``DeviceCommunicatorBase``'s constructor arguments.
 
     ``cpu_group`` names the members; ``device_group`` (same members, e.g. an
     NCCL group) carries the data when given, else ``cpu_group`` does.
@@ -66,7 +66,7 @@ class DeviceCommunicatorBase(Communicator):
 
     @property
     def rank_in_group(self) -> int:
-        """This process's rank within the group (the seed's name for :attr:`rank`)."""
+        """This process's rank within the group (``DeviceCommunicatorBase``'s name for :attr:`rank`)."""
         return self.rank
 
     def destroy(self) -> None:

@@ -452,7 +452,8 @@ class Cluster:
         return out
 
     def _relay_and_trace(self, finished: dict[int, Finished]) -> None:
-        self.trace = Trace([event for rank in sorted(finished) for event in finished[rank].events])
+        self.trace = Trace([event for rank in sorted(finished) for event in finished[rank].events],
+                           backend=self.backend)
         _relay_output({rank: m.output for rank, m in finished.items()})
 
     def _describe_timeout(self, timeout: float | None, waiting: list[int]) -> str:

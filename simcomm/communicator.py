@@ -1,4 +1,4 @@
-"""The communicator a program receives: the seed's API with autograd on every collective.
+"""The communicator a program receives: vLLM's ``DeviceCommunicatorBase`` API with autograd on every collective.
 
 One :class:`Communicator` exists per rank and group. It checks arguments
 (:mod:`simcomm.checks`), makes inputs contiguous, and calls the autograd rules

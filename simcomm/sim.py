@@ -58,7 +58,7 @@ from .rank_random import RankRandomState
 from .trace import Record, Recorder
 from .transport import TransportBase
 from .waits import Wait as _Wait
-from .waits import describe_deadlock, describe_ranks, describe_waits, p2p_detail, program_location
+from .waits import describe_deadlock, describe_ranks, describe_waits, format_ranks, p2p_detail, program_location
 
 __all__ = ["SimTransport", "RunState", "program_location"]
 
@@ -504,7 +504,8 @@ class SimTransport(TransportBase):
         arrived = sorted(ranks[i] for i in slot.arrived)
         message = (
             f"ranks of group {list(ranks)} disagree at collective step {self._step - 1}:\n"
-            f"  rank{'s' if len(arrived) > 1 else ''} {arrived} called {slot.op}({_format_args(slot.sig)}) "
+            f"  {f'ranks {format_ranks(arrived)}' if len(arrived) > 1 else f'rank {arrived[0]}'} called "
+            f"{slot.op}({_format_args(slot.sig)}) "
             f"at {_where(slot.frames[first])}\n"
             f"  rank {ranks[self.rank]} called {op}({_format_args(sig)}) at {_where(frame)}\n"
             f"every rank of a group must call the same collectives in the same order with "

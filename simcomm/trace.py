@@ -280,9 +280,11 @@ class TraceEvent:
 class Trace:
     """The events of one run, ordered by start time, with summaries and export."""
 
-    def __init__(self, events: list[TraceEvent | Record] | None = None):
+    def __init__(self, events: list[TraceEvent | Record] | None = None, backend: str | None = None):
         # transports keep Records (cheap on the hot path); events are built on first use
         self._items = list(events or [])
+        #: what recorded it: ``"simcomm"`` (virtual ranks), ``"gloo"``/``"nccl"`` (real processes)
+        self.backend = backend
         self._events: list[TraceEvent] | None = None
 
     @property
@@ -310,7 +312,7 @@ class Trace:
         """The events matching every given field."""
         return Trace([e for e in self.events
                       if (op is None or e.op == op) and (phase is None or e.phase == phase)
-                      and (rank is None or e.rank == rank)])
+                      and (rank is None or e.rank == rank)], backend=self.backend)
 
     @property
     def ranks(self) -> list[int]:

@@ -155,7 +155,7 @@ class World:
             stuck = _stop(threads, state, interrupt_holders=timed_out is not None)
         finally:
             _end_run(state)
-        self.trace = Trace(state.events)
+        self.trace = Trace(state.events, backend="simcomm")
         self.memory = _memory.MemoryReport(reports) if reports is not None and None not in reports else None
         if state.rank_errors:
             (rank, error), others = state.rank_errors[0], state.rank_errors[1:]
