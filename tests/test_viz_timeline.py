@@ -78,6 +78,9 @@ def test_the_subtitle_says_where_measured_times_come_from(trace):
     assert "real processes (gloo)" in real and "simulated" not in real
     sim = timeline_figure(trace, source="sim").layout.title.text
     assert "simulated run" in sim
+    assert trace.backend == "simcomm"                     # a World's trace says what recorded it
+    assert "simulated run" in timeline_figure(trace).layout.title.text
+    trace.backend = None
     unknown = timeline_figure(trace).layout.title.text
     assert "simulated" not in unknown and "measured wall-clock time" in unknown
     trace.backend = "nccl"                                 # a trace that says what recorded it
