@@ -1,6 +1,7 @@
 """The "simcomm" c10d backend: dist.* on virtual ranks, checked against one device in float64."""
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -369,8 +370,6 @@ def test_isend_irecv_between_two_ranks():
     assert [(e.rank, e.op, e.nbytes) for e in world.trace] == [(0, "send", 96), (1, "recv", 96)]
 
 
-@pytest.mark.xfail(strict=False, reason="needs simulator isend/irecv: each rank's batch posts a "
-                   "send before its receive, which blocking send/recv turn into a DeadlockError")
 def test_batch_isend_irecv_ring():
     def program(comm):
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -386,17 +385,26 @@ def test_batch_isend_irecv_ring():
         torch.testing.assert_close(got, progs.rank_input((rank - 1) % WORLD))
 
 
-def test_batch_isend_irecv_ring_is_a_deadlock_error_not_a_hang():
-    """What the xfail above does today: named at once, never a hang."""
+def test_both_ranks_sending_first_is_a_deadlock_error_naming_the_lines():
+    """dist.send blocks until the peer receives: two ranks that both send first wait for
+    each other forever on real processes; here it is an error within a second."""
     def program(comm):
-        rank, world = dist.get_rank(), dist.get_world_size()
-        ops = [dist.P2POp(dist.isend, torch.ones(2), (rank + 1) % world),
-               dist.P2POp(dist.irecv, torch.empty(2), (rank - 1) % world)]
-        dist.batch_isend_irecv(ops)
+        rank = dist.get_rank()
+        received = torch.empty(2)
+        dist.send(torch.ones(2), dst=1 - rank)
+        dist.recv(received, src=1 - rank)
+        return received
 
+    start = time.perf_counter()
     with pytest.raises(DeadlockError) as info:
-        simcomm.World(WORLD).run(program)
-    assert "send to rank 1" in str(info.value)
+        simcomm.World(2).run(program)
+    assert time.perf_counter() - start < 1.0
+    message = str(info.value)
+    line = inspect.getsourcelines(program)[1] + 3          # the dist.send line
+    for rank in (0, 1):
+        assert f"rank {rank} waits in send to rank {1 - rank} (float32 (2,)) at " \
+               f"{__file__}:{line} in program" in message, message
+    assert "site-packages" not in message
     assert_clean()
 
 

@@ -112,8 +112,6 @@ def test_pipelining_gpipe(stages):
     _check_pipeline(stages, "ScheduleGPipe")
 
 
-@pytest.mark.xfail(strict=False, reason="needs simulator isend/irecv: 1F1B posts a send and a "
-                   "receive together, which blocking send/recv turn into a DeadlockError")
 @pytest.mark.parametrize("stages", [2, 4])
 def test_pipelining_1f1b(stages):
     _check_pipeline(stages, "Schedule1F1B")
