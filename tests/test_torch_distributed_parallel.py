@@ -97,14 +97,16 @@ def _pipeline_reference(stages: int, microbatches: int):
     return [[p.grad for p in layer.parameters()] for layer in layers], [loss.detach() for loss in losses]
 
 
-def _check_pipeline(stages: int, schedule_name: str, microbatches: int = 4) -> None:
-    outs = simcomm.World(stages).run(_pipeline_program, schedule_name, microbatches)
+def _check_pipeline(stages: int, schedule_name: str, microbatches: int = 4) -> simcomm.World:
+    world = simcomm.World(stages)
+    outs = world.run(_pipeline_program, schedule_name, microbatches)
     grads, losses = _pipeline_reference(stages, microbatches)
     for rank, (got_grads, got_losses) in enumerate(outs):
         for got, want in zip(got_grads, grads[rank], strict=True):
             torch.testing.assert_close(got, want)
     for got, want in zip(outs[-1][1], losses, strict=True):
         torch.testing.assert_close(got, want)
+    return world
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -114,4 +116,9 @@ def test_pipelining_gpipe(stages):
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_pipelining_1f1b(stages):
-    _check_pipeline(stages, "Schedule1F1B")
+    """1F1B posts a stage's send and its receive together (batch_isend_irecv)."""
+    world = _check_pipeline(stages, "Schedule1F1B")
+    p2p = [e for e in world.trace if e.op in ("send", "recv") and e.nbytes == 2 * 4 * 8]   # (2, 4) float64
+    # a send and a recv of each microbatch's activation and of its gradient at every stage boundary
+    assert len(p2p) == 2 * 2 * 4 * (stages - 1)
+    assert all(e.async_op and e.start <= e.end <= e.waited for e in p2p)
