@@ -146,7 +146,7 @@ def test_functional_collectives_run_on_the_simulator():
     assert {e.op for e in world.trace} == {"all_reduce", "all_gather", "reduce_scatter"}
 
 
-def test_async_op_returns_a_completed_work_holding_the_output():
+def test_async_op_work_writes_the_buffer_on_wait_and_its_future_holds_it():
     def program(comm):
         t = torch.ones(2)
         work = dist.all_reduce(t, async_op=True)
