@@ -122,3 +122,39 @@ def test_pipelining_1f1b(stages):
     # a send and a recv of each microbatch's activation and of its gradient at every stage boundary
     assert len(p2p) == 2 * 2 * 4 * (stages - 1)
     assert all(e.async_op and e.start <= e.end <= e.waited for e in p2p)
+
+
+def _looped_program(comm, schedule_name: str, stages_per_rank: int, microbatches: int):
+    """Stage ``rank + world * k`` of the model on each rank (k < stages_per_rank)."""
+    from torch.distributed import pipelining
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = world * stages_per_rank
+    layers = _stage_layers(total)
+    mine = [rank + world * k for k in range(stages_per_rank)]
+    stages = [pipelining.PipelineStage(layers[index], index, total, torch.device("cpu")) for index in mine]
+    schedule = getattr(pipelining, schedule_name)(
+        stages, n_microbatches=microbatches, loss_fn=lambda out, target: (out - target).pow(2).sum())
+    x, target = progs.rank_input(0, (8, 4)), progs.rank_input(1, (8, 4))
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=target, losses=losses)
+    else:
+        schedule.step()
+    return {index: [p.grad for p in layers[index].parameters()] for index in mine}, [
+        loss.detach() for loss in losses]
+
+
+@pytest.mark.parametrize("schedule_name", ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS"])
+def test_pipelining_with_two_stages_per_rank(schedule_name):
+    ranks, per_rank, microbatches = 2, 2, 4
+    outs = simcomm.World(ranks).run(_looped_program, schedule_name, per_rank, microbatches)
+    grads, losses = _pipeline_reference(ranks * per_rank, microbatches)
+    for rank, (got_grads, _) in enumerate(outs):
+        assert sorted(got_grads) == [rank + ranks * k for k in range(per_rank)]
+        for index, stage_grads in got_grads.items():
+            for got, want in zip(stage_grads, grads[index], strict=True):
+                torch.testing.assert_close(got, want)
+    for got, want in zip(outs[-1][1], losses, strict=True):
+        torch.testing.assert_close(got, want)
