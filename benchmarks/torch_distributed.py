@@ -5,6 +5,8 @@ Three measurements, each side in its own fresh process with ``torch.set_num_thre
 * ``all_reduce``  - ``dist.all_reduce`` of 1 KiB (float32, a fresh output every call)
   at 8 and 64 ranks: the simcomm backend inside ``World.run`` vs PyTorch's threaded
   process group (``torch.testing._internal.distributed.multi_threaded_pg``); per call.
+* ``all_reduce_async`` - the same with ``async_op=True`` and ``wait()`` at once, at 8 ranks:
+  what issuing and waiting on a Work costs on each side.
 * ``fsdp``        - one FSDP2 (``fully_shard``) forward+backward of a 4-layer MLP
   (hidden 1024, batch 8 per rank) on 4 ranks: simcomm vs threaded, and the same
   step on one device for the whole batch (no sharding, no communication); on
@@ -58,6 +60,18 @@ def all_reduce_program(comm, iters: int) -> float:
     return _chunked(call, iters)
 
 
+def all_reduce_async_program(comm, iters: int) -> float:
+    x = torch.ones(256) * dist.get_rank()        # 1 KiB of float32
+
+    def call():
+        t = x.clone()
+        dist.all_reduce(t, async_op=True).wait()  # issued, then waited: the Work's own cost
+        return t
+
+    call()
+    return _chunked(call, iters)
+
+
 def _chunked(call, iters: int) -> list[float]:
     """Per-call seconds of each of CHUNKS chunks of ``iters`` calls, between barriers."""
     times = []
@@ -99,7 +113,8 @@ def _world_run_program(comm) -> torch.Tensor:
     return comm.all_reduce(torch.ones(4))
 
 
-PROGRAMS = {"all_reduce": all_reduce_program, "fsdp": fsdp_program}
+PROGRAMS = {"all_reduce": all_reduce_program, "all_reduce_async": all_reduce_async_program,
+            "fsdp": fsdp_program}
 
 
 # -- one side, run in a fresh process -------------------------------------------------------
@@ -190,6 +205,7 @@ ROWS = [  # (case, world size, iterations, sides, one core; the first side is th
     ("all_reduce", 8, 100, ("simcomm", "threaded"), False),
     ("all_reduce", 8, 100, ("simcomm", "threaded"), True),
     ("all_reduce", 64, 10, ("simcomm", "threaded"), False),
+    ("all_reduce_async", 8, 100, ("simcomm", "threaded"), False),
     ("fsdp", 4, 2, ("simcomm", "threaded", "single"), False),
     # virtual ranks take turns (deterministic, one rank runs at a time), while the threaded
     # group's ranks compute in parallel on every core: on one core both have one
@@ -208,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(side, case, int(world_size), int(iters))))
         return 0
     rounds = 1 if args.quick else 3
-    print(f"{'case':<16}{'ranks':>6}  " + "  ".join(f"{s:>14}" for s in ("side 1 (us)", "side 2 (us)", "ratio 1/2",
+    print(f"{'case':<18}{'ranks':>6}  " + "  ".join(f"{s:>14}" for s in ("side 1 (us)", "side 2 (us)", "ratio 1/2",
                                                                           "side 3 (us)", "ratio 1/3")))
     for case, world_size, iters, sides, one_core in ROWS:
         samples: dict[str, list[float]] = {side: [] for side in sides}
@@ -222,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(sides) > 2:
             cells += [f"{sides[2]}={med[sides[2]] * 1e6:.0f}", f"{first / med[sides[2]]:.2f}"]
         label = case + (" (1 core)" if one_core else "")
-        print(f"{label:<16}{world_size:>6}  " + "  ".join(f"{c:>14}" for c in cells))
+        print(f"{label:<18}{world_size:>6}  " + "  ".join(f"{c:>14}" for c in cells))
     return 0
 
 

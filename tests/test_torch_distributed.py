@@ -1,6 +1,7 @@
 """The "simcomm" c10d backend: dist.* on virtual ranks, checked against one device in float64."""
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -145,7 +146,7 @@ def test_functional_collectives_run_on_the_simulator():
     assert {e.op for e in world.trace} == {"all_reduce", "all_gather", "reduce_scatter"}
 
 
-def test_async_op_returns_a_completed_work_holding_the_output():
+def test_async_op_work_writes_the_buffer_on_wait_and_its_future_holds_it():
     def program(comm):
         t = torch.ones(2)
         work = dist.all_reduce(t, async_op=True)
@@ -227,7 +228,7 @@ def test_the_classic_hang_is_a_deadlock_error_naming_the_line():
     start = time.perf_counter()
     with pytest.raises(DeadlockError) as info:
         simcomm.World(WORLD).run(program)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 5.0   # a hang would run into the test timeout instead
     message = str(info.value)
     assert "rank 0 waits in all_reduce" in message
     assert "test_torch_distributed.py" in message and "in program" in message
@@ -369,8 +370,6 @@ def test_isend_irecv_between_two_ranks():
     assert [(e.rank, e.op, e.nbytes) for e in world.trace] == [(0, "send", 96), (1, "recv", 96)]
 
 
-@pytest.mark.xfail(strict=False, reason="needs simulator isend/irecv: each rank's batch posts a "
-                   "send before its receive, which blocking send/recv turn into a DeadlockError")
 def test_batch_isend_irecv_ring():
     def program(comm):
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -384,6 +383,29 @@ def test_batch_isend_irecv_ring():
     outs = simcomm.World(WORLD).run(program)
     for rank, got in enumerate(outs):
         torch.testing.assert_close(got, progs.rank_input((rank - 1) % WORLD))
+
+
+def test_both_ranks_sending_first_is_a_deadlock_error_naming_the_lines():
+    """dist.send blocks until the peer receives: two ranks that both send first wait for
+    each other forever on real processes; here it is an error within a second."""
+    def program(comm):
+        rank = dist.get_rank()
+        received = torch.empty(2)
+        dist.send(torch.ones(2), dst=1 - rank)
+        dist.recv(received, src=1 - rank)
+        return received
+
+    start = time.perf_counter()
+    with pytest.raises(DeadlockError) as info:
+        simcomm.World(2).run(program)
+    assert time.perf_counter() - start < 5.0   # a hang would run into the test timeout instead
+    message = str(info.value)
+    line = inspect.getsourcelines(program)[1] + 3          # the dist.send line
+    for rank in (0, 1):
+        assert f"rank {rank} waits in send to rank {1 - rank} (float32 (2,)) at " \
+               f"{__file__}:{line} in program" in message, message
+    assert "site-packages" not in message
+    assert_clean()
 
 
 def test_runs_after_pytorchs_threaded_process_group_replaced_the_state():

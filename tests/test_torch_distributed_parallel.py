@@ -97,14 +97,16 @@ def _pipeline_reference(stages: int, microbatches: int):
     return [[p.grad for p in layer.parameters()] for layer in layers], [loss.detach() for loss in losses]
 
 
-def _check_pipeline(stages: int, schedule_name: str, microbatches: int = 4) -> None:
-    outs = simcomm.World(stages).run(_pipeline_program, schedule_name, microbatches)
+def _check_pipeline(stages: int, schedule_name: str, microbatches: int = 4) -> simcomm.World:
+    world = simcomm.World(stages)
+    outs = world.run(_pipeline_program, schedule_name, microbatches)
     grads, losses = _pipeline_reference(stages, microbatches)
     for rank, (got_grads, got_losses) in enumerate(outs):
         for got, want in zip(got_grads, grads[rank], strict=True):
             torch.testing.assert_close(got, want)
     for got, want in zip(outs[-1][1], losses, strict=True):
         torch.testing.assert_close(got, want)
+    return world
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -112,8 +114,47 @@ def test_pipelining_gpipe(stages):
     _check_pipeline(stages, "ScheduleGPipe")
 
 
-@pytest.mark.xfail(strict=False, reason="needs simulator isend/irecv: 1F1B posts a send and a "
-                   "receive together, which blocking send/recv turn into a DeadlockError")
 @pytest.mark.parametrize("stages", [2, 4])
 def test_pipelining_1f1b(stages):
-    _check_pipeline(stages, "Schedule1F1B")
+    """1F1B posts a stage's send and its receive together (batch_isend_irecv)."""
+    world = _check_pipeline(stages, "Schedule1F1B")
+    p2p = [e for e in world.trace if e.op in ("send", "recv") and e.nbytes == 2 * 4 * 8]   # (2, 4) float64
+    # a send and a recv of each microbatch's activation and of its gradient at every stage boundary
+    assert len(p2p) == 2 * 2 * 4 * (stages - 1)
+    assert all(e.async_op and e.start <= e.end <= e.waited for e in p2p)
+
+
+def _looped_program(comm, schedule_name: str, stages_per_rank: int, microbatches: int):
+    """Stage ``rank + world * k`` of the model on each rank (k < stages_per_rank)."""
+    from torch.distributed import pipelining
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = world * stages_per_rank
+    layers = _stage_layers(total)
+    mine = [rank + world * k for k in range(stages_per_rank)]
+    stages = [pipelining.PipelineStage(layers[index], index, total, torch.device("cpu")) for index in mine]
+    schedule = getattr(pipelining, schedule_name)(
+        stages, n_microbatches=microbatches, loss_fn=lambda out, target: (out - target).pow(2).sum())
+    x, target = progs.rank_input(0, (8, 4)), progs.rank_input(1, (8, 4))
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=target, losses=losses)
+    else:
+        schedule.step()
+    return {index: [p.grad for p in layers[index].parameters()] for index in mine}, [
+        loss.detach() for loss in losses]
+
+
+@pytest.mark.parametrize("schedule_name", ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS"])
+def test_pipelining_with_two_stages_per_rank(schedule_name):
+    ranks, per_rank, microbatches = 2, 2, 4
+    outs = simcomm.World(ranks).run(_looped_program, schedule_name, per_rank, microbatches)
+    grads, losses = _pipeline_reference(ranks * per_rank, microbatches)
+    for rank, (got_grads, _) in enumerate(outs):
+        assert sorted(got_grads) == [rank + ranks * k for k in range(per_rank)]
+        for index, stage_grads in got_grads.items():
+            for got, want in zip(stage_grads, grads[index], strict=True):
+                torch.testing.assert_close(got, want)
+    for got, want in zip(outs[-1][1], losses, strict=True):
+        torch.testing.assert_close(got, want)

@@ -81,3 +81,29 @@ def test_nn_functional_collectives_agree_with_the_simulator(cluster, op):
     for (real_out, real_grad), (sim_out, sim_grad) in zip(real_outs, sim_outs, strict=True):
         torch.testing.assert_close(real_out, sim_out)
         torch.testing.assert_close(real_grad, sim_grad)
+
+
+def test_async_forms_agree_with_the_simulator_and_the_reference(cluster):
+    real_outs = cluster.run(progs.async_program)
+    sim_outs = simcomm.World(WORLD).run(progs.async_program)
+    _same(real_outs, sim_outs)
+    _same(real_outs, progs.async_reference())
+
+
+def test_an_async_all_reduce_overlaps_on_real_processes_too(cluster):
+    real_outs = cluster.run(progs.overlap_program)
+    sim_outs = simcomm.World(WORLD).run(progs.overlap_program)
+    for (real_t, real_message), (sim_t, sim_message), (want, want_message) in zip(
+            real_outs, sim_outs, progs.overlap_reference(), strict=True):
+        torch.testing.assert_close(real_t, sim_t, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(real_t, want, rtol=1e-12, atol=1e-12)
+        if want_message is not None:
+            torch.testing.assert_close(real_message, want_message, rtol=0, atol=0)
+            torch.testing.assert_close(sim_message, want_message, rtol=0, atol=0)
+
+
+def test_ddp_comm_hook_agrees_with_the_simulator(cluster):
+    real_outs = cluster.run(progs.ddp_program, hook="allreduce")
+    sim_outs = simcomm.World(WORLD).run(progs.ddp_program, hook="allreduce")
+    _same(real_outs, sim_outs)
+    _same(real_outs, [progs.data_parallel_reference()] * WORLD)

@@ -115,6 +115,109 @@ def collectives_reference(world: int = WORLD, reduce_ops=tuple(REDUCE_OPS)) -> l
     return refs
 
 
+# -- async_op=True, isend/irecv, batch_isend_irecv ----------------------------------------------
+
+def async_program(comm) -> dict[str, torch.Tensor]:
+    """Every collective of :func:`collectives_program` issued with ``async_op=True`` before
+    any is waited on, a batch_isend_irecv ring and an isend/irecv pair; then every Work
+    waited on (``wait``, a polled ``is_completed`` or ``get_future``, which gloo's
+    reduce_scatter_tensor lacks) and the buffers read."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = rank_input(rank)
+    out: dict[str, torch.Tensor] = {}
+    works: list[tuple[str, dist.Work]] = []
+    out["all_reduce_sum"] = x.clone()
+    works.append(("wait", dist.all_reduce(out["all_reduce_sum"], async_op=True)))
+    out["all_gather_into_tensor"] = torch.empty(world * x.shape[0], x.shape[1], dtype=x.dtype)
+    works.append(("poll", dist.all_gather_into_tensor(out["all_gather_into_tensor"], x, async_op=True)))
+    big = rank_input(rank, (world * 2, 3))
+    out["reduce_scatter_tensor"] = torch.empty(2, 3, dtype=x.dtype)
+    works.append(("wait", dist.reduce_scatter_tensor(out["reduce_scatter_tensor"], big, async_op=True)))
+    send_rows = [split_rows(rank, dst) for dst in range(world)]
+    recv_rows = [split_rows(src, rank) for src in range(world)]
+    out["all_to_all_single_uneven"] = torch.empty(sum(recv_rows), 3, dtype=x.dtype)
+    works.append(("future", dist.all_to_all_single(out["all_to_all_single_uneven"],
+                                                 rank_input(rank, (sum(send_rows), 3)), recv_rows,
+                                                 send_rows, async_op=True)))
+    out["broadcast"] = x.clone()
+    works.append(("poll", dist.broadcast(out["broadcast"], src=2, async_op=True)))
+    reduced = x.clone()
+    works.append(("wait", dist.reduce(reduced, dst=1, async_op=True)))
+    out["scatter"] = torch.empty_like(x)
+    works.append(("future", dist.scatter(out["scatter"], [rank_input(10 + j) for j in range(world)]
+                                         if rank == 1 else None, src=1, async_op=True)))
+    works.append(("wait", dist.barrier(async_op=True)))
+    out["ring"] = torch.empty_like(x)
+    works += [("wait", work) for work in dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, x, (rank + 1) % world),
+        dist.P2POp(dist.irecv, out["ring"], (rank - 1) % world)])]
+    out["isend_irecv"] = torch.empty_like(x)
+    partner = rank ^ 1                              # pairs (0, 1), (2, 3)
+    if rank % 2 == 0:
+        works.append(("wait", dist.isend(x, dst=partner)))
+        works.append(("wait", dist.irecv(out["isend_irecv"], src=partner)))
+    else:
+        works.append(("wait", dist.irecv(out["isend_irecv"], src=partner)))
+        works.append(("wait", dist.isend(x, dst=partner)))
+    futures = []
+    for how, work in works:
+        if how == "wait":
+            work.wait()
+        elif how == "poll":
+            while not work.is_completed():          # a poll lets the other ranks go on
+                pass
+        else:
+            futures.append(work.get_future().then(lambda fut: fut.value()[0] * 1))
+    out["future_values"] = torch.cat([future.wait().reshape(-1) for future in futures])
+    if rank == 1:
+        out["reduce"] = reduced
+    return out
+
+
+def async_reference(world: int = WORLD) -> list[dict[str, torch.Tensor]]:
+    """What each rank of :func:`async_program` must hold, computed on one device."""
+    blocking = collectives_reference(world, reduce_ops=("sum",))
+    xs = [rank_input(r) for r in range(world)]
+    refs = []
+    for rank in range(world):
+        want = blocking[rank]
+        ref = {name: want[name] for name in ("all_reduce_sum", "all_gather_into_tensor",
+                                             "reduce_scatter_tensor", "all_to_all_single_uneven",
+                                             "broadcast", "scatter")}
+        ref["ring"] = xs[(rank - 1) % world]
+        ref["isend_irecv"] = xs[rank ^ 1]
+        ref["future_values"] = torch.cat([want["all_to_all_single_uneven"].reshape(-1),
+                                          want["scatter"].reshape(-1)])
+        if rank == 1:
+            ref["reduce"] = want["reduce"]
+        refs.append(ref)
+    return refs
+
+
+def overlap_program(comm) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rank 0 issues an all-reduce, then sends rank 1 the data that rank 1 needs before it
+    can join that all-reduce: only an all-reduce that does not block rank 0 until every rank
+    has joined lets this program finish."""
+    rank = dist.get_rank()
+    t = rank_input(rank)
+    message = torch.empty_like(t)
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        dist.send(rank_input(20), dst=1)
+        work.wait()
+    elif rank == 1:
+        dist.recv(message, src=0)
+        dist.all_reduce(t)
+    else:
+        dist.all_reduce(t)
+    return t, message if rank == 1 else None
+
+
+def overlap_reference(world: int = WORLD) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    total = torch.stack([rank_input(r) for r in range(world)]).sum(0)
+    return [(total, rank_input(20) if rank == 1 else None) for rank in range(world)]
+
+
 # -- models --------------------------------------------------------------------------------
 
 def mlp(seed: int = 0) -> nn.Sequential:
@@ -139,9 +242,14 @@ def data_parallel_reference(steps: int = 2, world: int = WORLD, lr: float = 0.1)
     return [p.detach() for p in model.parameters()]
 
 
-def ddp_program(comm, steps: int = 2, lr: float = 0.1) -> list[torch.Tensor]:
+def ddp_program(comm, steps: int = 2, lr: float = 0.1, hook: str | None = None) -> list[torch.Tensor]:
+    """DDP training; ``hook="allreduce"`` registers DDP's default all-reduce comm hook (a
+    future chained on the Work of ``dist.all_reduce(..., async_op=True)``)."""
     from torch.nn.parallel import DistributedDataParallel
     model = DistributedDataParallel(mlp())
+    if hook == "allreduce":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
         model(batch(step, dist.get_rank())).pow(2).sum().backward()

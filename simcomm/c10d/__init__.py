@@ -4,10 +4,13 @@ Inside :meth:`simcomm.World.run` every rank thread has torch.distributed
 initialised (default group = the world, backend ``"simcomm"``), so unmodified
 ``dist.*`` calls, functional collectives, DTensor, FSDP2 and DDP run on the
 simulator: traced, mismatch-checked and deadlock-detected like the
-communicator's own calls. :func:`rank_process_group` is the one hook
-``World`` enters around each rank's program.
+communicator's own calls; ``async_op=True``, ``isend``/``irecv`` and
+``batch_isend_irecv`` return a :class:`SimcommWork` backed by the simulator's
+handles. :func:`rank_process_group` is the one hook ``World`` enters around
+each rank's program.
 """
 from .process_group import SimcommProcessGroup
+from .work import SimcommWork
 from .world import BACKEND_NAME, rank_process_group
 
-__all__ = ["rank_process_group", "SimcommProcessGroup", "BACKEND_NAME"]
+__all__ = ["rank_process_group", "SimcommProcessGroup", "SimcommWork", "BACKEND_NAME"]

@@ -1,31 +1,47 @@
 """One translation function per c10d operation: c10d's buffers in, simulator calls, buffers out.
 
 Every function takes the rank's :class:`~simcomm.sim.SimTransport` for the
-group and c10d's arguments as the ProcessGroup received them (``src``/``dst``/
-``rootRank`` are group-local ranks), calls transport primitives (which block
-until this rank's part is done, trace the call and check it against the
-other ranks), and writes the results into c10d's output buffers in place,
-outside autograd, as a native backend does. Inputs are detached: c10d
-collectives are not differentiable (``torch.distributed.nn.functional`` and
-the functional collectives put their own autograd rules around them).
-Each returns the list of output tensors that c10d's Work future holds.
+group, c10d's arguments as the ProcessGroup received them (``src``/``dst``/
+``rootRank`` are group-local ranks) and ``async_op``. It *issues* the
+transport primitives of the op (with ``async_op=True`` each returns a
+:class:`~simcomm.handles.Handle` at once; without, each blocks until this
+rank's part is done) and returns an :class:`Issued`: those calls, and the
+function that writes their results into c10d's output buffers in place,
+outside autograd, as a native backend does. The caller runs ``finish`` at
+once for a blocking call, or in the Work's ``wait()`` for an asynchronous
+one, so an output buffer changes only when the program waits, as on real
+backends. Every primitive traces the call and checks it against the other
+ranks when it is issued.
 
-Where the simulator has no primitive of its own yet, the op is built
-exactly from existing ones (the trace then shows those primitives); each
-such place says which primitive to switch to.
+Inputs are detached (c10d collectives are not differentiable:
+``torch.distributed.nn.functional`` and the functional collectives put their
+own autograd rules around them) and never modified; an asynchronous
+primitive copies its input when issued. ``finish`` returns the list of
+output tensors that c10d's Work future holds.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed import ReduceOp
 
 from ..sim import SimTransport
 
-__all__ = ["all_reduce", "all_gather_list", "all_gather_into_tensor", "reduce_scatter_list",
+__all__ = ["Issued", "all_reduce", "all_gather_list", "all_gather_into_tensor", "reduce_scatter_list",
            "reduce_scatter_tensor", "all_to_all_single", "all_to_all_list", "broadcast", "reduce",
            "gather", "scatter", "barrier", "send", "recv"]
+
+
+class Issued(NamedTuple):
+    """What a translation issued: one entry per transport call (its result when blocking,
+    its handle with ``async_op``), and ``finish(results)``, which writes the calls' results
+    into c10d's buffers and returns the output tensors."""
+
+    calls: list[Any]
+    finish: Callable[[list[Any]], list[torch.Tensor]]
 
 
 _REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
@@ -70,127 +86,171 @@ def _check_numel(c10d_op: str, argument: str, tensor: torch.Tensor, expected: in
                          f"{tuple(tensor.shape)}; it must have {expected} ({why})")
 
 
+def _one_per_rank(c10d_op: str, argument: str, tensors: Sequence, transport: SimTransport) -> None:
+    if len(tensors) != transport.world_size:
+        raise ValueError(f"{c10d_op}: rank {transport.rank}'s {argument} has {len(tensors)} "
+                         f"tensors; it must have one per rank ({transport.world_size})")
+
+
 # -- reductions and gathers ------------------------------------------------------------------
 
-def all_reduce(transport: SimTransport, tensors: list[torch.Tensor], opts) -> list[torch.Tensor]:
+def all_reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.all_reduce`` (and its coalesced form): each tensor reduced in place."""
     name = _op_name("all_reduce", opts)
-    for tensor in tensors:
-        _write("all_reduce", "tensor", tensor, transport.all_reduce(_rows(tensor), name), transport.rank)
-    return list(tensors)
+    calls = [transport.all_reduce(_rows(tensor), name, async_op=async_op) for tensor in tensors]
+
+    def finish(results: list) -> list[torch.Tensor]:
+        for tensor, value in zip(tensors, results, strict=True):
+            _write("all_reduce", "tensor", tensor, value, transport.rank)
+        return list(tensors)
+
+    return Issued(calls, finish)
 
 
 def all_gather_into_tensor(transport: SimTransport, outputs: Sequence[torch.Tensor],
-                           inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+                           inputs: Sequence[torch.Tensor], async_op: bool) -> Issued:
     """``dist.all_gather_into_tensor``: ``output`` holds the ranks' inputs back to back."""
     for output, input_ in zip(outputs, inputs, strict=True):
         _check_numel("all_gather_into_tensor", "output_tensor", output,
                      input_.numel() * transport.world_size, transport.rank, "world size x input")
-        gathered = transport.all_gather(_rows(input_), 0)  # (world * d0, ...)
-        _write("all_gather_into_tensor", "output_tensor", output, gathered, transport.rank)
-    return list(outputs)
+    # each result: (world * d0, ...)
+    calls = [transport.all_gather(_rows(input_), 0, async_op=async_op) for input_ in inputs]
+
+    def finish(results: list) -> list[torch.Tensor]:
+        for output, gathered in zip(outputs, results, strict=True):
+            _write("all_gather_into_tensor", "output_tensor", output, gathered, transport.rank)
+        return list(outputs)
+
+    return Issued(calls, finish)
 
 
 def all_gather_list(transport: SimTransport, output_lists: Sequence[Sequence[torch.Tensor]],
-                    inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+                    inputs: Sequence[torch.Tensor], async_op: bool) -> Issued:
     """``dist.all_gather``: ``output_list[r]`` gets rank ``r``'s tensor."""
-    written = []
-    for outputs, input_ in zip(output_lists, inputs, strict=True):
-        if len(outputs) != transport.world_size:
-            raise ValueError(f"all_gather: rank {transport.rank}'s tensor_list has {len(outputs)} "
-                             f"tensors; it must have one per rank ({transport.world_size})")
-        gathered = transport.all_gather(_rows(input_), 0)
-        per_rank = gathered.reshape(transport.world_size, -1)  # (world, numel)
-        for rank, output in enumerate(outputs):
-            _write("all_gather", f"tensor_list[{rank}]", output, per_rank[rank], transport.rank)
-        written.extend(outputs)
-    return written
+    for outputs in output_lists:
+        _one_per_rank("all_gather", "tensor_list", outputs, transport)
+    calls = [transport.all_gather(_rows(input_), 0, async_op=async_op) for input_ in inputs]
+
+    def finish(results: list) -> list[torch.Tensor]:
+        written = []
+        for outputs, gathered in zip(output_lists, results, strict=True):
+            per_rank = gathered.reshape(transport.world_size, -1)  # (world, numel)
+            for rank, output in enumerate(outputs):
+                _write("all_gather", f"tensor_list[{rank}]", output, per_rank[rank], transport.rank)
+            written.extend(outputs)
+        return written
+
+    return Issued(calls, finish)
 
 
 def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tensor],
-                          inputs: Sequence[torch.Tensor], opts) -> list[torch.Tensor]:
+                          inputs: Sequence[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.reduce_scatter_tensor``: rank ``r`` gets block ``r`` of the reduced input."""
     name = _op_name("reduce_scatter_tensor", opts)
+    calls = []
     for output, input_ in zip(outputs, inputs, strict=True):
         _check_numel("reduce_scatter_tensor", "input", input_, output.numel() * transport.world_size,
                      transport.rank, "world size x output")
         rows = _rows(input_)
         if rows.shape[0] % transport.world_size:
             rows = rows.reshape(-1)  # blocks of a flat buffer: (world * numel(output),)
-        _write("reduce_scatter_tensor", "output", output,
-               transport.reduce_scatter(rows, 0, name), transport.rank)
-    return list(outputs)
+        calls.append(transport.reduce_scatter(rows, 0, name, async_op=async_op))
+
+    def finish(results: list) -> list[torch.Tensor]:
+        for output, value in zip(outputs, results, strict=True):
+            _write("reduce_scatter_tensor", "output", output, value, transport.rank)
+        return list(outputs)
+
+    return Issued(calls, finish)
 
 
 def reduce_scatter_list(transport: SimTransport, outputs: Sequence[torch.Tensor],
-                        input_lists: Sequence[Sequence[torch.Tensor]], opts) -> list[torch.Tensor]:
+                        input_lists: Sequence[Sequence[torch.Tensor]], opts, async_op: bool) -> Issued:
     """``dist.reduce_scatter``: rank ``r`` gets the reduction of every rank's ``input_list[r]``."""
     name = _op_name("reduce_scatter", opts)
-    for output, inputs in zip(outputs, input_lists, strict=True):
-        if len(inputs) != transport.world_size:
-            raise ValueError(f"reduce_scatter: rank {transport.rank}'s input_list has {len(inputs)} "
-                             f"tensors; it must have one per rank ({transport.world_size})")
+    calls = []
+    for inputs in input_lists:
+        _one_per_rank("reduce_scatter", "input_list", inputs, transport)
         stacked = torch.stack([_rows(t) for t in inputs])  # (world, *shape)
-        _write("reduce_scatter", "output", output, transport.reduce_scatter(stacked, 0, name),
-               transport.rank)
-    return list(outputs)
+        calls.append(transport.reduce_scatter(stacked, 0, name, async_op=async_op))
+
+    def finish(results: list) -> list[torch.Tensor]:
+        for output, value in zip(outputs, results, strict=True):
+            _write("reduce_scatter", "output", output, value, transport.rank)
+        return list(outputs)
+
+    return Issued(calls, finish)
 
 
-def broadcast(transport: SimTransport, tensors: list[torch.Tensor], root: int) -> list[torch.Tensor]:
+def broadcast(transport: SimTransport, tensors: list[torch.Tensor], root: int, async_op: bool) -> Issued:
     """``dist.broadcast``: every rank's tensor becomes the root's, in place."""
-    for tensor in tensors:
-        out = transport.broadcast(_rows(tensor), root)
+    calls = [transport.broadcast(_rows(tensor), root, async_op=async_op) for tensor in tensors]
+
+    def finish(results: list) -> list[torch.Tensor]:
         if transport.rank != root:
-            _write("broadcast", "tensor", tensor, out, transport.rank)
-    return list(tensors)
+            for tensor, value in zip(tensors, results, strict=True):
+                _write("broadcast", "tensor", tensor, value, transport.rank)
+        return list(tensors)
+
+    return Issued(calls, finish)
 
 
-def reduce(transport: SimTransport, tensors: list[torch.Tensor], opts) -> list[torch.Tensor]:
-    """``dist.reduce``: the root's tensor becomes the reduction; the others' stay as they are."""
-    name = _op_name("reduce", opts)
-    for tensor in tensors:
-        # switch to transport.reduce once it exists (traced as "reduce" with the root's bytes)
-        out = transport.all_reduce(_rows(tensor), name)
-        if transport.rank == opts.rootRank:
-            _write("reduce", "tensor", tensor, out, transport.rank)
-    return list(tensors)
+def reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
+    """``dist.reduce``: the root's tensor becomes the reduction; the others' stay as they are
+    (traced as ``reduce``: every other rank sends its bytes to the root)."""
+    name, root = _op_name("reduce", opts), opts.rootRank
+    calls = [transport.reduce(_rows(tensor), root, name, async_op=async_op) for tensor in tensors]
+
+    def finish(results: list) -> list[torch.Tensor]:
+        if transport.rank == root:
+            for tensor, value in zip(tensors, results, strict=True):
+                _write("reduce", "tensor", tensor, value, transport.rank)
+        return list(tensors)
+
+    return Issued(calls, finish)
 
 
 def gather(transport: SimTransport, output_lists: Sequence[Sequence[torch.Tensor]],
-           inputs: Sequence[torch.Tensor], root: int) -> list[torch.Tensor]:
+           inputs: Sequence[torch.Tensor], root: int, async_op: bool) -> Issued:
     """``dist.gather``: the root's ``gather_list[r]`` gets rank ``r``'s tensor."""
-    written = []
-    for index, input_ in enumerate(inputs):
-        gathered = transport.gather(_rows(input_), root, 0)
-        if transport.rank == root:
-            outputs = output_lists[index]
-            if len(outputs) != transport.world_size:
-                raise ValueError(f"gather: rank {transport.rank}'s gather_list has {len(outputs)} "
-                                 f"tensors; it must have one per rank ({transport.world_size})")
+    if transport.rank == root:
+        for outputs in output_lists:
+            _one_per_rank("gather", "gather_list", outputs, transport)
+    calls = [transport.gather(_rows(input_), root, 0, async_op=async_op) for input_ in inputs]
+
+    def finish(results: list) -> list[torch.Tensor]:
+        if transport.rank != root:
+            return []
+        written = []
+        for outputs, gathered in zip(output_lists, results, strict=True):
             per_rank = gathered.reshape(transport.world_size, -1)  # (world, numel)
             for rank, output in enumerate(outputs):
                 _write("gather", f"gather_list[{rank}]", output, per_rank[rank], transport.rank)
             written.extend(outputs)
-    return written
+        return written
+
+    return Issued(calls, finish)
 
 
 def scatter(transport: SimTransport, outputs: Sequence[torch.Tensor],
-            input_lists: Sequence[Sequence[torch.Tensor]], root: int) -> list[torch.Tensor]:
-    """``dist.scatter``: rank ``r``'s tensor becomes the root's ``scatter_list[r]``."""
-    for index, output in enumerate(outputs):
+            input_lists: Sequence[Sequence[torch.Tensor]], root: int, async_op: bool) -> Issued:
+    """``dist.scatter``: rank ``r``'s tensor becomes the root's ``scatter_list[r]`` (traced
+    as ``scatter``: the root sends each other rank its one piece)."""
+    calls = []
+    for index in range(len(outputs)):
+        stacked = None
         if transport.rank == root:
             pieces = input_lists[index]
-            if len(pieces) != transport.world_size:
-                raise ValueError(f"scatter: rank {transport.rank}'s scatter_list has {len(pieces)} "
-                                 f"tensors; it must have one per rank ({transport.world_size})")
+            _one_per_rank("scatter", "scatter_list", pieces, transport)
             stacked = torch.stack([_rows(t) for t in pieces])  # (world, *shape)
-        else:
-            stacked = torch.zeros((transport.world_size, *_rows(output).shape), dtype=output.dtype,
-                                  device=output.device)
-        # switch to transport.scatter once it exists (traced as "scatter": one chunk per peer)
-        everything = transport.broadcast(stacked, root)
-        _write("scatter", "tensor", output, everything[transport.rank], transport.rank)
-    return list(outputs)
+        calls.append(transport.scatter(stacked, root, 0, async_op=async_op))
+
+    def finish(results: list) -> list[torch.Tensor]:
+        for output, (chunk, _) in zip(outputs, results, strict=True):
+            _write("scatter", "tensor", output, chunk, transport.rank)   # chunk: (1, *shape)
+        return list(outputs)
+
+    return Issued(calls, finish)
 
 
 # -- all-to-all ---------------------------------------------------------------------------
@@ -203,63 +263,69 @@ def _even_splits(c10d_op: str, argument: str, size: int, world_size: int, rank: 
 
 
 def all_to_all_single(transport: SimTransport, output: torch.Tensor, input_: torch.Tensor,
-                      output_split_sizes: list[int], input_split_sizes: list[int]) -> list[torch.Tensor]:
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      async_op: bool) -> Issued:
     """``dist.all_to_all_single``: rows ``input_split_sizes[j]`` of the input go to rank ``j``;
-    the output holds what rank ``i`` sent, in rank order (dim 0, torch's semantics)."""
+    the output holds what rank ``i`` sent, in rank order (dim 0, torch's semantics). Empty
+    split lists mean equal splits. Traced as ``all_to_all_single`` with both split lists."""
     world, rank = transport.world_size, transport.rank
     inp = _rows(input_)
-    if not input_split_sizes and not output_split_sizes:
-        _even_splits("all_to_all_single", "input", inp.shape[0], world, rank)
-        _write("all_to_all_single", "output", output, transport.all_to_all(inp, 0, 0), rank)
-        return [output]
-    out_rows = output.reshape(-1, *inp.shape[1:]) if output.numel() else output
-    input_split_sizes = input_split_sizes or _even_splits("all_to_all_single", "input", inp.shape[0],
-                                                          world, rank)
-    output_split_sizes = output_split_sizes or _even_splits("all_to_all_single", "output",
-                                                            out_rows.shape[0], world, rank)
+    row_numel = math.prod(inp.shape[1:])  # elements of one dim-0 row
+    if row_numel == 0:
+        out_rows = output.shape[0] if output.dim() else 0
+    elif output.numel() % row_numel:
+        raise ValueError(f"all_to_all_single: rank {rank}'s output has {output.numel()} elements "
+                         f"{tuple(output.shape)}, not a whole number of the input's rows of "
+                         f"{row_numel} elements {tuple(inp.shape[1:])}")
+    else:
+        out_rows = output.numel() // row_numel
+    input_split_sizes = list(input_split_sizes) or _even_splits(
+        "all_to_all_single", "input", inp.shape[0], world, rank)
+    output_split_sizes = list(output_split_sizes) or _even_splits(
+        "all_to_all_single", "output", out_rows, world, rank)
     for argument, splits, size in (("input_split_sizes", input_split_sizes, inp.shape[0]),
-                                   ("output_split_sizes", output_split_sizes, out_rows.shape[0])):
+                                   ("output_split_sizes", output_split_sizes, out_rows)):
         if len(splits) != world or sum(splits) != size or min(splits) < 0:
             raise ValueError(f"all_to_all_single: rank {rank}'s {argument}={list(splits)} must be "
                              f"{world} non-negative sizes summing to {size}")
-    # switch to transport.all_to_all_single once it exists: until then the rows are padded
-    # to the largest split of any rank (found with a small all_reduce) and sent evenly.
-    longest = transport.all_reduce(torch.tensor([max(*input_split_sizes, *output_split_sizes)]), "max")
-    pad = int(longest.item())
-    if pad == 0:
+    calls = [transport.all_to_all_single(inp, output_split_sizes, input_split_sizes, async_op=async_op)]
+
+    def finish(results: list) -> list[torch.Tensor]:
+        _write("all_to_all_single", "output", output, results[0], rank)
         return [output]
-    padded = inp.new_zeros((world * pad, *inp.shape[1:]))  # (world * pad, ...)
-    for peer, piece in enumerate(inp.split(input_split_sizes, 0)):
-        padded[peer * pad: peer * pad + piece.shape[0]] = piece
-    received = transport.all_to_all(padded, 0, 0).split(pad, 0)  # world x (pad, ...)
-    result = torch.cat([received[peer][:size] for peer, size in enumerate(output_split_sizes)])
-    _write("all_to_all_single", "output", output, result, rank)
-    return [output]
+
+    return Issued(calls, finish)
 
 
 def all_to_all_list(transport: SimTransport, outputs: Sequence[torch.Tensor],
-                    inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``dist.all_to_all``: ``inputs[j]`` goes to rank ``j``; ``outputs[i]`` comes from rank ``i``."""
+                    inputs: Sequence[torch.Tensor], async_op: bool) -> Issued:
+    """``dist.all_to_all``: ``inputs[j]`` goes to rank ``j``; ``outputs[i]`` comes from rank ``i``
+    (one flat ``all_to_all_single`` of the concatenated inputs)."""
     world = transport.world_size
     if len(inputs) != world or len(outputs) != world:
         raise ValueError(f"all_to_all: rank {transport.rank} passed {len(outputs)} outputs and "
                          f"{len(inputs)} inputs; it must pass {world} of each")
     dtype = inputs[0].dtype
-    flat_in = torch.cat([t.detach().reshape(-1).to(dtype) for t in inputs])
-    flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=dtype, device=flat_in.device)
-    all_to_all_single(transport, flat_out, flat_in, [t.numel() for t in outputs],
-                      [t.numel() for t in inputs])
-    for output, piece in zip(outputs, flat_out.split([t.numel() for t in outputs]), strict=True):
-        _write("all_to_all", "output_tensor_list", output, piece, transport.rank)
-    return list(outputs)
+    flat_in = torch.cat([t.detach().reshape(-1).to(dtype) for t in inputs])  # (sum of numels,)
+    out_sizes = [t.numel() for t in outputs]
+    flat_out = torch.empty(sum(out_sizes), dtype=dtype, device=flat_in.device)
+    single = all_to_all_single(transport, flat_out, flat_in, out_sizes, [t.numel() for t in inputs],
+                               async_op)
+
+    def finish(results: list) -> list[torch.Tensor]:
+        single.finish(results)
+        for output, piece in zip(outputs, flat_out.split(out_sizes), strict=True):
+            _write("all_to_all", "output_tensor_list", output, piece, transport.rank)
+        return list(outputs)
+
+    return Issued(single.calls, finish)
 
 
 # -- control and point to point ---------------------------------------------------------------
 
-def barrier(transport: SimTransport) -> list[torch.Tensor]:
-    """``dist.barrier``: returns once every rank of the group has called it."""
-    transport.barrier()
-    return []
+def barrier(transport: SimTransport, async_op: bool) -> Issued:
+    """``dist.barrier``: complete once every rank of the group has called it."""
+    return Issued([transport.barrier(async_op=async_op)], lambda results: [])
 
 
 def _no_tag(c10d_op: str, tag: int) -> None:
@@ -268,18 +334,25 @@ def _no_tag(c10d_op: str, tag: int) -> None:
                                   f"backend: messages between two ranks match in order")
 
 
-def send(transport: SimTransport, tensors: list[torch.Tensor], dst: int, tag: int) -> list[torch.Tensor]:
-    """``dist.send``: blocks until rank ``dst`` has received the data."""
+def send(transport: SimTransport, tensors: list[torch.Tensor], dst: int, tag: int,
+         async_op: bool) -> Issued:
+    """``dist.send``/``isend``: complete once rank ``dst`` has received the data (an
+    ``isend`` copies the tensor when issued)."""
     _no_tag("send", tag)
-    for tensor in tensors:
-        transport.send(_rows(tensor), dst)
-    return list(tensors)
+    calls = [transport.send(_rows(tensor), dst, async_op=async_op) for tensor in tensors]
+    return Issued(calls, lambda results: list(tensors))
 
 
-def recv(transport: SimTransport, tensors: list[torch.Tensor], src: int, tag: int) -> list[torch.Tensor]:
-    """``dist.recv``: fills the tensor with what rank ``src`` sends (same shape and dtype)."""
+def recv(transport: SimTransport, tensors: list[torch.Tensor], src: int, tag: int,
+         async_op: bool) -> Issued:
+    """``dist.recv``/``irecv``: fill the tensor with what rank ``src`` sends (same shape and
+    dtype); an ``irecv``'s buffer is written when its Work is waited on."""
     _no_tag("recv", tag)
-    for tensor in tensors:
-        _write("recv", "tensor", tensor, transport.recv(_rows(tensor).shape, tensor.dtype, src),
-               transport.rank)
-    return list(tensors)
+    calls = [transport.recv(_rows(tensor).shape, tensor.dtype, src, async_op=async_op) for tensor in tensors]
+
+    def finish(results: list) -> list[torch.Tensor]:
+        for tensor, value in zip(tensors, results, strict=True):
+            _write("recv", "tensor", tensor, value, transport.rank)
+        return list(tensors)
+
+    return Issued(calls, finish)

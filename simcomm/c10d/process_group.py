@@ -3,44 +3,57 @@
 c10d hands a backend output buffers to fill in place (``dist.all_reduce(t)``
 overwrites ``t``). Each method of :class:`SimcommProcessGroup` is a thin
 adapter around ONE translation function of :mod:`simcomm.c10d.ops`, which
-calls the rank's :class:`~simcomm.sim.SimTransport` for the group and
-writes the result into the buffers. The simulator therefore traces the call,
-checks that every rank issues the same one (CollectiveMismatchError) and sees
-every wait (DeadlockError), exactly as for the communicator's own calls.
+issues the call on the rank's :class:`~simcomm.sim.SimTransport` for the
+group. The simulator therefore traces the call, checks that every rank
+issues the same one (CollectiveMismatchError) and sees every wait
+(DeadlockError), exactly as for the communicator's own calls.
 
-Each call completes before it returns, also with ``async_op=True``: the
-returned ``Work`` is already done and its future holds the output tensors.
+Blocking or not is decided as c10d decides it: a collective whose options say
+``asyncOp=False`` (``dist.*`` without ``async_op=True``, which waits at once)
+and ``dist.send``/``dist.recv`` block in the simulator and return a completed
+``Work``; every other call (``async_op=True``, ``isend``/``irecv``,
+``batch_isend_irecv``, calls from torch's C++ code such as DDP's reducer and
+the functional collectives) is issued asynchronously and returns a
+:class:`~simcomm.c10d.work.SimcommWork` backed by the simulator's handles.
 """
 from __future__ import annotations
 
+import inspect
+import sys
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
-from torch.futures import Future
+from torch.distributed import distributed_c10d as c10d
 
 from ..sim import SimTransport
 from ..trace import backward_phase
 from . import ops
+from .work import SimcommWork, completed
 from .world import BACKEND_NAME, current_context
 
 __all__ = ["SimcommProcessGroup", "register"]
 
-
-def _done(outputs: list[torch.Tensor]) -> dist.Work:
-    future: Future = Future()
-    future.set_result(outputs)
-    return _create_work_from_future(future)
+#: the code of ``dist.send``/``dist.recv``: they issue ``isend``/``irecv`` and wait at once
+_BLOCKING_P2P = frozenset(inspect.unwrap(function).__code__ for function in (c10d.send, c10d.recv))
 
 
-def _run(translate, *args) -> list[torch.Tensor]:
-    """Call a translation; a call made while autograd's engine runs a backward pass on
-    this thread (a node, a hook, or a callback queued for the end of the pass, as FSDP's
-    gradient reduce-scatter and DDP's all-reduce are) is traced as backward."""
-    if torch._C._current_graph_task_id() != -1:
-        with backward_phase():
-            return translate(*args)
-    return translate(*args)
+def _async(opts) -> bool:
+    """Whether the caller may go on before the call completes (c10d's ``asyncOp`` option;
+    options built in C++ leave it at its default, True)."""
+    return opts is None or opts.asyncOp
+
+
+def _p2p_async(frame) -> bool:
+    """Whether a send/recv reached the process group from ``dist.send``/``dist.recv`` (which
+    call ``isend``/``irecv`` and wait at once: blocking) or from anywhere else (async).
+    ``frame`` is the process group method's; those two are at most three callers up."""
+    for _ in range(3):
+        frame = frame.f_back
+        if frame is None:
+            return True
+        if frame.f_code in _BLOCKING_P2P:
+            return False
+    return True
 
 
 class SimcommProcessGroup(dist.ProcessGroup):
@@ -86,78 +99,93 @@ class SimcommProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         return None
 
+    def _submit(self, translate, *args, async_op: bool) -> dist.Work:
+        """Issue a translation; a completed Work for a blocking call, a SimcommWork else.
+
+        A call made while autograd's engine runs a backward pass on this thread (a
+        node, a hook, or a callback queued for the end of the pass, as FSDP's gradient
+        reduce-scatter and DDP's all-reduce are) is traced as backward.
+        """
+        if torch._C._current_graph_task_id() != -1:
+            with backward_phase():
+                issued = translate(self.transport, *args, async_op)
+        else:
+            issued = translate(self.transport, *args, async_op)
+        if async_op:
+            return SimcommWork(issued, translate.__name__)
+        return completed(issued.finish(issued.calls))
+
     # -- collectives (c10d's Python names and the C++ names call the same translation) --
 
     def allreduce(self, tensors, opts=None):
-        return _done(_run(ops.all_reduce, self.transport, tensors, opts))
+        return self._submit(ops.all_reduce, tensors, opts, async_op=_async(opts))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return _done(_run(ops.all_reduce, self.transport, tensors, opts))
+        return self._submit(ops.all_reduce, tensors, opts, async_op=_async(opts))
 
     def allgather(self, output_lists, input_tensors, opts=None):
-        return _done(_run(ops.all_gather_list, self.transport, output_lists, input_tensors))
+        return self._submit(ops.all_gather_list, output_lists, input_tensors, async_op=_async(opts))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        return _done(_run(ops.all_gather_list, self.transport, output_lists, input_tensors))
+        return self._submit(ops.all_gather_list, output_lists, input_tensors, async_op=_async(opts))
 
     def all_gather_single(self, output, input_, opts=None):
-        return _done(_run(ops.all_gather_into_tensor, self.transport, [output], [input_]))
+        return self._submit(ops.all_gather_into_tensor, [output], [input_], async_op=_async(opts))
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return _done(_run(ops.all_gather_into_tensor, self.transport, outputs, inputs))
+        return self._submit(ops.all_gather_into_tensor, outputs, inputs, async_op=_async(opts))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        return _done(_run(ops.reduce_scatter_list, self.transport, outputs, input_lists, opts))
+        return self._submit(ops.reduce_scatter_list, outputs, input_lists, opts, async_op=_async(opts))
 
     def reduce_scatter_single(self, output, input_, opts=None):
-        return _done(_run(ops.reduce_scatter_tensor, self.transport, [output], [input_], opts))
+        return self._submit(ops.reduce_scatter_tensor, [output], [input_], opts, async_op=_async(opts))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        return _done(_run(ops.reduce_scatter_tensor, self.transport, outputs, inputs, opts))
+        return self._submit(ops.reduce_scatter_tensor, outputs, inputs, opts, async_op=_async(opts))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(self, output, input_, output_split_sizes, input_split_sizes, opts=None):
-        return _done(_run(ops.all_to_all_single, self.transport, output, input_,
-                          list(output_split_sizes or []), list(input_split_sizes or [])))
+        return self._submit(ops.all_to_all_single, output, input_, list(output_split_sizes or []),
+                            list(input_split_sizes or []), async_op=_async(opts))
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_list, input_list, opts=None):
-        return _done(_run(ops.all_to_all_list, self.transport, output_list, input_list))
+        return self._submit(ops.all_to_all_list, output_list, input_list, async_op=_async(opts))
 
     def broadcast(self, tensors, opts=None):
-        return _done(_run(ops.broadcast, self.transport, tensors, opts.rootRank))
+        return self._submit(ops.broadcast, tensors, opts.rootRank, async_op=_async(opts))
 
     def reduce(self, tensors, opts=None):
-        return _done(_run(ops.reduce, self.transport, tensors, opts))
+        return self._submit(ops.reduce, tensors, opts, async_op=_async(opts))
 
     def gather(self, output_lists, input_tensors, opts=None):
-        return _done(_run(ops.gather, self.transport, output_lists, input_tensors, opts.rootRank))
+        return self._submit(ops.gather, output_lists, input_tensors, opts.rootRank, async_op=_async(opts))
 
     def scatter(self, outputs, input_lists, opts=None):
-        return _done(_run(ops.scatter, self.transport, outputs, input_lists, opts.rootRank))
+        return self._submit(ops.scatter, outputs, input_lists, opts.rootRank, async_op=_async(opts))
 
     def barrier(self, opts=None):
-        _run(ops.barrier, self.transport)
-        return _done([])
+        return self._submit(ops.barrier, async_op=_async(opts))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        _run(ops.barrier, self.transport)
+        self._submit(ops.barrier, async_op=False)
 
     # -- point to point --
 
     def send(self, tensors, dst, tag=0):
-        return _done(_run(ops.send, self.transport, tensors, dst, tag))
+        return self._submit(ops.send, tensors, dst, tag, async_op=_p2p_async(sys._getframe()))
 
     def recv(self, tensors, src, tag=0):
-        return _done(_run(ops.recv, self.transport, tensors, src, tag))
+        return self._submit(ops.recv, tensors, src, tag, async_op=_p2p_async(sys._getframe()))
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError(

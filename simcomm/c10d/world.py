@@ -202,7 +202,10 @@ class _RankContext:
             return self.transport
         ranks = tuple(global_ranks)
         group = _groups_of(self.state).group((group_name, ranks), ranks)
-        return SimTransport(self.state, group, group_rank)
+        # the rank's pending handles and trace recorder are shared by all its groups: a Work
+        # of any group never waited on is reported when the program returns
+        return SimTransport(self.state, group, group_rank, self.transport._pending,
+                            self.transport._recorder)
 
     def close(self) -> None:
         global _active, _multithreading_ctx
