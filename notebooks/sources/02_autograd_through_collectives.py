@@ -97,7 +97,7 @@ viz.collective_figure("all_gather", world_size=world_size, shape=(2, 3), dim=0)
 # "dot-product test". The program below runs one collective on random 4-D tensors
 # `(batch, seq, heads, head_dim)`, feeds a random gradient, and returns both sides.
 
-# %% expect=["all_reduce      backward calls all_reduce      dot-product test passed", "all_gather      backward calls reduce_scatter  dot-product test passed", "reduce_scatter  backward calls all_gather      dot-product test passed", "all_to_all_4D   backward calls all_to_all      dot-product test passed", "broadcast       backward calls all_reduce      dot-product test passed"]
+# %% expect=["all_reduce      backward calls all_reduce      dot-product test passed", "all_gather      backward calls reduce_scatter  dot-product test passed", "reduce_scatter  backward calls all_gather      dot-product test passed", "all_to_all_4D   backward calls all_to_all      dot-product test passed", "broadcast       backward calls reduce          dot-product test passed", "reduce          backward calls broadcast       dot-product test passed"]
 def dot_test(comm, op, kwargs):
     gen = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(2, 4, 4, 3, dtype=torch.float64, generator=gen).to(comm.device).requires_grad_()
@@ -107,7 +107,8 @@ def dot_test(comm, op, kwargs):
     return (y * g).sum().item(), (x * x.grad).sum().item()
 
 cases = {"all_reduce": {}, "all_gather": {"dim": 1}, "reduce_scatter": {"dim": 1},
-         "all_to_all_4D": {"scatter_dim": 2, "gather_dim": 1}, "broadcast": {"src": 0}}
+         "all_to_all_4D": {"scatter_dim": 2, "gather_dim": 1}, "broadcast": {"src": 0},
+         "reduce": {"dst": 0}}
 for op, kwargs in cases.items():
     sides = world.run(dot_test, op, kwargs)
     forward_side, backward_side = sum(s for s, _ in sides), sum(s for _, s in sides)
@@ -121,8 +122,12 @@ for op, kwargs in cases.items():
 # * an all-to-all's dual is the all-to-all with the two dims swapped (for Ulysses:
 #   sequence -> heads forward, heads -> sequence backward);
 # * a sum all-reduce is its own dual;
-# * broadcast's dual sums the gradients onto the source rank (here with an all-reduce whose
-#   result only the source keeps).
+# * broadcast and reduce are each other's duals: broadcast's backward reduces (sums) the
+#   gradients onto the source rank, reduce's backward broadcasts the destination's gradient;
+# * scatter and gather are each other's duals too (`comm.scatter`'s backward gathers the
+#   chunks' gradients onto the source);
+# * the uneven `all_to_all_single` (expert parallelism's dispatch) runs backward with its two
+#   split lists swapped, so every gradient row returns to the rank and row it came from.
 #
 # `slice` is special: it takes a tensor that is the *same* on every rank (replicated) and keeps
 # this rank's chunk, with no communication at all. Its backward all-gathers the gradients, so
