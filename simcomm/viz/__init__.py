@@ -13,6 +13,7 @@ element by the rank it came from.
 ``comm_matrix_figure``     bytes from rank i to rank j, per op on a selector
 ``explore``                ipywidgets panel that redraws ``collective_figure``
 ``busbw_figure``           bus bandwidth per message size: cost model curves and measured rows
+``pipeline_figure``        stage x time chart of a pipeline schedule from its trace
 =========================  =====================================================
 """
 from .algorithms import allreduce_steps, ring_allreduce_figure
@@ -22,12 +23,13 @@ from .explore import Explorer, explore
 from .grids import as_grid, grid_layout, rank_grid
 from .matrix import comm_matrix_figure
 from .memory import memory_figure
+from .pipeline import pipeline_figure
 from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
 from .timeline import human_bytes, timeline_figure
 
 __all__ = [
     "OPS", "CollectiveRun", "collective_figure", "collective_run_figure", "run_collective",
     "as_grid", "grid_layout", "rank_grid", "allreduce_steps", "ring_allreduce_figure", "Explorer", "explore",
-    "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure", "memory_figure",
+    "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure", "memory_figure", "pipeline_figure",
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
 ]
