@@ -37,7 +37,7 @@ from .trace import Trace
 
 __all__ = ["SIZES", "make_model", "make_data", "rows", "sum_loss", "reference_grads", "grads_of",
            "dp_grads", "accumulation_grads", "bucket_plan", "BucketedReducer", "bucketed_grads",
-           "overlap_of", "BACKWARD_SECONDS_PER_PARAM", "PRESET"]
+           "overlap_of", "ddp_grads", "BACKWARD_SECONDS_PER_PARAM", "PRESET"]
 
 #: layer widths of the lessons' MLP (Linear + tanh between layers)
 SIZES = (32, 256, 256, 256, 256, 8)
@@ -212,3 +212,16 @@ def overlap_of(trace: Trace, preset: str = PRESET, rank: int = 0) -> dict[str, f
     summary = modelled_timeline(trace, preset).ranks[rank]
     return {"compute": summary.compute, "communication": summary.communication, "exposed": summary.exposed,
             "hidden": summary.hidden, "end": summary.end}
+
+
+def ddp_grads(comm: Communicator, x: torch.Tensor, y: torch.Tensor, bucket_cap_mb: float = 25.0,
+              sizes: Sequence[int] = SIZES) -> list[torch.Tensor]:
+    """One backward of :func:`make_model` wrapped in PyTorch's ``DistributedDataParallel`` (on the run's
+    torch.distributed: virtual ranks or real processes); each rank's loss is the mean over its rows and
+    DDP averages the gradients. Returns this rank's gradients. Collective; blocks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model(sizes), bucket_cap_mb=bucket_cap_mb)
+    xs, ys = rows(comm, x, y)
+    (sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    return grads_of(model)

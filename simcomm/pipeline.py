@@ -43,7 +43,7 @@ from .data_parallel import make_model, sum_loss
 from .trace import Trace
 
 __all__ = ["SCHEDULES", "PIPE_SIZES", "FORWARD_SECONDS", "schedule", "check_schedule", "held", "stage_layers",
-           "pipeline_step", "reference", "bubble", "bubble_formula", "stage_actions"]
+           "pipeline_step", "torch_pipeline_step", "reference", "bubble", "bubble_formula", "stage_actions"]
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 #: widths of the pipeline lessons' MLP: 4 linear layers, one per stage on 4 ranks
@@ -85,15 +85,17 @@ def check_schedule(plans: Sequence[Sequence[tuple[str, int]]], microbatches: int
     stages = len(plans)
     want = sorted([("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)])
     for stage, plan in enumerate(plans):
-        try:
-            got = sorted((str(kind), int(i)) for kind, i in plan)
-        except (TypeError, ValueError):
+        if not all(isinstance(a, (tuple, list)) and len(a) == 2 and a[0] in ("F", "B") and isinstance(a[1], int)
+                   and not isinstance(a[1], bool) for a in plan):
             return f"stage {stage}: every action must be a pair like ('F', 0) or ('B', 0)"
+        plan = [tuple(a) for a in plan]
+        got = sorted(plan)
         if got != want:
             return f"stage {stage} must run F i and B i exactly once for i in 0..{microbatches - 1}"
         for i in range(microbatches):
-            if list(plan).index(("B", i)) < list(plan).index(("F", i)):
+            if plan.index(("B", i)) < plan.index(("F", i)):
                 return f"stage {stage} runs B {i} before F {i}"
+    plans = [[tuple(a) for a in plan] for plan in plans]
     done: set[tuple[str, int, int]] = set()
     cursor = [0] * stages
     progress = True
@@ -167,6 +169,8 @@ def pipeline_step(comm: Communicator, x: torch.Tensor, y: torch.Tensor, plan_nam
     width_out = [m for m in layers if isinstance(m, nn.Linear)][-1].out_features
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     sends, loss_total, peak = [], None, 0
+    for p in layers.parameters():
+        p.grad = torch.zeros_like(p)          # allocated up front: backward accumulates into it
     baseline, peak_bytes = memory.current_bytes(), 0
     for kind, i in plans[stage]:
         rows = xs[i].shape[0]
@@ -197,10 +201,22 @@ def pipeline_step(comm: Communicator, x: torch.Tensor, y: torch.Tensor, plan_nam
             if stage > 0:
                 sends.append(comm.isend(inp.grad, stage - 1))
             del inp, out
+        sends = _settle(sends)                # release what the neighbours already received
     for handle in sends:
         handle.wait()
     return {"grads": [p.grad.detach().clone() for p in layers.parameters()], "loss": loss_total, "held": peak,
             "activation_bytes": peak_bytes if baseline is not None else None}
+
+
+def _settle(handles: list) -> list:
+    """Wait on the completed handles (which then release their buffers); return the others."""
+    pending = []
+    for handle in handles:
+        if handle.is_completed():
+            handle.wait()
+        else:
+            pending.append(handle)
+    return pending
 
 
 def reference(x: torch.Tensor, y: torch.Tensor, stages: int, sizes: Sequence[int] = PIPE_SIZES
@@ -230,3 +246,31 @@ def bubble_formula(name: str, stages: int, microbatches: int) -> float:
     if name == "naive":
         return (stages - 1) / stages
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def torch_pipeline_step(comm: Communicator, x: torch.Tensor, y: torch.Tensor, microbatches: int,
+                        schedule_class: str = "ScheduleGPipe", sizes: Sequence[int] = PIPE_SIZES) -> dict:
+    """The same step with ``torch.distributed.pipelining`` (``PipelineStage`` + ``schedule_class``) on the
+    run's torch.distributed. Its loss function is :func:`simcomm.data_parallel.sum_loss`, divided by the
+    batch size times ``microbatches`` (torch's schedules divide by the number of microbatches again), so the
+    gradients are the unsplit model's. Returns ``{"grads", "loss"}`` like :func:`pipeline_step`. Collective."""
+    from torch.distributed import pipelining
+
+    stages, stage = comm.world_size, comm.rank
+    layers = stage_layers(make_model(sizes), stages, stage)
+    pipe_stage = pipelining.PipelineStage(layers, stage, stages, torch.device("cpu"))
+    batch = x.shape[0]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).pow(2).sum() * (microbatches / batch)
+
+    runner = getattr(pipelining, schedule_class)(pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    losses: list[torch.Tensor] = []
+    if stage == 0:
+        runner.step(x)
+    elif stage == stages - 1:
+        runner.step(target=y, losses=losses)
+    else:
+        runner.step()
+    loss = sum(loss.detach() for loss in losses) / microbatches if losses else None
+    return {"grads": [p.grad.detach().clone() for p in layers.parameters()], "loss": loss}

@@ -14,9 +14,11 @@ element by the rank it came from.
 ``explore``                ipywidgets panel that redraws ``collective_figure``
 ``busbw_figure``           bus bandwidth per message size: cost model curves and measured rows
 ``pipeline_figure``        stage x time chart of a pipeline schedule from its trace
+``bucket_overlap_figure``  exposed vs hidden communication per DDP bucket size; ``bucket_slider``
 =========================  =====================================================
 """
 from .algorithms import allreduce_steps, ring_allreduce_figure
+from .buckets import bucket_overlap_figure, bucket_slider
 from .busbw import busbw_figure
 from .collective import OPS, CollectiveRun, collective_figure, collective_run_figure, run_collective
 from .explore import Explorer, explore
@@ -31,5 +33,6 @@ __all__ = [
     "OPS", "CollectiveRun", "collective_figure", "collective_run_figure", "run_collective",
     "as_grid", "grid_layout", "rank_grid", "allreduce_steps", "ring_allreduce_figure", "Explorer", "explore",
     "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure", "memory_figure", "pipeline_figure",
+    "bucket_overlap_figure", "bucket_slider",
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
 ]
