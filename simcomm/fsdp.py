@@ -21,7 +21,8 @@ import torch
 from .communicator import Communicator
 from .zero import MLP, padded, shard
 
-__all__ = ["LAYER_SECONDS", "zero3_forward", "reference_forward", "fsdp2_grads", "reference_grads"]
+__all__ = ["LAYER_SECONDS", "zero3_forward", "reference_forward", "fsdp2_grads", "reference_grads", "adam_reference",
+           "assemble"]
 
 #: declared compute per layer in the prefetch demo (seconds)
 LAYER_SECONDS = 20e-6
@@ -96,3 +97,27 @@ def fsdp2_grads(comm: Communicator, x: torch.Tensor, y: torch.Tensor, mlp: MLP =
     xs, ys = x.chunk(comm.world_size)[comm.rank], y.chunk(comm.world_size)[comm.rank]
     ((model(xs) - ys) ** 2).sum().div(xs.shape[0] * mlp.sizes[-1]).backward()
     return [p.grad.full_tensor().detach() for p in model.parameters()]
+
+
+def adam_reference(mlp: MLP, steps: int, batch_size: int = 8, lr: float = 1e-2, seed: int = 0) -> list[torch.Tensor]:
+    """``steps`` of ``torch.optim.Adam`` on the whole batch of :func:`simcomm.zero.make_batch`, float64, one
+    device: each layer's parameters as one flat vector (weight row-major, then bias), as ``zero.train`` keeps
+    them (unpadded)."""
+    from .zero import make_batch
+
+    model = _module(mlp, seed, torch.float64)
+    x, y = (t.double() for t in make_batch(mlp, batch_size, seed + 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        optimizer.step()
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    return [torch.cat([m.weight.detach().flatten(), m.bias.detach()]) for m in linears]
+
+
+def assemble(stage: int, outs: list[list[torch.Tensor]], mlp: MLP) -> list[torch.Tensor]:
+    """The whole model from ``zero.train``'s per-rank results: stage 3's shards concatenated over ranks;
+    every layer cut to its size (padding dropped)."""
+    layers = [torch.cat(shards) for shards in zip(*outs)] if stage == 3 else outs[0]
+    return [flat[:numel] for flat, numel in zip(layers, mlp.layer_numels)]
