@@ -163,12 +163,13 @@ print("DDP's calls on rank 0:", ddp_calls or "not traced (real processes: DDP ta
 # DDP broadcasts rank 0's parameters once when it wraps the model (so the replicas start equal),
 # then all-reduces its buckets during backward. Its first backward uses one bucket for a model
 # this small, like our `"one bucket"`. Side by side, measured timelines of the two programs (on
-# the simulator; DDP's calls are not in the trace on real processes):
+# the simulator; DDP's calls are not in the trace on real processes): first the hand-written
+# buckets, then DDP.
 
 # %% tags=["nbval-ignore-output"]
 world.run(dp.bucketed_grads, x, y, 1 << 20)
-display(viz.timeline_figure(world.trace, source="hand-written buckets, 1 MiB"))
-viz.timeline_figure(ddp_trace, source="PyTorch DDP") if ddp_trace.events else "no DDP trace on this backend"
+display(viz.timeline_figure(world.trace))                    # hand-written, 1 MiB buckets
+viz.timeline_figure(ddp_trace) if ddp_trace.events else "no DDP trace on this backend"   # DDP
 
 # %% [markdown]
 # ## Exercise 1: find the bug

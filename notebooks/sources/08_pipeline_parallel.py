@@ -72,11 +72,16 @@ for name in pp.SCHEDULES:
 # ## 2. The stage x time chart and its bubble
 #
 # Each rank's compute events, placed in modelled time (`cost.modelled_timeline`) and named by the
-# schedule: light boxes are forwards, dark ones backwards, the colour is the microbatch. The white
-# gaps are the **bubble**: stage 0 waits for the first backward to come all the way back.
+# schedule (drawn for `m = 4` microbatches, so the labels fit): light boxes are forwards, dark
+# ones backwards, the colour is the microbatch. The white gaps are the **bubble**: stage 0 waits
+# for the first backward to come all the way back.
 
 # %% tags=["nbval-ignore-output"]
-viz.pipeline_figure(traces, {name: pp.schedule(name, stages, microbatches) for name in pp.SCHEDULES})
+chart = {}
+for name in pp.SCHEDULES:                          # m = 4 microbatches: the labels fit
+    world.run(pp.pipeline_step, x, y, name, 4)
+    chart[name] = world.trace
+viz.pipeline_figure(chart, {name: pp.schedule(name, stages, 4) for name in pp.SCHEDULES})
 
 # %% [markdown]
 # The bubble fraction, measured from the chart (one minus the stages' compute time over
