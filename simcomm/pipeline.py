@@ -43,7 +43,8 @@ from .data_parallel import make_model, sum_loss
 from .trace import Trace
 
 __all__ = ["SCHEDULES", "PIPE_SIZES", "FORWARD_SECONDS", "schedule", "check_schedule", "held", "stage_layers",
-           "pipeline_step", "torch_pipeline_step", "reference", "bubble", "bubble_formula", "stage_actions"]
+           "pipeline_step", "torch_pipeline_step", "reference", "bubble", "bubble_formula", "interleaved_plan",
+           "interleaved_step", "interleaved_bubble_formula"]
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 #: widths of the pipeline lessons' MLP: 4 linear layers, one per stage on 4 ranks
@@ -140,11 +141,6 @@ def stage_layers(model: nn.Sequential, stages: int, stage: int) -> nn.Sequential
         raise ValueError(f"pipeline.stage_layers: {len(blocks)} linear layers do not split into {stages} stages")
     per = len(blocks) // stages
     return nn.Sequential(*[m for block in blocks[stage * per:(stage + 1) * per] for m in block])
-
-
-def stage_actions(name: str, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
-    """Alias of :func:`schedule`, for the figure: what each stage's compute events are."""
-    return schedule(name, stages, microbatches)
 
 
 def pipeline_step(comm: Communicator, x: torch.Tensor, y: torch.Tensor, plan_name_or_plans, microbatches: int,
@@ -274,3 +270,66 @@ def torch_pipeline_step(comm: Communicator, x: torch.Tensor, y: torch.Tensor, mi
         runner.step()
     loss = sum(loss.detach() for loss in losses) / microbatches if losses else None
     return {"grads": [p.grad.detach().clone() for p in layers.parameters()], "loss": loss}
+
+
+# -- interleaved stages ----------------------------------------------------------------------------
+
+def interleaved_plan(stages: int, microbatches: int, chunks: int) -> list[list[tuple[str, int, int]]]:
+    """Breadth-first interleaved schedule: rank ``r`` holds ``chunks`` model chunks, the virtual stages
+    ``r, r + p, r + 2p, ...``; it runs every microbatch's forward through its chunk 0, then chunk 1, ...,
+    then the backwards in the reverse chunk order. ``result[r]`` lists ``(kind, microbatch, chunk)``."""
+    if microbatches < stages:
+        raise ValueError(f"pipeline.interleaved_plan: microbatches={microbatches} < stages={stages}: the "
+                         f"wrap-around from the last rank to the first would stall")
+    forwards = [("F", i, c) for c in range(chunks) for i in range(microbatches)]
+    backwards = [("B", i, c) for c in reversed(range(chunks)) for i in range(microbatches)]
+    return [forwards + backwards for _ in range(stages)]
+
+
+def interleaved_bubble_formula(stages: int, microbatches: int, chunks: int) -> float:
+    """``(p-1) / (v m + p - 1)``: each of the ``p - 1`` fill and drain slots is ``1/v`` as long."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)
+
+
+def interleaved_step(comm: Communicator, x: torch.Tensor, y: torch.Tensor, microbatches: int, chunks: int,
+                     sizes: Sequence[int], forward_seconds: float = FORWARD_SECONDS) -> dict:
+    """One step of :func:`interleaved_plan` on this rank; ``sizes`` must have ``stages * chunks`` layers.
+
+    Virtual stage ``k`` runs on rank ``k % p``; activations go to rank ``r + 1`` (the last rank sends
+    to rank 0 for the next chunk), gradients to rank ``r - 1``. Each chunk declares ``1/chunks`` of a
+    stage's compute. Returns ``{"grads": [chunk 0's gradients, chunk 1's, ...], "loss"}`` (loss: on
+    the rank that holds the last virtual stage). Collective; blocks.
+    """
+    stages, rank = comm.world_size, comm.rank
+    virtual = stages * chunks
+    model = make_model(sizes)
+    layers = [stage_layers(model, virtual, rank + c * stages) for c in range(chunks)]
+    xs, ys = x.chunk(microbatches), y.chunk(microbatches)
+    prev, nxt = (rank - 1) % stages, (rank + 1) % stages
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    sends, loss_total = [], None
+    for kind, i, c in interleaved_plan(stages, microbatches, chunks)[rank]:
+        k, rows = rank + c * stages, xs[i].shape[0]
+        stage = layers[c]
+        if kind == "F":
+            inp = xs[i] if k == 0 else comm.recv((rows, stage[0].in_features), x.dtype, src=prev).requires_grad_()
+            out = stage(inp)
+            comm.compute(seconds=forward_seconds / chunks)
+            if k == virtual - 1:
+                out = sum_loss(nn.Identity(), out, ys[i]) / x.shape[0]
+                loss_total = out.detach() if loss_total is None else loss_total + out.detach()
+            else:
+                sends.append(comm.isend(out.detach(), nxt))
+            saved[(i, c)] = (inp, out)
+        else:
+            inp, out = saved.pop((i, c))
+            if k == virtual - 1:
+                out.backward()
+            else:
+                out.backward(comm.recv(tuple(out.shape), x.dtype, src=nxt))
+            comm.compute(seconds=2 * forward_seconds / chunks)
+            if k > 0:
+                sends.append(comm.isend(inp.grad, prev))
+    for handle in sends:                     # waited at the end: a wait on the model's timeline never stalls a chunk
+        handle.wait()
+    return {"grads": [[p.grad.detach().clone() for p in chunk.parameters()] for chunk in layers], "loss": loss_total}
