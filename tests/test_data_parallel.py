@@ -117,3 +117,16 @@ def test_fsdp2_fully_shard_equals_the_reference():
         assert _max_error(grads, ref) < 1e-12
     ops = {(e.op, e.phase) for e in world.trace.events}
     assert ("all_gather", "forward") in ops and ("reduce_scatter", "backward") in ops
+
+
+def test_bucket_slider_shows_the_chosen_figure_and_fonts_are_readable():
+    import plotly.graph_objects as go
+    figures = {"a": go.Figure(layout=dict(title="a")), "b": go.Figure(layout=dict(title="b"))}
+    box = viz.bucket_slider(figures, default="b")
+    slider, output = box.children
+    assert slider.value == "b" and list(slider.options) == ["a", "b"]
+    slider.value = "a"                       # the observer redraws the output area without error
+    with pytest.raises(ValueError, match="default='c'"):
+        viz.bucket_slider(figures, default="c")
+    figure = viz.bucket_overlap_figure({"x": {"exposed": 1e-6, "hidden": 2e-6, "end": 4e-6}})
+    assert figure.layout.font.size >= 14 and figure.layout.xaxis.tickfont.size >= 14

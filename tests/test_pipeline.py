@@ -112,3 +112,12 @@ def test_interleaved_stages_equal_the_unsplit_model_and_shrink_the_bubble(stages
 def test_interleaved_plan_needs_enough_microbatches():
     with pytest.raises(ValueError, match="microbatches=2 < stages=4"):
         pp.interleaved_plan(4, 2, 2)
+
+
+def test_pipeline_figure_fonts_are_readable(batch):
+    x, y = batch
+    world = simcomm.World(2)
+    world.run(pp.pipeline_step, x, y, "gpipe", 2)
+    figure = viz.pipeline_figure(world.trace, pp.schedule("gpipe", 2, 2))
+    assert figure.layout.font.size >= 14
+    assert all(t.textfont.size >= 14 for t in figure.data)
