@@ -169,7 +169,9 @@ def _see(tracker: _Tracker, tensor: torch.Tensor, kind: int, func) -> None:
     if type(tensor) not in _PLAIN:
         if is_traceable_wrapper_subclass(tensor):        # e.g. DTensor: count the tensors it wraps
             for name in tensor.__tensor_flatten__()[0]:
-                _see(tracker, getattr(tensor, name), kind, func)
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):          # FSDP2's flattened attributes include a DeviceMesh
+                    _see(tracker, inner, kind, func)
             return
     if tensor.layout != torch.strided or tensor.device.type == "meta":   # sparse: not counted; meta: no bytes
         return

@@ -10,14 +10,18 @@ stage  what it adds                                 parameters    gradients   op
 =====  ==========================================  ============  ==========  ===============
 0      plain data parallelism: all-reduce grads     4 psi         4 psi       8 psi
 1      each rank updates only its shard             4 psi         4 psi       8 psi / N
-2      + reduce-scatter grads, keep only a shard    4 psi         4 psi / N   8 psi / N
+2      + keep only the gradient shard               4 psi         4 psi / N   8 psi / N
 3      + all-gather each layer's params just        4 psi / N     4 psi / N   8 psi / N
-       before use, free them after
+       before use (forward, and again in
+       backward), free them after
 =====  ==========================================  ============  ==========  ===============
 
 Each layer's parameters live in one flat fp32 vector, zero-padded to a
 multiple of the world size so that shard ``r`` (:func:`shard`) is simply chunk
-``r``. Every stage computes the same update: single-device Adam on the whole
+``r``. Stages 0-2 move the same bytes per rank (an all-reduce's worth, ``2 psi``:
+stage 0 all-reduces, stages 1-2 reduce-scatter gradients and all-gather
+updated shards); stage 3 moves ``3 psi`` (parameters gathered twice). Every
+stage computes the same update: single-device Adam on the whole
 batch (``tests/test_zero.py`` checks it against ``torch.optim.Adam`` in
 float64). The programs label their tensors (:mod:`simcomm.memory`) and mark
 ``"after step k"`` once each step's parameters are final, the gathered
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from . import memory
 from .communicator import Communicator
@@ -66,22 +71,34 @@ class MLP:
         return [(torch.rand(numel, generator=generator) * 2 - 1) / math.sqrt(fan_in)
                 for numel, fan_in in zip(self.layer_numels, self.sizes)]
 
-    def forward(self, x: torch.Tensor, layer: Callable[[int], torch.Tensor]) -> torch.Tensor:
-        """``layer(i)`` gives layer ``i``'s flat vector (possibly padded at the end)."""
-        for i, (fan_in, fan_out) in enumerate(zip(self.sizes, self.sizes[1:])):
-            flat = layer(i)
-            weight, bias, _padding = flat.split([fan_out * fan_in, fan_out, flat.numel() - fan_out * fan_in - fan_out])
-            weight = weight.view(fan_out, fan_in)                         # (out * in,) -> (out, in)
-            x = x @ weight.T + bias                                       # (batch, out)
-            if i < len(self.sizes) - 2:
-                x = torch.tanh(x)
+    def apply_layer(self, i: int, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` (and its tanh, except on the last layer) on ``x``, its parameters in ``flat``."""
+        fan_in, fan_out = self.sizes[i], self.sizes[i + 1]
+        weight, bias, _padding = flat.split([fan_out * fan_in, fan_out, flat.numel() - fan_out * fan_in - fan_out])
+        weight = weight.view(fan_out, fan_in)                             # (out * in,) -> (out, in)
+        x = x @ weight.T + bias                                           # (batch, out)
+        return torch.tanh(x) if i < len(self.sizes) - 2 else x
+
+    def forward(self, x: torch.Tensor, layer: Callable[[int], torch.Tensor], *,
+                recompute: bool = False) -> torch.Tensor:
+        """``layer(i)`` gives layer ``i``'s flat vector (possibly padded at the end).
+
+        ``recompute``: each layer under ``torch.utils.checkpoint``: autograd keeps
+        only the layer's input, and backward calls ``layer(i)`` again (ZeRO-3
+        gathers the parameters a second time instead of holding them).
+        """
+        for i in range(len(self.sizes) - 1):
+            if recompute:
+                x = checkpoint(lambda x, i=i: self.apply_layer(i, x, layer(i)), x, use_reentrant=False)
+            else:
+                x = self.apply_layer(i, x, layer(i))
         return x
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, global_batch: int,
-             layer: Callable[[int], torch.Tensor]) -> torch.Tensor:
+             layer: Callable[[int], torch.Tensor], *, recompute: bool = False) -> torch.Tensor:
         """Squared error summed over this batch, divided by ``global_batch * outputs``: the ranks'
         losses add up to the mean squared error of the whole batch."""
-        return ((self.forward(x, layer) - y) ** 2).sum() / (global_batch * self.sizes[-1])
+        return ((self.forward(x, layer, recompute=recompute) - y) ** 2).sum() / (global_batch * self.sizes[-1])
 
 
 def make_batch(mlp: MLP, batch_size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,10 +141,10 @@ class Adam:
             param.addcdiv_(self.exp_avg, denom, value=-self.lr / (1 - beta1 ** self.step))
 
 
-def _backward(mlp: MLP, batch: tuple, layer: Callable[[int], torch.Tensor]) -> None:
+def _backward(mlp: MLP, batch: tuple, layer: Callable[[int], torch.Tensor], recompute: bool = False) -> None:
     x, y, global_batch = batch
     with memory.label("activations"):
-        loss = mlp.loss(x, y, global_batch, layer)
+        loss = mlp.loss(x, y, global_batch, layer, recompute=recompute)
     with memory.label("gradients"):
         loss.backward()
 
@@ -147,10 +164,11 @@ def _step_stage0(comm, mlp, params, opt, grads, batch) -> None:
 def _step_stage1(comm, mlp, params, opt, grads, batch) -> None:
     _backward(mlp, batch, params.__getitem__)
     for p, adam in zip(params, opt):
-        with memory.label("gradients"):
-            p.grad = comm.all_reduce(p.grad)
+        with memory.label("gradients"):                   # the full local gradient stays (4 psi)
+            summed = comm.reduce_scatter(p.grad, dim=0)   # only my chunk of the sum: DP's volume
         mine = shard(p.detach(), comm)                    # this rank's 1/N of the parameters
-        adam.update(mine, shard(p.grad, comm))            # Adam's moments exist for that shard only
+        adam.update(mine, summed)                         # Adam's moments exist for that shard only
+        del summed
         p.detach().copy_(comm.all_gather(mine, dim=0))    # every rank gets every updated shard
 
 
@@ -169,7 +187,7 @@ def _step_stage3(comm, mlp, params, opt, grads, batch) -> None:
     def gathered(i: int) -> torch.Tensor:                 # layer i, just before it runs
         with memory.label("parameters"):
             return comm.all_gather(params[i], dim=0)      # backward: reduce-scatter into params[i].grad
-    _backward(mlp, batch, gathered)                       # each full layer is freed after its backward
+    _backward(mlp, batch, gathered, recompute=True)       # freed after forward, gathered again in backward
     for p, adam in zip(params, opt):
         adam.update(p.detach(), p.grad)                   # shard, gradient shard, moments: all 1/N
 

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 LESSONS = ("00_start_here", "01_collectives", "02_autograd_through_collectives",
-           "03_ring_allreduce_and_cost", "04_tensor_parallel_mlp", "05_ulysses_sequence_parallel")
+           "03_ring_allreduce_and_cost", "04_tensor_parallel_mlp", "05_ulysses_sequence_parallel",
+           "06_data_parallel", "07_zero_and_fsdp", "08_pipeline_parallel")
 
 #: wall-clock budget of one lesson on one backend, kernel start included (seconds)
 BUDGET_S = float(os.environ.get("SIMCOMM_LESSON_BUDGET_S", "60"))

@@ -63,7 +63,7 @@ def test_each_step_equals_single_device_adam(stage, world_size, steps):
 
 
 def test_stages_move_what_the_paper_says():
-    """Stage 0 and 1 all-reduce gradients; 2 reduce-scatters them; 3 all-gathers parameters in
+    """Stage 0 all-reduces gradients; 1 and 2 reduce-scatter them; 3 all-gathers parameters in
     forward and reduce-scatters gradients in backward; 1-3 all-gather updated shards (3: next forward)."""
     ops = {}
     for stage in zero.STAGES:
@@ -71,7 +71,7 @@ def test_stages_move_what_the_paper_says():
         world.run(zero.train, stage, MLP, steps=1, batch_size=BATCH)
         ops[stage] = sorted({(e.op, e.phase) for e in world.trace.events if e.op != "compute"})
     assert ops[0] == [("all_reduce", "forward")]
-    assert ops[1] == [("all_gather", "forward"), ("all_reduce", "forward")]
+    assert ops[1] == [("all_gather", "forward"), ("reduce_scatter", "forward")]
     assert ops[2] == [("all_gather", "forward"), ("reduce_scatter", "forward")]
     assert ops[3] == [("all_gather", "forward"), ("reduce_scatter", "backward")]
 

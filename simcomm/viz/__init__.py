@@ -15,18 +15,22 @@ element by the rank it came from.
 ``explore``                ipywidgets panel that redraws ``collective_figure``
 ``tp_mlp_shards_figure``   which rows of w1 and columns of w2 each rank holds (lesson 04)
 ``busbw_figure``           bus bandwidth per message size: cost model curves and measured rows
+``pipeline_figure``        stage x time chart of a pipeline schedule from its trace
+``bucket_overlap_figure``  exposed vs hidden communication per DDP bucket size; ``bucket_slider``
 =========================  =====================================================
 
 Imported in a Jupyter kernel, this package makes :mod:`simcomm.viz.render`'s
 ``"simcomm"`` renderer plotly's default, so figures also survive an HTML export.
 """
 from .algorithms import allreduce_figure, allreduce_steps, ring_allreduce_figure, tree_allreduce_figure
+from .buckets import bucket_overlap_figure, bucket_slider
 from .busbw import busbw_figure
 from .collective import OPS, CollectiveRun, collective_figure, collective_run_figure, run_collective
 from .explore import Explorer, explore
 from .grids import as_grid, grid_layout, rank_grid
 from .matrix import comm_matrix_figure
 from .memory import memory_figure
+from .pipeline import pipeline_figure
 from .render import in_kernel, use_export_renderer
 from .sharding import tp_mlp_shards_figure
 from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
@@ -36,7 +40,8 @@ __all__ = [
     "OPS", "CollectiveRun", "collective_figure", "collective_run_figure", "run_collective",
     "as_grid", "grid_layout", "rank_grid", "allreduce_steps", "allreduce_figure", "ring_allreduce_figure",
     "tree_allreduce_figure", "Explorer", "explore",
-    "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure", "memory_figure",
+    "comm_matrix_figure", "timeline_figure", "human_bytes", "busbw_figure", "memory_figure", "pipeline_figure",
+    "bucket_overlap_figure", "bucket_slider",
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
     "use_export_renderer", "tp_mlp_shards_figure",
 ]

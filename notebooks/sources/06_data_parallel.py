@@ -1,0 +1,242 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 6: data parallelism
+#
+# **Goal:** train one model on `P` ranks by giving every rank a full copy of the model and a
+# `1/P` slice of the batch, combine the gradients so that every rank gets *exactly* the
+# single-device gradient of the whole batch, and hide that communication behind the backward
+# pass the way PyTorch's DDP does.
+#
+# The model is a 5-layer tanh MLP (`simcomm.data_parallel.make_model`), the loss the mean squared
+# error over a batch of 16 rows. Every check compares with the single-device model in float64.
+
+# %% expect=["4 ranks, 4 rows each; 10 parameter tensors, 207880 parameters"]
+import torch
+import simcomm
+from simcomm import ReduceOp, cost, viz
+from simcomm import data_parallel as dp, training_lessons as tl
+from simcomm.lessons import assert_close, max_error
+
+world_size = 4
+world = simcomm.configured_backend(world_size)
+x, y = dp.make_data(16)                         # (16, 32) inputs, (16, 8) targets, float64
+reference = dp.reference_grads(x, y)            # d(mean loss over all 16 rows) / d(every parameter)
+numels = [p.numel() for p in dp.make_model().parameters()]
+print(f"{world_size} ranks, {16 // world_size} rows each; {len(numels)} parameter tensors, {sum(numels)} parameters")
+
+# %% [markdown]
+# ## 1. Replicate the model, shard the batch, average the gradients
+#
+# Every rank builds the same model (same seed), takes its own 4 rows (`dp.rows`), and runs an
+# ordinary forward and backward on them. Its `.grad` is then the gradient of *its* rows' mean
+# loss. The whole batch's mean loss is the average of the 4 ranks' means, so its gradient is the
+# **average of the ranks' gradients**: one all-reduce with `ReduceOp.AVG` per parameter.
+
+# %% expect=["every rank's averaged gradient: matches the reference", "one rank alone is off by more than 1e-3"]
+def dp_step(comm, x, y):
+    model = dp.make_model()                          # the same replica on every rank
+    xs, ys = dp.rows(comm, x, y)                     # this rank's (4, 32) and (4, 8)
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()        # mean over MY rows
+    local = dp.grads_of(model)
+    averaged = [comm.all_reduce(p.grad, ReduceOp.AVG) for p in model.parameters()]
+    return local, averaged
+
+outs = world.run(dp_step, x, y)
+print(assert_close([avg for _, avg in outs], [reference] * world_size, "every rank's averaged gradient"))
+assert max_error(outs[0][0], reference) > 1e-3
+print("one rank alone is off by more than 1e-3")
+
+# %% [markdown]
+# ## 2. AVG, or divide the loss by P: lesson 2's convention
+#
+# Lesson 2 said the backward rules are exact when the objective is the **sum of the per-rank
+# losses**. Make each rank's loss `sum over my rows / 16` (its mean divided by `P`): the 4 losses
+# then *add up* to the whole batch's mean, and a plain SUM all-reduce gives the right gradient
+# (`mode="scaled"`). Mixing the conventions, mean loss *and* SUM, adds 4 means: every gradient
+# comes out `P = 4` times too big (`mode="sum"`). It trains, just with a 4x learning rate:
+# a silent bug that only the comparison with one device catches.
+
+# %% expect=["loss / P with SUM: matches the reference", "mean loss with SUM = 4 x reference: matches the reference"]
+scaled = world.run(dp.dp_grads, x, y, "scaled")
+print(assert_close(scaled, [reference] * world_size, "loss / P with SUM"))
+summed = world.run(dp.dp_grads, x, y, "sum")
+print(assert_close(summed, [[world_size * g for g in reference]] * world_size, "mean loss with SUM = 4 x reference"))
+assert max_error(summed, [reference] * world_size) > 1e-2, "the wrong factor of P is caught"
+
+# %% [markdown]
+# ## 3. Gradient accumulation: communicate once per step
+#
+# When 4 rows do not fit in memory, each rank runs its rows as 4 microbatches of 1 row, calling
+# `backward()` after each: autograd *adds* into `.grad`, so after the last microbatch `.grad`
+# holds the gradient of the rank's whole share, with no communication in between (DDP's
+# `no_sync()`). Only then is each gradient all-reduced, once per step, not once per microbatch:
+
+# %% expect=["accumulated over 4 microbatches: matches the reference", "10 all-reduces per rank for the step (one per parameter tensor, not 4 x 10)"]
+accumulated = world.run(dp.accumulation_grads, x, y, 4)
+print(assert_close(accumulated, [reference] * world_size, "accumulated over 4 microbatches"))
+calls = [e for e in world.trace.events if e.rank == 0 and e.op == "all_reduce"]
+assert len(calls) == len(numels)
+print(f"{len(calls)} all-reduces per rank for the step (one per parameter tensor, not 4 x {len(numels)})")
+
+# %% [markdown]
+# ## 4. Buckets: communicate while backward still runs
+#
+# Backward produces the gradients last layer first. The last layer's gradient is final long before
+# the first layer's is computed, so its all-reduce can start right away, on the network, while the
+# GPU keeps computing. `dp.BucketedReducer` (read it with `dp.BucketedReducer??`) does what DDP
+# does: a hook on every parameter (`register_post_accumulate_grad_hook`) puts the finished
+# gradient into a **bucket**; when a bucket is full, its gradients are flattened into one buffer
+# and an `all_reduce(..., async_op=True)` is issued; after `backward()` the program waits on the
+# handles. The hooks also declare each parameter's backward compute (`comm.compute`), so the cost
+# model can place everything on a timeline (`cost.modelled_timeline`, lesson 3's model of an
+# A100 InfiniBand cluster): per rank a compute row and a communication row, like a CUDA stream.
+
+# %% expect=["every bucket size: matches the reference"]
+bucket_sizes = {"per tensor": 1, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "one bucket": 0}
+summaries, figures, grads = {}, {}, []
+for label, bucket_bytes in bucket_sizes.items():
+    grads += world.run(dp.bucketed_grads, x, y, bucket_bytes)
+    summaries[label] = dp.overlap_of(world.trace)      # rank 0's modelled compute / exposed / hidden
+    figures[label] = viz.timeline_figure(world.trace, modelled=True, topology=dp.PRESET)
+print(assert_close(grads, [reference] * (world_size * len(bucket_sizes)), "every bucket size"))
+
+# %% [markdown]
+# With one bucket, nothing can start before the whole backward is done: all of the communication
+# is **exposed** (the program waits for it). Smaller buckets start earlier and **hide** more of it
+# behind compute; but every call pays the latency of an all-reduce, so one bucket per tensor
+# communicates for the longest. The best is in between; DDP's default is 25 MiB, for models
+# thousands of times bigger than this one.
+
+# %% expect=["one bucket: 100% exposed; 1 MiB buckets hide part of it and end the step sooner"]
+assert summaries["one bucket"]["hidden"] < 1e-12 < summaries["1 MiB"]["hidden"]
+assert summaries["1 MiB"]["exposed"] < summaries["one bucket"]["exposed"]
+assert summaries["1 MiB"]["end"] < min(summaries["one bucket"]["end"], summaries["per tensor"]["end"])
+assert summaries["per tensor"]["communication"] > summaries["one bucket"]["communication"]
+print("one bucket: 100% exposed; 1 MiB buckets hide part of it and end the step sooner")
+
+# %% tags=["nbval-ignore-output"]
+viz.bucket_overlap_figure(summaries)
+
+# %% [markdown]
+# The timeline of one step with 1 MiB buckets: the cross-hatched part of each all-reduce is
+# exposed, the plain part runs while backward computes. The slider below shows the other
+# bucket sizes (it needs a running kernel; this figure does not).
+
+# %% tags=["nbval-ignore-output"]
+figures["1 MiB"]
+
+# %% tags=["nbval-ignore-output"]
+viz.bucket_slider(figures, default="1 MiB")
+
+# %% [markdown]
+# ## 5. PyTorch's DDP on virtual ranks
+#
+# `torch.nn.parallel.DistributedDataParallel` does all of this for you. Inside a simulated run,
+# torch.distributed is initialised on the virtual ranks, so unmodified DDP code runs there and is
+# traced like the communicator's calls (`dp.ddp_grads` wraps the same model in DDP and calls
+# `backward()`). Its gradients are the single-device ones too:
+
+# %% expect=["DDP's gradients on every rank: matches the reference"]
+ddp = world.run(dp.ddp_grads, x, y)
+print(assert_close(ddp, [reference] * world_size, "DDP's gradients on every rank"))
+ddp_trace = world.trace
+
+# %% tags=["nbval-ignore-output"]
+ddp_calls = [(e.op, e.phase, e.nbytes) for e in ddp_trace.events if e.rank == 0]
+print("DDP's calls on rank 0:", ddp_calls or "not traced (real processes: DDP talks to gloo directly)")
+
+# %% [markdown]
+# DDP broadcasts rank 0's parameters once when it wraps the model (so the replicas start equal),
+# then all-reduces its buckets during backward. Its first backward uses one bucket for a model
+# this small, like our `"one bucket"`. Side by side, measured timelines of the two programs (on
+# the simulator; DDP's calls are not in the trace on real processes): first the hand-written
+# buckets, then DDP.
+
+# %% tags=["nbval-ignore-output"]
+world.run(dp.bucketed_grads, x, y, 1 << 20)
+display(viz.timeline_figure(world.trace))                    # hand-written, 1 MiB buckets
+viz.timeline_figure(ddp_trace) if ddp_trace.events else "no DDP trace on this backend"   # DDP
+
+# %% [markdown]
+# ## Exercise 1: find the bug
+#
+# This data-parallel step runs, and the ranks' gradients even agree with each other. But it
+# trains with the wrong gradient. Find the bug, and write the fixed step as `my_dp_step`: it gets
+# the model and this rank's rows, and must leave in every `p.grad` the gradient of the mean loss
+# over the whole batch. The check runs it on 4 virtual ranks against the single-device gradient.
+
+# %%
+def buggy_dp_step(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad)
+
+print(tl.check_dp_step(buggy_dp_step))
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def my_dp_step(comm, model, xs, ys):
+    raise NotImplementedError   # your fixed step
+
+print(tl.check_dp_step(my_dp_step))
+
+# %% [markdown]
+# Solution (expand the cell to see it; try first):
+
+# %% expect=["Correct: every rank holds the whole batch's gradient (6 collectives per rank)."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 1.
+# The loss is each rank's mean, and SUM adds 4 means: 4 x the gradient. Average instead
+# (or divide the loss by comm.world_size and keep SUM).
+def dp_step_solution(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
+
+print(tl.check_dp_step(dp_step_solution))
+
+# %% [markdown]
+# ## Exercise 2: predict the calls
+#
+# Training the lesson's model (`numels` above, float64: 8 bytes per value) with `BucketedReducer`
+# and **1 MiB** buckets, each rank accumulates gradients over **4 microbatches** per optimizer
+# step. How many all-reduce calls does one rank issue per optimizer step? Work it out with pen and
+# paper (or `dp.bucket_plan`), then check.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+calls_per_step = ...   # a whole number
+
+print(tl.check_accumulation_calls(calls_per_step))
+
+# %% expect=["Correct: 2 buckets, each all-reduced once per step, whatever the microbatches."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 2.
+# Backward order: 8 + 2048 + 256 + 65536 + 256 + 65536 values = 1 069 056 bytes >= 1 MiB closes
+# bucket 1; the rest (256 + 65536 + 256 + 8192 values) is bucket 2. Accumulation adds up the
+# microbatches' gradients locally and all-reduces each bucket once, at the end of the step.
+print(tl.check_accumulation_calls(len(dp.bucket_plan(numels, 8, 1 << 20))))
+
+# %% [markdown]
+# ## Takeaway
+#
+# * Data parallelism: the same model on every rank, `1/P` of the batch each, and one all-reduce
+#   of the gradients. AVG of per-rank mean losses, or SUM of losses divided by `P`: the two
+#   conventions agree; mixing them scales the gradient by `P`, silently.
+# * Gradient accumulation communicates once per optimizer step, not once per microbatch.
+# * Buckets issued from gradient hooks overlap the all-reduce with the rest of backward. Too big
+#   and nothing overlaps; too small and latency dominates. DDP is exactly this, with the same
+#   gradients as one device.
+
+# %%
+world.close()

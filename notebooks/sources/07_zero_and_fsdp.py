@@ -1,0 +1,226 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 7: ZeRO and FSDP
+#
+# **Goal:** see where a data-parallel rank's memory goes (parameters, gradients, Adam's two
+# moments), then remove the `P`-fold redundancy stage by stage, ZeRO-1, -2 and -3, measuring the
+# bytes each rank holds and moves, and checking that every stage still takes *exactly* the step
+# single-device Adam takes.
+#
+# The model is a small tanh MLP (`simcomm.zero.MLP`) with `psi` parameters in fp32, trained for
+# 2 Adam steps on 4 ranks. The reference is `torch.optim.Adam` on the whole batch, float64.
+
+# %% expect=["psi = 5768 parameters on 4 ranks"]
+import torch
+import simcomm
+from simcomm import cost, viz, zero, fsdp
+from simcomm import training_lessons as tl
+from simcomm.lessons import assert_close
+
+world_size = 4
+world = simcomm.configured_backend(world_size, memory=True)   # measure every rank's bytes
+mlp = zero.MLP((16, 64, 64, 8))
+psi = mlp.numel
+reference = fsdp.adam_reference(mlp, steps=2)                 # float64, one device
+print(f"psi = {psi} parameters on {world_size} ranks")
+
+# %% [markdown]
+# ## 1. Memory first: plain data parallelism (stage 0)
+#
+# `zero.train(comm, stage, mlp, steps=2)` trains on the communicator; it labels what it allocates
+# (`simcomm.memory.label`) and marks `"after step k"` when step `k` is done. In plain data
+# parallelism every rank holds everything: 4 bytes per parameter, 4 per gradient and 8 of Adam
+# state (two fp32 moments), `16 psi` in all, four times over on four ranks.
+
+# %% expect=["stage 0 parameters: matches the reference"]
+outs = world.run(zero.train, 0, mlp, steps=2)
+print(assert_close(fsdp.assemble(0, outs, mlp), reference, "stage 0 parameters", atol=1e-5))  # fp32 vs float64
+reports = {"DP (stage 0)": world.memory}
+volume = {"DP (stage 0)": sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)}
+
+# %% tags=["nbval-ignore-output"]
+viz.memory_figure(world.memory, "after step 2", title="Plain data parallelism: every rank holds all model states")
+
+# %% [markdown]
+# ## 2. ZeRO-1, -2, -3, each a few lines on the communicator
+#
+# Read the steps with `zero.step_stage(1)??` and so on:
+#
+# * **ZeRO-1**: each rank updates only its `1/P` shard of the parameters, so Adam's moments exist
+#   for that shard only. Gradients: a **reduce-scatter** gives each rank the summed gradient of
+#   its shard; an **all-gather** of the updated shards gives every rank the whole model again.
+# * **ZeRO-2**: the same, and the full gradient is freed as soon as its shard is reduced.
+# * **ZeRO-3** (= FSDP): parameters are stored as shards too; each layer is **all-gathered just
+#   before it runs and freed after**, in forward and again in backward.
+#
+# Every stage must take the same step as single-device Adam:
+
+# %% expect=["ZeRO-1 parameters after 2 steps: matches the reference", "ZeRO-2 parameters after 2 steps: matches the reference", "ZeRO-3 parameters after 2 steps: matches the reference"]
+for stage in (1, 2, 3):
+    outs = world.run(zero.train, stage, mlp, steps=2)
+    print(assert_close(fsdp.assemble(stage, outs, mlp), reference, f"ZeRO-{stage} parameters after 2 steps", atol=1e-5))
+    reports[f"ZeRO-{stage}"] = world.memory
+    volume[f"ZeRO-{stage}"] = sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)
+    if stage == 3:
+        zero3_trace = world.trace
+
+# %% [markdown]
+# ## 3. Measured bytes next to the ZeRO paper's formulas
+#
+# The paper (Rajbhandari et al., 2020) counts mixed-precision training: 2 bytes per fp16
+# parameter, 2 per fp16 gradient and `K = 12` bytes of optimizer state (fp32 master copy and two
+# moments): `(2 + 2 + K) psi` per rank, divided by `P` for each state a stage shards. This model is
+# fp32 throughout, so here it is `(4 + 4 + 8) psi`, with the same divisions:
+
+# %% tags=["nbval-ignore-output"]
+viz.memory_figure(reports, "after step 2", title="Bytes per rank after step 2, by stage")
+
+# %% expect=["every stage: measured bytes = the formula (within 1%)"]
+rows = []
+for stage, name in enumerate(reports):
+    formula = zero.expected_bytes(stage, psi, world_size)
+    measured = reports[name].at("after step 2")[0]
+    for state, want in formula.items():
+        assert abs(measured[state] - want) <= 0.01 * want, (name, state, measured[state], want)
+    rows.append(f"{name:13} " + "  ".join(f"{s} {measured[s]:>6} (formula {formula[s]:>6.0f})" for s in formula))
+print("every stage: measured bytes = the formula (within 1%)")
+
+# %% tags=["nbval-ignore-output"]
+print("\n".join(rows))
+
+# %% [markdown]
+# ## 4. What it costs in communication
+#
+# In units of `psi` values per rank (a ring sends `(P-1)/P` of a buffer per all-gather or
+# reduce-scatter, twice that per all-reduce): DP all-reduces the gradients, `2 psi`. ZeRO-1 and
+# -2 reduce-scatter gradients (`psi`) and all-gather parameters (`psi`): the **same** `2 psi`, for
+# a quarter of the optimizer memory. ZeRO-3 gathers parameters twice (forward and backward):
+# `3 psi`. Measured from the trace, per step:
+
+# %% expect=["DP (stage 0): 2.0 psi, ZeRO-1: 2.0 psi, ZeRO-2: 2.0 psi, ZeRO-3: 3.0 psi per step"]
+unit = (world_size - 1) / world_size * psi * 4 * 2           # (P-1)/P psi fp32 values, over 2 steps
+print(", ".join(f"{name}: {sent / unit:.1f} psi" for name, sent in volume.items()) + " per step")
+
+# %% [markdown]
+# ## 5. The punchline: all-gather forward, reduce-scatter backward
+#
+# Lesson 2 showed that the backward of an all-gather is a reduce-scatter. ZeRO-3 never calls a
+# reduce-scatter for its gradients: it all-gathers each layer in forward, and autograd runs the
+# dual collective in backward, leaving each rank exactly the summed gradient of its shard.
+
+# %% expect=["ZeRO-3, first step on rank 0: 3 all_gather forward, 3 all_gather (again, in backward), 3 reduce_scatter backward"]
+first = [e for e in zero3_trace.events if e.rank == 0][:9]
+gathers = [e for e in first if e.op == "all_gather"]
+scatters = [e for e in first if e.op == "reduce_scatter"]
+assert len(gathers) == 6 and len(scatters) == 3 and all(e.phase == "backward" for e in scatters)
+assert sorted(e.nbytes for e in scatters) == sorted(e.nbytes * world_size for e in gathers[:3])
+print("ZeRO-3, first step on rank 0: 3 all_gather forward, 3 all_gather (again, in backward), 3 reduce_scatter backward")
+
+# %% [markdown]
+# ## 6. Prefetching: gather the next layer while this one computes
+#
+# Just-in-time gathering makes each layer wait for its parameters. FSDP issues the *next* layer's
+# all-gather (async) before computing the current one, so the gather travels while the GPU works.
+# `fsdp.zero3_forward` declares 20 us of compute per layer; the modelled timeline shows both:
+
+# %% expect=["prefetching hides all but the first gather; output: matches the reference"]
+x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+timelines, exposed = {}, {}
+for prefetch in (False, True):
+    outs = world.run(fsdp.zero3_forward, x, mlp, prefetch=prefetch)
+    timelines[prefetch] = viz.timeline_figure(world.trace, modelled=True, topology="a100-hdr-cluster")
+    exposed[prefetch] = cost.modelled_timeline(world.trace, "a100-hdr-cluster").ranks[0].exposed
+assert exposed[True] < 0.5 * exposed[False]
+check = assert_close(outs, [fsdp.reference_forward(x, mlp)] * world_size, "output", atol=1e-5)
+print("prefetching hides all but the first gather;", check)
+
+# %% tags=["nbval-ignore-output"]
+display(timelines[False])
+timelines[True]
+
+# %% [markdown]
+# ## 7. FSDP2: `fully_shard` on virtual ranks
+#
+# PyTorch's FSDP2 wraps each layer with `fully_shard`: parameters become DTensors sharded over the
+# ranks, gathered before use and freed after, gradients reduce-scattered. It runs unchanged on the
+# virtual ranks (`fsdp.fsdp2_grads`), and its gradients are the single-device ones:
+
+# %% expect=["FSDP2 gradients: matches the reference"]
+xb, yb = (torch.randn(8, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n)) for n in (16, 8))
+grads = world.run(fsdp.fsdp2_grads, xb, yb, mlp)
+print(assert_close(grads, [fsdp.reference_grads(xb, yb, mlp)] * world_size, "FSDP2 gradients"))
+fsdp_trace = world.trace
+
+# %% tags=["nbval-ignore-output"]
+calls = sorted({(e.op, e.phase) for e in fsdp_trace.events})
+print("FSDP2's calls:", calls or "not traced (real processes: FSDP2 talks to gloo directly)")
+viz.timeline_figure(fsdp_trace) if fsdp_trace.events else None
+
+# %% [markdown]
+# ## Exercise 1: predict the memory
+#
+# The ZeRO paper's example: a 7.5 billion parameter model, mixed-precision Adam (2-byte
+# parameters and gradients, `K = 12` bytes of optimizer state per parameter), on 64 GPUs with
+# ZeRO-3. How many bytes of each model state does one GPU hold? Give a dict of three numbers.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+zero3_bytes = {"parameters": ..., "gradients": ..., "optimizer_state": ...}
+
+print(tl.check_zero3_bytes(zero3_bytes))
+
+# %% expect=["Correct: (2 + 2 + 12) psi / 64 = 1.88 GB per rank, instead of 120 GB."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 1.
+# ZeRO-3 shards all three states: each is its bytes per parameter x psi / P.
+big_psi, gpus = 7.5e9, 64
+print(tl.check_zero3_bytes({"parameters": 2 * big_psi / gpus, "gradients": 2 * big_psi / gpus,
+                            "optimizer_state": 12 * big_psi / gpus}))
+
+# %% [markdown]
+# ## Exercise 2: write ZeRO-2's gradient path
+#
+# After backward, each rank holds its full local gradient `grad` (a flat vector whose length
+# divides by the world size). Return this rank's shard (chunk `comm.rank`) of the gradient summed
+# over all ranks, moving no more bytes than necessary. The check runs it on 4 virtual ranks,
+# compares with the single-device sum and counts the bytes your code sends.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def my_gradient_shard(comm, grad):
+    raise NotImplementedError   # return this rank's shard of the summed gradient
+
+print(tl.check_zero2_grads(my_gradient_shard))
+
+# %% expect=["Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 2.
+# An all-reduce and then a slice is right but sends twice the bytes: reduce-scatter is the op.
+def gradient_shard_solution(comm, grad):
+    return comm.reduce_scatter(grad, dim=0)
+
+print(tl.check_zero2_grads(gradient_shard_solution))
+
+# %% [markdown]
+# ## Takeaway
+#
+# * Data parallelism keeps `P` copies of parameters, gradients and optimizer state. ZeRO-1
+#   shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3/FSDP also the parameters:
+#   `(2 + 2 + K) psi` per rank becomes `(2 + 2 + K) psi / P`, and the step stays exactly Adam's.
+# * ZeRO-1 and -2 move the same `2 psi` as an all-reduce; ZeRO-3 moves `3 psi`, and prefetching
+#   hides the extra gathers behind compute.
+# * ZeRO-3's gradients come for free from lesson 2: the backward of an all-gather is a
+#   reduce-scatter.
+
+# %%
+world.close()

@@ -1,0 +1,233 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 8: pipeline parallelism
+#
+# **Goal:** cut a model into 4 stages on 4 ranks that pass activations forward and gradients
+# backward with send/recv, run the naive, GPipe and 1F1B schedules, measure each one's *bubble*
+# (idle time) and activation memory from the program's own trace, and check that the loss and
+# every gradient equal the unsplit model's.
+#
+# The model is a 4-layer tanh MLP (`simcomm.pipeline.PIPE_SIZES`), one layer per stage; the batch
+# of 16 rows is split into microbatches. Every check compares with the unsplit model in float64.
+
+# %% expect=["4 stages; stage 0 holds Linear(16 -> 64) + Tanh"]
+import torch
+import simcomm
+from simcomm import viz
+from simcomm import data_parallel as dp, pipeline as pp, training_lessons as tl
+from simcomm.lessons import assert_close, expect_error
+
+stages = 4
+world = simcomm.configured_backend(stages, memory=True)
+x, y = dp.make_data(16, pp.PIPE_SIZES)               # (16, 16) inputs, (16, 8) targets, float64
+loss_ref, grads_ref = pp.reference(x, y, stages)     # unsplit model, one device
+first = pp.stage_layers(dp.make_model(pp.PIPE_SIZES), stages, 0)
+print(f"{stages} stages; stage 0 holds Linear({first[0].in_features} -> {first[0].out_features}) + Tanh")
+
+# %% [markdown]
+# ## 1. Stages that talk with send/recv
+#
+# Stage `s` (rank `s`) holds layer `s`. Forward of a microbatch: receive the activation from stage
+# `s-1` (stage 0 reads the input), run the layer, send the output to stage `s+1` (the last stage
+# computes the loss). Backward: receive the output's gradient from stage `s+1`, call
+# `out.backward(grad)`, send the input's gradient to stage `s-1`. Which microbatch a stage works
+# on when is the **schedule**, a list of actions per stage:
+
+# %% expect=["naive stage 0: F0 B0 F1 B1 F2 B2 F3 B3", "gpipe stage 0: F0 F1 F2 F3 B0 B1 B2 B3", "1f1b stage 0: F0 F1 F2 F3 B0 B1 B2 B3", "1f1b stage 2: F0 F1 B0 F2 B1 F3 B2 B3"]
+for name in pp.SCHEDULES:
+    print(f"{name} stage 0:", " ".join(f"{kind}{i}" for kind, i in pp.schedule(name, stages, 4)[0]))
+print("1f1b stage 2:", " ".join(f"{kind}{i}" for kind, i in pp.schedule("1f1b", stages, 4)[2]))
+
+# %% [markdown]
+# `pp.pipeline_step(comm, x, y, schedule, microbatches)` runs a schedule (read it with
+# `pp.pipeline_step??`): sends are `isend`, receives block, and each action declares its compute
+# (1 ms forward, 2 ms backward) so the cost model can lay the trace out in time. Each
+# microbatch's loss is its summed squared error divided by the *whole* batch size, so the
+# microbatch losses add up to the batch's mean loss and the gradients add up to the unsplit ones:
+
+# %% expect=["naive: loss and every stage's gradients: matches the reference", "gpipe: loss and every stage's gradients: matches the reference", "1f1b: loss and every stage's gradients: matches the reference"]
+microbatches = 8
+traces, results = {}, {}
+for name in pp.SCHEDULES:
+    outs = world.run(pp.pipeline_step, x, y, name, microbatches)
+    traces[name], results[name] = world.trace, outs
+    got = [outs[-1]["loss"]] + [out["grads"] for out in outs]
+    print(assert_close(got, [loss_ref] + grads_ref, f"{name}: loss and every stage's gradients"))
+
+# %% [markdown]
+# ## 2. The stage x time chart and its bubble
+#
+# Each rank's compute events, placed in modelled time (`cost.modelled_timeline`) and named by the
+# schedule (drawn for `m = 4` microbatches, so the labels fit): light boxes are forwards, dark
+# ones backwards, the colour is the microbatch. The white gaps are the **bubble**: stage 0 waits
+# for the first backward to come all the way back.
+
+# %% tags=["nbval-ignore-output"]
+chart = {}
+for name in pp.SCHEDULES:                          # m = 4 microbatches: the labels fit
+    world.run(pp.pipeline_step, x, y, name, 4)
+    chart[name] = world.trace
+viz.pipeline_figure(chart, {name: pp.schedule(name, stages, 4) for name in pp.SCHEDULES})
+
+# %% [markdown]
+# The bubble fraction, measured from the chart (one minus the stages' compute time over
+# `stages x` the step's duration), next to the textbook formula: `(p-1)/(m+p-1)` for GPipe and
+# 1F1B, `(p-1)/p` for the naive schedule (one microbatch in flight, whatever `m`):
+
+# %% expect=["naive: formula 0.750, measured within 0.01 of it", "gpipe: formula 0.273, measured within 0.01 of it", "1f1b: formula 0.273, measured within 0.01 of it"]
+measured = {name: pp.bubble(trace) for name, trace in traces.items()}
+for name in pp.SCHEDULES:
+    formula = pp.bubble_formula(name, stages, microbatches)
+    assert formula - 1e-9 <= measured[name] <= formula + 0.01, (name, measured[name], formula)
+    print(f"{name}: formula {formula:.3f}, measured within 0.01 of it")
+
+# %% tags=["nbval-ignore-output"]
+print({name: round(value, 4) for name, value in measured.items()})   # sends take a few us: a bit above
+
+# %% [markdown]
+# ## 3. Activation memory: GPipe holds `m`, 1F1B at most `p - s`
+#
+# GPipe and 1F1B have the same bubble. The difference is memory: a stage must keep a
+# microbatch's activations from its forward until its backward. GPipe runs all forwards first, so
+# every stage holds all `m = 8`. 1F1B starts backwards as soon as it can: stage `s` holds at most
+# `p - s`. The programs count the microbatches held and measure the bytes (`memory=True`):
+
+# %% expect=["microbatches held per stage: gpipe [8, 8, 8, 8], 1f1b [4, 3, 2, 1]"]
+held = {name: [out["held"] for out in results[name]] for name in ("gpipe", "1f1b")}
+assert held["1f1b"] == [pp.held(plan) for plan in pp.schedule("1f1b", stages, microbatches)]
+print(f"microbatches held per stage: gpipe {held['gpipe']}, 1f1b {held['1f1b']}")
+nbytes = {name: [out["activation_bytes"] for out in results[name]] for name in ("gpipe", "1f1b")}
+assert all(a < b for a, b in zip(nbytes["1f1b"][:3], nbytes["gpipe"][:3]))
+
+# %% tags=["nbval-ignore-output"]
+print("activation bytes per stage (measured):", nbytes)
+
+# %% [markdown]
+# ## 4. Why the sends are `isend`
+#
+# In 1F1B's steady state, stage `s` sends an activation forward while stage `s+1` sends a
+# gradient back, at the same time. With *blocking* sends both wait for the other to receive:
+# a deadlock (real NCCL would hang; the simulator names it at once):
+
+# %% expect=["DeadlockError: every rank that has not finished is blocked, so none can make progress:"]
+def both_send_first(comm):
+    peer = 1 - comm.rank
+    comm.send(torch.ones(4) * comm.rank, peer)   # blocks until the peer receives ...
+    return comm.recv((4,), torch.float32, peer)  # ... which it never reaches
+
+error = expect_error(lambda: simcomm.World(2).run(both_send_first), simcomm.DeadlockError)
+print("DeadlockError:", str(error).splitlines()[0])
+
+# %% [markdown]
+# ## 5. Extension: interleaved stages
+#
+# Give each rank `v` smaller chunks of the model instead of one: with 8 layers on 4 ranks, rank
+# `r` holds layers `r` and `r + 4` (virtual stages `r` and `r + p`); the last rank sends on to
+# rank 0 for the second chunk. Every fill and drain slot is now `1/v` as long, so the bubble
+# shrinks to `(p-1)/(v m + p - 1)`. This is the breadth-first order (all forwards through chunk 0,
+# then chunk 1, ...; `pp.interleaved_plan`); Megatron's interleaved 1F1B uses the same chunks in a
+# depth-first order to also bound the activations held. The price: twice as many messages.
+
+# %% expect=["interleaved, v = 2: loss and every chunk's gradients: matches the reference", "bubble: formula 0.158 (GPipe 0.273), measured within 0.01 of it"]
+chunks, deep = 2, (16,) + (64,) * 7 + (8,)                         # 8 layers: 2 chunks per rank
+xi, yi = dp.make_data(16, deep)
+loss_i, grads_i = pp.reference(xi, yi, stages * chunks, deep)       # one entry per virtual stage
+outs = world.run(pp.interleaved_step, xi, yi, microbatches, chunks, deep)
+got = [outs[-1]["loss"]] + [g for c in range(chunks) for g in (out["grads"][c] for out in outs)]
+print(assert_close(got, [loss_i] + grads_i, "interleaved, v = 2: loss and every chunk's gradients"))
+formula = pp.interleaved_bubble_formula(stages, microbatches, chunks)
+assert formula - 1e-9 <= pp.bubble(world.trace) <= formula + 0.01
+print(f"bubble: formula {formula:.3f} (GPipe {pp.bubble_formula('gpipe', stages, microbatches):.3f}), "
+      "measured within 0.01 of it")
+interleaved_trace = world.trace
+
+# %% tags=["nbval-ignore-output"]
+plans = [[(kind, i) for kind, i, _ in plan] for plan in pp.interleaved_plan(stages, microbatches, chunks)]
+viz.pipeline_figure(interleaved_trace, plans, title="interleaved, 2 chunks per rank: each box is half a stage")
+
+# %% [markdown]
+# ## 6. `torch.distributed.pipelining` on virtual ranks
+#
+# PyTorch's pipelining runs unchanged on the virtual ranks: `PipelineStage` wraps each stage's
+# layers, `ScheduleGPipe` or `Schedule1F1B` runs the schedule (`pp.torch_pipeline_step`). Same
+# loss, same gradients. (`Schedule1F1B` posts each send together with a receive through
+# `batch_isend_irecv`, the non-blocking exchange that keeps neighbours from waiting on each other.)
+
+# %% expect=["torch ScheduleGPipe: loss and every stage's gradients: matches the reference", "torch Schedule1F1B: loss and every stage's gradients: matches the reference"]
+for schedule_class in ("ScheduleGPipe", "Schedule1F1B"):
+    outs = world.run(pp.torch_pipeline_step, x, y, 4, schedule_class)
+    got = [outs[-1]["loss"]] + [out["grads"] for out in outs]
+    print(assert_close(got, [loss_ref] + grads_ref, f"torch {schedule_class}: loss and every stage's gradients"))
+
+# %% tags=["nbval-ignore-output"]
+print(sorted({(e.op, e.phase) for e in world.trace.events}) or "not traced (real processes: gloo directly)")
+
+# %% [markdown]
+# ## Exercise 1: predict the bubble
+#
+# A pipeline of `p = 8` stages runs `m = 32` microbatches per step with 1F1B. What fraction of the
+# stages' time is idle? (A number between 0 and 1; a fraction like `3 / 11` is fine.)
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+bubble_fraction = ...
+
+print(tl.check_bubble(bubble_fraction))
+
+# %% expect=["Correct: (p-1)/(m+p-1) = 7/39 = 0.179 of the stages' time is idle."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 1.
+# The step takes m + p - 1 slots; each stage is busy in m of them.
+print(tl.check_bubble((8 - 1) / (32 + 8 - 1)))
+
+# %% [markdown]
+# ## Exercise 2: write the 1F1B schedule
+#
+# Write `my_schedule(stage, stages, microbatches)` returning stage `stage`'s list of actions
+# `("F", i)` / `("B", i)`. The check runs it for several `(stages, microbatches)`, including fewer
+# microbatches than stages: no deadlock, at most `min(stages - stage, microbatches)` microbatches
+# held, and finished as early as GPipe.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def my_schedule(stage, stages, microbatches):
+    raise NotImplementedError   # return a list like [("F", 0), ("F", 1), ("B", 0), ...]
+
+print(tl.check_1f1b(my_schedule))
+
+# %% expect=["Correct: no deadlock, at most p - s microbatches held, and as fast as GPipe."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 2.
+# Warm up with the forwards the later stages need, then one forward one backward, then drain.
+def schedule_solution(stage, stages, microbatches):
+    warmup = min(stages - stage - 1, microbatches)
+    plan = [("F", i) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        plan += [("F", warmup + i), ("B", i)]
+    return plan + [("B", i) for i in range(microbatches - warmup, microbatches)]
+
+print(tl.check_1f1b(schedule_solution))
+
+# %% [markdown]
+# ## Takeaway
+#
+# * A pipeline passes activations forward and gradients backward between stages with
+#   point-to-point messages; with microbatch losses that add up to the batch loss, the gradients
+#   are exactly the unsplit model's.
+# * The bubble is `(p-1)/(m+p-1)` for GPipe and 1F1B: more microbatches, smaller bubble.
+# * 1F1B has GPipe's bubble but holds at most `p - s` microbatches of activations instead of `m`.
+# * Neighbours send to each other at the same time: sends must not block (`isend`), or the
+#   pipeline deadlocks.
+
+# %%
+world.close()

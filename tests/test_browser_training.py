@@ -1,0 +1,97 @@
+"""Lesson 06 in a real browser: JupyterLab, headless Chromium, Playwright; the bucket-size slider moves.
+
+Uses the JupyterLab helpers of ``tests/test_browser.py`` (a server on a temporary copy of the
+notebook, its settings and runtime files in the temporary folder, stopped with SIGINT and checked
+to leave no process behind). Runs all cells, waits for the bucket slider and its timeline, moves
+the slider one step right (from 1 MiB buckets to one bucket) and checks that the timeline shown is
+redrawn with the one-bucket numbers. Saves a screenshot in the test's temporary folder.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_browser import (CHROMIUM, CHROMIUM_ARGS, _free_port, _stop_jupyter, _wait_for_idle_kernel,
+                                _wait_for_server, _write_settings)
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "06_data_parallel.ipynb"
+
+pytestmark = [
+    pytest.mark.browser, pytest.mark.slow,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing"),
+]
+
+
+@pytest.fixture
+def lab(tmp_path: Path):
+    lab_root = tmp_path / "lab"
+    lab_root.mkdir()
+    shutil.copy(NOTEBOOK, lab_root / NOTEBOOK.name)
+    port, token = _free_port(), os.urandom(16).hex()
+    env = dict(os.environ, SIMCOMM_BACKEND="sim", JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"), IPYTHONDIR=str(tmp_path / "ipython"))
+    _write_settings(tmp_path / "settings")
+    log = tmp_path / "jupyterlab.log"
+    command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+               f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+               f"--ServerApp.root_dir={lab_root}", "--LabApp.news_url=",
+               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        command.append("--allow-root")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=lab_root)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_server(f"{base_url}/api/status?token={token}", proc, log)
+        yield base_url, token
+    finally:
+        left = _stop_jupyter(proc)
+        assert not left, f"processes left after stopping JupyterLab: {left}\n{log.read_text()[-2000:]}"
+
+
+def test_lesson_06_bucket_slider_in_chromium(lab, tmp_path: Path):
+    from playwright.sync_api import expect, sync_playwright
+
+    base_url, token = lab
+    before = NOTEBOOK.read_bytes()
+    screenshot = tmp_path / "06_data_parallel.png"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(180_000)
+            page.goto(f"{base_url}/lab/tree/{NOTEBOOK.name}?token={token}")
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for()
+            _wait_for_idle_kernel(base_url, token)
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+
+            box = page.locator(".widget-vbox:has(.widget-slider)").first
+            box.wait_for(state="attached")
+            box.scroll_into_view_if_needed()
+            expect(box.locator(".widget-readout").first).to_contain_text("1 MiB")
+            expect(box.locator(".js-plotly-plot").first).to_contain_text("exposed 17.9")
+            handle = box.locator(".widget-slider .noUi-handle").first
+            handle.focus()
+            handle.press("ArrowRight")
+            expect(box.locator(".widget-readout").first).to_contain_text("one bucket")
+            expect(box.locator(".js-plotly-plot").first).to_contain_text("exposed 31.8")
+            _wait_for_idle_kernel(base_url, token)
+            page.screenshot(path=str(screenshot))
+        except Exception:
+            failure = tmp_path / "failure.png"
+            page.screenshot(path=str(failure), full_page=True)
+            print(f"screenshot of the failure: {failure}")
+            raise
+        finally:
+            browser.close()
+    assert screenshot.stat().st_size > 10_000
+    assert NOTEBOOK.read_bytes() == before, "JupyterLab wrote into the repository's notebook"
+    print(f"screenshot: {screenshot}")
