@@ -106,6 +106,20 @@ def replaced_backward(name: str, backward: Callable[..., tuple]) -> Iterator[Non
         BACKWARD_RULES[name] = original
 
 
+def _through_reduction(ctx: Any, grad: torch.Tensor, full_result) -> torch.Tensor:
+    """``grad`` (the gradient reaching the reduced tensor, at the input's shape) times the
+    derivative of ``ctx.op``'s reduction with respect to this rank's input. ``full_result``
+    brings the saved forward result to the input's shape (MAX/MIN compare it with the input);
+    MAX/MIN/PRODUCT need ``ctx.saved_tensors == (x, y)``."""
+    if ctx.op == "sum":
+        return grad
+    if ctx.op == "avg":
+        return grad / ctx.transport.world_size
+    x, y = ctx.saved_tensors
+    y_full = full_result(y) if ctx.op != "product" else None
+    return grad * _local_factor(ctx.transport, ctx.op, x, y_full, grad)
+
+
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, op: str) -> torch.Tensor:
@@ -124,11 +138,7 @@ class _AllReduce(torch.autograd.Function):
 def _all_reduce_backward(ctx: Any, grad: torch.Tensor):
     with backward_phase():
         total = ctx.transport.all_reduce(grad.contiguous(), "sum")
-        if ctx.op in _NONLINEAR:
-            x, y = ctx.saved_tensors
-            total = total * _local_factor(ctx.transport, ctx.op, x, y, total)
-        elif ctx.op == "avg":
-            total = total / ctx.transport.world_size
+        total = _through_reduction(ctx, total, lambda y: y)
     return None, total, None
 
 
@@ -168,12 +178,7 @@ def _reduce_scatter_backward(ctx: Any, grad: torch.Tensor):
     transport = ctx.transport
     with backward_phase():
         full = transport.all_gather(grad.contiguous(), ctx.dim)
-        if ctx.op in _NONLINEAR:
-            x, y = ctx.saved_tensors
-            y_full = transport.all_gather(y, ctx.dim) if ctx.op != "product" else None
-            full = full * _local_factor(transport, ctx.op, x, y_full, full)
-        elif ctx.op == "avg":
-            full = full / transport.world_size
+        full = _through_reduction(ctx, full, lambda y: transport.all_gather(y, ctx.dim))
     return None, full, None, None
 
 
@@ -292,12 +297,7 @@ def _reduce_backward(ctx: Any, grad: torch.Tensor):
     transport = ctx.transport
     with backward_phase():
         total = transport.broadcast(grad.contiguous(), ctx.dst)   # dst's grad, on every rank
-        if ctx.op in _NONLINEAR:
-            x, y = ctx.saved_tensors
-            y_full = transport.broadcast(y, ctx.dst) if ctx.op != "product" else None   # dst's result
-            total = total * _local_factor(transport, ctx.op, x, y_full, total)
-        elif ctx.op == "avg":
-            total = total / transport.world_size
+        total = _through_reduction(ctx, total, lambda y: transport.broadcast(y, ctx.dst))   # dst's result
     return None, total, None, None
 
 

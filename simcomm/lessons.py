@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 
-from .errors import CollectiveMismatchError, DeadlockError, RankError
+from .errors import DeadlockError
 from .models import make_mlp, mlp, shard_mlp
 from .ring import ring_exchange, ring_schedule
+from .verdicts import NOT_ANSWERED, Forbidden as _Forbidden, attempt as _attempt, is_correct
+from .verdicts import is_placeholder as _is_placeholder, not_yet as _not_yet
 from .world import World
 
 __all__ = [
@@ -40,8 +42,6 @@ __all__ = [
     "check_ring_all_gather", "check_tp_mlp", "check_ulysses_gqa_bytes",
 ]
 
-#: what a checker returns while the exercise still holds its placeholder
-NOT_ANSWERED = "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."
 
 
 def _format(value: Any) -> str:
@@ -181,60 +181,7 @@ def ring_all_reduce(comm, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(chunks).reshape(x.shape)
 
 
-# -- what every checker shares ------------------------------------------------------------------
-
-def is_correct(verdict: str) -> bool:
-    """True for a checker's verdict on a right answer."""
-    return verdict.startswith("Correct")
-
-
-def _not_yet(problem: str, hint: str | None = None) -> str:
-    return f"Not yet: {problem}" + (f"\nHint: {hint}" if hint else "")
-
-
-def _is_placeholder(answer: Any) -> bool:
-    """The untouched ``...`` placeholder, alone or as a value of a dict, list or tuple."""
-    if answer is ...:
-        return True
-    values = answer.values() if isinstance(answer, dict) else answer if isinstance(answer, (list, tuple)) else ()
-    return any(value is ... for value in values)
-
-
-def _chain(error: BaseException):
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
-
-
-class _Forbidden(Exception):
-    """The learner's code used something the exercise rules out."""
-
-
-def _attempt(call: Callable[[], Any], deadlock_hint: str | None = None) -> tuple[Any, str | None]:
-    """``(result, None)``, or ``(None, verdict)`` when the learner's code raised.
-
-    The one place that recognises the placeholder (``NotImplementedError``,
-    also when a rank raised it) and turns any other error into a short
-    ``Not yet`` line instead of a traceback.
-    """
-    try:
-        return call(), None
-    except Exception as error:  # the learner's code: any error becomes feedback
-        causes = list(_chain(error))
-        if any(isinstance(cause, NotImplementedError) for cause in causes):
-            return None, NOT_ANSWERED
-        forbidden = next((cause for cause in causes if isinstance(cause, _Forbidden)), None)
-        if forbidden is not None:
-            return None, _not_yet(str(forbidden))
-        if isinstance(error, DeadlockError):
-            return None, _not_yet("the ranks deadlocked: " + str(error).splitlines()[0], deadlock_hint)
-        if isinstance(error, CollectiveMismatchError):
-            return None, _not_yet("the ranks called different collectives: " + str(error).splitlines()[0])
-        where, cause = (f"on rank {error.rank} ", error.__cause__ or error) if isinstance(error, RankError) \
-            else ("", error)
-        return None, _not_yet(f"your code raised {type(cause).__name__} {where}: {cause}".replace(" :", ":"))
+# -- what every checker shares: simcomm.verdicts -------------------------------------------------
 
 
 def _as_numbers(value: Any, what: str) -> tuple[torch.Tensor | None, str | None]:

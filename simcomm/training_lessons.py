@@ -11,21 +11,19 @@ compares with a single-device float64 reference or the exact formula.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
 import torch
 
 from . import data_parallel, pipeline
-from .errors import CollectiveMismatchError, DeadlockError, RankError
+from .verdicts import NOT_ANSWERED, attempt as _attempt, is_correct, not_yet as _not_yet
 from .world import World
 
 __all__ = ["NOT_ANSWERED", "is_correct", "check_dp_step", "check_accumulation_calls", "check_zero3_bytes",
            "check_zero2_grads", "check_bubble", "check_1f1b", "schedule_makespan",
            "ACCUMULATION_EXERCISE", "ZERO3_EXERCISE", "BUBBLE_EXERCISE"]
 
-NOT_ANSWERED = "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."
 
 #: lesson 06's prediction: accumulation microbatches and bucket size of the exercise
 ACCUMULATION_EXERCISE = {"microbatches": 4, "bucket_bytes": 1 << 20}
@@ -36,40 +34,6 @@ BUBBLE_EXERCISE = {"stages": 8, "microbatches": 32}
 
 _SMALL = (8, 16, 16, 4)     # the checkers' model: small, so a check takes a fraction of a second
 _WORLD = 4
-
-
-def is_correct(verdict: str) -> bool:
-    """True for a checker's verdict on a right answer."""
-    return verdict.startswith("Correct")
-
-
-def _not_yet(problem: str, hint: str | None = None) -> str:
-    return f"Not yet: {problem}" + (f"\nHint: {hint}" if hint else "")
-
-
-def _chain(error: BaseException):
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
-
-
-def _attempt(call: Callable[[], Any], deadlock_hint: str | None = None) -> tuple[Any, str | None]:
-    """``(result, None)``, or ``(None, verdict)`` when the learner's code raised."""
-    try:
-        return call(), None
-    except Exception as error:  # the learner's code: any error becomes feedback, never a traceback
-        if any(isinstance(cause, NotImplementedError) for cause in _chain(error)):
-            return None, NOT_ANSWERED
-        if isinstance(error, DeadlockError):
-            return None, _not_yet("the ranks deadlocked: " + str(error).splitlines()[0], deadlock_hint)
-        if isinstance(error, CollectiveMismatchError):
-            return None, _not_yet("the ranks called different collectives: " + str(error).splitlines()[0])
-        cause = error.__cause__ if isinstance(error, RankError) and error.__cause__ else error
-        where = f" on rank {error.rank}" if isinstance(error, RankError) else ""
-        first = str(cause).splitlines()[0] if str(cause) else ""
-        return None, _not_yet(f"your code raised {type(cause).__name__}{where}: {first}")
 
 
 def _callable(fn: Any, name: str) -> str | None:
