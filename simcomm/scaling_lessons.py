@@ -221,8 +221,8 @@ def check_neighbour_exchange(exchange: Callable) -> str:
         try:
             outs = World(world_size).run(_exchange_program, exchange, timeout=30)
         except DeadlockError as error:
-            return ("Not yet: it deadlocks on " f"{world_size} ranks: " + str(error).splitlines()[0]
-                    + " Let even ranks send first and odd ranks receive first (or use batch_isend_irecv).")
+            return (f"Not yet: it deadlocks on {world_size} ranks ({str(error).splitlines()[0].rstrip(':')}). "
+                    "Let even ranks send first and odd ranks receive first (or use batch_isend_irecv).")
         except RankError as error:
             if isinstance(error.__cause__, NotImplementedError):
                 return NOT_ANSWERED

@@ -212,3 +212,28 @@ def test_layout_table_rows_are_checked_and_fastest_fitting():
     best = fastest_fitting(rows, least, "NVLink node")
     assert [r for r in rows if (r["tp"], r["dp"], r["pp"]) == best][0]["peak_bytes"] == least
     assert fastest_fitting(rows, least - 1, "NVLink node") is None
+
+
+# -- simcomm.debugging ----------------------------------------------------------------------------
+
+def test_assert_replicated_names_the_ranks_that_differ_and_passes_replicas():
+    import simcomm
+    from simcomm.debugging import assert_replicated, error_summary
+
+    def program(comm, skew):
+        w = torch.ones(3) + (skew if comm.rank == 2 else 0.0)
+        assert_replicated(comm, w, "w")
+        return True
+
+    assert simcomm.World(3).run(program, 0.0) == [True] * 3
+    with pytest.raises(simcomm.RankError) as info:
+        simcomm.World(3).run(program, 0.5)
+    assert "w is not replicated: it differs from rank 0's on rank 2 by 0.5" in str(info.value.__cause__)
+
+    def mismatch(comm):
+        return comm.all_gather(torch.ones(2 + (comm.rank == 1)), dim=0)
+
+    with pytest.raises(simcomm.CollectiveMismatchError) as info:
+        simcomm.World(2).run(mismatch)
+    summary = error_summary(info.value)
+    assert summary.startswith("CollectiveMismatchError: ") and "/" not in summary and " of mismatch" in summary
