@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from . import viz  # noqa: F401  -- in a kernel, simcomm.viz sets the renderer that survives an HTML export
+
 __all__ = ["FONT", "bars_per_rank", "tokens_per_expert_figure", "layout_figure", "LayoutExplorer"]
 
 #: the smallest text the figures use (px)
