@@ -135,7 +135,7 @@ figures.bars_per_rank({f"{k}": [w / 1e3 for w in v] for k, v in work.items()},
 # all-gathering K and V. Bytes each rank sends in one forward and backward pass (the simulator's
 # trace; 4 ranks, 4 heads):
 
-# %% expect=["ring: 3072 B forward, 7168 B backward per rank", "Ulysses: 1536 B forward, 1536 B backward per rank", "all-gather K,V: 3072 B forward, 3072 B backward per rank"]
+# %% expect=["ring: 3072 B forward, 7168 B backward per rank; 14 calls, modelled 50.5 us", "Ulysses: 1536 B forward, 1536 B backward per rank; 8 calls, modelled 67.2 us", "all-gather K,V: 3072 B forward, 3072 B backward per rank; 4 calls, modelled 33.6 us"]
 def sharded_step(comm, q, k, v, method):
     q, k, v = (shard_sequence(t, comm.rank, comm.world_size).requires_grad_() for t in (q, k, v))
     attend = {"ring": ring_attention, "Ulysses": ulysses_attention, "all-gather K,V": all_gather_kv_attention}
@@ -146,15 +146,20 @@ for method in ("ring", "Ulysses", "all-gather K,V"):
     sim.run(sharded_step, q4, k4, v4, method)
     sent = {phase: sum(sum(e.sent.values()) for e in sim.trace.filter(rank=0, phase=phase).events)
             for phase in ("forward", "backward")}
-    print(f"{method}: {sent['forward']} B forward, {sent['backward']} B backward per rank")
+    lane = cost.modelled_timeline(sim.trace, "h100-nvswitch").ranks[0]        # rank 0 on an H100 node
+    calls = len([e for e in sim.trace.filter(rank=0).events if e.op != "compute"])
+    print(f"{method}: {sent['forward']} B forward, {sent['backward']} B backward per rank; "
+          f"{calls} calls, modelled {lane.communication * 1e6:.1f} us")
 
 # %% [markdown]
 # Forward, the ring sends what the all-gather sends: `P - 1` K/V blocks, `2 (P-1)` shards
 # (6 here). Its advantage is memory (one K/V block at a time instead of the whole sequence) and
 # overlap: each transfer runs while a block is computed. Backward it sends K, V, dK and dV, twice
 # the all-gather's reduce-scatter. Ulysses sends `4 (P-1)/P` shards (3 here) whatever `P` is,
-# the fewest, but needs `h >= P`. On the modelled timeline of an H100 node, at this tiny size
-# each transfer is mostly latency and cannot hide under the (tiny) compute:
+# the fewest, but needs `h >= P`. The modelled times (rank 0's communication lane, one H100
+# node) are almost all latency at this tiny size: the all-gather's 4 calls win over the ring's
+# 7 steps (each a send and a receive) and Ulysses' 8 all-to-alls. The ring's timeline shows
+# each transfer beside a block of compute that is far too small to hide it:
 
 # %% tags=["nbval-ignore-output"]
 sim.run(ring_step, q, k, v, weights, True, "zigzag")
