@@ -91,7 +91,7 @@ def moe(x: torch.Tensor, params: dict[str, torch.Tensor], top_k: int, *,
     """The single-device MoE layer on ``x (T, hidden)``; capacity applies per group of ``T/groups`` tokens."""
     num_experts = params["router"].shape[0]
     out = torch.zeros_like(x)
-    for rows in torch.arange(x.shape[0]).chunk(groups):
+    for rows in torch.arange(x.shape[0], device=x.device).chunk(groups):
         gates, experts = route(x[rows], params["router"], params["bias"], top_k)
         kept = keep_mask(experts, num_experts, capacity(len(rows), top_k, num_experts, capacity_factor))
         for e in range(num_experts):
@@ -143,7 +143,8 @@ def expert_parallel_moe(comm: Communicator, x: torch.Tensor, shards: dict[str, t
     from_each = comm.all_to_all_single(per_expert)                              # (P * E/P,): counts for my experts
     received = from_each.view(world_size, local_experts).sum(1).tolist()        # rows from each rank
     arrived = comm.all_to_all_single(x[token], received, sent)                  # (sum(received), hidden)
-    local_id = torch.arange(local_experts).repeat(world_size).repeat_interleave(from_each)  # expert of each row
+    local_id = torch.arange(local_experts, device=x.device).repeat(world_size)     # (P * E/P,) expert of each count
+    local_id = local_id.repeat_interleave(from_each)                               # (rows,) expert of each row
     grouped = torch.argsort(local_id, stable=True)                              # rows grouped by expert
     counts = torch.bincount(local_id, minlength=local_experts).tolist()
     outputs = [expert(rows, shards["w1"][e], shards["w2"][e])

@@ -247,19 +247,27 @@ def _layernorm_program(comm, step: Callable, x, weight, bias, probe):
                 probe[mine])
 
 
+def _layernorm_grads(x: torch.Tensor, probe: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-device gradients of ``sum(layer_norm(x) * probe)`` with respect to weight and bias."""
+    leaves = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    (F.layer_norm(x, x.shape[-1:], *leaves) * probe).sum().backward()
+    return leaves[0].grad, leaves[1].grad
+
+
 def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
-    """``step(comm, x_shard, weight, bias, probe_shard) -> (weight_grad, bias_grad)``: LayerNorm on this rank's
-    sequence shard, loss ``sum(out * probe)``, gradients of the replicated weight and bias as the
-    single-device LayerNorm over the whole sequence gives them, on every rank."""
+    """``step(comm, x_shard, weight, bias, probe_shard) -> (weight_grad, bias_grad)``: LayerNorm on this
+    rank's sequence shard, loss ``sum(out * probe)``, gradients of the replicated weight and bias as
+    the single-device LayerNorm over the whole sequence gives them, on every rank."""
     if _placeholder(step):
         return NOT_ANSWERED
     gen = torch.Generator().manual_seed(11)
     x, probe = (torch.randn(8, 6, generator=gen, dtype=torch.float64) for _ in range(2))
-    weight, bias = 1 + 0.1 * torch.randn(6, generator=gen, dtype=torch.float64), torch.randn(6, generator=gen,
-                                                                                              dtype=torch.float64)
-    leaves = weight.clone().requires_grad_(), bias.clone().requires_grad_()
-    (F.layer_norm(x, (6,), *leaves) * probe).sum().backward()
-    expected = [leaf.grad for leaf in leaves]
+    weight = 1 + 0.1 * torch.randn(6, generator=gen, dtype=torch.float64)
+    bias = torch.randn(6, generator=gen, dtype=torch.float64)
+    expected = _layernorm_grads(x, probe, weight, bias)
+    shares = [_layernorm_grads(part_x, part_p, weight, bias)             # each rank's shard alone
+              for part_x, part_p in zip(x.chunk(world_size), probe.chunk(world_size))]
     try:
         outs = World(world_size).run(_layernorm_program, step, x, weight, bias, probe, timeout=30)
     except RankError as error:
@@ -271,28 +279,20 @@ def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
     for rank, out in enumerate(outs):
         if (not isinstance(out, (tuple, list)) or len(out) != 2
                 or not all(isinstance(t, torch.Tensor) and t.shape == (6,) for t in out)):
-            return f"Not yet: return (weight_grad, bias_grad), two tensors of shape (6,); rank {rank} returned {out!r}."
-        for name, got, want in zip(("weight", "bias"), out, expected):
+            return (f"Not yet: return (weight_grad, bias_grad), two tensors of shape (6,); rank {rank} "
+                    f"returned {out!r}.")
+        for index, name in enumerate(("weight", "bias")):
+            got, want = out[index].detach().double(), expected[index]
             if torch.allclose(got, want, atol=1e-10):
                 continue
-            if torch.allclose(got * world_size, want, atol=1e-10) or any(
-                    torch.allclose(got, part, atol=1e-10) for part in _shard_grads(x, probe, weight, bias, world_size,
-                                                                                   name)):
+            if torch.allclose(got, shares[rank][index], atol=1e-10):
                 return (f"Not yet: rank {rank}'s {name} gradient is only its own shard's share; the replicated "
                         f"LayerNorm {name} needs the sum over the sequence shards: all-reduce it.")
             if torch.allclose(got, want * world_size, atol=1e-10):
                 return f"Not yet: rank {rank}'s {name} gradient is {world_size} times too large: summed twice?"
             return f"Not yet: rank {rank}'s {name} gradient differs from the single-device LayerNorm's."
-    return f"Correct: on {world_size} ranks every rank's LayerNorm weight and bias gradients equal the single-device ones."
-
-
-def _shard_grads(x, probe, weight, bias, world_size, name):
-    grads = []
-    for part_x, part_p in zip(x.chunk(world_size), probe.chunk(world_size)):
-        leaves = weight.clone().requires_grad_(), bias.clone().requires_grad_()
-        (F.layer_norm(part_x, (6,), *leaves) * part_p).sum().backward()
-        grads.append(leaves[0 if name == "weight" else 1].grad)
-    return grads
+    return (f"Correct: on {world_size} ranks every rank's LayerNorm weight and bias gradients equal the "
+            f"single-device ones.")
 
 
 # -- lesson 12 ---------------------------------------------------------------------------------

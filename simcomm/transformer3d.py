@@ -210,7 +210,7 @@ def block_step(comm: Communicator, x: torch.Tensor, weights: torch.Tensor, param
     head_dim = hidden // heads
     fwd_attention, fwd_mlp = _attention_flops(b, seq, hidden, layout.tp), _mlp_flops(b, seq, hidden, ffn, layout.tp)
     partner = _rank_of(1 - stage, d, t, layout)
-    result_loss = torch.zeros((), dtype=x.dtype)
+    result_loss = torch.zeros((), dtype=x.dtype, device=x.device)
     if layout.pp == 1 or stage == 0:
         h = _sharded_attention(tp, x[mine], shards, head_dim)                  # (b, S/tp, H)
         comm.compute(flops=fwd_attention)

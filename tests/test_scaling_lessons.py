@@ -160,6 +160,8 @@ def layernorm_step(all_reduce: bool, factor: float = 1.0):
     (layernorm_step(True), "correct", ""),
     (layernorm_step(False), "not yet", "all-reduce it"),          # the bug of the lesson
     (layernorm_step(True, 4.0), "not yet", "4 times too large"),
+    (lambda comm, x, w, b, p: (lambda g: (comm.all_reduce(g[0]), g[1]))(                  # partial: bias not summed
+        (F.layer_norm(x, (6,), w, b) * p).sum().backward() or (w.grad, b.grad)), "not yet", "bias gradient is only"),
     (lambda comm, x, w, b, p: w, "not yet", "return (weight_grad, bias_grad)"),
     (not_implemented, "unanswered", ""),
 ])
