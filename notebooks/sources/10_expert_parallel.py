@@ -140,16 +140,21 @@ def a2a_time(trace, rank=0):
 
 big = make_moe(1024, 32, num_experts, seed=3, dtype=torch.float32)
 xb = torch.randn(world_size * 512, 1024, generator=torch.Generator().manual_seed(4))
-sim = simcomm.World(world_size)
+sim, runs = simcomm.World(world_size), {}
 for label, bias, factor in (("balanced", 0.0, None), ("expert 0 favoured", 2.0, None),
                             ("expert 0 favoured, capacity factor 1.25", 2.0, 1.25)):
     big["bias"] = torch.zeros(num_experts).index_fill(0, torch.tensor([0]), bias)
     stats = [o[1] for o in sim.run(lambda comm: expert_parallel_moe(
         comm, xb[comm.rank * 512:(comm.rank + 1) * 512], shard_experts(big, comm.rank, world_size), top_k,
         capacity_factor=factor))]
+    runs[label] = stats
     received = [sum(s["received"]) for s in stats]
     extra = f"; dropped {sum(s['dropped'] for s in stats)}" if factor else ""
     print(f"{label}: rows received per rank {received}{extra}; dispatch + combine {a2a_time(sim.trace) * 1e6:.1f} us")
+
+# %% tags=["nbval-ignore-output"]
+figures.tokens_per_expert_figure([s["per_expert"] for s in runs["expert 0 favoured"]],
+                                 title="expert 0 favoured: tokens per expert, from each rank")
 
 # %% [markdown]
 # The favoured expert's rank receives twice its share, and the all-to-all waits for it: dispatch
