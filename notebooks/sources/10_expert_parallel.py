@@ -132,7 +132,7 @@ for factor in (None, 2.0, 1.25, 1.0, 0.5):
 # with more tokens and a wider hidden size (512 tokens per rank, hidden 1024, float32) and the
 # cost model of an H100 node:
 
-# %% expect=["balanced: rows received per rank [1008, 1043, 981, 1064]; dispatch + combine 52.4 us", "expert 0 favoured: rows received per rank [2088, 685, 629, 694]; dispatch + combine 72.1 us", "expert 0 favoured, capacity factor 1.25: rows received per rank [975, 685, 629, 694]; dropped 1113; dispatch + combine 49.6 us"]
+# %% expect=["balanced: rows received per rank [1008, 1043, 981, 1064]; busiest rank receives 4.2 MiB; dispatch + combine 52.4 us", "expert 0 favoured: rows received per rank [2088, 685, 629, 694]; busiest rank receives 8.2 MiB; dispatch + combine 72.1 us", "expert 0 favoured, capacity factor 1.25: rows received per rank [975, 685, 629, 694]; dropped 1113; busiest rank receives 3.8 MiB; dispatch + combine 49.6 us"]
 def a2a_time(trace, rank=0):
     cost.annotate(trace, "h100-nvswitch")
     events = trace.filter(op="all_to_all_single", rank=rank, phase="forward").events[1:]   # not the counts
@@ -150,7 +150,9 @@ for label, bias, factor in (("balanced", 0.0, None), ("expert 0 favoured", 2.0, 
     runs[label] = stats
     received = [sum(s["received"]) for s in stats]
     extra = f"; dropped {sum(s['dropped'] for s in stats)}" if factor else ""
-    print(f"{label}: rows received per rank {received}{extra}; dispatch + combine {a2a_time(sim.trace) * 1e6:.1f} us")
+    busiest = max(received) * xb.shape[1] * xb.element_size() / 2**20            # MiB into the busiest rank
+    print(f"{label}: rows received per rank {received}{extra}; busiest rank receives {busiest:.1f} MiB; "
+          f"dispatch + combine {a2a_time(sim.trace) * 1e6:.1f} us")
 
 # %% tags=["nbval-ignore-output"]
 figures.tokens_per_expert_figure([s["per_expert"] for s in runs["expert 0 favoured"]],
