@@ -120,10 +120,10 @@ class LayoutExplorer:
         self.row = self._measure(*self._args, self.layout.value)
         name = self.topology.value
         fig = self._timeline(self.row["trace"], modelled=True, topology=self.topologies[name])
-        fig.update_layout(title=dict(
-            text=(f"tp={self.row['tp']} dp={self.row['dp']} pp={self.row['pp']} on the {name}: step "
-                  f"{self.row[name] * 1e6:.1f} us, peak memory {self.row['peak_bytes'] / 1024:.0f} KiB per rank"),
-            font=dict(size=18)))
+        headline = (f"tp={self.row['tp']} dp={self.row['dp']} pp={self.row['pp']} on the {name}: step "
+                    f"{self.row[name] * 1e6:.1f} us, peak memory {self.row['peak_bytes'] / 1024:.0f} KiB per rank")
+        legend = (fig.layout.title.text or "").partition("<br>")[2]      # the timeline's own key to its patterns
+        fig.update_layout(title=dict(text=headline + ("<br>" + legend if legend else ""), font=dict(size=18)))
         self.figure = fig
         self.output.outputs = (_plotly_output(fig),)
         return fig
