@@ -34,7 +34,8 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 LESSONS = ("00_start_here", "01_collectives", "02_autograd_through_collectives",
            "03_ring_allreduce_and_cost", "04_tensor_parallel_mlp", "05_ulysses_sequence_parallel",
-           "06_data_parallel", "07_zero_and_fsdp", "08_pipeline_parallel")
+           "06_data_parallel", "07_zero_and_fsdp", "08_pipeline_parallel", "09_context_parallel",
+           "10_expert_parallel", "11_debugging_distributed_programs", "12_a_transformer_in_3d")
 
 #: wall-clock budget of one lesson on one backend, kernel start included (seconds)
 BUDGET_S = float(os.environ.get("SIMCOMM_LESSON_BUDGET_S", "60"))

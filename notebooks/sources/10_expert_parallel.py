@@ -1,0 +1,226 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 10: Expert parallelism
+#
+# **Goal:** run a top-k routed mixture-of-experts (MoE) layer with its experts spread over ranks:
+# route each token, tell every rank how many tokens to expect, dispatch them with the *uneven*
+# all-to-all, run the experts, and bring the results back; check the output and every gradient
+# (the router's too) against one device, and see what capacity limits and an imbalanced router
+# do to dropped tokens, bytes and time.
+#
+# An MoE layer has `E` small MLPs (*experts*) and a *router*: for each token a softmax over the
+# experts picks the top `k`, and the token's output is the sum of those experts' outputs weighed
+# by their probabilities (the *gates*). With expert parallelism, rank `r` holds `E/P` experts and
+# its own tokens; tokens go to wherever their experts live.
+
+# %%
+import torch
+import simcomm
+from simcomm import cost, lessons
+from simcomm import scaling_figures as figures, scaling_lessons as checks
+from simcomm.moe import capacity, expert_parallel_moe, make_moe, moe, route, shard_experts
+
+world_size, num_experts, top_k, tokens, hidden, ffn = 4, 8, 2, 8, 8, 16
+world = simcomm.configured_backend(world_size)
+params = make_moe(hidden, ffn, num_experts, seed=0)               # float64
+x = torch.randn(world_size * tokens, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+# %% [markdown]
+# ## 1. Routing: which expert gets which token
+#
+# Rank 0's first tokens each choose 2 of the 8 experts. Experts `2r` and `2r + 1` live on rank `r`:
+
+# %% expect=["token 0: experts [7, 4]", "token 1: experts [6, 4]", "token 2: experts [1, 0]", "token 3: experts [6, 7]"]
+gates, experts = route(x[:tokens], params["router"], params["bias"], top_k)   # (T, k) each
+for token in range(4):
+    print(f"token {token}: experts {experts[token].tolist()}")
+
+# %% [markdown]
+# ## 2. The expert-parallel layer equals one device
+#
+# `expert_parallel_moe(comm, x, shards, top_k)` sorts the token copies by expert, exchanges the
+# counts with an even `all_to_all_single` (so every rank knows its `output_split_sizes`),
+# dispatches the rows with the uneven `all_to_all_single(rows, output_split_sizes,
+# input_split_sizes)`, runs its experts, and returns the results with the split lists swapped.
+# The router is replicated: each rank's router gradient comes from its own tokens, and the sum
+# over ranks is the single-device gradient (what data parallelism's all-reduce would give).
+
+# %%
+probe = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+def moe_step(comm, x, probe, params, top_k, capacity_factor):
+    mine = slice(comm.rank * tokens, (comm.rank + 1) * tokens)
+    xr = x[mine].clone().requires_grad_()
+    shards = shard_experts(params, comm.rank, comm.world_size)             # router + this rank's experts
+    out, stats = expert_parallel_moe(comm, xr, shards, top_k, capacity_factor=capacity_factor)
+    (out * probe[mine]).sum().backward()
+    return out.detach(), xr.grad, {name: p.grad for name, p in shards.items()}, stats
+
+def reference(capacity_factor):
+    leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+    xr = x.clone().requires_grad_()
+    out = moe(xr, leaves, top_k, capacity_factor=capacity_factor, groups=world_size)
+    (out * probe).sum().backward()
+    return out.detach(), xr.grad, {name: p.grad for name, p in leaves.items()}
+
+# %% expect=["output: matches the reference", "x.grad: matches the reference", "router.grad (sum over ranks): matches the reference", "bias.grad (sum over ranks): matches the reference", "w1.grad (experts of all ranks): matches the reference", "w2.grad (experts of all ranks): matches the reference"]
+outs = world.run(moe_step, x, probe, params, top_k, None)
+ref_out, ref_xgrad, ref_grads = reference(None)
+print(lessons.assert_close(torch.cat([o[0] for o in outs]), ref_out, "output"))
+print(lessons.assert_close(torch.cat([o[1] for o in outs]), ref_xgrad, "x.grad"))
+for name in ("router", "bias"):
+    print(lessons.assert_close(sum(o[2][name] for o in outs), ref_grads[name], f"{name}.grad (sum over ranks)"))
+for name in ("w1", "w2"):
+    print(lessons.assert_close(torch.cat([o[2][name] for o in outs]), ref_grads[name],
+                               f"{name}.grad (experts of all ranks)"))
+
+# %% [markdown]
+# What each rank sent where: the dispatch's `input_split_sizes` (rows to each rank) and
+# `output_split_sizes` (rows from each rank). Row `r` of the first list is what rank `r` sends;
+# column `r` of it is what rank `r` receives, which is rank `r`'s second list:
+
+# %% expect=["rank 0 sends [3, 1, 4, 8], receives [3, 5, 4, 4]", "rank 1 sends [5, 4, 3, 4], receives [1, 4, 2, 6]", "rank 2 sends [4, 2, 6, 4], receives [4, 3, 6, 2]", "rank 3 sends [4, 6, 2, 4], receives [8, 4, 4, 4]"]
+for rank, (_, _, _, stats) in enumerate(outs):
+    print(f"rank {rank} sends {stats['sent']}, receives {stats['received']}")
+assert [[o[3]["sent"][r] for o in outs] for r in range(world_size)] == [o[3]["received"] for o in outs]
+
+# %% [markdown]
+# The same as a figure: tokens each rank sends to each expert, and the load of every expert.
+
+# %% tags=["nbval-ignore-output"]
+figures.tokens_per_expert_figure([o[3]["per_expert"] for o in outs], title="tokens per expert, from each rank")
+
+# %% [markdown]
+# ## 3. Capacity factor and dropped tokens
+#
+# Real MoE layers give every expert a fixed buffer, `capacity = ceil(factor * T * k / E)` token
+# copies per rank (`T` tokens). Copies beyond it are *dropped*: the token gets nothing from that
+# expert (the residual connection around the layer carries it on). The layer stays exact with
+# respect to the same rule on one device:
+
+# %% expect=["capacity factor None: capacity -, dropped 0 of 64 token copies, matches the reference", "capacity factor 2: capacity 4, dropped 0 of 64 token copies, matches the reference", "capacity factor 1.25: capacity 3, dropped 5 of 64 token copies, matches the reference", "capacity factor 1: capacity 2, dropped 17 of 64 token copies, matches the reference", "capacity factor 0.5: capacity 1, dropped 35 of 64 token copies, matches the reference"]
+for factor in (None, 2.0, 1.25, 1.0, 0.5):
+    outs = world.run(moe_step, x, probe, params, top_k, factor)
+    lost = sum(o[3]["dropped"] for o in outs)
+    ref = reference(factor)
+    lessons.assert_close([torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])], ref[:2], "output")
+    lessons.assert_close(sum(o[2]["router"] for o in outs), ref[2]["router"], "router.grad")
+    limit = capacity(tokens, top_k, num_experts, factor)                  # None: no limit
+    print(f"capacity factor {'None' if factor is None else f'{factor:g}'}: capacity {limit or '-'}, "
+          f"dropped {lost} of {world_size * tokens * top_k} token copies, matches the reference")
+
+# %% [markdown]
+# ## 4. An imbalanced router: bytes and time
+#
+# Push the router towards expert 0 (a bias of 2 on its logit), as an untrained or collapsing
+# router does. Rank 0, which holds experts 0 and 1, now receives far more rows than the others.
+# The all-to-all takes as long as its busiest rank needs. Measured on the simulator's trace,
+# with more tokens and a wider hidden size (512 tokens per rank, hidden 1024, float32) and the
+# cost model of an H100 node:
+
+# %% expect=["balanced: rows received per rank [1008, 1043, 981, 1064]; busiest rank receives 4.2 MiB; dispatch + combine 52.4 us", "expert 0 favoured: rows received per rank [2088, 685, 629, 694]; busiest rank receives 8.2 MiB; dispatch + combine 72.1 us", "expert 0 favoured, capacity factor 1.25: rows received per rank [975, 685, 629, 694]; dropped 1113; busiest rank receives 3.8 MiB; dispatch + combine 49.6 us"]
+def a2a_time(trace, rank=0):
+    cost.annotate(trace, "h100-nvswitch")
+    events = trace.filter(op="all_to_all_single", rank=rank, phase="forward").events[1:]   # not the counts
+    return sum(e.modelled for e in events)
+
+big = make_moe(1024, 32, num_experts, seed=3, dtype=torch.float32)
+xb = torch.randn(world_size * 512, 1024, generator=torch.Generator().manual_seed(4))
+sim, runs = simcomm.World(world_size), {}
+for label, bias, factor in (("balanced", 0.0, None), ("expert 0 favoured", 2.0, None),
+                            ("expert 0 favoured, capacity factor 1.25", 2.0, 1.25)):
+    big["bias"] = torch.zeros(num_experts).index_fill(0, torch.tensor([0]), bias)
+    stats = [o[1] for o in sim.run(lambda comm: expert_parallel_moe(
+        comm, xb[comm.rank * 512:(comm.rank + 1) * 512], shard_experts(big, comm.rank, world_size), top_k,
+        capacity_factor=factor))]
+    runs[label] = stats
+    received = [sum(s["received"]) for s in stats]
+    extra = f"; dropped {sum(s['dropped'] for s in stats)}" if factor else ""
+    busiest = max(received) * xb.shape[1] * xb.element_size() / 2**20            # MiB into the busiest rank
+    print(f"{label}: rows received per rank {received}{extra}; busiest rank receives {busiest:.1f} MiB; "
+          f"dispatch + combine {a2a_time(sim.trace) * 1e6:.1f} us")
+
+# %% tags=["nbval-ignore-output"]
+figures.tokens_per_expert_figure([s["per_expert"] for s in runs["expert 0 favoured"]],
+                                 title="expert 0 favoured: tokens per expert, from each rank")
+
+# %% [markdown]
+# The favoured expert's rank receives twice its share, and the all-to-all waits for it: dispatch
+# and combine take 1.4 times as long (their latency part does not grow), and that rank also
+# computes twice the expert work while the others wait.
+# A capacity factor bounds both, at the price of dropped tokens; production routers add a
+# load-balancing loss so that the router learns to spread tokens.
+#
+# ## Exercise 1: split sizes of a routing
+#
+# Write `split_sizes(experts, num_experts, world_size)`: for a routing `experts` of shape
+# `(T, k)` (expert ids; rank `r` holds experts `r*E/P ... (r+1)*E/P - 1`) return the
+# `input_split_sizes` of the dispatch: how many token copies this rank sends to each rank.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def split_sizes(experts, num_experts, world_size):
+    raise NotImplementedError   # a list of world_size ints
+
+print(checks.check_split_sizes(split_sizes))
+
+# %% [markdown]
+# Solution (expand the cell to see it; try first):
+
+# %% expect=["Correct: split sizes for 4 routings, including a rank that receives nothing."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 1.
+def split_sizes_solution(experts, num_experts, world_size):
+    owner = experts.flatten() // (num_experts // world_size)          # the rank of each copy's expert
+    return torch.bincount(owner, minlength=world_size).tolist()
+
+print(checks.check_split_sizes(split_sizes_solution))
+
+# %% [markdown]
+# ## Exercise 2: how many are dropped?
+#
+# Write `dropped(experts, num_experts, capacity)`: how many token copies of the routing
+# `experts (T, k)` are dropped when every expert keeps at most `capacity` of them.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def dropped(experts, num_experts, capacity):
+    raise NotImplementedError   # an int
+
+print(checks.check_dropped(dropped))
+
+# %% [markdown]
+# Solution:
+
+# %% expect=["Correct: dropped assignments for 4 routings and capacities 0, 1, 2, 5."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 2.
+def dropped_solution(experts, num_experts, capacity):
+    per_expert = torch.bincount(experts.flatten(), minlength=num_experts)
+    return int((per_expert - capacity).clamp(min=0).sum())
+
+print(checks.check_dropped(dropped_solution))
+
+# %% [markdown]
+# ## Takeaway
+#
+# * Expert parallelism is route, exchange counts, uneven all-to-all out, experts, uneven
+#   all-to-all back (split lists swapped). The backward is the same pair of all-to-alls swapped
+#   again, so the output and every gradient equal one device, the router's included.
+# * The counts must be exchanged first: a rank cannot receive rows it does not know the number of.
+# * A capacity factor fixes each expert's buffer; what does not fit is dropped, not an error.
+# * The all-to-all lasts as long as its busiest rank: an imbalanced router makes the whole layer
+#   wait for the rank of the popular expert.
+
+# %%
+world.close()

@@ -1,0 +1,213 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 12: A transformer block in 3-D
+#
+# **Goal:** train one transformer block (attention, MLP, two LayerNorms) for a step on 8 ranks
+# with tensor + sequence parallelism, data parallelism and a 2-stage pipeline at once, check the
+# loss and every gradient against one device, and find out, for every way of splitting 8 ranks,
+# how much memory each rank needs and how long the step takes on an NVLink node and on an
+# InfiniBand cluster.
+#
+# The pieces are the earlier lessons': the tensor-parallel MLP (lesson 4) and attention with
+# heads split over ranks, wrapped in Megatron's *sequence parallelism*: between the sublayers
+# the activations stay sharded by sequence, an all-gather (backward: reduce-scatter) enters
+# each sublayer and a reduce-scatter (backward: all-gather) leaves it.
+
+# %%
+import torch
+import simcomm
+from simcomm import lessons, layout_choice
+from simcomm import scaling_figures as figures, scaling_lessons as checks
+from simcomm.transformer3d import Layout, assemble_grads, block_step, loss, make_block, mesh_coords
+
+world_size, batch, seq, hidden, ffn, heads = 8, 8, 32, 128, 512, 8
+world = simcomm.configured_backend(world_size)
+params = make_block(hidden, ffn, seed=0)                                   # float64
+gen = torch.Generator().manual_seed(1)
+x, weights = (torch.randn(batch, seq, hidden, dtype=torch.float64, generator=gen) for _ in range(2))
+
+# %% [markdown]
+# ## 1. Eight ranks on a 3-D mesh
+#
+# A layout `(tp, dp, pp)` with `tp * dp * pp = 8`. Tensor-parallel ranks are neighbours (they
+# talk the most, so they should share the fastest links), then data parallel, then the pipeline
+# stage: rank = `(stage * dp + d) * tp + t`. Each axis is a set of subgroups (`comm.subgroup`):
+
+# %% expect=["rank 0: stage 0, d 0, t 0", "rank 1: stage 0, d 0, t 1", "rank 2: stage 0, d 1, t 0", "rank 3: stage 0, d 1, t 1", "rank 4: stage 1, d 0, t 0", "rank 5: stage 1, d 0, t 1", "rank 6: stage 1, d 1, t 0", "rank 7: stage 1, d 1, t 1", "tp groups [[0, 1], [2, 3], [4, 5], [6, 7]]; dp groups [[0, 2], [1, 3], [4, 6], [5, 7]]; stage pairs [[0, 4], [1, 5], [2, 6], [3, 7]]"]
+layout = Layout(tp=2, dp=2, pp=2)
+coords = [mesh_coords(rank, layout) for rank in range(world_size)]
+for rank, (stage, d, t) in enumerate(coords):
+    print(f"rank {rank}: stage {stage}, d {d}, t {t}")
+def groups(key):
+    found = {}
+    for rank, c in enumerate(coords):
+        found.setdefault(key(c), []).append(rank)
+    return sorted(found.values())
+print(f"tp groups {groups(lambda c: (c[0], c[1]))}; dp groups {groups(lambda c: (c[0], c[2]))}; "
+      f"stage pairs {groups(lambda c: (c[1], c[2]))}")
+
+# %% [markdown]
+# ## 2. One step, equal to one device
+#
+# `block_step(comm, x, weights, params, heads, layout)`: each rank takes its batch rows (dp) and
+# sequence shard (tp), runs its stage (pp = 2: stage 0 the attention sublayer, stage 1 the MLP
+# sublayer; the activation goes forward with `send`, its gradient comes back with `recv`),
+# computes its share of the loss `sum(block(x) * weights)`, and synchronises gradients: the
+# replicated LayerNorm weights and output biases are all-reduced over the tp group (each rank
+# saw only its sequence shard), and every gradient over the dp group.
+
+# %% expect=["layout (2, 2, 2): loss and all 13 gradients match the single-device block"]
+leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+reference = loss(x, weights, leaves, heads)
+reference.backward()
+outs = world.run(block_step, x, weights, params, heads, tuple(layout))
+lessons.assert_close(sum(o["loss"] for o in outs), reference.detach(), "loss", atol=1e-9)
+grads = assemble_grads(outs, layout)                     # the shards put back together
+lessons.assert_close(grads, {name: p.grad for name, p in leaves.items()}, "gradients", atol=1e-9)
+print(f"layout {tuple(layout)}: loss and all {len(grads)} gradients match the single-device block")
+
+# %% [markdown]
+# The collectives of one step, on rank 0 (the simulator's trace):
+
+# %% expect=["all_gather on (0, 1): forward 1, backward 1", "reduce_scatter on (0, 1): forward 1, backward 1", "send on (0, 1, 2, 3, 4, 5, 6, 7): forward 1, backward 0", "recv on (0, 1, 2, 3, 4, 5, 6, 7): forward 1, backward 0", "all_reduce on (0, 1): forward 1, backward 0", "all_reduce on (0, 2): forward 1, backward 0"]
+sim = simcomm.World(world_size)
+sim.run(block_step, x, weights, params, heads, tuple(layout))
+calls = {}
+for event in sim.trace.filter(rank=0).events:
+    if event.op not in ("compute", "subgroup"):
+        calls.setdefault((event.op, event.group), {"forward": 0, "backward": 0})[event.phase] += 1
+for (op, group), count in calls.items():
+    print(f"{op} on {group}: forward {count['forward']}, backward {count['backward']}")
+
+# %% [markdown]
+# Rank 0 is in stage 0 (attention): one all-gather in, one reduce-scatter out, each with its
+# dual in the backward pass; the LayerNorm/bias all-reduce on its tp group `(0, 1)`, the
+# gradient all-reduce on its dp group `(0, 2)`; the activation to rank 4 and its gradient back.
+#
+# ## 3. Every layout of 8 ranks: memory and modelled step time
+#
+# `layout_choice.layout_table` runs the step for each layout on virtual ranks with memory
+# tracking, checks it against one device, and models the step on two machines: one H100 node
+# (NVLink for every group) and an H100 InfiniBand cluster with the 8 ranks spread 2 per node
+# (a group of ranks `2i, 2i+1` stays on NVLink; anything larger crosses InfiniBand).
+
+# %% tags=["nbval-ignore-output"]
+rows = layout_choice.layout_table(x, weights, params, heads)
+assert all(row["max_error"] < 1e-9 for row in rows)
+print(f"{'tp dp pp':>9} | {'peak memory/rank':>16} | {'NVLink node':>11} | {'InfiniBand cluster':>18}")
+for row in rows:
+    print(f"{row['tp']:3}{row['dp']:3}{row['pp']:3} | {row['peak_bytes'] / 2**20:12.2f} MiB | "
+          f"{row['NVLink node'] * 1e6:8.1f} us | {row['InfiniBand cluster'] * 1e6:15.1f} us")
+
+# %% tags=["nbval-ignore-output"]
+figures.layout_figure(rows, list(layout_choice.TOPOLOGIES))
+
+# %% [markdown]
+# Which layout wins, and why:
+
+# %% expect=["fastest on the NVLink node: (1, 8, 1); on the InfiniBand cluster: (1, 8, 1)", "least memory per rank: (4, 2, 1)"]
+fastest = {name: min(rows, key=lambda row: row[name]) for name in layout_choice.TOPOLOGIES}
+least = min(rows, key=lambda row: row["peak_bytes"])
+key = lambda row: (row["tp"], row["dp"], row["pp"])
+print(f"fastest on the NVLink node: {key(fastest['NVLink node'])}; "
+      f"on the InfiniBand cluster: {key(fastest['InfiniBand cluster'])}")
+print(f"least memory per rank: {key(least)}")
+
+# %% [markdown]
+# * **Time.** At this size a step is tens of microseconds and every collective pays a fixed
+#   latency. Pure data parallelism issues one all-reduce per step; tensor + sequence parallelism
+#   adds two blocking collectives per sublayer forward and two backward, on the critical path.
+#   So dp = 8 wins on both machines. On the cluster every call that leaves a node is slower, and
+#   tp >= 4 puts all tensor-parallel traffic on InfiniBand: those layouts lose the most.
+# * **Memory.** dp = 8 replicates every weight, gradient and the full-sequence activations
+#   of its batch row; tp = 4 splits the weights and the activations four ways and needs about a
+#   quarter. (tp = 8 gains nothing more here: with 32 tokens each rank keeps 4, while the
+#   gathered full-sequence activations of all 8 batch rows do not shrink.)
+# * **Pipeline.** pp = 2 halves the weights per rank and the size of the dp all-reduce, but with
+#   a single micro-batch each stage waits for the other (the bubble).
+#
+# The widget runs the step for the layout you choose and draws its modelled timeline (compute
+# and communication lanes per rank). Below it, the default layout's figure as drawn when the
+# cell ran, which a static export keeps.
+
+# %% tags=["nbval-ignore-output"]
+explorer = figures.LayoutExplorer(x, weights, params, heads, [key(row) for row in rows],
+                                  layout_choice.TOPOLOGIES, layout=(2, 2, 2))
+display(explorer.panel)
+explorer.figure
+
+# %% [markdown]
+# ## Exercise 1: mesh coordinates
+#
+# Write `coords(rank, tp, dp, pp)` returning `(stage, d, t)` for the layout above (tensor
+# parallel innermost, then data parallel, then the pipeline stage).
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def coords_of(rank, tp, dp, pp):
+    raise NotImplementedError   # (stage, d, t)
+
+print(checks.check_mesh_coords(coords_of))
+
+# %% [markdown]
+# Solution (expand the cell to see it; try first):
+
+# %% expect=["Correct: mesh coordinates for 5 layouts, every rank."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 1.
+def coords_solution(rank, tp, dp, pp):
+    return rank // (tp * dp), (rank // tp) % dp, rank % tp
+
+print(checks.check_mesh_coords(coords_solution))
+
+# %% [markdown]
+# ## Exercise 2: choose a layout for a memory limit
+#
+# Each rank may hold at most `memory_limit` bytes (the measured peak of the table above). Which
+# layout gives the shortest step on the InfiniBand cluster? Read it from `rows` (or the table);
+# then say why it beats the other layouts that fit.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+memory_limit = sorted(row["peak_bytes"] for row in rows)[4] + 1     # five of the seven layouts fit
+choice = ...   # (tp, dp, pp)
+
+print(checks.check_layout_choice(choice, rows, memory_limit, "InfiniBand cluster"))
+
+# %% [markdown]
+# Solution:
+
+# %% expect=["Correct: the fastest layout that fits, on the InfiniBand cluster."] jupyter={"source_hidden": true} tags=["solution"]
+# Solution of exercise 2.
+fitting = [row for row in rows if row["peak_bytes"] <= memory_limit]
+best = min(fitting, key=lambda row: row["InfiniBand cluster"])
+choice_solution = (best["tp"], best["dp"], best["pp"])
+print(checks.check_layout_choice(choice_solution, rows, memory_limit, "InfiniBand cluster").split(":")[0]
+      + ": the fastest layout that fits, on the InfiniBand cluster.")
+
+# %% [markdown]
+# ## Takeaway
+#
+# * A 3-D layout is three sets of subgroups; each parameter's gradient is summed over exactly
+#   the ranks that hold a copy of it and saw different data: the dp group for every weight, and
+#   the tp group too for the weights that sequence parallelism replicates (LayerNorms, biases).
+# * Composed correctly, the 8-rank step gives the single-device loss and gradients, whatever
+#   the layout.
+# * Data parallelism is the fastest while the model fits; tensor parallelism buys memory with
+#   many latency-bound collectives and belongs inside a node; a pipeline halves weights and the
+#   gradient all-reduce but idles without enough micro-batches. The memory limit picks the
+#   candidates, the interconnect picks the winner.
+
+# %%
+world.close()
