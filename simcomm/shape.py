@@ -44,6 +44,7 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensor, FakeTensorMode, UnsupportedFakeTensorException)
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import SimcommError
 
@@ -63,7 +64,7 @@ class ShapeOnlyError(SimcommError):
 
 def rank_mode() -> FakeTensorMode:
     """A fresh ``FakeTensorMode`` for one rank thread (see the module docstring)."""
-    return FakeTensorMode(allow_non_fake_inputs=False)
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def is_shape_only() -> bool:
@@ -173,3 +174,129 @@ def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | No
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+# -- torch.distributed's own bookkeeping tensors ------------------------------------------------
+
+_OUTSIDE_FAKE_INSTALLED = False
+
+
+def _outside_fake(function: Callable) -> Callable:
+    def run(*args, **kwargs):
+        with _no_fake_mode():
+            return function(*args, **kwargs)
+    run.__wrapped__ = function
+    run.__name__, run.__qualname__, run.__doc__ = function.__name__, function.__qualname__, function.__doc__
+    return run
+
+
+def install_device_mesh_values() -> None:
+    """Let ``DeviceMesh`` keep real rank tensors on shape-only ranks.
+
+    A ``DeviceMesh`` holds the ranks of its dims in an integer tensor and reads
+    them back with ``.tolist()``: bookkeeping, not model data. Its methods and
+    ``init_device_mesh`` run with the rank's fake mode set aside, so that tensor
+    holds values; fake ops that meet it turn it into a fake tensor
+    (``allow_non_fake_inputs``). Installed once, on the first shape-only run;
+    outside a fake mode the wrappers change nothing.
+    """
+    global _OUTSIDE_FAKE_INSTALLED
+    if _OUTSIDE_FAKE_INSTALLED:
+        return
+    from torch.distributed import device_mesh
+
+    mesh_class = device_mesh.DeviceMesh
+    for name, value in list(vars(mesh_class).items()):
+        if callable(value) and not isinstance(value, type) and not name.startswith("__") or name == "__init__":
+            if isinstance(value, (staticmethod, classmethod)):
+                continue
+            setattr(mesh_class, name, _outside_fake(value))
+    import sys
+
+    import torch.distributed.fsdp  # noqa: F401  (modules that import init_device_mesh by name)
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    original = device_mesh.init_device_mesh
+    wrapped = _outside_fake(original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and getattr(module, "init_device_mesh", None) is original:
+            module.init_device_mesh = wrapped
+    _OUTSIDE_FAKE_INSTALLED = True
+
+
+# -- functional collectives ----------------------------------------------------------------------
+
+def _group(name: Any):
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    return name if isinstance(name, dist.ProcessGroup) else c10d._resolve_process_group(name)
+
+
+def _reduce_op(name: str):
+    import torch.distributed as dist
+
+    return getattr(dist.ReduceOp, {"prod": "PRODUCT", "mean": "AVG"}.get(name.lower(), name.upper()))
+
+
+def _functional(func, args: tuple, kwargs: dict):
+    """One ``_c10d_functional`` op on the rank's process group, through torch.distributed's
+    c10d API (the path the op's own kernel takes on a real backend)."""
+    import torch.distributed as dist
+
+    name = func._overloadpacket.__name__
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    if name == "wait_tensor":
+        return bound["tensor"]
+    group = _group(bound["group_name"])
+    if name in ("all_reduce", "all_reduce_"):
+        out = bound["input"] if name == "all_reduce_" else bound["input"].clone()
+        dist.all_reduce(out, op=_reduce_op(bound["reduce_op"]), group=group)
+        return out
+    if name == "all_reduce_coalesced":
+        outs = [tensor.clone() for tensor in bound["inputs"]]
+        for out in outs:
+            dist.all_reduce(out, op=_reduce_op(bound["reduce_op"]), group=group)
+        return outs
+    if name in ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"):
+        inputs = bound["inputs"] if name.endswith("coalesced") else [bound["input"]]
+        outs = [bound["out"]] if name.endswith("_out") else [
+            tensor.new_empty((bound["group_size"] * tensor.shape[0], *tensor.shape[1:])) for tensor in inputs]
+        for out, tensor in zip(outs, inputs):
+            dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+        return outs if name.endswith("coalesced") else outs[0]
+    if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+        inputs = bound["inputs"] if name.endswith("coalesced") else [bound["input"]]
+        outs = []
+        for tensor in inputs:
+            out = tensor.new_empty((tensor.shape[0] // bound["group_size"], *tensor.shape[1:]))
+            dist.reduce_scatter_tensor(out, tensor.contiguous(), op=_reduce_op(bound["reduce_op"]), group=group)
+            outs.append(out)
+        return outs if name.endswith("coalesced") else outs[0]
+    if name == "all_to_all_single":
+        tensor = bound["input"]
+        out_splits, in_splits = list(bound["output_split_sizes"]), list(bound["input_split_sizes"])
+        rows = sum(out_splits) if out_splits else tensor.shape[0]
+        out = tensor.new_empty((rows, *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), out_splits or None, in_splits or None, group=group)
+        return out
+    if name in ("broadcast", "broadcast_"):
+        out = bound["input"] if name == "broadcast_" else bound["input"].clone()
+        dist.broadcast(out, group_src=bound["src"], group=group)
+        return out
+    raise ShapeOnlyError(f"{func} is not supported on shape-only ranks (World(..., tensors='shape')); "
+                         f"use the torch.distributed call it stands for")
+
+
+class FunctionalCollectives(TorchDispatchMode):
+    """Runs torch's functional collectives (``torch.ops._c10d_functional``, what DTensor and
+    ``torch.distributed._functional_collectives`` call) on the rank's process group.
+
+    Under a fake mode those ops would otherwise get their fake kernels: an output of the
+    right shape, no communication, nothing traced. Pushed above the rank's fake mode.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            return _functional(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))

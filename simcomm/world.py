@@ -128,6 +128,7 @@ class World:
         timeout = _check_timeout(timeout)
         shape_only = self.tensors == "shape"
         if shape_only:
+            _shape.install_device_mesh_values()
             modes = [_shape.rank_mode() for _ in range(self.world_size)]
             rank_args = [(_shape.fake_arguments(args, kwargs, mode, self.device), mode) for mode in modes]
             del modes
@@ -271,7 +272,9 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
         torch.autograd.set_multithreading_enabled(False)
         state.wait_turn(rank)
         # shape-only: this thread's own fake mode (simcomm.shape), innermost, for the whole program
-        with rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE, _memory.track(rank, reports):
+        with (rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE,
+              _shape.FunctionalCollectives() if fake_mode is not None else _NO_MODE,
+              _memory.track(rank, reports)):
             results[rank] = program(comm, *args, **kwargs)
             comm.transport.check_all_waited()   # a handle never waited on is an error
     except _Aborted:
