@@ -49,13 +49,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .errors import SimcommError
 
 __all__ = ["TENSOR_MODES", "ShapeOnlyError", "rank_mode", "fake_arguments", "compute_on_meta", "own",
-           "shapes", "is_shape_only", "data_dependent_error"]
+           "shapes", "is_shape_only", "data_dependent_error", "trace_signature", "FunctionalCollectives",
+           "install_device_mesh_values"]
 
 #: the values of ``World(..., tensors=)``
 TENSOR_MODES = ("real", "shape")
 
 #: torch's errors for an op whose result depends on values a fake tensor does not have
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException)
+
+
+#: how a program reads values, by the aten op torch reports
+_VALUE_READS = {"aten._local_scalar_dense.default": "a value read (.item(), .tolist(), bool(t), int(t): "
+                                                    "aten._local_scalar_dense)"}
 
 
 class ShapeOnlyError(SimcommError):
@@ -158,6 +164,21 @@ def shapes(value: Any) -> Any:
     return pytree.tree_map(lambda leaf: leaf.shape if isinstance(leaf, torch.Tensor) else leaf, value)
 
 
+def trace_signature(trace) -> dict[int, list[tuple]]:
+    """What a trace says about communication, without times: per rank, in program order, each
+    call's op, group, step, phase, shapes, dtype, bytes, root, bytes per peer and arguments.
+
+    Equal for a shape-only and a real-valued run of the same program.
+    """
+    by_rank: dict[int, list[tuple]] = {}
+    for event in trace.events:
+        by_rank.setdefault(event.rank, []).append((
+            event.op, event.group, event.step, event.phase, event.shape, event.out_shape, event.dtype,
+            event.nbytes, event.root, event.async_op, tuple(sorted(event.sent.items())),
+            tuple(sorted(event.received.items())), repr(sorted(event.args.items()))))
+    return by_rank
+
+
 def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | None:
     """A :class:`ShapeOnlyError` naming the op and the rank when ``error`` (or what caused it)
     is torch's refusal to compute a value from a fake tensor; ``None`` otherwise."""
@@ -166,6 +187,7 @@ def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | No
         if isinstance(error, _DATA_DEPENDENT):
             op = getattr(error, "func", None)
             name = str(op) if op is not None else type(error).__name__
+            name = _VALUE_READS.get(name, name)
             return ShapeOnlyError(
                 f"rank {rank}: {name} needs tensor values, which a shape-only run "
                 f"(World(..., tensors='shape')) does not have (e.g. .item(), .tolist(), bool(t), "
