@@ -11,7 +11,9 @@ pre-norm transformer blocks on ``tp * pp * dp`` ranks:
   activations go forward stage by stage with send/recv, gradients come back
   the same way (GPipe: all micro-batches forward, then all backward).
 * **data parallel**: the ``dp`` replicas of every stage all-reduce (average)
-  their gradients, one asynchronous all-reduce per block, waited at the end.
+  their gradients, one asynchronous all-reduce per block, issued as soon as
+  the block's last backward is done (it overlaps the backward of the blocks
+  before it) and waited at the end.
 
 Ranks are numbered tensor-innermost: ``rank = (d * pp + p) * tp + t``, so a
 tensor group is ``tp`` consecutive ranks (one NVLink node for ``tp = 8``) and
@@ -126,33 +128,40 @@ def step(comm: Communicator, layout: Layout = Layout(), block: Block = Block()) 
     first, last = stage == 0, stage == layout.pp - 1
     stack = [_parameters(block, layout.tp) for _ in range(block.layers)]
     shape = (block.micro_batch, block.seq, block.hidden)
-    flops = _flops(block, layout.tp) * block.layers
-    inputs, outputs = [], []
+    flops = _flops(block, layout.tp)
+    runs = []                                             # per micro-batch: (input, output) of each block
     for _ in range(block.micro_batches):                  # forward, stage by stage
         if first:
             x = torch.randn(shape, dtype=block.dtype)
         else:
-            x = pipeline.recv(shape, block.dtype, stage - 1).requires_grad_()
-        out = x
-        for params in stack:
-            out = _block(tensor, out, params, block)
-        comm.compute(flops=flops)
+            x = pipeline.recv(shape, block.dtype, stage - 1)
+        pairs = []
+        for index, params in enumerate(stack):
+            # each block's input is a leaf, so backward can run block by block
+            inp = x.detach().requires_grad_() if (index or not first) else x
+            x = _block(tensor, inp, params, block)
+            comm.compute(flops=flops)
+            pairs.append((inp, x))
         if not last:
-            pipeline.send(out.detach(), stage + 1)
-        inputs.append(x)
-        outputs.append(out)
-    for x, out in zip(reversed(inputs), reversed(outputs)):   # backward, last stage first
-        if last:
-            out.float().pow(2).mean().backward()
-        else:
-            out.backward(pipeline.recv(shape, block.dtype, stage + 1))
-        comm.compute(flops=2 * flops)
-        if not first:
-            pipeline.send(x.grad, stage - 1)
+            pipeline.send(x.detach(), stage + 1)
+        runs.append(pairs)
     handles = []
-    for params in stack:                                  # data parallel: average the gradients
-        bucket = torch.cat([p.grad.reshape(-1) for p in params.values()])
-        handles.append(data.all_reduce(bucket, "avg", async_op=True))
+    for count, pairs in enumerate(reversed(runs)):        # backward, last stage first
+        final = count == block.micro_batches - 1          # the step's gradients are complete after it
+        grad = None if last else pipeline.recv(shape, block.dtype, stage + 1)
+        for index in reversed(range(len(pairs))):
+            inp, out = pairs[index]
+            if grad is None:
+                out.float().pow(2).mean().backward()
+            else:
+                out.backward(grad)
+            comm.compute(flops=2 * flops)
+            if final:   # data parallel: average this block's gradients while the blocks before it run
+                bucket = torch.cat([p.grad.reshape(-1) for p in stack[index].values()])
+                handles.append(data.all_reduce(bucket, "avg", async_op=True))
+            grad = inp.grad
+        if not first:
+            pipeline.send(grad, stage - 1)
     for handle in handles:
         handle.wait()
     return {name: p.grad.shape for name, p in stack[0].items()}

@@ -19,6 +19,7 @@ Bytes per peer follow each op's definition as a direct exchange
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -37,7 +38,8 @@ __all__ = ["cluster", "link_class", "bytes_by_link", "link_table", "step_summary
 #: the link class of traffic between nodes
 NETWORK = "network"
 _FONT = dict(size=MIN_FONT_PX, color="rgb(30, 30, 30)")
-_COMPUTE, _EXPOSED, _HIDDEN = "rgb(150, 150, 150)", "rgb(228, 26, 28)", "rgb(55, 126, 184)"
+_COMPUTE, _EXPOSED = "rgb(150, 150, 150)", "rgb(228, 26, 28)"
+_WAITING = "rgb(255, 217, 47)"
 _LINK_COLOURS = {"nvlink": "rgb(102, 194, 165)", "pcie": "rgb(141, 160, 203)", NETWORK: "rgb(252, 141, 98)"}
 
 
@@ -141,9 +143,10 @@ def plan_figure(trace: Trace, topology: str | Topology, *, by="node", ranks: Seq
 
     * left: bytes sent from node (group) i to node (group) j (``by="node"`` or a list of groups);
     * top right: bytes by op, stacked by link class (inside a node vs network);
-    * bottom right: the modelled time of a sample of ranks (``ranks``, default 8 spread
-      evenly, plus the slowest), split into compute, exposed and hidden communication,
-      with the step time and the mean over all ranks in the title.
+    * bottom right: the program's own (compute) lane of a sample of ranks (``ranks``,
+      default 8 spread evenly, plus the slowest): compute, waiting for exposed
+      communication, waiting for peers; the title gives the step time and the mean over
+      all ranks of communication, exposed and hidden under compute.
     """
     if not isinstance(trace, Trace) or not trace.events:
         raise ValueError("plan_figure: needs a simcomm.Trace with events (run a program first)")
@@ -161,10 +164,16 @@ def plan_figure(trace: Trace, topology: str | Topology, *, by="node", ranks: Seq
                            vertical_spacing=0.2,
                            subplot_titles=(f"bytes sent, {unit} (row) to {unit} (column)",
                                            "bytes sent by op and link", "modelled time of sampled ranks"))
+    # colour by log10(bytes): traffic inside a node would otherwise hide what crosses the network
+    logs = [[math.log10(v) if v > 0 else None for v in row] for row in matrix]
+    top = max((v for row in logs for v in row if v is not None), default=1.0)
     figure.add_trace(go.Heatmap(
-        z=matrix, colorscale=[[0.0, "rgb(255, 255, 255)"], [0.15, "rgb(222, 235, 247)"], [1.0, "rgb(8, 81, 156)"]],
-        zmin=0, showscale=False, hovertemplate=f"{unit} %{{y}} -> {unit} %{{x}}: %{{z}} B<extra></extra>"),
-        row=1, col=1)
+        z=logs, customdata=matrix, colorscale="Blues", zmin=max(0.0, top - 4), zmax=top,
+        colorbar=dict(title=dict(text="bytes", side="top", font=_FONT), x=0.43, len=0.9, thickness=12,
+                      tickvals=list(range(int(max(0.0, top - 4)), int(top) + 1)),
+                      ticktext=[human_bytes(10 ** k) for k in range(int(max(0.0, top - 4)), int(top) + 1)],
+                      tickfont=_FONT),
+        hovertemplate=f"{unit} %{{y}} -> {unit} %{{x}}: %{{customdata}} B<extra></extra>"), row=1, col=1)
     figure.update_yaxes(autorange="reversed", title_text=f"from {unit}", row=1, col=1)
     figure.update_xaxes(title_text=f"to {unit}", row=1, col=1)
     ops = sorted(links)
@@ -174,24 +183,25 @@ def plan_figure(trace: Trace, topology: str | Topology, *, by="node", ranks: Seq
                                                                               else " (between nodes)"),
             marker_color=_LINK_COLOURS[link], legendgroup="links",
             hovertemplate="%{x}: %{y} B<extra>" + link + "</extra>"), row=1, col=2)
-    figure.update_yaxes(title_text="bytes", row=1, col=2)
+    figure.update_yaxes(title_text="bytes", ticksuffix="B", exponentformat="SI", row=1, col=2)
     scale, time_unit = (1e3, "ms") if summary["step_time"] >= 1e-3 else (1e6, "µs")
     names = [f"rank {r}" for r in drawn]
     parts = (("compute", _COMPUTE, lambda s: s.compute), ("exposed comm", _EXPOSED, lambda s: s.exposed),
-             ("hidden comm", _HIDDEN, lambda s: s.hidden))
+             ("waits for peers", _WAITING, lambda s: s.waiting))
     for name, colour, value in parts:
         figure.add_trace(go.Bar(
             y=names, x=[value(timeline.ranks[r]) * scale for r in drawn], name=name, orientation="h",
             marker_color=colour, legendgroup="time",
             hovertemplate="%{y}: %{x:.4g} " + time_unit + "<extra>" + name + "</extra>"), row=2, col=2)
-    figure.update_xaxes(title_text=f"time ({time_unit}); hidden comm overlaps compute", row=2, col=2)
+    figure.update_xaxes(title_text=f"time ({time_unit}) of the program's own lane", row=2, col=2)
     figure.update_yaxes(autorange="reversed", row=2, col=2)
     total = sum(sum(by.values()) for by in links.values())
     network = sum(by.get(NETWORK, 0) for by in links.values())
     title = (f"{summary['ranks']} ranks on {topology.name}: modelled step {summary['step_time'] * scale:.4g} "
              f"{time_unit}<br><span style='font-size:{MIN_FONT_PX}px'>per rank (mean): compute "
              f"{summary['compute'] * scale:.3g}, communication {summary['communication'] * scale:.3g} of which "
-             f"exposed {summary['exposed'] * scale:.3g} (max {summary['exposed_max'] * scale:.3g}) {time_unit}; "
+             f"exposed {summary['exposed'] * scale:.3g} (max {summary['exposed_max'] * scale:.3g}), hidden under "
+             f"compute {summary['hidden'] * scale:.3g} {time_unit}; "
              f"{human_bytes(total)} sent in all, {100 * network / total if total else 0:.0f}% over the network"
              f"</span>")
     figure.update_layout(
