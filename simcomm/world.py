@@ -99,6 +99,15 @@ class World:
         * autograd's backward runs on the rank's own thread
           (``torch.autograd.set_multithreading_enabled(False)``), on any device.
 
+        With ``World(n, tensors="shape")`` every rank runs under a fake tensor
+        mode of its own (:mod:`simcomm.shape`): tensor arguments (and modules'
+        parameters) arrive as fake tensors, tensors the program creates are
+        fake, compute is skipped, and collectives produce fake outputs of the
+        shapes and dtypes a real-valued run gives, with the same trace, errors
+        and memory report. The results hold fake tensors. A program that reads
+        tensor values raises :class:`~simcomm.errors.RankError` caused by a
+        :class:`~simcomm.shape.ShapeOnlyError` naming the op and the rank.
+
         A communicator, or a tensor that still holds one through its autograd
         graph (an output returned without ``.detach()``), works only inside its
         run: afterwards any call, a backward included, raises
