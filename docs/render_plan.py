@@ -22,7 +22,7 @@ from render_gallery import render
 def plan():
     layout = t3d.Layout(tp=8, pp=4, dp=32)                        # 1024 ranks
     world = simcomm.World(layout.world_size, tensors="shape")     # fake tensors: shapes, no data
-    world.run(t3d.step, layout, t3d.Block(micro_batches=2))       # one GPT-2-medium training step
+    world.run(t3d.step, layout, t3d.Block(layers=2, micro_batches=2))  # GPT-2-medium blocks, one step
     topology = cluster("h100-ndr-cluster", layout.world_size)     # the preset, grown to 128 nodes
     print(link_table(world.trace, topology))
     return plan_figure(world.trace, topology)
