@@ -28,11 +28,21 @@ tensors in it are fake tensors (``.shape``, ``.dtype``, ``.device`` work;
 reading values does not). :func:`shapes` turns them into
 ``torch.Size`` objects.
 
+**torch.distributed.** Programs that use torch.distributed run too: c10d
+calls reach the simulator as with data; the functional collectives DTensor
+uses (``torch.ops._c10d_functional``), which a fake mode would otherwise
+answer with an empty output and no communication, are routed to the rank's
+process group (:class:`FunctionalCollectives`); ``DeviceMesh`` keeps real
+rank tensors (:func:`install_device_mesh_values`).
+
 **Unsupported.** An op that needs values (``.item()``, ``.tolist()``,
 ``bool(t)``, ``torch.nonzero``, a data-dependent split) raises
 :class:`ShapeOnlyError` naming the op and the rank (:func:`data_dependent_error`).
 Such programs need the real-valued mode, or the value given as a Python
-number.
+number. So does ``dist.all_to_all_single`` with uneven split sizes (the
+simcomm c10d backend reads the longest split with ``.item()``), and changing
+a module's dtype in place (``Module.double()``: torch cannot swap fake
+parameters; create the module with ``dtype=``), also a :class:`ShapeOnlyError`.
 """
 from __future__ import annotations
 
@@ -193,6 +203,11 @@ def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | No
                 f"(World(..., tensors='shape')) does not have (e.g. .item(), .tolist(), bool(t), "
                 f"nonzero, or split sizes read from a tensor); run this program with tensors='real', "
                 f"or compute the value from shapes or Python numbers")
+        if isinstance(error, RuntimeError) and str(error).startswith("_apply(): Couldn't swap"):
+            return ShapeOnlyError(
+                f"rank {rank}: {error}: torch cannot change the dtype or device of a module's fake "
+                f"parameters in place (Module.to/.double()/.half() on a shape-only rank); create the "
+                f"module with dtype=/device= (or torch.set_default_dtype) instead")
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None

@@ -204,3 +204,13 @@ def test_arguments_become_fake_and_the_caller_keeps_its_tensors():
 def test_bad_tensors_argument_is_named():
     with pytest.raises(ValueError, match="tensors='meta'"):
         simcomm.World(2, tensors="meta")
+
+
+def test_module_dtype_change_is_a_clear_error():
+    def program(comm):
+        return nn.Linear(4, 8).double().weight.dtype
+
+    with pytest.raises(RankError) as error:
+        simcomm.World(2, tensors="shape").run(program)
+    assert isinstance(error.value.__cause__, ShapeOnlyError)
+    assert "dtype=" in str(error.value.__cause__) and "rank 0" in str(error.value.__cause__)
