@@ -96,8 +96,7 @@ def fake_arguments(args: tuple, kwargs: dict, mode: FakeTensorMode, device: torc
     import copy
 
     def convert(tensor: torch.Tensor) -> torch.Tensor:
-        fake = mode.from_tensor(tensor.detach() if tensor.requires_grad and not tensor.is_leaf else tensor,
-                                static_shapes=True)
+        fake = mode.from_tensor(tensor, static_shapes=True)
         if fake.device != device:
             with mode:
                 fake = fake.to(device)

@@ -137,6 +137,7 @@ class World:
         timeout = _check_timeout(timeout)
         shape_only = self.tensors == "shape"
         if shape_only:
+            _check_leaves(args, kwargs)
             _shape.install_device_mesh_values()
             modes = [_shape.rank_mode() for _ in range(self.world_size)]
             rank_args = [(_shape.fake_arguments(args, kwargs, mode, self.device), mode) for mode in modes]
@@ -233,6 +234,13 @@ def _copy_arguments(args: tuple, kwargs: dict, device: torch.device) -> tuple[tu
                 parameter.grad = None
         copies.append(leaf)
     return pytree.tree_unflatten(copies, spec)
+
+
+def _check_leaves(args: tuple, kwargs: dict) -> None:
+    """The argument check of :func:`_copy_tensor`, for shape-only runs (which copy no data)."""
+    for index, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and not leaf.is_leaf:
+            _copy_tensor(leaf, leaf.device, {}, lambda: _argument_name(args, kwargs, index))
 
 
 def _copy_tensor(tensor: torch.Tensor, device: torch.device, memo: dict, name: Callable[[], str]

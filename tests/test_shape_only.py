@@ -201,6 +201,13 @@ def test_arguments_become_fake_and_the_caller_keeps_its_tensors():
     assert torch.equal(x.detach(), torch.arange(6.0).reshape(2, 3))
 
 
+def test_a_non_leaf_argument_is_refused_as_in_the_real_valued_run():
+    x = torch.ones(3, requires_grad=True) * 2
+    for tensors in ("real", "shape"):
+        with pytest.raises(ValueError, match=r"argument args\[0\] requires grad and is not a leaf"):
+            simcomm.World(2, tensors=tensors).run(lambda comm, x: x.shape, x)
+
+
 def test_bad_tensors_argument_is_named():
     with pytest.raises(ValueError, match="tensors='meta'"):
         simcomm.World(2, tensors="meta")
