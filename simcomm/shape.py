@@ -40,9 +40,11 @@ rank tensors (:func:`install_device_mesh_values`).
 :class:`ShapeOnlyError` naming the op and the rank (:func:`data_dependent_error`).
 Such programs need the real-valued mode, or the value given as a Python
 number. So does ``dist.all_to_all_single`` with uneven split sizes (the
-simcomm c10d backend reads the longest split with ``.item()``), and changing
-a module's dtype in place (``Module.double()``: torch cannot swap fake
-parameters; create the module with ``dtype=``), also a :class:`ShapeOnlyError`.
+simcomm c10d backend reads the longest split with ``.item()``). Changing a
+module's dtype in place (``Module.double()``) works only when torch can swap
+the fake parameters (it refuses when something holds a weak reference to
+them, depending on torch's state in the process); its refusal is a
+:class:`ShapeOnlyError` too: create the module with ``dtype=`` instead.
 """
 from __future__ import annotations
 
