@@ -65,6 +65,9 @@ def test_timeline_draws_a_sample_of_many_ranks():
     rows = set(figure.layout.yaxis.categoryarray)
     assert len(rows) == 16                             # 8 ranks x (compute, comm)
     assert "8 of 32 ranks drawn" in figure.layout.title.text and "all 32 ranks" in figure.layout.title.text
+    by_group = timeline_figure(world.trace, modelled=True, topology=cluster("h100-ndr-cluster", 32),
+                               groups={"node": [list(range(0, 16)), list(range(16, 32))]})
+    assert "node groups (2): exposed comm per rank" in by_group.layout.title.text
     chosen = timeline_figure(world.trace, ranks=[3, 5])
     assert set(chosen.layout.yaxis.categoryarray) == {"rank 3", "rank 5"}
     with pytest.raises(ValueError, match="ranks"):

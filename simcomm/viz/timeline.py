@@ -189,7 +189,27 @@ def _overall(timeline: Timeline, unit: str, scale: float) -> str:
             f"{mean([s.hidden for s in summaries]) * scale:.3g} {unit}")
 
 
-def _modelled_figure(trace: Trace, topology: str | Topology | None, ranks: list[int] | None) -> go.Figure:
+def _group_lines(timeline: Timeline, groups: dict, unit: str, scale: float) -> list[str]:
+    """Per named partition of the ranks: the mean over its groups of their ranks' mean exposed
+    communication, and the group where it is largest."""
+    lines = []
+    for name, partition in groups.items():
+        means = []
+        for index, group in enumerate(partition):
+            summaries = [timeline.ranks[r] for r in group if r in timeline.ranks]
+            if summaries:
+                means.append((sum(s.exposed for s in summaries) / len(summaries), index, group))
+        if not means:
+            continue
+        worst = max(means)
+        lines.append(f"{name} groups ({len(means)}): exposed comm per rank {sum(m for m, _, _ in means) / len(means) * scale:.3g} "
+                     f"{unit} on average, {worst[0] * scale:.3g} in the worst (group {worst[1]}: ranks "
+                     f"{worst[2][0]}..{worst[2][-1]})")
+    return lines
+
+
+def _modelled_figure(trace: Trace, topology: str | Topology | None, ranks: list[int] | None,
+                     groups: dict | None = None) -> go.Figure:
     timeline = modelled_timeline(trace, topology)
     all_ranks = sorted(timeline.ranks)
     keep = set(ranks) if ranks is not None else None
@@ -236,7 +256,8 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None, ranks: list[
     title = _title("modelled timeline: per rank a compute row and a communication row (its own stream)",
                    "cross-hatched: exposed (the program waits for it); plain: hidden under compute; "
                    "dotted: the program waits" + _sampled(ranks, all_ranks)
-                   + (f"<br>{_overall(timeline, unit, scale)}" if ranks is not None else ""))
+                   + (f"<br>{_overall(timeline, unit, scale)}" if ranks is not None else "")
+                   + "".join(f"<br>{line}" for line in _group_lines(timeline, groups or {}, unit, scale)))
     layout = _layout(rows, unit, title, 40, right=330)
     layout["legend"].update(title=dict(text="op: exposed / hidden", font=_FONT), orientation="h",
                             x=0.0, xanchor="left", y=1.0, yanchor="bottom")
@@ -247,16 +268,18 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None, ranks: list[
              y=comm_row(rank), yref="y", showarrow=False, align="left", font=_FONT)
         for rank in drawn]
     figure = go.Figure(data=traces, layout=layout)
-    if ranks is not None:
-        layout["height"] += 40
-        layout["margin"]["t"] += 40
+    extra = 20 * ((ranks is not None) + len(groups or {}))
+    if extra:
+        layout["height"] += 2 * extra
+        layout["margin"]["t"] += 2 * extra
         figure = go.Figure(data=traces, layout=layout)
     figure.layout.meta = {"timeline": {rank: vars(s) for rank, s in timeline.ranks.items() if rank in drawn}}
     return figure
 
 
 def timeline_figure(trace: Trace, modelled: bool = False, *, topology: str | Topology | None = None,
-                    source: str | None = None, ranks: list[int] | None = None) -> go.Figure:
+                    source: str | None = None, ranks: list[int] | None = None,
+                    groups: dict[str, list[list[int]]] | None = None) -> go.Figure:
     """Where each rank's time went.
 
     ``modelled=False`` draws the measured start and end of every call, one row
@@ -274,7 +297,10 @@ def timeline_figure(trace: Trace, modelled: bool = False, *, topology: str | Top
     :data:`SAMPLE_ABOVE` ranks draws 8 of them, spread evenly
     (:func:`sample_ranks`), and says which; the modelled picture is still laid
     out for every rank, and its subtitle sums up all of them (step time,
-    exposed and hidden communication, mean and max).
+    exposed and hidden communication, mean and max). ``groups`` (modelled only):
+    named partitions of the ranks, e.g. ``simcomm.transformer3d.groups(layout)``;
+    the subtitle gives each partition's exposed communication per rank, on
+    average over its groups and in its worst group.
     """
     if not isinstance(trace, Trace):
         raise ValueError(f"timeline_figure: trace must be a simcomm.Trace, got {type(trace).__name__}")
@@ -289,4 +315,4 @@ def timeline_figure(trace: Trace, modelled: bool = False, *, topology: str | Top
             f"timeline_figure: modelled=True but {len(missing)} of {len(trace.events)} events have no "
             f"modelled duration (first: {missing[0].op} on rank {missing[0].rank}); call "
             f"simcomm.cost.annotate(trace, topology) first or pass topology=")
-    return _modelled_figure(trace, topology, picked)
+    return _modelled_figure(trace, topology, picked, groups)
