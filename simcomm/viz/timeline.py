@@ -189,6 +189,11 @@ def _overall(timeline: Timeline, unit: str, scale: float) -> str:
             f"{mean([s.hidden for s in summaries]) * scale:.3g} {unit}")
 
 
+def _members(group: list[int]) -> str:
+    """``8, 16, ..., 1016`` (first two and last) for a long group; all of a short one."""
+    return ", ".join(map(str, group)) if len(group) <= 3 else f"{group[0]}, {group[1]}, ..., {group[-1]}"
+
+
 def _group_lines(timeline: Timeline, groups: dict, unit: str, scale: float) -> list[str]:
     """Per named partition of the ranks: the mean over its groups of their ranks' mean exposed
     communication, and the group where it is largest."""
@@ -204,7 +209,7 @@ def _group_lines(timeline: Timeline, groups: dict, unit: str, scale: float) -> l
         worst = max(means)
         lines.append(f"{name} groups ({len(means)}): exposed comm per rank {sum(m for m, _, _ in means) / len(means) * scale:.3g} "
                      f"{unit} on average, {worst[0] * scale:.3g} in the worst (group {worst[1]}: ranks "
-                     f"{worst[2][0]}..{worst[2][-1]})")
+                     f"{_members(worst[2])})")
     return lines
 
 
@@ -269,9 +274,10 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None, ranks: list[
         for rank in drawn]
     figure = go.Figure(data=traces, layout=layout)
     extra = 20 * ((ranks is not None) + len(groups or {}))
-    if extra:
-        layout["height"] += 2 * extra
-        layout["margin"]["t"] += 2 * extra
+    if extra:   # the longer subtitle starts at the top of the figure, above the legend
+        layout["height"] += extra + 30
+        layout["margin"]["t"] += extra + 30
+        layout["title"].update(y=1.0, yref="container", yanchor="top", pad=dict(t=30))
         figure = go.Figure(data=traces, layout=layout)
     figure.layout.meta = {"timeline": {rank: vars(s) for rank, s in timeline.ranks.items() if rank in drawn}}
     return figure
