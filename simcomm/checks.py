@@ -118,10 +118,17 @@ def check_partition(op: str, groups: Sequence[Sequence[int]], world_size: int, r
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
         raise ValueError(f"{op}: groups={groups!r} on rank {rank} must be a list of lists of ranks")
     normalized = []
+    named = None
     for group in groups:
         if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
             raise ValueError(f"{op}: groups={groups!r} on rank {rank} must be a list of lists of ranks")
-        normalized.append(tuple(sorted(check_rank_number(op, r, rank, f"groups={groups!r}") for r in group)))
+        members = []
+        for r in group:
+            if type(r) is not int or not 0 <= r < world_size:   # the common case needs no message
+                named = named or f"groups={groups!r}"           # formatted once, not once per rank
+                r = check_rank_number(op, r, rank, named)
+            members.append(r)
+        normalized.append(tuple(sorted(members)))
     normalized = tuple(normalized)
     flat = sorted(r for group in normalized for r in group)
     if flat != list(range(world_size)) or any(len(group) == 0 for group in normalized):

@@ -29,7 +29,8 @@ storage is freed. Ops that write their output (``resize_``, ``out=``) update
 the size of a storage already counted. Storage made outside the dispatcher is
 not seen: tensors from ``torch.from_numpy``, from unpickling (a real worker's
 arguments), and a program's arguments on both backends; :func:`tag` counts such
-a tensor explicitly. Sparse tensors are not counted; meta tensors hold no bytes;
+a tensor explicitly. Sparse tensors are not counted; meta tensors hold no bytes; fake tensors
+(shape-only ranks, :mod:`simcomm.shape`) count the bytes their storage would hold;
 a tensor subclass that wraps tensors (DTensor) counts the tensors it wraps. Resizing a storage object directly
 (``t.untyped_storage().resize_(0)``) is not seen either.
 

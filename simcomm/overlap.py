@@ -30,6 +30,7 @@ communication lane is idle (a peer has not issued the collective yet):
 """
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ class Timeline(Sequence):
     placed: list[Placed]
     stalls: list[Stall]
     ranks: dict[int, RankSummary] = field(default_factory=dict)
+    _stalls_by_rank: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.placed)
@@ -100,8 +102,12 @@ class Timeline(Sequence):
         """The parts of a communication event during which its rank's compute lane waits."""
         if item.lane == "compute":
             return []
-        return [(max(item.start, s.start), min(item.end, s.end)) for s in self.stalls
-                if s.rank == item.event.rank and min(item.end, s.end) > max(item.start, s.start)]
+        if self._stalls_by_rank is None:
+            self._stalls_by_rank = {}
+            for stall in self.stalls:
+                self._stalls_by_rank.setdefault(stall.rank, []).append(stall)
+        return [(max(item.start, s.start), min(item.end, s.end)) for s in self._stalls_by_rank.get(item.event.rank, ())
+                if min(item.end, s.end) > max(item.start, s.start)]
 
 
 def _key(event: TraceEvent) -> tuple | None:
@@ -162,29 +168,59 @@ def layout(trace: Trace) -> Timeline:
     placed: list[Placed] = []
     stalls: list[Stall] = []
 
+    order: dict[tuple, int] = {}                # each call's position in issue order
+    candidates: list[tuple] = []                # calls that may have become placeable
+
+    def placeable(key: tuple) -> bool:
+        if key in ends:
+            return False
+        members, calls = _members(key), issued[key]
+        if any(m not in calls for m in members):
+            return False
+        return key[0] != "collective" or all(lane_queue[m][0] == key for m in members)
+
+    def place(key: tuple) -> list[tuple]:
+        """Place one call; return the calls its placement may make placeable (new lane heads)."""
+        members, calls = _members(key), issued[key]
+        collective = key[0] == "collective"
+        free = [max(lane_free[m], p2p_free[m]) if collective else lane_free[m] for m in members]
+        start = max(max(t for _, t in calls.values()), max(free))
+        end = start + max(e.modelled for e, _ in calls.values())
+        enabled = []
+        for member in members:
+            if collective:
+                lane_free[member] = end
+                lane_queue[member].popleft()
+                if lane_queue[member]:
+                    enabled.append(lane_queue[member][0])
+            else:
+                p2p_free[member] = max(p2p_free[member], end)
+            placed.append(Placed(calls[member][0], start, end))
+        ends[key] = end
+        return enabled
+
     def place_ready() -> None:
-        progress = True
-        while progress:
-            progress = False
-            for key in [k for k in issued if k not in ends]:
-                members, calls = _members(key), issued[key]
-                if any(m not in calls for m in members):
+        # passes over the candidates in issue order, as a scan of every unplaced call would
+        # make them: a call enabled by a placement later in the order is placed in the same
+        # pass, one earlier in the order in the next pass
+        pending = sorted(set(candidates), key=order.__getitem__)
+        candidates.clear()
+        while pending:
+            heap = [(order[k], k) for k in pending]
+            heapq.heapify(heap)
+            pending, seen = [], set()
+            while heap:
+                position, key = heapq.heappop(heap)
+                if key in seen or not placeable(key):
                     continue
-                if key[0] == "collective" and any(lane_queue[m][0] != key for m in members):
-                    continue
-                collective = key[0] == "collective"
-                free = [max(lane_free[m], p2p_free[m]) if collective else lane_free[m] for m in members]
-                start = max(max(t for _, t in calls.values()), max(free))
-                end = start + max(e.modelled for e, _ in calls.values())
-                for member in members:
-                    if collective:
-                        lane_free[member] = end
-                        lane_queue[member].popleft()
-                    else:
-                        p2p_free[member] = max(p2p_free[member], end)
-                    placed.append(Placed(calls[member][0], start, end))
-                ends[key] = end
-                progress = True
+                seen.add(key)
+                for other in place(key):
+                    if other in issued and other not in ends:
+                        if order[other] > position:
+                            heapq.heappush(heap, (order[other], other))
+                        else:
+                            pending.append(other)
+            pending = sorted(set(pending), key=order.__getitem__)
 
     def wait(rank: int, event: TraceEvent, end: float) -> None:
         if end > cpu[rank]:
@@ -213,6 +249,8 @@ def layout(trace: Trace) -> Timeline:
                     if event.op not in ("send", "recv"):
                         lane_queue[rank].append(key)
                     issued.setdefault(key, {})[rank] = (event, cpu[rank])
+                    order.setdefault(key, len(order))
+                    candidates.append(key)
                     queue.popleft()
                     if not event.async_op:
                         queue.appendleft(("wait", event))
@@ -240,10 +278,16 @@ def layout(trace: Trace) -> Timeline:
 
 def _summaries(by_rank, placed, stalls, cpu, lane_free) -> dict[int, RankSummary]:
     summaries = {}
+    placed_by: dict[int, list[Placed]] = {}
+    for p in placed:
+        placed_by.setdefault(p.event.rank, []).append(p)
+    stalls_by: dict[int, list[Stall]] = {}
+    for s in stalls:
+        stalls_by.setdefault(s.rank, []).append(s)
     for rank in sorted(by_rank):
-        mine = [p for p in placed if p.event.rank == rank]
+        mine = placed_by.get(rank, [])
         comm = [(p.start, p.end) for p in mine if p.lane == "communication" and p.end > p.start]
-        waits = [(s.start, s.end) for s in stalls if s.rank == rank]
+        waits = [(s.start, s.end) for s in stalls_by.get(rank, [])]
         exposed = _overlap(waits, comm)
         summaries[rank] = RankSummary(
             rank=rank, compute=sum(p.end - p.start for p in mine if p.lane == "compute"),

@@ -51,6 +51,7 @@ import torch
 
 from . import collectives as math
 from . import memory
+from . import shape as _shape
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, DeadlockError, SimcommError,
                      WrongThreadError)
 from .handles import Handle, P2POp, UnwaitedHandleError
@@ -104,10 +105,12 @@ def _copy_small(slot: _Slot) -> None:
             slot.outputs[index], slot.shared[index] = out.clone(), False
 
 
-def _materialize(slot: _Slot, rank: int):
+def _materialize(slot: _Slot, rank: int, state: RunState):
     out = slot.outputs[rank]
     # the slot keeps no reference to this rank's tensors or frames: they are freed when the program drops them
     slot.outputs[rank] = slot.inputs[rank] = slot.frames[rank] = None
+    if state.shape_only:    # meta outputs become fake tensors of this rank's own mode
+        return memory.received(_shape.own(out, state.device))
     return memory.received(out.clone() if slot.shared[rank] else out)
 
 
@@ -223,6 +226,8 @@ class RunState:
         self.events: list[tuple] | None = [] if trace else None
         self.clock_zero = time.perf_counter()
         self.world = _Group(("world",), range(world_size))
+        #: fake tensors on every rank (simcomm.shape): collective math on meta tensors
+        self.shape_only = False
 
     # -- the run's life: called by World and by each rank thread (each takes the lock) --
 
@@ -457,9 +462,12 @@ class SimTransport(TransportBase):
         state = self._state
         try:
             with memory.untracked():    # outputs are counted on the ranks that receive them
-                slot.outputs = compute(slot.inputs)
-                slot.shared = _shared_entries(slot.outputs, owner=self.rank)
-                _copy_small(slot)
+                if state.shape_only:    # meta outputs; each rank rebuilds its own (_materialize)
+                    slot.outputs = _shape.compute_on_meta(compute, slot.inputs)
+                else:
+                    slot.outputs = compute(slot.inputs)
+                    slot.shared = _shared_entries(slot.outputs, owner=self.rank)
+                    _copy_small(slot)
         except BaseException:
             slot.failed = True
             raise
@@ -480,10 +488,10 @@ class SimTransport(TransportBase):
             state.release_and_wait(self.global_rank, _Wait(op, frame, slot, self._group.ranks, step))
             if slot.failed:
                 raise _Aborted
-            return _materialize(slot, self.rank)
+            return _materialize(slot, self.rank, state)
         state.lock.release()
         self._complete(slot, step, compute)
-        return _materialize(slot, self.rank)
+        return _materialize(slot, self.rank, state)
 
     def _issue(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list],
                record: Record | None) -> Handle:
@@ -596,13 +604,16 @@ class SimTransport(TransportBase):
             if partner.shape != shape or partner.dtype != dtype:
                 self._p2p_mismatch_and_release(_Message(kind, me, tensor, shape, dtype, frame), partner)
             if kind == "send":
-                partner.tensor = tensor if async_op else tensor.clone()
+                partner.tensor = tensor if async_op or state.shape_only else tensor.clone()
                 self._deliver_locked(partner)
                 state.lock.release()
                 out = None
             else:
                 state.lock.release()
-                out = partner.tensor if partner.owned else partner.tensor.clone()  # the sender waits
+                if state.shape_only:   # the sender's fake tensor, rebuilt in this rank's mode
+                    out = _shape.own(partner.tensor, state.device)
+                else:
+                    out = partner.tensor if partner.owned else partner.tensor.clone()  # the sender waits
                 with state.lock:
                     self._deliver_locked(partner)
             if not async_op:
@@ -619,6 +630,8 @@ class SimTransport(TransportBase):
         message.blocked = True
         state.release_and_wait(me, _Wait(kind, frame, peer=group.ranks[peer], detail=p2p_detail(dtype, shape)))
         out = message.tensor if kind == "recv" else None
+        if out is not None and state.shape_only:
+            out = _shape.own(out, state.device)
         self._end(record, out)
         return out
 
@@ -826,7 +839,7 @@ class _PendingCollective:
             state.lock.release()
         if slot.failed:
             raise _Aborted
-        out = _materialize(slot, transport.rank)
+        out = _materialize(slot, transport.rank, state)
         transport._waited(self, out)
         return out
 
@@ -870,6 +883,8 @@ class _PendingMessage:
         else:
             state.lock.release()
         out = message.tensor if message.kind == "recv" else None
+        if out is not None and transport._state.shape_only:
+            out = _shape.own(out, transport._state.device)
         transport._waited(self, out)
         return out
 

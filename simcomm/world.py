@@ -1,6 +1,7 @@
 """``World``: N virtual ranks in this process, each a thread running the same SPMD program."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import math
@@ -14,6 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import memory as _memory
+from . import shape as _shape
 from .c10d import rank_process_group
 from .communicator import Communicator
 from .errors import RankError, RunTimeoutError
@@ -40,6 +42,7 @@ class World:
     >>> outs[r]                             # what rank r returned
     >>> world.trace                         # the transport calls of that run
     >>> World(4, memory=True).memory        # after a run: bytes per rank by label (simcomm.memory)
+    >>> World(1024, tensors="shape")        # fake tensors: shapes, trace and memory, no data (simcomm.shape)
 
     Each rank runs ``program(comm, *args, **kwargs)`` on a thread of its own,
     so rank-dependent control flow, blocking send/recv and per-rank
@@ -48,10 +51,13 @@ class World:
     """
 
     def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
-                 memory: bool = False):
+                 memory: bool = False, tensors: str = "real"):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size={world_size!r} must be a positive int")
+        if tensors not in _shape.TENSOR_MODES:
+            raise ValueError(f"World: tensors={tensors!r} must be one of {list(_shape.TENSOR_MODES)}")
         self.world_size = world_size
+        self.tensors = tensors
         self.device = torch.device(device)
         self.tracing = trace
         self.trace = Trace()
@@ -59,7 +65,8 @@ class World:
         self.memory: _memory.MemoryReport | None = None   # bytes per rank of the last run (memory=True)
 
     def __repr__(self) -> str:
-        return f"World(world_size={self.world_size}, device={self.device})"
+        mode = f", tensors={self.tensors!r}" if self.tensors != "real" else ""
+        return f"World(world_size={self.world_size}, device={self.device}{mode})"
 
     # A World holds no resources between runs; the context manager only mirrors real.Cluster.
     def __enter__(self) -> World:
@@ -92,6 +99,15 @@ class World:
         * autograd's backward runs on the rank's own thread
           (``torch.autograd.set_multithreading_enabled(False)``), on any device.
 
+        With ``World(n, tensors="shape")`` every rank runs under a fake tensor
+        mode of its own (:mod:`simcomm.shape`): tensor arguments (and modules'
+        parameters) arrive as fake tensors, tensors the program creates are
+        fake, compute is skipped, and collectives produce fake outputs of the
+        shapes and dtypes a real-valued run gives, with the same trace, errors
+        and memory report. The results hold fake tensors. A program that reads
+        tensor values raises :class:`~simcomm.errors.RankError` caused by a
+        :class:`~simcomm.shape.ShapeOnlyError` naming the op and the rank.
+
         A communicator, or a tensor that still holds one through its autograd
         graph (an output returned without ``.detach()``), works only inside its
         run: afterwards any call, a backward included, raises
@@ -119,13 +135,23 @@ class World:
         After any error the World can run again.
         """
         timeout = _check_timeout(timeout)
-        rank_args = [_copy_arguments(args, kwargs, self.device) for _ in range(self.world_size)]
+        shape_only = self.tensors == "shape"
+        if shape_only:
+            _check_leaves(args, kwargs)
+            _shape.install_device_mesh_values()
+            modes = [_shape.rank_mode() for _ in range(self.world_size)]
+            rank_args = [(_shape.fake_arguments(args, kwargs, mode, self.device), mode) for mode in modes]
+            del modes
+        else:
+            rank_args = [(_copy_arguments(args, kwargs, self.device), None) for _ in range(self.world_size)]
         state = RunState(self.world_size, self.device, self.tracing)
+        state.shape_only = shape_only
         results: list[Any] = [None] * self.world_size
         reports = [None] * self.world_size if self.track_memory else None
         threads = [
             threading.Thread(target=_rank_main, name=f"simcomm-rank-{rank}", daemon=True,
-                             args=(state, rank, program, *rank_args[rank], results, reports))
+                             args=(state, rank, program, *rank_args[rank][0], results, reports,
+                                   rank_args[rank][1]))
             for rank in range(self.world_size)]
         del rank_args
         state.random.save_caller()
@@ -210,6 +236,13 @@ def _copy_arguments(args: tuple, kwargs: dict, device: torch.device) -> tuple[tu
     return pytree.tree_unflatten(copies, spec)
 
 
+def _check_leaves(args: tuple, kwargs: dict) -> None:
+    """The argument check of :func:`_copy_tensor`, for shape-only runs (which copy no data)."""
+    for index, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and not leaf.is_leaf:
+            _copy_tensor(leaf, leaf.device, {}, lambda: _argument_name(args, kwargs, index))
+
+
 def _copy_tensor(tensor: torch.Tensor, device: torch.device, memo: dict, name: Callable[[], str]
                  ) -> torch.Tensor:
     if tensor.requires_grad and not tensor.is_leaf:
@@ -240,31 +273,41 @@ def _argument_name(args: tuple, kwargs: dict, index: int) -> str:
 # -- a rank thread -------------------------------------------------------------------------------
 
 def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
-               results: list, reports: list | None) -> None:
+               results: list, reports: list | None, fake_mode=None) -> None:
     try:
-        _run_rank(state, rank, program, args, kwargs, results, reports)
+        _run_rank(state, rank, program, args, kwargs, results, reports, fake_mode)
     except _Aborted:   # raised into this thread while it was already finishing
         pass
 
 
 def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
-              results: list, reports: list | None) -> None:
+              results: list, reports: list | None, fake_mode=None) -> None:
     comm = Communicator(SimTransport(state, state.world, rank))
     try:
         # backward on this thread, where the scheduler sees its waits (CUDA would use
         # autograd's device threads, shared by every rank); thread-local
         torch.autograd.set_multithreading_enabled(False)
         state.wait_turn(rank)
-        with rank_process_group(comm), _memory.track(rank, reports):
+        # shape-only: this thread's own fake mode (simcomm.shape), innermost, for the whole program
+        with (rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE,
+              _shape.FunctionalCollectives() if fake_mode is not None else _NO_MODE,
+              _memory.track(rank, reports)):
             results[rank] = program(comm, *args, **kwargs)
             comm.transport.check_all_waited()   # a handle never waited on is an error
     except _Aborted:
         pass
     except BaseException as error:
         if not _caused_by_abort(error):
+            if fake_mode is not None:
+                refusal = _shape.data_dependent_error(error, rank)
+                if refusal is not None:
+                    refusal.__cause__, error = error, refusal
             state.rank_failed(rank, error)
     finally:
         state.rank_finished(rank)
+
+
+_NO_MODE = contextlib.nullcontext()
 
 
 def _caused_by_abort(error: BaseException | None) -> bool:
@@ -320,7 +363,7 @@ def _stop(threads: list[threading.Thread], state: RunState, *, interrupt_holders
     for rank in stuck:
         by_place.setdefault(program_location(frames.get(threads[rank].ident)), []).append(rank)
     lines = ["rank threads that could not be stopped (they keep running in the background, unwind "
-             f"when their current call returns, and hold up no later run):"]
+             "when their current call returns, and hold up no later run):"]
     lines.extend(f"  rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks) if len(ranks) > 1 else ranks[0]} "
                  f"at {place}" for place, ranks in by_place.items())
     return "\n".join(lines)

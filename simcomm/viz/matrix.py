@@ -6,6 +6,11 @@ all-reduce sends ``2b/n`` to every peer), ``schedule="ring"`` as NCCL's ring
 moves it (every rank sends only to the next rank of its group: ``2(n-1)/n x b``
 for an all-reduce). Each rank sends as many bytes either way; where they go
 differs. Fonts are at least 14 px (cells grow to hold their numbers).
+
+At cluster scale (a shape-only run of 1024 ranks) a rank-by-rank matrix has
+a million cells; ``by="node"`` sums the ranks of each node (a preset's
+``gpus_per_node``, or ``ranks_per_node``) and ``by=[[...], ...]`` the ranks
+of each given group, so the diagonal is what stays inside a node or group.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import plotly.graph_objects as go
 from ..trace import Trace, TraceEvent
 from .timeline import human_bytes
 
-__all__ = ["comm_matrix_figure", "ring_sent", "RING_OPS"]
+__all__ = ["comm_matrix_figure", "ring_sent", "RING_OPS", "blocks_of", "aggregated_matrix"]
 
 _FONT = dict(size=14)
 _COLOURSCALE = [[0.0, "rgb(255, 255, 255)"], [0.15, "rgb(222, 235, 247)"], [1.0, "rgb(107, 174, 214)"]]
@@ -62,7 +67,53 @@ def _matrix(trace: Trace, op: str | None, schedule: str) -> list[list[int]]:
     return matrix
 
 
-def comm_matrix_figure(trace: Trace, schedule: str = "direct") -> go.Figure:
+def blocks_of(trace: Trace, by, ranks_per_node: int | None = None, topology=None
+              ) -> tuple[list[str], dict[int, int]]:
+    """``(labels, block of each rank)`` for ``by``: ``"rank"``, ``"node"`` (``ranks_per_node``
+    consecutive ranks, or the ``gpus_per_node`` of ``topology``), or a list of groups of
+    global ranks (a partition of the trace's ranks)."""
+    size = max((max(e.group) for e in trace.events), default=-1) + 1
+    if isinstance(by, str) and by == "rank":
+        return [str(r) for r in range(size)], {r: r for r in range(size)}
+    if isinstance(by, str) and by == "node":
+        if ranks_per_node is None and topology is not None:
+            from ..topology import get_topology
+            ranks_per_node = get_topology(topology).gpus_per_node
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(f"comm_matrix_figure: by='node' needs ranks_per_node (a positive int) or "
+                             f"topology=, got ranks_per_node={ranks_per_node!r}")
+        nodes = -(-size // ranks_per_node)
+        return [f"node {n}" for n in range(nodes)], {r: r // ranks_per_node for r in range(size)}
+    if isinstance(by, str):
+        raise ValueError(f"comm_matrix_figure: by={by!r} must be 'rank', 'node' or a list of groups of ranks")
+    block: dict[int, int] = {}
+    for index, group in enumerate(by):
+        for rank in group:
+            if rank in block:
+                raise ValueError(f"comm_matrix_figure: rank {rank} is in groups {block[rank]} and {index}; "
+                                 f"by= must be a partition of the ranks")
+            block[rank] = index
+    missing = [r for r in range(size) if r not in block]
+    if missing:
+        raise ValueError(f"comm_matrix_figure: ranks {missing[:10]} of the trace are in none of the "
+                         f"{len(by)} groups of by=")
+    return [f"group {i}" for i in range(len(by))], block
+
+
+def aggregated_matrix(trace: Trace, block: dict[int, int], blocks: int, op: str | None = None,
+                      schedule: str = "direct") -> list[list[int]]:
+    """``matrix[a][b]``: bytes the ranks of block ``a`` sent to the ranks of block ``b``."""
+    matrix = [[0] * blocks for _ in range(blocks)]
+    for event in trace.events:
+        if op is None or event.op == op:
+            row = matrix[block[event.rank]]
+            for peer, nbytes in (ring_sent(event) if schedule == "ring" else event.sent).items():
+                row[block[peer]] += nbytes
+    return matrix
+
+
+def comm_matrix_figure(trace: Trace, schedule: str = "direct", *, by="rank", ranks_per_node: int | None = None,
+                       topology=None) -> go.Figure:
     """Bytes rank ``i`` sent to rank ``j``, summed over the trace (row ``i``, column ``j``).
 
     A dropdown (no kernel needed) switches between all ops and each op that
@@ -71,6 +122,11 @@ def comm_matrix_figure(trace: Trace, schedule: str = "direct") -> go.Figure:
     all-gather of ``b`` bytes per rank sends ``b`` from every rank to every
     other rank. ``schedule="ring"``: as NCCL's ring moves them
     (:func:`ring_sent`): only to the next rank of the group.
+
+    ``by="node"`` sums over the ranks of each node (``ranks_per_node``, or the
+    ``gpus_per_node`` of ``topology``: a preset name or Topology); ``by=`` a
+    list of groups of global ranks sums over each group. The diagonal is then
+    the traffic that stays inside a node (group).
     """
     if not isinstance(trace, Trace):
         raise ValueError(f"comm_matrix_figure: trace must be a simcomm.Trace, got {type(trace).__name__}")
@@ -83,36 +139,44 @@ def comm_matrix_figure(trace: Trace, schedule: str = "direct") -> go.Figure:
         moved = sum((ring_sent(event) if schedule == "ring" else event.sent).values())
         totals[event.op] = totals.get(event.op, 0) + moved
     ops = sorted(op for op, total in totals.items() if total > 0)
+    labels, block = blocks_of(trace, by, ranks_per_node, topology)
+    unit = "rank" if isinstance(by, str) and by == "rank" else "node" if by == "node" else "group"
     selections = [("all ops", None)] + [(op, op) for op in ops]
     counted = ("as a direct exchange (each op's definition)" if schedule == "direct" else
                "as NCCL's ring moves them (only to the next rank)")
     traces, titles = [], []
     for index, (label, op) in enumerate(selections):
-        matrix = _matrix(trace, op, schedule)
+        matrix = (_matrix(trace, op, schedule) if unit == "rank"
+                  else aggregated_matrix(trace, block, len(labels), op, schedule))
         size = len(matrix)
         total = sum(map(sum, matrix))
-        text = [[human_bytes(v) if v else "" for v in row] for row in matrix]
-        hover = [[f"rank {i} -> rank {j}: {human_bytes(v)} ({v} B)" for j, v in enumerate(row)]
-                 for i, row in enumerate(matrix)]
+        small = size <= 64     # beyond that, per-cell strings would make the figure megabytes large
+        text = [[human_bytes(v) if v else "" for v in row] for row in matrix] if small else None
+        hover = [[f"{unit} {i} -> {unit} {j}: {human_bytes(v)} ({v} B)" for j, v in enumerate(row)]
+                 for i, row in enumerate(matrix)] if small else None
         traces.append(dict(
             type="heatmap", z=matrix, x=list(range(size)), y=list(range(size)), text=text,
             texttemplate="%{text}" if size <= 12 else "", textfont=dict(size=14, color="rgb(30, 30, 30)"),
-            customdata=hover, hovertemplate="%{customdata}<extra></extra>", name=label,
-            colorscale=_COLOURSCALE, zmin=0, xgap=1, ygap=1, visible=index == 0,
+            customdata=hover, name=label,
+            hovertemplate=("%{customdata}<extra></extra>" if small else
+                           f"{unit} %{{y}} -> {unit} %{{x}}: %{{z}} B<extra></extra>"),
+            colorscale=_COLOURSCALE, zmin=0, xgap=1 if small else 0, ygap=1 if small else 0,
+            visible=index == 0,
             colorbar=dict(title=dict(text="bytes", side="top", font=_FONT), thickness=14, tickfont=_FONT)))
-        titles.append(f"bytes sent from rank i (row) to rank j (column), {counted}<br>"
+        titles.append(f"bytes sent from {unit} i (row) to {unit} j (column), {counted}<br>"
                       f"<span style='font-size:14px'>{label}: {human_bytes(total)} in all</span>")
     size = len(traces[0]["z"])
     buttons = [dict(label=label, method="update",
                     args=[{"visible": [i == k for i in range(len(traces))]}, {"title.text": titles[k]}])
                for k, (label, _) in enumerate(selections)]
     # numbers like "1.5 KiB" at 14 px need about 64 px; beyond 12 ranks the cells carry colour only
-    cell_px = 66 if size <= 12 else max(24, 800 // size)
+    cell_px = 66 if size <= 12 else max(24, 800 // size) if size <= 64 else max(1, 900 // size)
+    ticks = list(range(size)) if size <= 64 else list(range(0, size, -(-size // 16)))
     layout = dict(
         title=dict(text=titles[0], x=0.01, xanchor="left", font=dict(size=18)), font=_FONT,
-        xaxis=dict(title=dict(text="to rank", font=_FONT), tickvals=list(range(size)), side="top",
+        xaxis=dict(title=dict(text=f"to {unit}", font=_FONT), tickvals=ticks, side="top",
                    showgrid=False, zeroline=False, tickfont=_FONT),
-        yaxis=dict(title=dict(text="from rank", font=_FONT), tickvals=list(range(size)), autorange="reversed",
+        yaxis=dict(title=dict(text=f"from {unit}", font=_FONT), tickvals=ticks, autorange="reversed",
                    showgrid=False, zeroline=False, scaleanchor="x", tickfont=_FONT),
         updatemenus=[dict(type="dropdown", buttons=buttons, active=0, x=0.0, xanchor="left", y=-0.04,
                           yanchor="top", showactive=True, font=_FONT)],

@@ -18,7 +18,31 @@ from ..overlap import Placed, Timeline
 from ..topology import Topology
 from ..trace import Trace, TraceEvent
 
-__all__ = ["timeline_figure", "human_bytes", "MIN_FONT_PX"]
+__all__ = ["timeline_figure", "human_bytes", "MIN_FONT_PX", "sample_ranks", "SAMPLE_ABOVE"]
+
+#: traces of more ranks than this draw a sample of ranks (``ranks=`` picks them)
+SAMPLE_ABOVE = 16
+
+
+def sample_ranks(ranks: list[int], count: int = 8) -> list[int]:
+    """``count`` ranks spread evenly over ``ranks`` (sorted), first and last included."""
+    ranks = sorted(ranks)
+    if len(ranks) <= count:
+        return ranks
+    step = (len(ranks) - 1) / (count - 1)
+    return sorted({ranks[round(i * step)] for i in range(count)})
+
+
+def _pick(trace_ranks: list[int], ranks) -> list[int] | None:
+    """The ranks to draw: ``ranks`` as given, a sample above :data:`SAMPLE_ABOVE`, else all (None)."""
+    if ranks is None:
+        return sample_ranks(trace_ranks) if len(trace_ranks) > SAMPLE_ABOVE else None
+    chosen = sorted(set(ranks))
+    unknown = [r for r in chosen if r not in set(trace_ranks)]
+    if unknown or not chosen:
+        raise ValueError(f"timeline_figure: ranks={list(ranks)!r} must be ranks of the trace "
+                         f"({len(trace_ranks)} ranks); not in it: {unknown}")
+    return chosen
 
 MIN_FONT_PX = 14
 _OP_COLOURS = plotly.colors.qualitative.Set2
@@ -96,7 +120,11 @@ def _layout(rows: list[str], unit: str, title: dict, height_per_row: int, right:
         margin=dict(l=150, r=right, t=110, b=60))
 
 
-def _measured_figure(trace: Trace, source: str | None) -> go.Figure:
+def _measured_figure(trace: Trace, source: str | None, ranks: list[int] | None) -> go.Figure:
+    all_ranks = trace.ranks
+    if ranks is not None:
+        keep = set(ranks)
+        trace = Trace([e for e in trace.events if e.rank in keep])
     placed = [(e, e.start, max(e.end, e.start)) for e in trace.events]
     unit, scale = _time_unit(max(end for _, _, end in placed) or 1e-6)
     ops = sorted({e.op for e in trace.events if e.op != "compute"})
@@ -114,7 +142,7 @@ def _measured_figure(trace: Trace, source: str | None) -> go.Figure:
                                _BACKWARD_PATTERN if phase == "backward" else "", scale))
     rows = [f"rank {r}" for r in trace.ranks]
     title = _title("timeline: one row per rank, one bar per call; hatched bars are backward",
-                   _measured_source(trace, source))
+                   _measured_source(trace, source) + _sampled(ranks, all_ranks))
     layout = _layout(rows, unit, title, 48)
     layout["legend"]["title"]["text"] = "op (phase)"
     return go.Figure(data=traces, layout=layout)
@@ -143,8 +171,53 @@ def _summary(summary, unit: str, scale: float) -> str:
     return text
 
 
-def _modelled_figure(trace: Trace, topology: str | Topology | None) -> go.Figure:
+def _sampled(ranks: list[int] | None, all_ranks: list[int]) -> str:
+    if ranks is None:
+        return ""
+    return f"<br>{len(ranks)} of {len(all_ranks)} ranks drawn: {', '.join(map(str, ranks))}"
+
+
+def _overall(timeline: Timeline, unit: str, scale: float) -> str:
+    """One line over every rank: step time, and communication exposed / hidden (mean and max)."""
+    summaries = list(timeline.ranks.values())
+    n = len(summaries)
+    step = max(s.end for s in summaries)
+    mean = lambda values: sum(values) / n  # noqa: E731
+    exposed = [s.exposed for s in summaries]
+    return (f"all {n} ranks: step {step * scale:.4g} {unit}; communication per rank: exposed mean "
+            f"{mean(exposed) * scale:.3g} (max {max(exposed) * scale:.3g}), hidden mean "
+            f"{mean([s.hidden for s in summaries]) * scale:.3g} {unit}")
+
+
+def _members(group: list[int]) -> str:
+    """``8, 16, ..., 1016`` (first two and last) for a long group; all of a short one."""
+    return ", ".join(map(str, group)) if len(group) <= 3 else f"{group[0]}, {group[1]}, ..., {group[-1]}"
+
+
+def _group_lines(timeline: Timeline, groups: dict, unit: str, scale: float) -> list[str]:
+    """Per named partition of the ranks: the mean over its groups of their ranks' mean exposed
+    communication, and the group where it is largest."""
+    lines = []
+    for name, partition in groups.items():
+        means = []
+        for index, group in enumerate(partition):
+            summaries = [timeline.ranks[r] for r in group if r in timeline.ranks]
+            if summaries:
+                means.append((sum(s.exposed for s in summaries) / len(summaries), index, group))
+        if not means:
+            continue
+        worst = max(means)
+        lines.append(f"{name} groups ({len(means)}): exposed comm per rank {sum(m for m, _, _ in means) / len(means) * scale:.3g} "
+                     f"{unit} on average, {worst[0] * scale:.3g} in the worst (group {worst[1]}: ranks "
+                     f"{_members(worst[2])})")
+    return lines
+
+
+def _modelled_figure(trace: Trace, topology: str | Topology | None, ranks: list[int] | None,
+                     groups: dict | None = None) -> go.Figure:
     timeline = modelled_timeline(trace, topology)
+    all_ranks = sorted(timeline.ranks)
+    keep = set(ranks) if ranks is not None else None
     end = max([p.end for p in timeline] + [s.end for s in timeline.stalls] + [1e-9])
     unit, scale = _time_unit(end)
     ops = sorted({p.event.op for p in timeline if p.lane == "communication"})
@@ -153,6 +226,8 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None) -> go.Figure
     pieces: dict[tuple[str, str], list] = {}
     for item in timeline:
         event = item.event
+        if keep is not None and event.rank not in keep:
+            continue
         if item.lane == "compute":
             pieces.setdefault(("compute", ""), []).append(
                 (compute_row(event.rank), item.start, item.end, _hover(event, item.start, item.end, unit, scale)))
@@ -165,6 +240,8 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None) -> go.Figure
                      _hover(event, item.start, item.end, unit, scale, f"<br>{kind}: {start * scale:.4g} "
                                                                        f"to {stop * scale:.4g} {unit}")))
     for stall in timeline.stalls:
+        if keep is not None and stall.rank not in keep:
+            continue
         pieces.setdefault(("waiting", ""), []).append(
             (compute_row(stall.rank), stall.start, stall.end,
              f"rank {stall.rank} waits for <b>{stall.event.op}</b> (step {stall.event.step})<br>"
@@ -179,11 +256,13 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None) -> go.Figure
             if (op, kind) in pieces:
                 traces.append(_bar(f"{op}: {kind}", op, pieces[(op, kind)], colours[op],
                                    _EXPOSED_PATTERN if kind == "exposed" else "", scale))
-    ranks = sorted(timeline.ranks)
-    rows = [row for rank in ranks for row in (compute_row(rank), comm_row(rank))]
+    drawn = ranks if ranks is not None else all_ranks
+    rows = [row for rank in drawn for row in (compute_row(rank), comm_row(rank))]
     title = _title("modelled timeline: per rank a compute row and a communication row (its own stream)",
                    "cross-hatched: exposed (the program waits for it); plain: hidden under compute; "
-                   "dotted: the program waits")
+                   "dotted: the program waits" + _sampled(ranks, all_ranks)
+                   + (f"<br>{_overall(timeline, unit, scale)}" if ranks is not None else "")
+                   + "".join(f"<br>{line}" for line in _group_lines(timeline, groups or {}, unit, scale)))
     layout = _layout(rows, unit, title, 40, right=330)
     layout["legend"].update(title=dict(text="op: exposed / hidden", font=_FONT), orientation="h",
                             x=0.0, xanchor="left", y=1.0, yanchor="bottom")
@@ -192,14 +271,21 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None) -> go.Figure
     layout["annotations"] = [
         dict(text=_summary(timeline.ranks[rank], unit, scale), x=1.01, xref="paper", xanchor="left",
              y=comm_row(rank), yref="y", showarrow=False, align="left", font=_FONT)
-        for rank in ranks]
+        for rank in drawn]
     figure = go.Figure(data=traces, layout=layout)
-    figure.layout.meta = {"timeline": {rank: vars(s) for rank, s in timeline.ranks.items()}}
+    extra = 20 * ((ranks is not None) + len(groups or {}))
+    if extra:   # the longer subtitle starts at the top of the figure, above the legend
+        layout["height"] += extra + 30
+        layout["margin"]["t"] += extra + 30
+        layout["title"].update(y=1.0, yref="container", yanchor="top", pad=dict(t=30))
+        figure = go.Figure(data=traces, layout=layout)
+    figure.layout.meta = {"timeline": {rank: vars(s) for rank, s in timeline.ranks.items() if rank in drawn}}
     return figure
 
 
 def timeline_figure(trace: Trace, modelled: bool = False, *, topology: str | Topology | None = None,
-                    source: str | None = None) -> go.Figure:
+                    source: str | None = None, ranks: list[int] | None = None,
+                    groups: dict[str, list[list[int]]] | None = None) -> go.Figure:
     """Where each rank's time went.
 
     ``modelled=False`` draws the measured start and end of every call, one row
@@ -212,17 +298,27 @@ def timeline_figure(trace: Trace, modelled: bool = False, *, topology: str | Top
     exposed, hidden, waiting for peers). ``topology``: annotate the trace for
     this preset first; without it every event must already have a
     ``modelled`` duration (``simcomm.cost.annotate``).
+
+    ``ranks``: the ranks to draw. By default a trace of more than
+    :data:`SAMPLE_ABOVE` ranks draws 8 of them, spread evenly
+    (:func:`sample_ranks`), and says which; the modelled picture is still laid
+    out for every rank, and its subtitle sums up all of them (step time,
+    exposed and hidden communication, mean and max). ``groups`` (modelled only):
+    named partitions of the ranks, e.g. ``simcomm.cluster_step.groups(layout)``;
+    the subtitle gives each partition's exposed communication per rank, on
+    average over its groups and in its worst group.
     """
     if not isinstance(trace, Trace):
         raise ValueError(f"timeline_figure: trace must be a simcomm.Trace, got {type(trace).__name__}")
     if not trace.events:
         raise ValueError("timeline_figure: the trace has no events; run a program with World(n).run first")
+    picked = _pick(trace.ranks, ranks)
     if not modelled:
-        return _measured_figure(trace, source)
+        return _measured_figure(trace, source, picked)
     missing = [e for e in trace.events if e.modelled is None]
     if missing and topology is None:
         raise ValueError(
             f"timeline_figure: modelled=True but {len(missing)} of {len(trace.events)} events have no "
             f"modelled duration (first: {missing[0].op} on rank {missing[0].rank}); call "
             f"simcomm.cost.annotate(trace, topology) first or pass topology=")
-    return _modelled_figure(trace, topology)
+    return _modelled_figure(trace, topology, picked, groups)

@@ -1,0 +1,103 @@
+"""Shape-only virtual ranks at cluster scale: wall time and peak memory of one process.
+
+Each measurement runs in its own fresh Python process with ``torch.set_num_threads(1)``:
+
+* ``3d``: one training step of a 3-D parallel transformer (:mod:`simcomm.cluster_step`,
+  tensor x pipeline x data = 8 x 4 x 32 = 1024 ranks by default, GPT-2-medium
+  blocks: hidden 1024, 16 heads, seq 1024, bf16) on ``World(1024, tensors="shape")``:
+  wall time of ``World.run`` and the process's peak resident memory (``ru_maxrss``);
+* ``dp``: 4096 ranks of a data-parallel step (a linear layer's forward and backward,
+  then an all-reduce of its gradient), shape-only: wall time;
+* ``ratio``: the same 3-D program at 16 ranks (2 x 2 x 4; a small and a medium
+  block, fp32) run shape-only and real-valued, each side in its own process
+  and timed on its second run (the first warms imports and torch's caches),
+  both allocating their outputs: the ratio of the median times. Shape-only
+  costs per op, real-valued per flop: small blocks favour real values.
+
+    python benchmarks/scale.py                         # all three (a few minutes on 2 cores)
+    python benchmarks/scale.py --only ratio --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+_CHILD = """
+import json, resource, sys, time, torch
+torch.set_num_threads(1)
+import simcomm
+from simcomm import cluster_step as t3d
+kind, ranks, tensors, layout, block, warm = json.loads(sys.argv[1])
+
+def dp_step(comm, hidden):
+    weight = torch.randn(hidden, hidden, requires_grad=True)
+    x = torch.randn(8, hidden)
+    (x @ weight.T).pow(2).mean().backward()
+    return comm.all_reduce(weight.grad, "avg").shape
+
+if "dtype" in block:
+    block["dtype"] = getattr(torch, block["dtype"])
+if kind == "dp":
+    program, args = dp_step, (1024,)
+else:
+    program, args = t3d.step, (t3d.Layout(*layout), t3d.Block(**block))
+world = simcomm.World(ranks, tensors=tensors)
+if warm:                     # imports and torch's caches warmed by one run first
+    world.run(program, *args)
+start = time.perf_counter()
+world.run(program, *args)
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "events": len(world.trace),
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+GPT2_MEDIUM = {"hidden": 1024, "heads": 16, "seq": 1024}
+SMALL = {"hidden": 128, "heads": 4, "seq": 64, "dtype": "float32"}
+MEDIUM = {"hidden": 512, "heads": 8, "seq": 512, "dtype": "float32"}
+
+
+def measure(kind: str, ranks: int, tensors: str, layout=(1, 1, 1), block: dict | None = None,
+            warm: bool = False, timeout: float = 900) -> dict:
+    """One run in a fresh process (after a warm-up run of the same program if ``warm``):
+    seconds, trace events and peak resident bytes."""
+    out = subprocess.run([sys.executable, "-c", _CHILD,
+                          json.dumps([kind, ranks, tensors, layout, block or {}, warm])],
+                         check=True, capture_output=True, text=True, timeout=timeout)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["3d", "dp", "ratio"], nargs="+", default=["3d", "dp", "ratio"])
+    parser.add_argument("--layout", type=int, nargs=3, default=[8, 4, 32], metavar=("TP", "PP", "DP"))
+    parser.add_argument("--dp-ranks", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the shape-only vs real ratio")
+    args = parser.parse_args(argv)
+    out = sys.stdout.write
+    out("measurement                                      ranks  seconds  events  peak RSS\n")
+    if "3d" in args.only:
+        tp, pp, dp = args.layout
+        result = measure("3d", tp * pp * dp, "shape", args.layout, GPT2_MEDIUM)
+        out(f"3-D step {tp}x{pp}x{dp}, GPT-2-medium block, shape-only  {tp * pp * dp:5d}  "
+            f"{result['seconds']:7.1f}  {result['events']:6d}  {result['peak_rss'] / 2**30:.2f} GiB\n")
+    if "dp" in args.only:
+        result = measure("dp", args.dp_ranks, "shape")
+        out(f"DP all-reduce step (1024 x 1024 weight), shape-only {args.dp_ranks:5d}  "
+            f"{result['seconds']:7.1f}  {result['events']:6d}  {result['peak_rss'] / 2**30:.2f} GiB\n")
+    if "ratio" in args.only:
+        for name, block in (("hidden 128, seq 64", SMALL), ("hidden 512, seq 512", MEDIUM)):
+            shape, real = [], []
+            for _ in range(args.rounds):      # alternate the sides, each in a fresh process, warmed up
+                shape.append(measure("3d", 16, "shape", (2, 2, 4), block, warm=True)["seconds"])
+                real.append(measure("3d", 16, "real", (2, 2, 4), block, warm=True)["seconds"])
+            out(f"3-D step 2x2x4 ({name}, fp32): shape-only {statistics.median(shape):.3f} s, real-valued "
+                f"{statistics.median(real):.3f} s (median of {args.rounds}, second run of each process); "
+                f"shape-only / real = {statistics.median(shape) / statistics.median(real):.2f}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
