@@ -64,14 +64,8 @@ def _title_and_goal(nb: nbformat.NotebookNode) -> tuple[str, str]:
 
 
 def _figure_count(nb: nbformat.NotebookNode) -> int:
-    """Plotly figures among the cells' outputs and inside widgets' output areas (a slider's
-    figure is kept in the notebook's widget state, and the export draws it too)."""
-    outputs = [output for cell in nb.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
-    widgets = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
-    for model in widgets.get("state", {}).values():
-        if model.get("model_name") == "OutputModel":
-            outputs.extend(model.get("state", {}).get("outputs", []))
-    return sum(1 for output in outputs if _PLOTLY_MIME in output.get("data", {}))
+    return sum(1 for cell in nb.cells if cell.cell_type == "code"
+               for output in cell.get("outputs", []) if _PLOTLY_MIME in output.get("data", {}))
 
 
 def build_page(notebook: Path, out_dir: Path, *, timeout: int = 600) -> Page:
