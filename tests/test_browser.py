@@ -18,6 +18,7 @@ the workshop handout in ``tests/test_handout.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -111,14 +113,16 @@ def _write_settings(folder: Path) -> None:
         path.write_text(json.dumps(values))
 
 
-@pytest.fixture
-def jupyterlab(tmp_path: Path):
-    """A JupyterLab server on a copy of lesson 01: yields ``(base_url, token)``."""
+@contextlib.contextmanager
+def serving_lesson(notebook: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A JupyterLab server on a copy of ``notebook`` in ``tmp_path``, its settings and runtime
+    files there too: yields ``(base_url, token)``; on exit it is stopped and must leave no process."""
     lab_root = tmp_path / "lab"
     lab_root.mkdir()
-    shutil.copy(NOTEBOOK, lab_root / NOTEBOOK.name)
+    shutil.copy(notebook, lab_root / notebook.name)
     port, token = _free_port(), os.urandom(16).hex()
-    env = dict(os.environ, SIMCOMM_BACKEND="sim",
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = dict(os.environ, SIMCOMM_BACKEND="sim", PYTHONPATH=path,
                JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
@@ -140,6 +144,13 @@ def jupyterlab(tmp_path: Path):
     finally:
         left = _stop_jupyter(proc)
         assert not left, f"processes left after stopping JupyterLab: {left}\n{log.read_text()[-2000:]}"
+
+
+@pytest.fixture
+def jupyterlab(tmp_path: Path):
+    """A JupyterLab server on a copy of lesson 01: yields ``(base_url, token)``."""
+    with serving_lesson(NOTEBOOK, tmp_path) as server:
+        yield server
 
 
 def _wait_for_idle_kernel(base_url: str, token: str, timeout: float = 120.0) -> None:

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_browser import (CHROMIUM, CHROMIUM_ARGS, _free_port, _stop_jupyter, _wait_for_idle_kernel,
-                                _wait_for_server, _write_settings)
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _wait_for_idle_kernel, serving_lesson
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "12_a_transformer_in_3d.ipynb"
@@ -38,27 +37,8 @@ def _env(tmp_path: Path) -> dict:
 
 @pytest.fixture
 def jupyterlab_12(tmp_path: Path):
-    lab_root = tmp_path / "lab"
-    lab_root.mkdir()
-    shutil.copy(NOTEBOOK, lab_root / NOTEBOOK.name)
-    port, token = _free_port(), os.urandom(16).hex()
-    _write_settings(tmp_path / "settings")
-    log = tmp_path / "jupyterlab.log"
-    command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-               f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-               f"--ServerApp.root_dir={lab_root}", "--LabApp.news_url=",
-               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        command.append("--allow-root")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env(tmp_path), cwd=lab_root)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_server(f"{base_url}/api/status?token={token}", proc, log)
-        yield base_url, token
-    finally:
-        left = _stop_jupyter(proc)
-        assert not left, f"processes left after stopping JupyterLab: {left}\n{log.read_text()[-2000:]}"
+    with serving_lesson(NOTEBOOK, tmp_path) as server:
+        yield server
 
 
 def test_lesson_12_layout_widget_in_chromium(jupyterlab_12, tmp_path: Path):

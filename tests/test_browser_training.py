@@ -8,16 +8,11 @@ redrawn with the one-bucket numbers. Saves a screenshot in the test's temporary 
 """
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_browser import (CHROMIUM, CHROMIUM_ARGS, _free_port, _stop_jupyter, _wait_for_idle_kernel,
-                                _wait_for_server, _write_settings)
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _wait_for_idle_kernel, serving_lesson
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "06_data_parallel.ipynb"
@@ -30,30 +25,8 @@ pytestmark = [
 
 @pytest.fixture
 def lab(tmp_path: Path):
-    lab_root = tmp_path / "lab"
-    lab_root.mkdir()
-    shutil.copy(NOTEBOOK, lab_root / NOTEBOOK.name)
-    port, token = _free_port(), os.urandom(16).hex()
-    env = dict(os.environ, SIMCOMM_BACKEND="sim", JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"), IPYTHONDIR=str(tmp_path / "ipython"))
-    _write_settings(tmp_path / "settings")
-    log = tmp_path / "jupyterlab.log"
-    command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-               f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-               f"--ServerApp.root_dir={lab_root}", "--LabApp.news_url=",
-               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        command.append("--allow-root")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=lab_root)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_server(f"{base_url}/api/status?token={token}", proc, log)
-        yield base_url, token
-    finally:
-        left = _stop_jupyter(proc)
-        assert not left, f"processes left after stopping JupyterLab: {left}\n{log.read_text()[-2000:]}"
+    with serving_lesson(NOTEBOOK, tmp_path) as server:
+        yield server
 
 
 def test_lesson_06_bucket_slider_in_chromium(lab, tmp_path: Path):
