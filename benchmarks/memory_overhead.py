@@ -2,7 +2,7 @@
 
 Each side runs in its own fresh Python process with ``torch.set_num_threads(1)``:
 ``World(ranks, memory=False)`` and ``World(ranks, memory=True)`` run the same
-``simcomm.zero.train`` program (a small MLP, Adam, labels and marks called in
+``simcomm.parallel.zero.train`` program (a small MLP, Adam, labels and marks called in
 both). Rounds alternate the two sides; the table gives the median seconds per
 training step and the ratio tracked / untracked.
 
@@ -22,7 +22,7 @@ _CHILD = """
 import json, sys, time, torch
 torch.set_num_threads(1)
 import simcomm
-from simcomm import zero
+from simcomm.parallel import zero
 stage, ranks, steps, sizes, memory = json.loads(sys.argv[1])
 mlp = zero.MLP(tuple(sizes))
 world = simcomm.World(ranks, memory=memory)

@@ -2,7 +2,7 @@
 
 Each measurement runs in its own fresh Python process with ``torch.set_num_threads(1)``:
 
-* ``3d``: one training step of a 3-D parallel transformer (:mod:`simcomm.cluster_step`,
+* ``3d``: one training step of a 3-D parallel transformer (:mod:`simcomm.parallel.cluster_step`,
   tensor x pipeline x data = 8 x 4 x 32 = 1024 ranks by default, GPT-2-medium
   blocks: hidden 1024, 16 heads, seq 1024, bf16) on ``World(1024, tensors="shape")``:
   wall time of ``World.run`` and the process's peak resident memory (``ru_maxrss``);
@@ -29,7 +29,7 @@ _CHILD = """
 import json, resource, sys, time, torch
 torch.set_num_threads(1)
 import simcomm
-from simcomm import cluster_step as t3d
+from simcomm.parallel import cluster_step as t3d
 kind, ranks, tensors, layout, block, warm = json.loads(sys.argv[1])
 
 def dp_step(comm, hidden):

@@ -172,9 +172,9 @@ def _timed(call, iters: int) -> float:
 
 def run_world(hook: bool, world_size: int, iters: int) -> float:
     import simcomm
-    import simcomm.world
+    import simcomm.sim.world
     if not hook:
-        simcomm.world.rank_process_group = lambda comm: contextlib.nullcontext()
+        simcomm.sim.world.rank_process_group = lambda comm: contextlib.nullcontext()
     world = simcomm.World(world_size)
     world.run(_world_run_program)
     return min(_timed(lambda: world.run(_world_run_program), iters) for _ in range(CHUNKS))

@@ -4,7 +4,7 @@
     python docs/render_plan.py --out /tmp
 
 Runs the README's example (a 3-D parallel GPT-2-medium step on 1024
-shape-only ranks), draws :func:`simcomm.viz.scale.plan_figure` and
+shape-only ranks), draws :func:`simcomm.viz.cluster_plan.plan_figure` and
 screenshots it with headless Chromium as ``docs/render_gallery.py`` does.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import simcomm
-from simcomm import cluster_step as t3d
-from simcomm.viz.scale import cluster, link_table, plan_figure
-
 from render_gallery import render
+
+import simcomm
+from simcomm.parallel import cluster_step as t3d
+from simcomm.viz.cluster_plan import cluster, link_table, plan_figure
 
 
 def plan():

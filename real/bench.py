@@ -8,11 +8,11 @@ from the values expected from every rank's known input.
     torchrun --nproc-per-node 8 -m real.bench -b 1M -e 1G -f 4 --model h100-nvswitch
     python -m real.bench --nproc 4 --backend gloo -b 1K -e 1M --json bench.json
 
-Sizes follow nccl-tests (:func:`simcomm.cost.nccl_size`, the one place the
+Sizes follow nccl-tests (:func:`simcomm.model.cost.nccl_size`, the one place the
 convention is written: the per-rank buffer for all_reduce, broadcast and
 send_recv; the whole output of all_gather; the whole input of reduce_scatter;
 each rank's send buffer of all_to_all), rounded down to whole elements per rank
-(:func:`simcomm.cost.nccl_counts`). Op names and their other spellings
+(:func:`simcomm.model.cost.nccl_counts`). Op names and their other spellings
 (``allreduce``, ``sendrecv``...) come from :mod:`simcomm.ops`. The reported time is the slowest
 rank's average over ``-n`` iterations, between barriers, after ``-w`` warm-up
 iterations. send_recv: every rank sends to the next rank and receives from the
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from simcomm.cost import GB, PRESETS, busbw_factor, estimate, get_topology, nccl_counts
+from simcomm.model.cost import GB, PRESETS, busbw_factor, estimate, get_topology, nccl_counts
 from simcomm.ops import canonical_op
 
 __all__ = ["OPS", "parse_size", "sizes", "measure", "format_report", "main"]

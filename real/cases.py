@@ -19,8 +19,9 @@ from functools import partial
 import torch
 
 from simcomm import collectives as math
+from simcomm.checks import REDUCE_OPS
 from simcomm.communicator import Communicator
-from simcomm.ring import ring_exchange
+from simcomm.parallel.ring import ring_exchange
 
 __all__ = ["Case", "collective_cases", "rooted_and_uneven_cases", "async_cases", "RankResult"]
 
@@ -104,14 +105,14 @@ def _apply_math(function: str, xs: list, **kwargs) -> list:
 def collective_cases() -> list[Case]:
     """Every collective: each reduce op, several dims (negative too), both roots."""
     out = []
-    for op in math.REDUCE_OPS:
+    for op in REDUCE_OPS:
         out.append(_per_rank_case(f"all_reduce[{op}]", partial(_fixed, (3, 4)),
                                   partial(_call, "all_reduce", op=op), partial(_apply_math, "all_reduce", op=op)))
     for dim in (0, 1, -1):
         out.append(_per_rank_case(f"all_gather[dim={dim}]", partial(_fixed, (2, 3, 4)),
                                   partial(_call, "all_gather", dim=dim), partial(_apply_math, "all_gather", dim=dim)))
     for dim in (0, -1):
-        for op in math.REDUCE_OPS:
+        for op in REDUCE_OPS:
             out.append(_per_rank_case(
                 f"reduce_scatter[dim={dim},{op}]", _split, partial(_call, "reduce_scatter", dim=dim, op=op),
                 partial(_apply_math, "reduce_scatter", dim=dim, op=op)))
@@ -240,7 +241,7 @@ def rooted_and_uneven_cases() -> list[Case]:
     """reduce (each op), scatter, the differentiable gather and all_to_all_single (even, and
     uneven with zero-sized splits), forward and backward; both roots."""
     out = []
-    for op in math.REDUCE_OPS:
+    for op in REDUCE_OPS:
         for which in (("first", "last") if op == "sum" else ("last",)):
             out.append(_per_rank_case(
                 f"reduce[dst={which},{op}]", partial(_fixed, (3, 4)),
@@ -331,7 +332,7 @@ def async_cases() -> list[Case]:
     """Collectives issued with ``async_op=True`` (forward and backward through ``wait()``),
     two calls in flight at once, ``batch_isend_irecv`` and ``isend`` rings."""
     out = []
-    for op in math.REDUCE_OPS:
+    for op in REDUCE_OPS:
         out.append(_per_rank_case(f"async all_reduce[{op}]", partial(_fixed, (3, 4)),
                                   partial(_call_async, "all_reduce", op=op),
                                   partial(_apply_math, "all_reduce", op=op)))

@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 
-from simcomm.collectives import check_splits
+from simcomm.checks import check_splits
 from simcomm.errors import CollectiveMismatchError, DeadlockError
-from simcomm.sim import program_location
+from simcomm.reports import mismatch_message, program_location
 
 __all__ = ["Call", "Checker", "CheckedTransport", "EXTRACTORS", "describe", "find_deadlock"]
 
@@ -390,14 +390,11 @@ def _collective_problem(records: list[tuple]) -> str | None:
 
 
 def _collective_message(group: tuple[int, ...], step: int, records: list[tuple], problem: str) -> str:
-    lines: dict[tuple[str, str], list[int]] = {}
+    calls: dict[tuple[str, str], list[int]] = {}
     for rank, call, location in records:
-        lines.setdefault((describe(call), location), []).append(rank)
-    body = "".join(f"  rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} "
-                   f"called {text} at {location}\n" for (text, location), ranks in lines.items())
-    return (f"ranks of group {list(group)} disagree at collective step {step}:\n{body}{problem}"
-            f"every rank of a group must call the same collectives in the same order with "
-            f"matching shapes, dtypes and arguments")
+        calls.setdefault((describe(call), location), []).append(rank)
+    return mismatch_message(group, step, [(ranks, text, location) for (text, location), ranks in calls.items()],
+                            problem)
 
 
 # -- the wrapper ----------------------------------------------------------------------------

@@ -59,11 +59,11 @@ from simcomm.memory import MemoryReport
 from simcomm.trace import Trace
 
 from . import messages, pickling, startup
+from .checked import find_deadlock
 from .messages import Close, EncodedError, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import pick_backend
 from .stacks import describe_stacks
 from .transport import books_agree
-from .checked import find_deadlock
 from .worker import worker_main
 
 __all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteError"]

@@ -10,7 +10,8 @@ from functools import partial
 import torch
 
 from simcomm.communicator import Communicator
-from simcomm.models import attention, make_mlp, make_qkv, mlp, shard_mlp, tp_mlp, ulysses_attention
+from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
+from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
 
 from .cases import Case, RankResult, _cpu, _smooth
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from simcomm.collectives import check_splits, to_reduce_op
+from simcomm.checks import check_splits, to_reduce_op
 from simcomm.handles import Handle, P2POp
 from simcomm.trace import Record, Recorder, Trace
 from simcomm.transport import TransportBase
@@ -154,7 +154,7 @@ class _DistWork:
                 pass
 
     def _on_moved(self, _future) -> None:
-        self.moved = self.transport._recorder.now()
+        self.moved = self.transport.recorder.now()
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -168,7 +168,7 @@ class _DistWork:
         out = self.result()
         record = self.record
         if record is not None:
-            recorder = self.transport._recorder
+            recorder = self.transport.recorder
             recorder.moved(record, out, at=self.moved)
             recorder.waited(record)
         return out

@@ -32,7 +32,7 @@ import traceback
 import torch
 
 from simcomm.communicator import Communicator
-from simcomm.world import World
+from simcomm.sim.world import World
 
 from .cases import Case, async_cases, collective_cases, rooted_and_uneven_cases
 from .faults import FAULTS, injected

@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from simcomm import memory
-from simcomm.rank_random import FRESH_SEED
 from simcomm.communicator import Communicator
+from simcomm.sim.rank_random import FRESH_SEED
 
 from . import messages, pickling
 from .checked import CheckedTransport, Checker
@@ -53,7 +53,7 @@ from .transport import DistTransport, GroupCache
 __all__ = ["worker_main", "FRESH_PROCESS_SEED", "reset_random_state"]
 
 #: The seed every run starts from, here and on the simulator's virtual ranks
-#: (:data:`simcomm.rank_random.FRESH_SEED`, c10's ``default_rng_seed_val``), so a
+#: (:data:`simcomm.sim.rank_random.FRESH_SEED`, c10's ``default_rng_seed_val``), so a
 #: program draws the same numbers on both backends and in every run.
 FRESH_PROCESS_SEED = FRESH_SEED
 

@@ -3,23 +3,45 @@
 >>> import simcomm
 >>> world = simcomm.World(4)
 >>> outs = world.run(program)        # program(comm) on 4 virtual ranks
+
+The package is layered; imports run downward only:
+
+=====================  ================================================================
+``simcomm`` (this)     the core contract: communicator, checks, autograd rules, the
+                       collectives' math, the transport protocol, handles, errors,
+                       reports, trace, the op vocabulary, memory, the backend switch
+``simcomm.sim``        virtual ranks: scheduler, rendezvous, SimTransport, World
+``simcomm.c10d``       the ``"simcomm"`` torch.distributed backend on virtual ranks
+``simcomm.model``      what the hardware would do: cost model, topologies, timeline
+``simcomm.parallel``   the parallelisms the lessons teach, with references
+``simcomm.lessons``    the lessons' exercise checkers and their verdicts
+``simcomm.viz``        figures and widgets
+=====================  ================================================================
 """
 from torch.distributed import ReduceOp
 
 from . import collectives
 from .backend import configured_backend
 from .communicator import Communicator
-from .errors import (CollectiveMismatchError, CommunicatorClosedError, DeadlockError, RankError,
-                     RunTimeoutError, SimcommError, WrongThreadError)
+from .errors import (
+                     CollectiveMismatchError,
+                     CommunicatorClosedError,
+                     DeadlockError,
+                     RankError,
+                     RunTimeoutError,
+                     SimcommError,
+                     WrongThreadError,
+)
 from .handles import Handle, P2POp, UnwaitedHandleError
+from .model import cost, topology
+from .sim.world import World
 from .trace import Trace, TraceEvent
 from .transport import Transport
-from .world import World
 
 __all__ = [
     "configured_backend",
     "World", "ReduceOp", "Communicator", "Transport", "Trace", "TraceEvent", "collectives",
-    "Handle", "P2POp",
+    "Handle", "P2POp", "cost", "topology",
     "CollectiveMismatchError", "DeadlockError", "RankError", "RunTimeoutError", "SimcommError",
     "UnwaitedHandleError", "CommunicatorClosedError", "WrongThreadError",
 ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .world import World
+from .sim.world import World
 
 __all__ = ["configured_backend", "backend_name", "BACKEND_ENV"]
 
@@ -47,6 +47,6 @@ def configured_backend(world_size: int, **kwargs: Any):
     """
     if backend_name() == "sim":
         return World(world_size, **kwargs)
-    import real   # imported here only: simcomm does not depend on real
+    import real  # imported here only: simcomm does not depend on real
 
     return real.Cluster(world_size, **kwargs)

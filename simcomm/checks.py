@@ -13,6 +13,7 @@ import reprlib
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch.distributed import ReduceOp
 
 _short = reprlib.Repr()
 _short.maxstring = _short.maxother = 60
@@ -137,3 +138,77 @@ def check_partition(op: str, groups: Sequence[Sequence[int]], world_size: int, r
             f"ranks 0..{world_size - 1}: every rank in exactly one non-empty group"
         )
     return normalized
+
+
+# -- reductions and the ranks' arguments checked against each other ------------------------
+
+#: The reductions every backend supports, by canonical name.
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+_ALIASES = {"mean": "avg", "prod": "product", "premul_sum": None}
+
+
+_NAMES: dict = {**{getattr(ReduceOp, name.upper()): name for name in REDUCE_OPS},
+                **{name: name for name in REDUCE_OPS}}
+
+
+def reduce_op_name(op: ReduceOp | str) -> str:
+    """The canonical name (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``) of ``op``.
+
+    Accepts ``torch.distributed.ReduceOp`` members and their names as strings.
+    """
+    try:
+        return _NAMES[op]
+    except (KeyError, TypeError):
+        pass
+    if isinstance(op, str):
+        name = _ALIASES.get(op.lower(), op.lower())
+        if name in REDUCE_OPS:
+            return name
+    else:
+        for name in REDUCE_OPS:
+            if op == getattr(ReduceOp, name.upper()):
+                return name
+    raise ValueError(f"unsupported reduce op {op!r}; use one of ReduceOp.SUM, AVG, MAX, MIN, PRODUCT")
+
+
+def to_reduce_op(name: str) -> ReduceOp:
+    """The ``torch.distributed.ReduceOp`` member for a canonical name."""
+    return getattr(ReduceOp, reduce_op_name(name).upper())
+
+
+def check_same(op: str, inputs: Sequence[torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless every rank's tensor has the same shape and dtype."""
+    if not inputs:
+        raise ValueError(f"{op}: needs at least one rank's tensor")
+    first = inputs[0]
+    for rank, tensor in enumerate(inputs):
+        if tensor.shape != first.shape or tensor.dtype != first.dtype:
+            raise ValueError(
+                f"{op}: rank {rank} has {tensor.dtype} {tuple(tensor.shape)} but rank 0 has "
+                f"{first.dtype} {tuple(first.shape)}; every rank must pass the same shape and dtype"
+            )
+
+
+def check_avg_dtype(op: str, tensor: torch.Tensor, reduction: str, rank: int | None = None) -> None:
+    """Raise ``ValueError`` for ``ReduceOp.AVG`` of a tensor that is not floating point
+    (or complex), at every world size, with one wording for both backends."""
+    if reduction == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        where = f" on rank {rank}" if rank is not None else ""
+        raise ValueError(f"{op}: ReduceOp.AVG{where} needs a floating-point dtype, got {tensor.dtype}")
+
+
+def check_splits(op: str, input_splits: Sequence[Sequence[int]], output_splits: Sequence[Sequence[int]]
+                 ) -> None:
+    """Raise ``ValueError`` unless what rank ``i`` sends to rank ``j``
+    (``input_splits[i][j]``) is what rank ``j`` expects from rank ``i``
+    (``output_splits[j][i]``), naming the first pair that disagrees and both lists."""
+    world_size = len(input_splits)
+    for sender in range(world_size):
+        for receiver in range(world_size):
+            sent, expected = input_splits[sender][receiver], output_splits[receiver][sender]
+            if sent != expected:
+                raise ValueError(
+                    f"{op}: rank {sender} sends {sent} rows to rank {receiver} "
+                    f"(input_split_sizes={list(input_splits[sender])} on rank {sender}) but rank "
+                    f"{receiver} expects {expected} from rank {sender} "
+                    f"(output_split_sizes={list(output_splits[receiver])} on rank {receiver})")

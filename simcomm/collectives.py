@@ -22,58 +22,12 @@ from collections.abc import Sequence
 import torch
 from torch.distributed import ReduceOp
 
+from .checks import check_avg_dtype, check_same, check_splits, reduce_op_name
+
 __all__ = [
-    "REDUCE_OPS", "reduce_op_name", "to_reduce_op", "reduce", "all_reduce", "all_gather",
-    "reduce_scatter", "scatter", "all_to_all", "gather", "broadcast", "check_same",
-    "reduce_to", "scatter_from", "all_to_all_single", "check_avg_dtype", "check_splits",
+    "reduce", "all_reduce", "all_gather", "reduce_scatter", "scatter", "all_to_all", "gather", "broadcast",
+    "reduce_to", "scatter_from", "all_to_all_single",
 ]
-
-#: The reductions every backend supports, by canonical name.
-REDUCE_OPS = ("sum", "avg", "max", "min", "product")
-_ALIASES = {"mean": "avg", "prod": "product", "premul_sum": None}
-
-
-_NAMES: dict = {**{getattr(ReduceOp, name.upper()): name for name in REDUCE_OPS},
-                **{name: name for name in REDUCE_OPS}}
-
-
-def reduce_op_name(op: ReduceOp | str) -> str:
-    """The canonical name (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``) of ``op``.
-
-    Accepts ``torch.distributed.ReduceOp`` members and their names as strings.
-    """
-    try:
-        return _NAMES[op]
-    except (KeyError, TypeError):
-        pass
-    if isinstance(op, str):
-        name = _ALIASES.get(op.lower(), op.lower())
-        if name in REDUCE_OPS:
-            return name
-    else:
-        for name in REDUCE_OPS:
-            if op == getattr(ReduceOp, name.upper()):
-                return name
-    raise ValueError(f"unsupported reduce op {op!r}; use one of ReduceOp.SUM, AVG, MAX, MIN, PRODUCT")
-
-
-def to_reduce_op(name: str) -> ReduceOp:
-    """The ``torch.distributed.ReduceOp`` member for a canonical name."""
-    return getattr(ReduceOp, reduce_op_name(name).upper())
-
-
-def check_same(op: str, inputs: Sequence[torch.Tensor]) -> None:
-    """Raise ``ValueError`` unless every rank's tensor has the same shape and dtype."""
-    if not inputs:
-        raise ValueError(f"{op}: needs at least one rank's tensor")
-    first = inputs[0]
-    for rank, tensor in enumerate(inputs):
-        if tensor.shape != first.shape or tensor.dtype != first.dtype:
-            raise ValueError(
-                f"{op}: rank {rank} has {tensor.dtype} {tuple(tensor.shape)} but rank 0 has "
-                f"{first.dtype} {tuple(first.shape)}; every rank must pass the same shape and dtype"
-            )
-
 
 _ACCUMULATE_FROM = 1 << 16  # elements per rank from which large reductions accumulate in place
 _COMBINE_INPLACE = {"sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "max": None, "min": None,
@@ -96,14 +50,6 @@ def _reduce_accumulate(inputs: Sequence[torch.Tensor], name: str) -> torch.Tenso
     if name == "avg":
         out /= len(inputs)
     return out
-
-
-def check_avg_dtype(op: str, tensor: torch.Tensor, reduction: str, rank: int | None = None) -> None:
-    """Raise ``ValueError`` for ``ReduceOp.AVG`` of a tensor that is not floating point
-    (or complex), at every world size, with one wording for both backends."""
-    if reduction == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
-        where = f" on rank {rank}" if rank is not None else ""
-        raise ValueError(f"{op}: ReduceOp.AVG{where} needs a floating-point dtype, got {tensor.dtype}")
 
 
 def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> torch.Tensor:
@@ -209,23 +155,6 @@ def scatter_from(inputs: Sequence[torch.Tensor | None], src: int = 0, dim: int =
     """Rank ``r`` gets chunk ``r`` along ``dim`` of rank ``src``'s tensor (the other entries
     of ``inputs`` are ignored and may be ``None``)."""
     return scatter(inputs[src], len(inputs), dim)
-
-
-def check_splits(op: str, input_splits: Sequence[Sequence[int]], output_splits: Sequence[Sequence[int]]
-                 ) -> None:
-    """Raise ``ValueError`` unless what rank ``i`` sends to rank ``j``
-    (``input_splits[i][j]``) is what rank ``j`` expects from rank ``i``
-    (``output_splits[j][i]``), naming the first pair that disagrees and both lists."""
-    world_size = len(input_splits)
-    for sender in range(world_size):
-        for receiver in range(world_size):
-            sent, expected = input_splits[sender][receiver], output_splits[receiver][sender]
-            if sent != expected:
-                raise ValueError(
-                    f"{op}: rank {sender} sends {sent} rows to rank {receiver} "
-                    f"(input_split_sizes={list(input_splits[sender])} on rank {sender}) but rank "
-                    f"{receiver} expects {expected} from rank {sender} "
-                    f"(output_split_sizes={list(output_splits[receiver])} on rank {receiver})")
 
 
 def all_to_all_single(inputs: Sequence[torch.Tensor], output_split_sizes: Sequence[Sequence[int]],

@@ -3,7 +3,7 @@
 One :class:`Communicator` exists per rank and group. It checks arguments
 (:mod:`simcomm.checks`), makes inputs contiguous, and calls the autograd rules
 of :mod:`simcomm.autograd`, which call its transport. The same class serves the
-simulator (:class:`simcomm.sim.SimTransport`) and real processes
+simulator (:class:`simcomm.sim.transport.SimTransport`) and real processes
 (``real.transport.DistTransport``).
 
 Every method leaves its input unmodified, returns tensors that alias no input,
@@ -26,9 +26,17 @@ import torch
 from torch.distributed import ReduceOp
 
 from . import autograd as rules
-from .checks import (check_4d, check_divisible, check_partition, check_peer, check_split_sizes, check_tensor,
-                     normalize_dim)
-from .collectives import check_avg_dtype, reduce_op_name
+from .checks import (
+    check_4d,
+    check_avg_dtype,
+    check_divisible,
+    check_partition,
+    check_peer,
+    check_split_sizes,
+    check_tensor,
+    normalize_dim,
+    reduce_op_name,
+)
 from .handles import Handle, P2POp
 from .transport import Transport
 
@@ -480,7 +488,7 @@ class Communicator:
     def compute(self, seconds: float | None = None, *, flops: float | None = None) -> None:
         """Declare compute work at this point of the program (no communication).
 
-        Adds a ``compute`` event to the trace, so :func:`simcomm.cost.annotate`
+        Adds a ``compute`` event to the trace, so :func:`simcomm.model.cost.annotate`
         can place it on a modelled timeline: ``seconds`` as given, or ``flops``
         divided by the topology's compute rate.
         """

@@ -30,7 +30,7 @@ the size of a storage already counted. Storage made outside the dispatcher is
 not seen: tensors from ``torch.from_numpy``, from unpickling (a real worker's
 arguments), and a program's arguments on both backends; :func:`tag` counts such
 a tensor explicitly. Sparse tensors are not counted; meta tensors hold no bytes; fake tensors
-(shape-only ranks, :mod:`simcomm.shape`) count the bytes their storage would hold;
+(shape-only ranks, :mod:`simcomm.sim.shape`) count the bytes their storage would hold;
 a tensor subclass that wraps tensors (DTensor) counts the tensors it wraps. Resizing a storage object directly
 (``t.untyped_storage().resize_(0)``) is not seen either.
 
@@ -53,8 +53,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
-                                          is_traceable_wrapper_subclass)
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
 
 __all__ = [
     "LABELS", "DEFAULT_LABEL", "COMMUNICATION",

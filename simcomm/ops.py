@@ -3,7 +3,7 @@
 
 * :data:`TRACE_OPS`: the ``op`` of a :class:`~simcomm.trace.TraceEvent`, one per transport
   call (``send`` and ``recv`` are the two ends of one message; ``compute`` is declared work).
-* :data:`COST_OPS`: the operations the cost model (:mod:`simcomm.cost`) and ``real.bench``
+* :data:`COST_OPS`: the operations the cost model (:mod:`simcomm.model.cost`) and ``real.bench``
   know, named as nccl-tests names its binaries: a message between two ranks is one
   ``send_recv``.
 * :data:`ALIASES`: other spellings of those names (``allreduce``, ``all-reduce``,

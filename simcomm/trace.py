@@ -230,7 +230,7 @@ class TraceEvent:
     out_shape: tuple[int, ...] | None = None
     root: int | None = None
     args: dict = field(default_factory=dict)
-    #: modelled duration on a topology, filled by :func:`simcomm.cost.annotate` (seconds)
+    #: modelled duration on a topology, filled by :func:`simcomm.model.cost.annotate` (seconds)
     modelled: float | None = None
     #: issued with ``async_op=True`` (or ``isend``/``irecv``): ``start`` is when it was issued,
     #: ``end`` when its data moved

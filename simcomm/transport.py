@@ -2,7 +2,7 @@
 
 The :class:`~simcomm.communicator.Communicator` checks arguments and wires
 autograd; a transport only moves data. Two transports implement this protocol:
-:class:`simcomm.sim.SimTransport` (virtual ranks, threads of one process) and
+:class:`simcomm.sim.transport.SimTransport` (virtual ranks, threads of one process) and
 ``real.transport.DistTransport`` (``torch.distributed``).
 
 Contract of every primitive, which the Communicator guarantees to the
@@ -55,11 +55,11 @@ class Transport(Protocol):
     def subgroup(self, groups: tuple[tuple[int, ...], ...]) -> Transport: ...
     def compute(self, seconds: float | None = None, flops: float | None = None) -> None: ...
     # zeros off dst; (chunk, whether src's tensor requires grad); uneven along dim 0
-    def reduce(self, tensor: torch.Tensor, dst: int, op: str) -> torch.Tensor: ...
-    def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False
-                ) -> tuple[torch.Tensor, bool]: ...
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False) -> Any: ...
+    def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
+                async_op: bool = False) -> Any: ...
     def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
-                          input_split_sizes: Sequence[int]) -> torch.Tensor: ...
+                          input_split_sizes: Sequence[int], async_op: bool = False) -> Any: ...
 
 
 class TransportBase:
@@ -79,6 +79,12 @@ class TransportBase:
         self._recorder = recorder
         self._step = 0
         self._p2p_steps: dict[tuple[int, int], int] = {}
+
+    @property
+    def recorder(self) -> Recorder | None:
+        """Where this rank's calls are traced (``None`` when the run is not traced); the
+        transports of the rank's subgroups share it."""
+        return self._recorder
 
     def _next_step(self) -> int:
         step = self._step

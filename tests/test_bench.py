@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from real import bench
-from simcomm import cost, ops
+from simcomm import ops
+from simcomm.model import cost
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1"]

@@ -72,8 +72,6 @@ def test_lesson_12_layout_widget_in_chromium(jupyterlab_12, tmp_path: Path):
             browser.close()
 
 
-@pytest.mark.skipif(not hasattr(__import__("simcomm.viz").viz, "use_export_renderer"),
-                    reason="needs simcomm.viz's export renderer (figures as text/html too)")
 def test_lesson_12_html_export_shows_the_default_layout(tmp_path: Path):
     from playwright.sync_api import sync_playwright
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simcomm import ReduceOp, collectives
+from simcomm import ReduceOp, checks, collectives
 
 from . import reference as ref
 from .harness import make_inputs
@@ -26,11 +26,11 @@ def test_large_integer_sum_is_exact_and_avg_of_integers_is_refused():
 
 
 def test_reduce_op_names():
-    assert collectives.reduce_op_name(ReduceOp.MAX) == "max"
-    assert collectives.reduce_op_name("PROD") == "product"
-    assert collectives.to_reduce_op("avg") == ReduceOp.AVG
+    assert checks.reduce_op_name(ReduceOp.MAX) == "max"
+    assert checks.reduce_op_name("PROD") == "product"
+    assert checks.to_reduce_op("avg") == ReduceOp.AVG
     with pytest.raises(ValueError, match="unsupported reduce op"):
-        collectives.reduce_op_name("median")
+        checks.reduce_op_name("median")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

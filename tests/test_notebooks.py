@@ -57,7 +57,7 @@ def test_notebook_is_committed_stripped(notebook: Path):
             assert cell.get("execution_count") is None, f"{where} holds an execution count"
 
 
-#: the most lines a code cell of a lesson may have: helpers belong in simcomm.lessons
+#: the most lines a code cell of a lesson may have: helpers belong in simcomm.lessons.foundations
 MAX_CELL_LINES = 25
 
 
@@ -86,7 +86,7 @@ def test_solutions_are_hidden_behind_a_harmless_first_line_and_test_no_checker(n
         source = "".join(cell["source"])
         assert cell["metadata"].get("jupyter", {}).get("source_hidden") is True
         assert source.splitlines()[0].startswith("# Solution"), source.splitlines()[0]
-        assert "expect_error" not in source, "tests of the checkers belong in tests/test_lessons.py"
+        assert "expect_error" not in source, "tests of the checkers belong in tests/test_lessons_foundations.py"
         assert cell["metadata"].get("expect", [""])[-1].startswith("Correct"), "a solution's check says Correct"
 
 
@@ -144,37 +144,6 @@ def test_checked_cells_get_their_expected_text(tmp_path: Path):
     assert checked >= len(LESSONS), "every lesson should check at least one printed result"
 
 
-def _real_unavailable() -> str | None:
-    """Why the real backend cannot run the lessons here, or None when it can."""
-    try:
-        import real
-        import simcomm
-    except Exception as error:  # noqa: BLE001 - any import failure means: skip with its text
-        return f"import real failed: {type(error).__name__}: {error}"
-    missing = [name for module, name in ((real, "Cluster"), (real, "run"), (simcomm, "configured_backend"))
-               if not hasattr(module, name)]
-    if missing:
-        return "not provided yet: " + ", ".join(missing)
-    probe = ("import torch, real\n"
-             "def program(comm):\n"
-             "    return comm.all_reduce(torch.ones(2) * (comm.rank + 1))\n"
-             "outs = real.run(program, world_size=2)\n"
-             "assert all(o.tolist() == [3.0, 3.0] for o in outs), outs\n")
-    try:
-        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                timeout=180, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return "real.run(world_size=2) did not finish a 2-rank all-reduce within 180 s"
-    if result.returncode != 0:
-        return "real.run(world_size=2) failed: " + result.stderr.strip().splitlines()[-1]
-    return None
-
-
-@pytest.fixture(scope="module")
-def real_unavailable() -> str | None:
-    return _real_unavailable()
-
-
 def _run_nbval(notebook: Path, backend: str, folder: Path) -> tuple[subprocess.CompletedProcess, float]:
     notebook, _ = with_expected_outputs(notebook, folder)
     env = dict(os.environ, SIMCOMM_BACKEND=backend, PYTHONDONTWRITEBYTECODE="1")
@@ -188,10 +157,7 @@ def _run_nbval(notebook: Path, backend: str, folder: Path) -> tuple[subprocess.C
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sim", pytest.param("real", marks=pytest.mark.real)])
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
-def test_lesson_runs(notebook: Path, backend: str, real_unavailable: str | None,
-                     record_property, tmp_path: Path):
-    if backend == "real" and real_unavailable:
-        pytest.skip(f"SIMCOMM_BACKEND=real: {real_unavailable}")
+def test_lesson_runs(notebook: Path, backend: str, record_property, tmp_path: Path):
     result, seconds = _run_nbval(notebook, backend, tmp_path)
     record_property("seconds", round(seconds, 1))
     print(f"{notebook.stem} [SIMCOMM_BACKEND={backend}]: {seconds:.1f} s")

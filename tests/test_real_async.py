@@ -5,20 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-import real
 import simcomm
 from real.cases import async_cases
 from real.verify import evaluate, run_cases
 
-from .test_async import _batch, _dp_step, _model
+from .test_sim_async import _batch, _dp_step, _model
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=["2ranks", "3ranks", "4ranks"])
-def cluster(request):
-    with real.Cluster(request.param, backend="gloo", timeout=120) as c:
-        yield c
+def cluster(request, gloo_cluster):
+    return gloo_cluster(request.param)
 
 
 def test_async_cases_match_reference_and_simulator(cluster):

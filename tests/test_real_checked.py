@@ -13,7 +13,7 @@ import torch.distributed as dist
 import real
 import real.checked
 import simcomm
-from real.checked import Checker, CheckedTransport
+from real.checked import CheckedTransport, Checker
 
 pytestmark = pytest.mark.real
 
@@ -255,9 +255,8 @@ def _skips_the_all_reduce_on_rank_one(comm):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with real.Cluster(2, backend="gloo", timeout=30) as c:
-        yield c
+def cluster(gloo_cluster):
+    return gloo_cluster(2, timeout=30)
 
 
 @pytest.mark.timeout(90)

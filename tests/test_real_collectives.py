@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import real
 import simcomm
 from real.verify import all_cases, evaluate, run_cases
 
@@ -14,9 +13,8 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def cluster(request):
-    with real.Cluster(request.param, backend="gloo", timeout=120) as c:
-        yield c
+def cluster(request, gloo_cluster):
+    return gloo_cluster(request.param)
 
 
 def test_every_case_matches_reference_and_simulator(cluster):

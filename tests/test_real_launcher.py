@@ -128,10 +128,10 @@ def _same_error_everywhere(comm):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with real.Cluster(2, backend="gloo", timeout=30) as c:
-        c.run(lambda comm: None)                        # workers up before the timed tests
-        yield c
+def cluster(gloo_cluster):
+    running = gloo_cluster(2, timeout=30)
+    running.run(lambda comm: None)                      # workers up before the timed tests
+    return running
 
 
 @pytest.mark.timeout(60)

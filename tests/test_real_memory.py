@@ -6,7 +6,8 @@ import torch
 
 import real
 import simcomm
-from simcomm import memory, zero
+from simcomm import memory
+from simcomm.parallel import zero
 
 pytestmark = pytest.mark.real
 

@@ -7,11 +7,14 @@ import torch
 
 import real
 import simcomm
-from tests.test_moe import _program as moe_program, _reference as moe_reference, setup as moe_setup
-from tests.test_ring_attention import _reference as attention_reference, _ring_program, qkvw
-from tests.test_transformer3d import HEADS, data, reference_loss
-from simcomm.ring_attention import unshard_sequence
-from simcomm.transformer3d import assemble_grads, block_step
+from simcomm.parallel.context import unshard_sequence
+from simcomm.parallel.transformer3d import assemble_grads, block_step
+from tests.test_parallel_context import _reference as attention_reference
+from tests.test_parallel_context import _ring_program, qkvw
+from tests.test_parallel_expert import _program as moe_program
+from tests.test_parallel_expert import _reference as moe_reference
+from tests.test_parallel_expert import setup as moe_setup
+from tests.test_parallel_transformer3d import HEADS, data, reference_loss
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 

@@ -86,8 +86,8 @@ def test_verify_catches_a_wrong_broadcast_and_all_to_all_single_backward(tmp_pat
 
 
 def test_faults_use_the_rules_seam_and_restore_it():
-    from simcomm import autograd
     from real.faults import FAULTS, injected
+    from simcomm import autograd
 
     functions = {name: cls.__dict__["backward"] for name, cls in vars(autograd).items()
                  if isinstance(cls, type) and issubclass(cls, autograd.torch.autograd.Function)}

@@ -168,7 +168,7 @@ def test_timeout_names_where_each_rank_is_and_stops_a_rank_in_python_code():
     start = time.perf_counter()
     with pytest.raises(RunTimeoutError) as info:
         simcomm.World(2).run(program, timeout=0.5)
-    assert time.perf_counter() - start < 0.5 + simcomm.world.STOP_GRACE_S + 1.0
+    assert time.perf_counter() - start < 0.5 + simcomm.sim.world.STOP_GRACE_S + 1.0
     assert "rank 1 computes at" in str(info.value) and "in program" in str(info.value)
     assert rank_threads() == []
 

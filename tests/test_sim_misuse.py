@@ -145,7 +145,7 @@ def test_timeout_raises_promptly_names_where_ranks_are_and_which_could_not_be_st
         simcomm.World(3).run(program, timeout=0.5)
     elapsed = time.perf_counter() - start
     message = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
-    assert elapsed < 0.5 + simcomm.world.STOP_GRACE_S + 1.0, f"took {elapsed:.2f} s"
+    assert elapsed < 0.5 + simcomm.sim.world.STOP_GRACE_S + 1.0, f"took {elapsed:.2f} s"
     assert "rank 1 computes at" in message and "in program" in message
     assert "rank 0 waits in barrier" in message
     assert "rank 2 never started" in message and "<unknown location>" not in message
@@ -167,7 +167,7 @@ def test_timeout_stops_a_spinning_rank():
     start = time.perf_counter()
     with pytest.raises(RunTimeoutError) as info:
         simcomm.World(2).run(program, timeout=0.3)
-    assert time.perf_counter() - start < 0.3 + simcomm.world.STOP_GRACE_S + 1.0
+    assert time.perf_counter() - start < 0.3 + simcomm.sim.world.STOP_GRACE_S + 1.0
     assert not getattr(info.value, "__notes__", None), "a spinning rank can be stopped"
     assert rank_threads() == []
 
@@ -187,7 +187,7 @@ def test_ctrl_c_reaches_the_caller_promptly_and_names_the_thread_left_running():
         simcomm.World(2).run(program)
     elapsed = time.perf_counter() - start
     timer.join()
-    assert elapsed < 0.3 + simcomm.world.STOP_GRACE_S + 1.0, f"took {elapsed:.2f} s"
+    assert elapsed < 0.3 + simcomm.sim.world.STOP_GRACE_S + 1.0, f"took {elapsed:.2f} s"
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "could not be stopped" in notes and "rank 0 at" in notes
     assert simcomm.World(2).run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
@@ -249,7 +249,7 @@ def test_deadlock_message_of_a_send_ring_is_short():
 
 
 def test_format_ranks_is_short_for_any_list():
-    from simcomm.waits import format_ranks
+    from simcomm.reports import format_ranks
     assert format_ranks([3]) == "[3]"
     assert format_ranks([0, 1, 2, 5, 7, 8]) == "[0-2, 5, 7, 8]"
     assert len(format_ranks(range(0, 100000, 2))) < 120

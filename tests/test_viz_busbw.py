@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from simcomm.cost import GB, estimate
+from simcomm.model.cost import GB, estimate
 from simcomm.viz.busbw import _PLOT_PX, busbw_figure, load_measured
 
 ROWS = [{"op": "all_reduce", "size": s, "busbw": b, "wrong": 0} for s, b in ((1024, 0.01), (4096, 0.03))] + \

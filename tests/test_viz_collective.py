@@ -5,8 +5,8 @@ import pytest
 import simcomm
 from simcomm.viz import OPS, collective_figure, provenance_tensor, run_collective
 from simcomm.viz.collective import SCREEN_HEIGHT_PX
-from simcomm.viz.colors import MIXED_COLOURSCALE, colour_at, rank_colour
 from simcomm.viz.grids import MIN_FONT_PX
+from simcomm.viz.style import MIXED_COLOURSCALE, colour_at, rank_colour
 
 
 def heatmaps(fig):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from simcomm.viz import as_grid, grid_layout, provenance_tensors, rank_grid
-from simcomm.viz.colors import colour_at, rank_colour
+from simcomm.viz.style import colour_at, rank_colour
 
 
 def test_one_panel_per_rank_with_its_values_and_shared_axis():

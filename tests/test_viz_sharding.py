@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simcomm.models import shard_mlp
+from simcomm.parallel.tensor import shard_mlp
 from simcomm.viz import tp_mlp_shards_figure
 
 

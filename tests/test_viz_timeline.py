@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import simcomm
-from simcomm import cost
-from simcomm.cost import annotate, estimate
+from simcomm.model import cost
+from simcomm.model.cost import annotate, estimate
 from simcomm.trace import Trace, TraceEvent
 from simcomm.viz import timeline_figure
 from simcomm.viz.timeline import MIN_FONT_PX
@@ -149,7 +149,7 @@ def test_modelled_async_communication_is_hidden_under_compute():
 
 
 def test_modelled_bars_of_a_world_run_use_the_cost_model_durations(trace):
-    with pytest.raises(ValueError, match=r"timeline_figure: modelled=True but .* call simcomm.cost.annotate"):
+    with pytest.raises(ValueError, match=r"timeline_figure: modelled=True but .* call simcomm.model.cost.annotate"):
         timeline_figure(trace, modelled=True)
     annotate(trace, "h100-nvswitch")
     fig = timeline_figure(trace, modelled=True)

@@ -39,7 +39,8 @@
 import torch
 import simcomm
 import real
-from simcomm import lessons, viz
+from simcomm.lessons import foundations as lessons
+from simcomm import viz
 
 
 # %% [markdown]

@@ -32,7 +32,8 @@
 # %% expect=["rank 0: [0, 1, 2, 3]", "rank 1: [10, 11, 12, 13]", "rank 2: [20, 21, 22, 23]", "rank 3: [30, 31, 32, 33]"]
 import torch
 import simcomm
-from simcomm import ReduceOp, lessons, viz
+from simcomm import ReduceOp, viz
+from simcomm.lessons import foundations as lessons
 
 world_size = 4
 world = simcomm.configured_backend(world_size)

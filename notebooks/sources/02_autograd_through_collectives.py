@@ -29,7 +29,8 @@
 # %%
 import torch
 import simcomm
-from simcomm import ReduceOp, lessons, viz
+from simcomm import ReduceOp, viz
+from simcomm.lessons import foundations as lessons
 
 world_size = 4
 world = simcomm.configured_backend(world_size)   # virtual ranks, or real processes if SIMCOMM_BACKEND=real

@@ -27,7 +27,9 @@
 # %%
 import torch
 import simcomm
-from simcomm import cost, lessons, viz
+from simcomm.model import cost
+from simcomm.lessons import foundations as lessons
+from simcomm import viz
 from simcomm.viz import allreduce_steps
 
 world_size = 4
@@ -170,8 +172,8 @@ for n in (2, 4, 8, 16):
 #
 # `time = latency + steps x hop latency + bytes on the busiest link / bandwidth`
 #
-# `simcomm.cost.estimate(op, nbytes, world_size, topology)` evaluates it for presets of real
-# machines (their sources are cited in `simcomm.topology`). Small messages pay latency per
+# `simcomm.model.cost.estimate(op, nbytes, world_size, topology)` evaluates it for presets of real
+# machines (their sources are cited in `simcomm.model.topology`). Small messages pay latency per
 # step, so the algorithm with fewer steps wins; large ones pay bytes, so the one with fewer
 # bytes wins. Inside one NVLink node NCCL's tree is a chain (no fewer steps than the ring);
 # the tree's `log2` steps pay off *across nodes*. An all-reduce over 16 GPUs on two

@@ -26,8 +26,10 @@
 # %% expect=["{'w1': (16, 8), 'b1': (16,), 'w2': (8, 16), 'b2': (8,)}"]
 import torch
 import simcomm
-from simcomm import cost, lessons, viz
-from simcomm.models import make_mlp, mlp, shard_mlp, tp_mlp
+from simcomm.model import cost
+from simcomm.lessons import foundations as lessons
+from simcomm import viz
+from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
 
 world_size, batch, hidden, ffn = 4, 3, 8, 16
 world = simcomm.configured_backend(world_size)

@@ -29,8 +29,9 @@
 # %%
 import torch
 import simcomm
-from simcomm import lessons, viz
-from simcomm.models import attention, make_qkv, ulysses_attention
+from simcomm.lessons import foundations as lessons
+from simcomm import viz
+from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
 
 world_size, batch, seq, heads, head_dim = 4, 1, 8, 4, 2
 world = simcomm.configured_backend(world_size)

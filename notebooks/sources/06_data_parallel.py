@@ -21,15 +21,17 @@
 # single-device gradient of the whole batch, and hide that communication behind the backward
 # pass the way PyTorch's DDP does.
 #
-# The model is a 5-layer tanh MLP (`simcomm.data_parallel.make_model`), the loss the mean squared
+# The model is a 5-layer tanh MLP (`simcomm.parallel.data.make_model`), the loss the mean squared
 # error over a batch of 16 rows. Every check compares with the single-device model in float64.
 
 # %% expect=["4 ranks, 4 rows each; 10 parameter tensors, 207880 parameters"]
 import torch
 import simcomm
-from simcomm import ReduceOp, cost, viz
-from simcomm import data_parallel as dp, training_lessons as tl
-from simcomm.lessons import assert_close, max_error
+from simcomm import ReduceOp, viz
+from simcomm.model import cost
+from simcomm.parallel import data as dp
+from simcomm.lessons import training as tl
+from simcomm.lessons.foundations import assert_close, max_error
 
 world_size = 4
 world = simcomm.configured_backend(world_size)

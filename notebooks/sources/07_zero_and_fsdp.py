@@ -21,15 +21,17 @@
 # bytes each rank holds and moves, and checking that every stage still takes *exactly* the step
 # single-device Adam takes.
 #
-# The model is a small tanh MLP (`simcomm.zero.MLP`) with `psi` parameters in fp32, trained for
+# The model is a small tanh MLP (`simcomm.parallel.zero.MLP`) with `psi` parameters in fp32, trained for
 # 2 Adam steps on 4 ranks. The reference is `torch.optim.Adam` on the whole batch, float64.
 
 # %% expect=["psi = 5768 parameters on 4 ranks"]
 import torch
 import simcomm
-from simcomm import cost, viz, zero, fsdp
-from simcomm import training_lessons as tl
-from simcomm.lessons import assert_close
+from simcomm.model import cost
+from simcomm import viz
+from simcomm.parallel import zero, fsdp
+from simcomm.lessons import training as tl
+from simcomm.lessons.foundations import assert_close
 
 world_size = 4
 world = simcomm.configured_backend(world_size, memory=True)   # measure every rank's bytes

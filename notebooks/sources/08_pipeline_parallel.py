@@ -21,15 +21,16 @@
 # (idle time) and activation memory from the program's own trace, and check that the loss and
 # every gradient equal the unsplit model's.
 #
-# The model is a 4-layer tanh MLP (`simcomm.pipeline.PIPE_SIZES`), one layer per stage; the batch
+# The model is a 4-layer tanh MLP (`simcomm.parallel.pipeline.PIPE_SIZES`), one layer per stage; the batch
 # of 16 rows is split into microbatches. Every check compares with the unsplit model in float64.
 
 # %% expect=["4 stages; stage 0 holds Linear(16 -> 64) + Tanh"]
 import torch
 import simcomm
 from simcomm import viz
-from simcomm import data_parallel as dp, pipeline as pp, training_lessons as tl
-from simcomm.lessons import assert_close, expect_error
+from simcomm.parallel import data as dp, pipeline as pp
+from simcomm.lessons import training as tl
+from simcomm.lessons.foundations import assert_close, expect_error
 
 stages = 4
 world = simcomm.configured_backend(stages, memory=True)

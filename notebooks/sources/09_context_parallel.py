@@ -28,11 +28,13 @@
 # %%
 import torch
 import simcomm
-from simcomm import cost, lessons, viz
-from simcomm import scaling_figures as figures, scaling_lessons as checks
-from simcomm.models import attention, make_qkv, ulysses_attention
-from simcomm.ring_attention import (all_gather_kv_attention, block_attention, lse_merge, ring_attention,
-                                    shard_sequence, unshard_sequence)
+from simcomm.model import cost
+from simcomm.lessons import foundations as lessons
+from simcomm import viz
+from simcomm.viz import scaling as figures
+from simcomm.lessons import scaling as checks
+from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
+from simcomm.parallel.context import (all_gather_kv_attention, block_attention, lse_merge, ring_attention, shard_sequence, unshard_sequence)
 
 world_size, batch, seq, heads, head_dim = 4, 1, 16, 2, 4
 world = simcomm.configured_backend(world_size)

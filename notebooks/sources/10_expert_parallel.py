@@ -30,9 +30,11 @@
 # %%
 import torch
 import simcomm
-from simcomm import cost, lessons
-from simcomm import scaling_figures as figures, scaling_lessons as checks
-from simcomm.moe import capacity, expert_parallel_moe, make_moe, moe, route, shard_experts
+from simcomm.model import cost
+from simcomm.lessons import foundations as lessons
+from simcomm.viz import scaling as figures
+from simcomm.lessons import scaling as checks
+from simcomm.parallel.expert import capacity, expert_parallel_moe, make_moe, moe, route, shard_experts
 
 world_size, num_experts, top_k, tokens, hidden, ffn = 4, 8, 2, 8, 8, 16
 world = simcomm.configured_backend(world_size)

@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import simcomm
-from simcomm import lessons, viz
-from simcomm import scaling_lessons as checks
-from simcomm.debugging import assert_replicated, error_summary
-from simcomm.models import make_mlp, mlp, shard_mlp, tp_mlp
+from simcomm.lessons import foundations as lessons
+from simcomm import viz
+from simcomm.lessons import scaling as checks
+from simcomm.lessons.debugging import assert_replicated, error_summary
+from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
 
 world_size = 4
 sim = simcomm.World(world_size)                        # the bugs run here: they fail at once

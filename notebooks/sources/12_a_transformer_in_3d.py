@@ -30,9 +30,11 @@
 # %%
 import torch
 import simcomm
-from simcomm import lessons, layout_choice
-from simcomm import scaling_figures as figures, scaling_lessons as checks
-from simcomm.transformer3d import Layout, assemble_grads, block_step, loss, make_block, mesh_coords
+from simcomm.lessons import foundations as lessons
+from simcomm.parallel import layout_choice
+from simcomm.viz import scaling as figures
+from simcomm.lessons import scaling as checks
+from simcomm.parallel.transformer3d import Layout, assemble_grads, block_step, loss, make_block, mesh_coords
 
 world_size, batch, seq, hidden, ffn, heads = 8, 8, 32, 128, 512, 8
 world = simcomm.configured_backend(world_size)

@@ -10,7 +10,7 @@ handles. :func:`rank_process_group` is the one hook ``World`` enters around
 each rank's program.
 """
 from .process_group import SimcommProcessGroup
+from .rank_state import BACKEND_NAME, rank_process_group
 from .work import SimcommWork
-from .world import BACKEND_NAME, rank_process_group
 
 __all__ = ["rank_process_group", "SimcommProcessGroup", "SimcommWork", "BACKEND_NAME"]

@@ -1,6 +1,6 @@
 """One translation function per c10d operation: c10d's buffers in, simulator calls, buffers out.
 
-Every function takes the rank's :class:`~simcomm.sim.SimTransport` for the
+Every function takes the rank's :class:`~simcomm.sim.transport.SimTransport` for the
 group, c10d's arguments as the ProcessGroup received them (``src``/``dst``/
 ``rootRank`` are group-local ranks) and ``async_op``. It *issues* the
 transport primitives of the op (with ``async_op=True`` each returns a
@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed import ReduceOp
 
-from ..sim import SimTransport
+from ..checks import reduce_op_name
+from ..sim.transport import SimTransport
 
 __all__ = ["Issued", "all_reduce", "all_gather_list", "all_gather_into_tensor", "reduce_scatter_list",
            "reduce_scatter_tensor", "all_to_all_single", "all_to_all_list", "broadcast", "reduce",
@@ -44,20 +44,16 @@ class Issued(NamedTuple):
     finish: Callable[[list[Any]], list[torch.Tensor]]
 
 
-_REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
-                 ReduceOp.PRODUCT: "product"}
-
-
 def _op_name(c10d_op: str, opts) -> str:
-    """The canonical reduction name of ``opts.reduceOp``; NotImplementedError for the
-    ones the simulator's math has no rule for (bitwise ops, PREMUL_SUM)."""
+    """The canonical reduction name of ``opts.reduceOp`` (:func:`simcomm.checks.reduce_op_name`);
+    NotImplementedError for the ones the simulator's math has no rule for (bitwise ops, PREMUL_SUM)."""
     red = opts.reduceOp.op
-    name = _REDUCE_NAMES.get(red)
-    if name is None:
+    try:
+        return reduce_op_name(red)
+    except ValueError:
         raise NotImplementedError(
             f"{c10d_op} with reduce op {red} is not supported by the 'simcomm' backend; "
-            f"use SUM, AVG, MAX, MIN or PRODUCT")
-    return name
+            f"use SUM, AVG, MAX, MIN or PRODUCT") from None
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:

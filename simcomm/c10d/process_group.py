@@ -3,7 +3,7 @@
 c10d hands a backend output buffers to fill in place (``dist.all_reduce(t)``
 overwrites ``t``). Each method of :class:`SimcommProcessGroup` is a thin
 adapter around ONE translation function of :mod:`simcomm.c10d.ops`, which
-issues the call on the rank's :class:`~simcomm.sim.SimTransport` for the
+issues the call on the rank's :class:`~simcomm.sim.transport.SimTransport` for the
 group. The simulator therefore traces the call, checks that every rank
 issues the same one (CollectiveMismatchError) and sees every wait
 (DeadlockError), exactly as for the communicator's own calls.
@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ..sim import SimTransport
+from ..sim.transport import SimTransport
 from ..trace import backward_phase
 from . import ops
+from .rank_state import BACKEND_NAME, current_context
 from .work import SimcommWork, completed
-from .world import BACKEND_NAME, current_context
 
 __all__ = ["SimcommProcessGroup", "register"]
 

@@ -17,6 +17,7 @@ that issued it).
 from __future__ import annotations
 
 from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future

@@ -31,9 +31,9 @@ from .grids import as_grid, grid_layout, rank_grid
 from .matrix import comm_matrix_figure
 from .memory import memory_figure
 from .pipeline import pipeline_figure
+from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
 from .render import in_kernel, use_export_renderer
 from .sharding import tp_mlp_shards_figure
-from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
 from .timeline import human_bytes, timeline_figure
 
 __all__ = [

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from ..ring import ring_schedule
-from .colors import SUM_COLOUR, rank_colour
+from ..parallel.ring import ring_schedule
 from .provenance import provenance_base
+from .style import SUM_COLOUR, rank_colour
 
 __all__ = ["AllReduceStep", "allreduce_steps", "allreduce_figure", "ring_allreduce_figure", "tree_allreduce_figure"]
 

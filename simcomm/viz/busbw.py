@@ -5,7 +5,7 @@ by a solid line and the model's prediction for the same op and world size as
 lines of their own (one per algorithm with ``algorithms=True``). Every line
 has its own colour *and* dash style, is 3 px wide and is labelled at its right
 end, so lines can be told apart on a projector and in greyscale. The x axis
-is the message size in nccl-tests' convention (:mod:`simcomm.cost`),
+is the message size in nccl-tests' convention (:mod:`simcomm.model.cost`),
 logarithmic; the y axis is logarithmic when the values span more than two
 decades (small messages reach a tiny fraction of the link rate). Fonts are at
 least 14 px.
@@ -20,15 +20,16 @@ from collections.abc import Sequence
 import plotly.colors
 import plotly.graph_objects as go
 
-from ..cost import ALGORITHMS, GB, OPS, Topology, estimate, get_topology
+from ..model.cost import ALGORITHMS, GB, OPS, Topology, estimate, get_topology
 from ..ops import canonical_op
+from .style import MIN_FONT_PX
 
 __all__ = ["busbw_figure", "load_measured"]
 
 _COLOURS = plotly.colors.qualitative.Dark2 + plotly.colors.qualitative.Set1
 _DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 _SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star")
-_FONT = {"size": 14}
+_FONT = {"size": MIN_FONT_PX}
 
 
 def load_measured(measured) -> tuple[list[dict], dict]:
@@ -71,7 +72,7 @@ def busbw_figure(measured=None, topology: str | Topology | Sequence[str | Topolo
 
     ``measured``: a ``real.bench --json`` path, its dict, or a list of rows
     (``op``, ``size``, ``busbw`` in GB/s). ``topology``: preset name(s) or
-    :class:`~simcomm.topology.Topology` objects to model. ``world_size``
+    :class:`~simcomm.model.topology.Topology` objects to model. ``world_size``
     defaults to the measured one. ``algorithms``: one line per algorithm the
     model knows for the op (ring, tree, nvls...) instead of one line for the
     fastest. ``sizes`` for the model default to the measured range (or 1 KiB

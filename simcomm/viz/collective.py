@@ -23,10 +23,10 @@ from typing import Any
 import plotly.graph_objects as go
 import torch
 
-from ..collectives import reduce_op_name
+from ..checks import reduce_op_name
 from ..ops import canonical_op
-from ..ring import ring_exchange
-from ..world import World
+from ..parallel.ring import ring_exchange
+from ..sim.world import World
 from .grids import Panel, draw_panels, grid_layout
 from .provenance import provenance_base, provenance_tensor
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from ..collectives import REDUCE_OPS
+from ..checks import REDUCE_OPS
 from .collective import OPS, collective_figure
 
 __all__ = ["Explorer", "explore", "parse_shape"]

@@ -29,13 +29,15 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from .colors import MIXED_COLOURSCALE, VALUE_COLOURSCALE, rank_colourscale
 from .provenance import decode
+from .style import MIN_FONT_PX as _STYLE_MIN_FONT_PX
+from .style import MIXED_COLOURSCALE, VALUE_COLOURSCALE, rank_colourscale
 
 __all__ = ["Panel", "as_grid", "grid_layout", "draw_panels", "rank_grid"]
 
-#: the smallest font of any label or number, in px: a projected figure stays readable
-MIN_FONT_PX = 13
+#: the smallest font of a grid's labels and numbers, in px: one below the figures' minimum
+#: (:data:`simcomm.viz.style.MIN_FONT_PX`), so a grid of many cells still fits its labels
+MIN_FONT_PX = _STYLE_MIN_FONT_PX - 1
 
 _MAX_CELL_PX = 34
 _MIN_CELL_PX = 6

@@ -17,11 +17,12 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..trace import Trace, TraceEvent
+from .style import MIN_FONT_PX, TITLE_FONT_PX
 from .timeline import human_bytes
 
 __all__ = ["comm_matrix_figure", "ring_sent", "RING_OPS", "blocks_of", "aggregated_matrix"]
 
-_FONT = dict(size=14)
+_FONT = dict(size=MIN_FONT_PX)
 _COLOURSCALE = [[0.0, "rgb(255, 255, 255)"], [0.15, "rgb(222, 235, 247)"], [1.0, "rgb(107, 174, 214)"]]
 
 
@@ -77,7 +78,7 @@ def blocks_of(trace: Trace, by, ranks_per_node: int | None = None, topology=None
         return [str(r) for r in range(size)], {r: r for r in range(size)}
     if isinstance(by, str) and by == "node":
         if ranks_per_node is None and topology is not None:
-            from ..topology import get_topology
+            from ..model.topology import get_topology
             ranks_per_node = get_topology(topology).gpus_per_node
         if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
             raise ValueError(f"comm_matrix_figure: by='node' needs ranks_per_node (a positive int) or "
@@ -173,7 +174,7 @@ def comm_matrix_figure(trace: Trace, schedule: str = "direct", *, by="rank", ran
     cell_px = 66 if size <= 12 else max(24, 800 // size) if size <= 64 else max(1, 900 // size)
     ticks = list(range(size)) if size <= 64 else list(range(0, size, -(-size // 16)))
     layout = dict(
-        title=dict(text=titles[0], x=0.01, xanchor="left", font=dict(size=18)), font=_FONT,
+        title=dict(text=titles[0], x=0.01, xanchor="left", font=dict(size=TITLE_FONT_PX)), font=_FONT,
         xaxis=dict(title=dict(text=f"to {unit}", font=_FONT), tickvals=ticks, side="top",
                    showgrid=False, zeroline=False, tickfont=_FONT),
         yaxis=dict(title=dict(text=f"from {unit}", font=_FONT), tickvals=ticks, autorange="reversed",

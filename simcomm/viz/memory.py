@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import plotly.graph_objects as go
 
 from ..memory import LABELS, MemoryReport
+from .style import BODY_FONT_PX
 
 __all__ = ["memory_figure", "LABEL_COLOURS"]
 
@@ -21,7 +22,7 @@ __all__ = ["memory_figure", "LABEL_COLOURS"]
 LABEL_COLOURS = dict(zip(LABELS, ("#88CCEE", "#CC6677", "#DDCC77", "#117733", "#332288", "#AA4499",
                                   "#BBBBBB")))
 _OTHER_COLOURS = ("#66C5CC", "#F6CF71", "#F89C74", "#DCB0F2", "#87C55F", "#9EB9F3")
-_FONT = 16
+_FONT = BODY_FONT_PX
 
 
 def _unit(nbytes: float) -> tuple[str, int]:

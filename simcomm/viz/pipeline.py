@@ -1,9 +1,9 @@
 """The stage x time chart of a pipeline schedule, drawn from a program's own trace.
 
 ``pipeline_figure(trace, plans)`` lays the trace out in modelled time
-(:func:`simcomm.cost.modelled_timeline`), takes each rank's ``compute`` events
+(:func:`simcomm.model.cost.modelled_timeline`), takes each rank's ``compute`` events
 in program order and names them by the rank's schedule (``plans[rank]``, the
-``("F", i)`` / ``("B", i)`` actions of :mod:`simcomm.pipeline`): one row per
+``("F", i)`` / ``("B", i)`` actions of :mod:`simcomm.parallel.pipeline`): one row per
 stage, forward boxes light and backward boxes dark in microbatch ``i``'s colour,
 each labelled ``F3`` / ``B3``; the gaps are the bubble. Plain plotly with
 fonts of at least 14 px: it survives an HTML export.
@@ -16,7 +16,7 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..cost import modelled_timeline
+from ..model.cost import modelled_timeline
 from ..trace import Trace
 
 __all__ = ["pipeline_figure", "pipeline_boxes"]

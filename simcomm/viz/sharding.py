@@ -10,12 +10,11 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .colors import rank_colour, rank_colourscale
+from .style import MIN_FONT_PX, rank_colour, rank_colourscale
 
 __all__ = ["tp_mlp_shards_figure"]
 
 #: the smallest font any label of the figure uses, in px (readable when projected)
-MIN_FONT_PX = 14
 
 
 def tp_mlp_shards_figure(hidden: int, ffn: int, world_size: int) -> go.Figure:

@@ -2,7 +2,7 @@
 
 Measured (``modelled=False``): one row per rank, one bar per traced call at its
 recorded start and end. Modelled (``modelled=True``): per rank a compute row
-and a communication row (:func:`simcomm.cost.modelled_timeline`), compute bars,
+and a communication row (:func:`simcomm.model.cost.modelled_timeline`), compute bars,
 communication split into *exposed* (the compute lane waits for it: cross-hatched)
 and *hidden* (it overlaps compute: plain), and a per-rank summary beside the rows.
 Fonts are at least 14 px, for a projector; figures are plain plotly JSON, so an
@@ -10,13 +10,13 @@ HTML export keeps them.
 """
 from __future__ import annotations
 
-import plotly.colors
 import plotly.graph_objects as go
 
-from ..cost import modelled_timeline
-from ..overlap import Placed, Timeline
-from ..topology import Topology
+from ..model.cost import modelled_timeline
+from ..model.overlap import Placed, Timeline
+from ..model.topology import Topology
 from ..trace import Trace, TraceEvent
+from .style import MIN_FONT_PX, OP_COLOURS
 
 __all__ = ["timeline_figure", "human_bytes", "MIN_FONT_PX", "sample_ranks", "SAMPLE_ABOVE"]
 
@@ -44,8 +44,7 @@ def _pick(trace_ranks: list[int], ranks) -> list[int] | None:
                          f"({len(trace_ranks)} ranks); not in it: {unknown}")
     return chosen
 
-MIN_FONT_PX = 14
-_OP_COLOURS = plotly.colors.qualitative.Set2
+_OP_COLOURS = OP_COLOURS
 _COMPUTE_COLOUR = "rgb(150, 150, 150)"
 _WAIT_COLOUR = "rgb(255, 255, 255)"
 _EXPOSED_PATTERN = "x"
@@ -292,19 +291,19 @@ def timeline_figure(trace: Trace, modelled: bool = False, *, topology: str | Top
     per rank, bars coloured by op, backward calls hatched; the subtitle says
     where the times come from (``source``, e.g. ``"sim"`` or ``"gloo"``, or the
     trace's ``backend`` attribute when it has one). ``modelled=True`` draws the
-    cost model's picture (:func:`simcomm.cost.modelled_timeline`): per rank a
+    cost model's picture (:func:`simcomm.model.cost.modelled_timeline`): per rank a
     compute row and a communication row, exposed and hidden communication told
     apart by pattern and legend, and a summary per rank (communication,
     exposed, hidden, waiting for peers). ``topology``: annotate the trace for
     this preset first; without it every event must already have a
-    ``modelled`` duration (``simcomm.cost.annotate``).
+    ``modelled`` duration (``simcomm.model.cost.annotate``).
 
     ``ranks``: the ranks to draw. By default a trace of more than
     :data:`SAMPLE_ABOVE` ranks draws 8 of them, spread evenly
     (:func:`sample_ranks`), and says which; the modelled picture is still laid
     out for every rank, and its subtitle sums up all of them (step time,
     exposed and hidden communication, mean and max). ``groups`` (modelled only):
-    named partitions of the ranks, e.g. ``simcomm.cluster_step.groups(layout)``;
+    named partitions of the ranks, e.g. ``simcomm.parallel.cluster_step.groups(layout)``;
     the subtitle gives each partition's exposed communication per rank, on
     average over its groups and in its worst group.
     """
@@ -320,5 +319,5 @@ def timeline_figure(trace: Trace, modelled: bool = False, *, topology: str | Top
         raise ValueError(
             f"timeline_figure: modelled=True but {len(missing)} of {len(trace.events)} events have no "
             f"modelled duration (first: {missing[0].op} on rank {missing[0].rank}); call "
-            f"simcomm.cost.annotate(trace, topology) first or pass topology=")
+            f"simcomm.model.cost.annotate(trace, topology) first or pass topology=")
     return _modelled_figure(trace, topology, picked, groups)

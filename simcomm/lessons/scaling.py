@@ -1,0 +1,324 @@
+"""Exercise checkers of lessons 09-12 (context, expert and 3-D parallelism, debugging).
+
+Every checker takes what the learner wrote (a function, or a value) and
+*returns* its verdict as one line; it never raises for anything the learner
+wrote, so a learner never meets a raw traceback:
+
+* :data:`NOT_ANSWERED` while the placeholder is untouched (``...`` or a
+  function raising ``NotImplementedError``), so a notebook runs top to bottom;
+* ``Not yet: <what is wrong> <hint>`` for a wrong, partial or malformed answer
+  (or one that raised or deadlocked);
+* ``Correct: <what was checked>`` for a right one.
+
+Programs a checker runs go to the simulator (``World``), whatever the
+configured backend: an exercise checks understanding, and a deadlocking
+answer must fail at once, not after a real backend's timeout.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import DeadlockError, RankError, SimcommError
+from ..parallel.context import block_attention, chunk_ids
+from ..parallel.expert import keep_mask
+from ..parallel.layout_choice import fastest_fitting
+from ..parallel.transformer3d import Layout, mesh_coords
+from ..sim.world import World
+from .verdicts import NOT_ANSWERED, attempt, is_correct, is_placeholder
+
+__all__ = ["NOT_ANSWERED", "is_correct", "check_lse_merge", "check_zigzag_chunks", "check_split_sizes",
+           "check_dropped", "check_neighbour_exchange", "check_sp_layernorm", "check_mesh_coords",
+           "check_layout_choice"]
+
+
+def _call(function: Callable, *args: Any) -> tuple[Any, str | None]:
+    """``(result, None)``, or ``(None, verdict)`` when the call raised (:func:`simcomm.lessons.verdicts.attempt`)."""
+    return attempt(lambda: function(*args))
+
+
+def _as_ints(value: Any) -> list[int] | None:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return None
+    return list(value)
+
+
+# -- lesson 09 ---------------------------------------------------------------------------------
+
+def _blocks(seed: int, split: int, keys: int = 6):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 3, 2, 4, generator=gen, dtype=torch.float64) if i == 0 else
+               torch.randn(1, keys, 2, 4, generator=gen, dtype=torch.float64) for i in range(3))
+    whole = block_attention(q, k, v)
+    return block_attention(q, k[:, :split], v[:, :split]), block_attention(q, k[:, split:], v[:, split:]), whole
+
+
+def check_lse_merge(merge: Callable) -> str:
+    """``merge(out1, lse1, out2, lse2) -> (out, lse)``: attention over two key blocks from each block's
+    output ``(b, sq, h, d)`` and log-sum-exp ``(b, sq, h)``."""
+    if is_placeholder(merge):
+        return NOT_ANSWERED
+    if not callable(merge):
+        return "Not yet: merge must be a function merge(out1, lse1, out2, lse2) returning (out, lse)."
+    cases = 0
+    for seed, split in ((0, 2), (1, 5), (2, 1)):
+        (out1, lse1), (out2, lse2), (out, lse) = _blocks(seed, split)
+        result, verdict = _call(merge, out1, lse1, out2, lse2)
+        if verdict:
+            return verdict
+        if not isinstance(result, tuple) or len(result) != 2 or not all(isinstance(t, torch.Tensor) for t in result):
+            return ("Not yet: return a pair (out, lse) of tensors; the lse is needed to merge the next block "
+                    f"(got {type(result).__name__}).")
+        got_out, got_lse = result
+        if got_out.shape != out.shape or got_lse.shape != lse.shape:
+            return (f"Not yet: shapes {tuple(got_out.shape)} and {tuple(got_lse.shape)}; expected out "
+                    f"{tuple(out.shape)} and lse {tuple(lse.shape)} (the inputs' shapes).")
+        lse_ok = torch.allclose(got_lse, lse, atol=1e-10)
+        out_ok = torch.allclose(got_out, out, atol=1e-10)
+        if out_ok and not lse_ok:
+            return "Not yet: the output is right but the lse is not: it is log(exp(lse1) + exp(lse2))."
+        if lse_ok and not out_ok:
+            return ("Not yet: the lse is right but the output is not: weigh each block's output by "
+                    "exp(lse_i - lse), its share of the whole softmax denominator.")
+        if not out_ok:
+            return ("Not yet: out and lse both differ from attention over both blocks. Each block's output is "
+                    "normalised by its own sum exp(lse_i); renormalise both to the common sum.")
+        cases += 1
+    (out2, lse2) = _blocks(3, 2)[1]
+    empty = torch.full_like(lse2, float("-inf"))
+    result, verdict = _call(merge, torch.zeros_like(out2), empty, out2, lse2)
+    if verdict:
+        return verdict
+    if (not isinstance(result, tuple) or len(result) != 2 or not torch.allclose(result[0], out2, atol=1e-12)
+            or not torch.allclose(result[1], lse2, atol=1e-12)):
+        return ("Not yet: merging with an empty block (out 0, lse -inf), the start of the ring, must give the "
+                "other block unchanged; torch.logaddexp handles -inf, lse1 + log1p(exp(lse2 - lse1)) gives nan.")
+    return f"Correct: {cases} pairs of blocks merge to attention over both, and an empty block changes nothing."
+
+
+def check_zigzag_chunks(chunks: Callable) -> str:
+    """``chunks(rank, world_size) -> [i, j]``: the two of the ``2P`` chunks rank holds in zig-zag sharding."""
+    if is_placeholder(chunks):
+        return NOT_ANSWERED
+    for world_size in (1, 2, 3, 4, 8):
+        held = []
+        for rank in range(world_size):
+            result, verdict = _call(chunks, rank, world_size)
+            if verdict:
+                return verdict
+            ids = _as_ints(result)
+            if ids is None or len(ids) != 2:
+                return f"Not yet: chunks({rank}, {world_size}) returned {result!r}; return a list of two chunk indices."
+            held.append(sorted(ids))
+        flat = sorted(i for ids in held for i in ids)
+        if flat != list(range(2 * world_size)):
+            return (f"Not yet: with {world_size} ranks the chunks held are {held}; every one of the "
+                    f"{2 * world_size} chunks must be held by exactly one rank.")
+        expected = [sorted(chunk_ids(r, world_size, "zigzag")) for r in range(world_size)]
+        if held != expected:
+            work = [sum(1 for q in ids for k in range(2 * world_size) if k <= q) for ids in held]
+            return (f"Not yet: with {world_size} ranks your chunks give causal work (key chunks at or before "
+                    f"each query chunk) {work} per rank; pair a chunk from the head with one from the tail.")
+    return "Correct: zig-zag chunks for 1 to 8 ranks: each rank gets one chunk from the head and one from the tail."
+
+
+# -- lesson 10 ---------------------------------------------------------------------------------
+
+def _routings() -> list[tuple[torch.Tensor, int, int]]:
+    gen = torch.Generator().manual_seed(7)
+    cases = [(torch.randint(0, 8, (10, 2), generator=gen), 8, 4),
+             (torch.randint(0, 6, (7, 1), generator=gen), 6, 3),
+             (torch.tensor([[0, 1], [1, 0], [0, 1]]), 4, 2),      # nothing for rank 1's experts
+             (torch.tensor([[5, 2], [5, 4]]), 6, 6)]
+    return cases
+
+
+def check_split_sizes(split_sizes: Callable) -> str:
+    """``split_sizes(experts (T, k), num_experts, world_size) -> list``: rows this rank sends to each rank
+    (``input_split_sizes``), experts sharded in contiguous blocks of ``E/P``."""
+    if is_placeholder(split_sizes):
+        return NOT_ANSWERED
+    for experts, num_experts, world_size in _routings():
+        result, verdict = _call(split_sizes, experts.clone(), num_experts, world_size)
+        if verdict:
+            return verdict
+        expected = torch.bincount(experts.flatten() // (num_experts // world_size), minlength=world_size).tolist()
+        got = _as_ints(result)
+        where = f"for experts {experts.tolist()} ({num_experts} experts on {world_size} ranks)"
+        if got is None:
+            return f"Not yet: return a list of {world_size} ints {where}; got {result!r}."
+        if len(got) == num_experts and num_experts != world_size:
+            return (f"Not yet: {got} has one entry per expert {where}; all_to_all_single needs one per rank: "
+                    f"add up the counts of the experts each rank holds.")
+        if len(got) != world_size:
+            return f"Not yet: {len(got)} entries {where}; input_split_sizes has one per rank ({world_size})."
+        if sum(got) != experts.numel():
+            return (f"Not yet: your sizes add up to {sum(got)} {where}, but {experts.numel()} rows are sent "
+                    f"(one per token per chosen expert).")
+        if got != expected:
+            return (f"Not yet: {got} {where}; expected {expected}. Rank r holds experts "
+                    f"r*E/P to (r+1)*E/P - 1.")
+    return "Correct: split sizes for 4 routings, including a rank that receives nothing."
+
+
+def check_dropped(dropped: Callable) -> str:
+    """``dropped(experts (T, k), num_experts, capacity) -> int``: assignments beyond each expert's capacity
+    (the first ``capacity`` in token order are kept)."""
+    if is_placeholder(dropped):
+        return NOT_ANSWERED
+    for experts, num_experts, _ in _routings():
+        for limit in (0, 1, 2, 5):
+            result, verdict = _call(dropped, experts.clone(), num_experts, limit)
+            if verdict:
+                return verdict
+            if isinstance(result, torch.Tensor) and result.numel() == 1:
+                result = int(result.item())
+            if not isinstance(result, int) or isinstance(result, bool):
+                return f"Not yet: return the number of dropped assignments as an int; got {result!r}."
+            expected = int((~keep_mask(experts, num_experts, limit)).sum())
+            if result != expected:
+                per_expert = torch.bincount(experts.flatten(), minlength=num_experts).tolist()
+                return (f"Not yet: {result} dropped for tokens per expert {per_expert} and capacity {limit}; "
+                        f"each expert drops max(0, count - capacity), summed over experts.")
+    return "Correct: dropped assignments for 4 routings and capacities 0, 1, 2, 5."
+
+
+# -- lesson 11 ---------------------------------------------------------------------------------
+
+def _exchange_program(comm, exchange: Callable):
+    x = torch.full((2,), float(comm.rank))
+    return exchange(comm, x)
+
+
+def check_neighbour_exchange(exchange: Callable) -> str:
+    """``exchange(comm, x) -> (from_left, from_right)``: every rank gets ``x`` of rank - 1 and rank + 1
+    (cyclic), with blocking ``send``/``recv`` or any other calls, and no deadlock."""
+    if is_placeholder(exchange):
+        return NOT_ANSWERED
+    for world_size in (2, 3, 4, 5):
+        try:
+            outs = World(world_size).run(_exchange_program, exchange, timeout=30)
+        except DeadlockError as error:
+            return (f"Not yet: it deadlocks on {world_size} ranks ({str(error).splitlines()[0].rstrip(':')}). "
+                    "Let even ranks send first and odd ranks receive first (or use batch_isend_irecv).")
+        except RankError as error:
+            if isinstance(error.__cause__, NotImplementedError):
+                return NOT_ANSWERED
+            return f"Not yet: on {world_size} ranks " + str(error).splitlines()[0]
+        except SimcommError as error:
+            return f"Not yet: on {world_size} ranks " + str(error).splitlines()[0]
+        for rank, out in enumerate(outs):
+            if not isinstance(out, tuple) or len(out) != 2 or not all(isinstance(t, torch.Tensor) for t in out):
+                return f"Not yet: return a pair (from_left, from_right) of tensors; rank {rank} returned {out!r}."
+            left, right = (rank - 1) % world_size, (rank + 1) % world_size
+            got = [t.flatten().tolist() for t in out]
+            if got != [[float(left)] * 2, [float(right)] * 2]:
+                return (f"Not yet: on {world_size} ranks, rank {rank} got {got}; expected rank {left}'s x then "
+                        f"rank {right}'s x.")
+    return "Correct: the exchange finishes on 2 to 5 ranks and every rank gets both neighbours' tensors."
+
+
+def _layernorm_program(comm, step: Callable, x, weight, bias, probe):
+    shard = x.shape[0] // comm.world_size
+    mine = slice(comm.rank * shard, (comm.rank + 1) * shard)
+    return step(comm, x[mine].clone(), weight.clone().requires_grad_(), bias.clone().requires_grad_(),
+                probe[mine])
+
+
+def _layernorm_grads(x: torch.Tensor, probe: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-device gradients of ``sum(layer_norm(x) * probe)`` with respect to weight and bias."""
+    leaves = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    (F.layer_norm(x, x.shape[-1:], *leaves) * probe).sum().backward()
+    return leaves[0].grad, leaves[1].grad
+
+
+def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
+    """``step(comm, x_shard, weight, bias, probe_shard) -> (weight_grad, bias_grad)``: LayerNorm on this
+    rank's sequence shard, loss ``sum(out * probe)``, gradients of the replicated weight and bias as
+    the single-device LayerNorm over the whole sequence gives them, on every rank."""
+    if is_placeholder(step):
+        return NOT_ANSWERED
+    gen = torch.Generator().manual_seed(11)
+    x, probe = (torch.randn(8, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+    weight = 1 + 0.1 * torch.randn(6, generator=gen, dtype=torch.float64)
+    bias = torch.randn(6, generator=gen, dtype=torch.float64)
+    expected = _layernorm_grads(x, probe, weight, bias)
+    shares = [_layernorm_grads(part_x, part_p, weight, bias)             # each rank's shard alone
+              for part_x, part_p in zip(x.chunk(world_size), probe.chunk(world_size))]
+    try:
+        outs = World(world_size).run(_layernorm_program, step, x, weight, bias, probe, timeout=30)
+    except RankError as error:
+        if isinstance(error.__cause__, NotImplementedError):
+            return NOT_ANSWERED
+        return "Not yet: " + str(error).splitlines()[0]
+    except SimcommError as error:
+        return "Not yet: " + str(error).splitlines()[0]
+    for rank, out in enumerate(outs):
+        if (not isinstance(out, (tuple, list)) or len(out) != 2
+                or not all(isinstance(t, torch.Tensor) and t.shape == (6,) for t in out)):
+            return (f"Not yet: return (weight_grad, bias_grad), two tensors of shape (6,); rank {rank} "
+                    f"returned {out!r}.")
+        for index, name in enumerate(("weight", "bias")):
+            got, want = out[index].detach().double(), expected[index]
+            if torch.allclose(got, want, atol=1e-10):
+                continue
+            if torch.allclose(got, shares[rank][index], atol=1e-10):
+                return (f"Not yet: rank {rank}'s {name} gradient is only its own shard's share; the replicated "
+                        f"LayerNorm {name} needs the sum over the sequence shards: all-reduce it.")
+            if torch.allclose(got, want * world_size, atol=1e-10):
+                return f"Not yet: rank {rank}'s {name} gradient is {world_size} times too large: summed twice?"
+            return f"Not yet: rank {rank}'s {name} gradient differs from the single-device LayerNorm's."
+    return (f"Correct: on {world_size} ranks every rank's LayerNorm weight and bias gradients equal the "
+            f"single-device ones.")
+
+
+# -- lesson 12 ---------------------------------------------------------------------------------
+
+def check_mesh_coords(coords: Callable) -> str:
+    """``coords(rank, tp, dp, pp) -> (stage, d, t)`` with tensor parallelism innermost."""
+    if is_placeholder(coords):
+        return NOT_ANSWERED
+    for layout in ((2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 1, 4), (3, 2, 1)):
+        for rank in range(math.prod(layout)):
+            result, verdict = _call(coords, rank, *layout)
+            if verdict:
+                return verdict
+            got = _as_ints(result)
+            if got is None or len(got) != 3:
+                return f"Not yet: coords({rank}, {', '.join(map(str, layout))}) returned {result!r}; return (stage, d, t)."
+            expected = list(mesh_coords(rank, Layout(*layout)))
+            if got != expected:
+                return (f"Not yet: rank {rank} with (tp, dp, pp) = {layout}: you said {tuple(got)}, expected "
+                        f"{tuple(expected)}. The tp ranks are neighbours (rank % tp), then dp, then the stage.")
+    return "Correct: mesh coordinates for 5 layouts, every rank."
+
+
+def check_layout_choice(choice: Any, rows: list[dict], memory_limit: int, topology: str) -> str:
+    """``choice``: the ``(tp, dp, pp)`` with the shortest ``topology`` step time whose peak memory per rank
+    fits ``memory_limit`` bytes, read from ``rows`` (:func:`simcomm.parallel.layout_choice.layout_table`)."""
+    if is_placeholder(choice):
+        return NOT_ANSWERED
+    got = _as_ints(choice)
+    if got is None or len(got) != 3:
+        return f"Not yet: give the layout as a tuple (tp, dp, pp) of three ints; got {choice!r}."
+    by_layout = {(row["tp"], row["dp"], row["pp"]): row for row in rows}
+    if tuple(got) not in by_layout:
+        return f"Not yet: {tuple(got)} is not a layout of the table; pick one of {sorted(by_layout)}."
+    best = fastest_fitting(rows, memory_limit, topology)
+    row = by_layout[tuple(got)]
+    if row["peak_bytes"] > memory_limit:
+        return (f"Not yet: {tuple(got)} needs {row['peak_bytes']:,} bytes per rank, more than the limit "
+                f"{memory_limit:,}; shard more (larger tp or pp).")
+    if tuple(got) != best:
+        return (f"Not yet: {tuple(got)} fits, but another layout that fits is faster on the {topology} "
+                f"({row[topology] * 1e6:.1f} us for yours); compare the step times of the rows that fit.")
+    return f"Correct: {tuple(got)} is the fastest layout on the {topology} within {memory_limit:,} bytes per rank."

@@ -1,0 +1,262 @@
+"""Exercise checkers of lessons 06-08 (data parallelism, ZeRO/FSDP, pipeline parallelism).
+
+Each checker *returns* a verdict and never raises for what the learner wrote:
+``NOT_ANSWERED`` while the placeholder (``...`` or ``raise NotImplementedError``)
+is still there, ``"Not yet: ..."`` with a hint for a wrong, partial or
+malformed answer (or code that raised or deadlocked), ``"Correct: ..."`` for a
+right one. Programs run on the simulator (``World``), whatever the backend the
+lesson uses: an exercise checks understanding, not the transport. Every check
+compares with a single-device float64 reference or the exact formula.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from ..parallel import data as data_parallel
+from ..parallel import pipeline
+from ..sim.world import World
+from .verdicts import NOT_ANSWERED, is_correct, is_placeholder
+from .verdicts import attempt as _attempt
+from .verdicts import not_yet as _not_yet
+
+__all__ = ["NOT_ANSWERED", "is_correct", "check_dp_step", "check_accumulation_calls", "check_zero3_bytes",
+           "check_zero2_grads", "check_bubble", "check_1f1b", "schedule_makespan",
+           "ACCUMULATION_EXERCISE", "ZERO3_EXERCISE", "BUBBLE_EXERCISE"]
+
+
+#: lesson 06's prediction: accumulation microbatches and bucket size of the exercise
+ACCUMULATION_EXERCISE = {"microbatches": 4, "bucket_bytes": 1 << 20}
+#: lesson 07's prediction: the ZeRO paper's 7.5B-parameter model on 64 GPUs, mixed-precision Adam (K = 12)
+ZERO3_EXERCISE = {"psi": 7_500_000_000, "world_size": 64, "K": 12}
+#: lesson 08's prediction
+BUBBLE_EXERCISE = {"stages": 8, "microbatches": 32}
+
+_SMALL = (8, 16, 16, 4)     # the checkers' model: small, so a check takes a fraction of a second
+_WORLD = 4
+
+
+def _callable(fn: Any, name: str) -> str | None:
+    if is_placeholder(fn):
+        return NOT_ANSWERED
+    if not callable(fn):
+        return _not_yet(f"{name} must be a function, got {type(fn).__name__}")
+    return None
+
+
+# -- lesson 06 ----------------------------------------------------------------------------------
+
+def _dp_program(comm, step, x, y):
+    model = data_parallel.make_model(_SMALL)
+    xs, ys = data_parallel.rows(comm, x, y)
+    step(comm, model, xs, ys)
+    grads = []
+    for index, p in enumerate(model.parameters()):
+        if p.grad is None:
+            raise ValueError(f"parameter {index} has no .grad after your step")
+        grads.append(p.grad.detach().clone())
+    return grads
+
+
+def check_dp_step(step: Any) -> str:
+    """Lesson 06: ``step(comm, model, xs, ys)`` must leave in every ``p.grad`` the gradient of the mean
+    loss over the *whole* batch (``xs, ys``: this rank's rows; ``data_parallel.sum_loss``)."""
+    verdict = _callable(step, "the step")
+    if verdict:
+        return verdict
+    x, y = data_parallel.make_data(16, _SMALL, seed=5)
+    ref = data_parallel.reference_grads(x, y, _SMALL)
+    with World(_WORLD) as world:
+        outs, verdict = _attempt(lambda: world.run(_dp_program, step, x, y))
+        if verdict:
+            return verdict
+        reduces = sum(1 for e in world.trace.events if e.rank == 0 and e.op in ("all_reduce", "reduce_scatter"))
+    if any(len(g) != len(ref) for g in outs):
+        return _not_yet("the model lost or gained parameters")
+    right = [all((g[i] - r).abs().max().item() <= 1e-10 for g in outs) for i, r in enumerate(ref)]
+    if any(right) and not all(right):
+        return _not_yet(f"parameters {[i for i, ok in enumerate(right) if not ok]} have wrong gradients, the "
+                        "others are right", "communicate every parameter's gradient, weights and biases alike")
+    if any(not torch.equal(a, b) for g in outs[1:] for a, b in zip(g, outs[0])):
+        return _not_yet("the ranks end with different gradients: the replicas would drift apart",
+                        "every parameter's gradient must be combined over the ranks (an all-reduce each)")
+    errors = [(a - r).abs().max().item() for a, r in zip(outs[0], ref)]
+    if max(errors) <= 1e-10:
+        return f"Correct: every rank holds the whole batch's gradient ({reduces} collectives per rank)."
+    ratios = [(a.flatten() @ r.flatten() / (r.flatten() @ r.flatten())).item() for a, r in zip(outs[0], ref)]
+    if all(abs(q - _WORLD) < 1e-6 for q in ratios):
+        return _not_yet(f"every gradient is {_WORLD} x the reference (the world size)",
+                        "a SUM all-reduce of mean losses adds P means: average (ReduceOp.AVG), or divide "
+                        "the loss by the world size")
+    if all(abs(q - 1 / _WORLD) < 1e-6 for q in ratios):
+        return _not_yet(f"every gradient is 1/{_WORLD} of the reference", "you divided twice: AVG *and* loss / P")
+    return _not_yet(f"the gradients differ from the single-device reference by up to {max(errors):.3g}",
+                    "each rank's .grad only knows its own rows until the gradients are combined over ranks")
+
+
+def check_accumulation_calls(answer: Any) -> str:
+    """Lesson 06 (predict): all-reduce calls per rank in one optimizer step of :data:`ACCUMULATION_EXERCISE`
+    (bucketed, gradients accumulated locally over the microbatches) on the lesson's model."""
+    if is_placeholder(answer):
+        return NOT_ANSWERED
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not float(answer).is_integer():
+        return _not_yet(f"{answer!r} is not a whole number of calls")
+    numels = [p.numel() for p in data_parallel.make_model().parameters()]
+    buckets = len(data_parallel.bucket_plan(numels, 8, ACCUMULATION_EXERCISE["bucket_bytes"]))
+    microbatches = ACCUMULATION_EXERCISE["microbatches"]
+    if int(answer) == buckets:
+        return f"Correct: {buckets} buckets, each all-reduced once per step, whatever the microbatches."
+    if int(answer) == buckets * microbatches:
+        return _not_yet("that is one round of buckets per microbatch",
+                        "with accumulation the gradients are summed locally; communication happens once per step")
+    if int(answer) == len(numels):
+        return _not_yet("that is one call per parameter tensor", "a bucket holds several tensors: use bucket_plan")
+    return _not_yet(f"{int(answer)} is not it",
+                    "the buckets close in backward order as soon as they hold >= bucket_bytes (float64: 8 bytes)")
+
+
+# -- lesson 07 ----------------------------------------------------------------------------------
+
+def check_zero3_bytes(answer: Any) -> str:
+    """Lesson 07 (predict): bytes per rank of each model state at ZeRO-3 for :data:`ZERO3_EXERCISE`,
+    as ``{"parameters": .., "gradients": .., "optimizer_state": ..}`` (fp16 parameters and gradients,
+    K bytes of optimizer state per parameter)."""
+    if is_placeholder(answer):
+        return NOT_ANSWERED
+    keys = ("parameters", "gradients", "optimizer_state")
+    if not isinstance(answer, dict):
+        return _not_yet(f"the answer must be a dict with keys {list(keys)}, got {type(answer).__name__}")
+    missing = [k for k in keys if k not in answer]
+    if missing:
+        return _not_yet(f"missing {missing}", "give all three model states")
+    bad = [k for k in keys if isinstance(answer[k], bool) or not isinstance(answer[k], (int, float))]
+    if bad:
+        return _not_yet(f"{bad} must be numbers of bytes")
+    psi, n, k = ZERO3_EXERCISE["psi"], ZERO3_EXERCISE["world_size"], ZERO3_EXERCISE["K"]
+    want = {"parameters": 2 * psi / n, "gradients": 2 * psi / n, "optimizer_state": k * psi / n}
+    wrong = [key for key in keys if not math.isclose(answer[key], want[key], rel_tol=1e-3)]
+    if not wrong:
+        total = sum(want.values()) / 1e9
+        return f"Correct: (2 + 2 + {k}) psi / {n} = {total:.3g} GB per rank, instead of {16 * psi / 1e9:.0f} GB."
+    for key in wrong:
+        if math.isclose(answer[key], want[key] * n, rel_tol=1e-3):
+            return _not_yet(f"{key}: that is the unsharded size", "ZeRO-3 shards all three states over the ranks")
+        if key != "optimizer_state" and math.isclose(answer[key], 2 * want[key], rel_tol=1e-3):
+            return _not_yet(f"{key}: that counts 4 bytes per value", "mixed precision keeps them in fp16: 2 bytes")
+    return _not_yet(f"{wrong} are off", "bytes per rank = bytes per parameter x psi / world size")
+
+
+def _zero2_program(comm, fn, grads):
+    out = fn(comm, grads[comm.rank].clone())
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"your function returned {type(out).__name__}, not a tensor")
+    return out.detach().clone()
+
+
+def check_zero2_grads(fn: Any) -> str:
+    """Lesson 07 (write it): ``fn(comm, grad)`` gets this rank's full local gradient (a flat vector whose
+    length divides by the world size) and returns this rank's shard of the gradient *summed over ranks*:
+    chunk ``comm.rank``, moving no more than a reduce-scatter does."""
+    verdict = _callable(fn, "the function")
+    if verdict:
+        return verdict
+    generator = torch.Generator().manual_seed(7)
+    grads = [torch.randn(4 * _WORLD * 3, generator=generator, dtype=torch.float64) for _ in range(_WORLD)]
+    total = sum(grads)
+    want = list(total.chunk(_WORLD))
+    with World(_WORLD) as world:
+        outs, verdict = _attempt(lambda: world.run(_zero2_program, fn, grads))
+        if verdict:
+            return verdict
+        sent = sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)
+    if any(o.shape != w.shape for o, w in zip(outs, want)):
+        shapes = sorted({tuple(o.shape) for o in outs})
+        return _not_yet(f"rank outputs have shapes {shapes}, expected {tuple(want[0].shape)}",
+                        "return only this rank's chunk (1/world_size of the vector)")
+    if any((o - w).abs().max().item() > 1e-10 for o, w in zip(outs, want)):
+        if all((o - g.chunk(_WORLD)[r]).abs().max().item() < 1e-12 for r, (o, g) in enumerate(zip(outs, grads))):
+            return _not_yet("each rank returned its own chunk, not summed over ranks", "the ranks must communicate")
+        return _not_yet("the shards do not equal the summed gradient's chunks", "rank r keeps chunk r of the sum")
+    budget = (_WORLD - 1) / _WORLD * grads[0].numel() * 8
+    if sent > budget * 1.01:
+        return _not_yet(f"right values, but rank 0 sent {sent} bytes where a reduce-scatter sends {budget:.0f}",
+                        "an all-reduce then a slice moves twice the data: reduce_scatter does it in one")
+    return "Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."
+
+
+# -- lesson 08 ----------------------------------------------------------------------------------
+
+def check_bubble(answer: Any) -> str:
+    """Lesson 08 (predict): the bubble fraction of GPipe/1F1B for :data:`BUBBLE_EXERCISE`."""
+    if is_placeholder(answer):
+        return NOT_ANSWERED
+    if isinstance(answer, bool):
+        return _not_yet("a fraction is a number, not True/False")
+    try:
+        value = float(answer)
+    except (TypeError, ValueError):
+        return _not_yet(f"{answer!r} is not a number", "give a fraction like 3/11 or a float")
+    p, m = BUBBLE_EXERCISE["stages"], BUBBLE_EXERCISE["microbatches"]
+    want = Fraction(p - 1, m + p - 1)
+    if abs(value - float(want)) < 1e-3:
+        return f"Correct: (p-1)/(m+p-1) = {want} = {float(want):.3f} of the stages' time is idle."
+    if abs(value - (p - 1) / m) < 1e-3:
+        return _not_yet("that is (p-1)/m: the bubble's share of the useful work, not of the total time")
+    if abs(value - (p - 1) / p) < 1e-3:
+        return _not_yet("that is the naive schedule's bubble", "microbatches keep the stages busy together")
+    if abs(value / 100 - float(want)) < 1e-3:
+        return _not_yet("give a fraction between 0 and 1, not a percentage")
+    return _not_yet(f"{value:g} is not it", "count idle slots: the first stage waits p-1 slots before "
+                    "the last backward can reach it, out of m+p-1 slots")
+
+
+def schedule_makespan(plans, forward: float = 1.0, backward: float = 2.0) -> float:
+    """Finishing time of every stage's plan with blocking dependencies and no communication time
+    (the plans must pass :func:`simcomm.parallel.pipeline.check_schedule`)."""
+    stages = len(plans)
+    done: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * stages
+    cursor = [0] * stages
+    while any(cursor[s] < len(plans[s]) for s in range(stages)):
+        for stage in range(stages):
+            while cursor[stage] < len(plans[stage]):
+                kind, i = plans[stage][cursor[stage]]
+                needs = ("F", i, stage - 1) if kind == "F" else ("B", i, stage + 1)
+                if 0 <= needs[2] < stages and needs not in done:
+                    break
+                start = max(clock[stage], done.get(needs, 0.0))
+                clock[stage] = done[(kind, i, stage)] = start + (forward if kind == "F" else backward)
+                cursor[stage] += 1
+    return max(clock)
+
+
+def check_1f1b(fn: Any) -> str:
+    """Lesson 08 (write it): ``fn(stage, stages, microbatches)`` returns stage ``stage``'s list of actions
+    ``("F", i)`` / ``("B", i)``; it must run without deadlock, hold at most ``min(stages - stage,
+    microbatches)`` microbatches, and finish as early as GPipe, for several ``(stages, microbatches)``."""
+    verdict = _callable(fn, "the schedule")
+    if verdict:
+        return verdict
+    for stages, microbatches in ((4, 8), (4, 4), (3, 7), (4, 2), (1, 3)):
+        plans, verdict = _attempt(lambda: [list(fn(s, stages, microbatches)) for s in range(stages)])
+        if verdict:
+            return verdict
+        where = f"for {stages} stages and {microbatches} microbatches"
+        problem = pipeline.check_schedule(plans, microbatches)
+        if problem:
+            return _not_yet(f"{where}: {problem}", "warm up with stages - stage - 1 forwards, then alternate "
+                            "one forward and one backward, then drain the backwards")
+        for stage, plan in enumerate(plans):
+            limit = min(stages - stage, microbatches)
+            if pipeline.held(plan) > limit:
+                return _not_yet(f"{where}: stage {stage} holds {pipeline.held(plan)} microbatches at once; "
+                                f"1F1B holds at most {limit}", "start backwards as soon as the first one can run")
+        best = (microbatches + stages - 1) * 3.0
+        got = schedule_makespan(plans)
+        if got > best + 1e-9:
+            return _not_yet(f"{where}: the schedule takes {got:g} time units, GPipe takes {best:g}",
+                            "a stage should never idle while it has a forward it could run")
+    return "Correct: no deadlock, at most p - s microbatches held, and as fast as GPipe."

@@ -1,0 +1,296 @@
+"""The modelled timeline: a compute lane and a communication lane per rank, as on a GPU.
+
+:func:`layout` places an annotated trace (every event has a ``modelled``
+duration, :func:`simcomm.model.cost.annotate`) in modelled time. Each rank has
+
+* a **compute lane**: the program itself. It walks the rank's events in
+  program order; a ``compute`` event occupies it for its duration.
+* a **communication lane**, like the separate CUDA stream NCCL kernels run on.
+  A collective starts on it when every member of its group has issued the call
+  (at the member's compute-lane time) and every member's communication lane is
+  free (collectives run one after the other, in issue order, as on a stream);
+  it lasts its modelled duration. A point-to-point message starts when both
+  ends have issued it and their lanes are free; messages do not queue behind
+  each other (sends and receives issued together, ``batch_isend_irecv``, run
+  together).
+
+A **blocking** call makes the compute lane wait until the call's end. An
+**async** call (``TraceEvent.async_op``) does not: the compute lane goes on, and
+waits for the call's end only at the program's ``wait()``; where that wait
+happened among the rank's other calls is read from ``TraceEvent.waited``
+(measured time, compared with the other events' issue times). An async call
+never waited on (``waited`` is None) never stalls the compute lane.
+
+Per rank (:class:`RankSummary`): ``communication`` is the time its
+communication lane is busy; ``exposed`` the part of it during which the
+compute lane waits; ``hidden = communication - exposed`` the part that overlaps
+the program's own work. A compute lane can also wait while its own
+communication lane is idle (a peer has not issued the collective yet):
+``waiting``, the cost of imbalance rather than of communication.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..trace import Trace, TraceEvent
+
+__all__ = ["Placed", "Stall", "RankSummary", "Timeline", "layout"]
+
+
+class Placed(NamedTuple):
+    """One event in modelled time (seconds); compute events on the compute lane, the rest on
+    the communication lane."""
+
+    event: TraceEvent
+    start: float
+    end: float
+
+    @property
+    def lane(self) -> str:
+        return "compute" if self.event.op == "compute" else "communication"
+
+
+class Stall(NamedTuple):
+    """The compute lane of ``rank`` waits from ``start`` to ``end`` for the call ``event``."""
+
+    rank: int
+    start: float
+    end: float
+    event: TraceEvent
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """Where one rank's time went (seconds)."""
+
+    rank: int
+    compute: float          # compute lane busy with compute events
+    communication: float    # communication lane busy
+    exposed: float          # communication during which the compute lane waits
+    waiting: float          # compute lane waits while its communication lane is idle (peers late)
+    end: float              # the rank's last event ends
+
+    @property
+    def hidden(self) -> float:
+        """Communication that overlaps the program's own work."""
+        return self.communication - self.exposed
+
+
+@dataclass
+class Timeline(Sequence):
+    """The placed events (ordered by start, then rank), the stalls and a summary per rank."""
+
+    placed: list[Placed]
+    stalls: list[Stall]
+    ranks: dict[int, RankSummary] = field(default_factory=dict)
+    _stalls_by_rank: dict | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.placed)
+
+    def __getitem__(self, index):
+        return self.placed[index]
+
+    def __iter__(self) -> Iterator[Placed]:
+        return iter(self.placed)
+
+    def exposed_parts(self, item: Placed) -> list[tuple[float, float]]:
+        """The parts of a communication event during which its rank's compute lane waits."""
+        if item.lane == "compute":
+            return []
+        if self._stalls_by_rank is None:
+            self._stalls_by_rank = {}
+            for stall in self.stalls:
+                self._stalls_by_rank.setdefault(stall.rank, []).append(stall)
+        return [(max(item.start, s.start), min(item.end, s.end)) for s in self._stalls_by_rank.get(item.event.rank, ())
+                if min(item.end, s.end) > max(item.start, s.start)]
+
+
+def _key(event: TraceEvent) -> tuple | None:
+    """What identifies one call across its participants; None for rank-local events."""
+    if event.op in ("send", "recv"):
+        sender, receiver = (event.rank, event.root) if event.op == "send" else (event.root, event.rank)
+        return ("p2p", sender, receiver, event.group, event.step)
+    if event.op == "compute" or len(event.group) < 2:
+        return None
+    return ("collective", event.op, event.group, event.step)
+
+
+def _members(key: tuple) -> tuple[int, ...]:
+    return key[1:3] if key[0] == "p2p" else key[2]
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _overlap(intervals: list[tuple[float, float]], others: list[tuple[float, float]]) -> float:
+    """Length of (union of ``intervals``) intersected with (union of ``others``)."""
+    pieces = [(max(a, c), min(b, d)) for a, b in intervals for c, d in others if min(b, d) > max(a, c)]
+    return _union_length(pieces)
+
+
+def _actions(events: list[TraceEvent]) -> deque:
+    """A rank's calls and waits in program order: issues at ``start``, async waits at ``waited``."""
+    actions = [(e.start, 0, i, "issue", e) for i, e in enumerate(events)]
+    actions += [(e.waited, 1, i, "wait", e) for i, e in enumerate(events) if e.async_op and e.waited is not None]
+    return deque((kind, event) for *_, kind, event in sorted(actions, key=lambda a: a[:3]))
+
+
+def layout(trace: Trace) -> Timeline:
+    """Place every event of an annotated trace on its rank's lanes (module docstring).
+
+    Raises ``ValueError`` when an event has no modelled duration, or when the
+    ranks' calls do not match up (a filtered or incomplete trace).
+    """
+    by_rank: dict[int, list[TraceEvent]] = {}
+    for event in trace.events:      # ordered by start: each rank's calls in program order
+        if event.modelled is None:
+            raise ValueError(f"modelled_timeline: {event.op} of rank {event.rank} (step {event.step}) "
+                             f"has no modelled duration; call simcomm.model.cost.annotate(trace, topology) first")
+        by_rank.setdefault(event.rank, []).append(event)
+    actions = {rank: _actions(events) for rank, events in by_rank.items()}
+    cpu = dict.fromkeys(by_rank, 0.0)
+    lane_free = dict.fromkeys(by_rank, 0.0)    # after the last collective on the lane
+    p2p_free = dict.fromkeys(by_rank, 0.0)     # after the last point-to-point message
+    lane_queue: dict[int, deque] = {rank: deque() for rank in by_rank}
+    issued: dict[tuple, dict[int, tuple[TraceEvent, float]]] = {}
+    ends: dict[tuple, float] = {}
+    placed: list[Placed] = []
+    stalls: list[Stall] = []
+
+    order: dict[tuple, int] = {}                # each call's position in issue order
+    candidates: list[tuple] = []                # calls that may have become placeable
+
+    def placeable(key: tuple) -> bool:
+        if key in ends:
+            return False
+        members, calls = _members(key), issued[key]
+        if any(m not in calls for m in members):
+            return False
+        return key[0] != "collective" or all(lane_queue[m][0] == key for m in members)
+
+    def place(key: tuple) -> list[tuple]:
+        """Place one call; return the calls its placement may make placeable (new lane heads)."""
+        members, calls = _members(key), issued[key]
+        collective = key[0] == "collective"
+        free = [max(lane_free[m], p2p_free[m]) if collective else lane_free[m] for m in members]
+        start = max(max(t for _, t in calls.values()), max(free))
+        end = start + max(e.modelled for e, _ in calls.values())
+        enabled = []
+        for member in members:
+            if collective:
+                lane_free[member] = end
+                lane_queue[member].popleft()
+                if lane_queue[member]:
+                    enabled.append(lane_queue[member][0])
+            else:
+                p2p_free[member] = max(p2p_free[member], end)
+            placed.append(Placed(calls[member][0], start, end))
+        ends[key] = end
+        return enabled
+
+    def place_ready() -> None:
+        # passes over the candidates in issue order, as a scan of every unplaced call would
+        # make them: a call enabled by a placement later in the order is placed in the same
+        # pass, one earlier in the order in the next pass
+        pending = sorted(set(candidates), key=order.__getitem__)
+        candidates.clear()
+        while pending:
+            heap = [(order[k], k) for k in pending]
+            heapq.heapify(heap)
+            pending, seen = [], set()
+            while heap:
+                position, key = heapq.heappop(heap)
+                if key in seen or not placeable(key):
+                    continue
+                seen.add(key)
+                for other in place(key):
+                    if other in issued and other not in ends:
+                        if order[other] > position:
+                            heapq.heappush(heap, (order[other], other))
+                        else:
+                            pending.append(other)
+            pending = sorted(set(pending), key=order.__getitem__)
+
+    def wait(rank: int, event: TraceEvent, end: float) -> None:
+        if end > cpu[rank]:
+            stalls.append(Stall(rank, cpu[rank], end, event))
+            cpu[rank] = end
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, queue in actions.items():
+            while queue:
+                kind, event = queue[0]
+                key = _key(event)
+                if kind == "issue" and key is None:
+                    if event.op == "compute":
+                        placed.append(Placed(event, cpu[rank], cpu[rank] + event.modelled))
+                        cpu[rank] += event.modelled
+                    else:               # a call on a group of one: its own lane only
+                        start = max(cpu[rank], lane_free[rank])
+                        lane_free[rank] = start + event.modelled
+                        placed.append(Placed(event, start, lane_free[rank]))
+                        if not event.async_op:
+                            wait(rank, event, lane_free[rank])
+                    queue.popleft()
+                elif kind == "issue":
+                    if event.op not in ("send", "recv"):
+                        lane_queue[rank].append(key)
+                    issued.setdefault(key, {})[rank] = (event, cpu[rank])
+                    order.setdefault(key, len(order))
+                    candidates.append(key)
+                    queue.popleft()
+                    if not event.async_op:
+                        queue.appendleft(("wait", event))
+                    place_ready()
+                else:
+                    if key is None:     # an async call on a group of one
+                        wait(rank, event, next(p.end for p in placed if p.event is event))
+                    elif key not in ends:
+                        break
+                    else:
+                        wait(rank, event, ends[key])
+                    queue.popleft()
+                progress = True
+    stuck = {rank: f"{'waits on' if q[0][0] == 'wait' else 'issues'} {q[0][1].op} step {q[0][1].step} "
+                   f"group {q[0][1].group}" for rank, q in actions.items() if q}
+    unplaced = [key for key in issued if key not in ends]
+    if stuck or unplaced:
+        raise ValueError(f"modelled_timeline: the ranks' events do not match up (each rank's next "
+                         f"event: {stuck}; calls some member never issued: "
+                         f"{[f'{k[1]} step {k[-1]}' for k in unplaced]}); is the trace filtered or incomplete?")
+    placed.sort(key=lambda p: (p.start, p.event.rank))
+    stalls.sort(key=lambda s: (s.start, s.rank))
+    return Timeline(placed, stalls, _summaries(by_rank, placed, stalls, cpu, lane_free))
+
+
+def _summaries(by_rank, placed, stalls, cpu, lane_free) -> dict[int, RankSummary]:
+    summaries = {}
+    placed_by: dict[int, list[Placed]] = {}
+    for p in placed:
+        placed_by.setdefault(p.event.rank, []).append(p)
+    stalls_by: dict[int, list[Stall]] = {}
+    for s in stalls:
+        stalls_by.setdefault(s.rank, []).append(s)
+    for rank in sorted(by_rank):
+        mine = placed_by.get(rank, [])
+        comm = [(p.start, p.end) for p in mine if p.lane == "communication" and p.end > p.start]
+        waits = [(s.start, s.end) for s in stalls_by.get(rank, [])]
+        exposed = _overlap(waits, comm)
+        summaries[rank] = RankSummary(
+            rank=rank, compute=sum(p.end - p.start for p in mine if p.lane == "compute"),
+            communication=_union_length(comm), exposed=exposed,
+            waiting=_union_length(waits) - exposed, end=max([cpu[rank], lane_free[rank]] + [p.end for p in mine]))
+    return summaries

@@ -1,0 +1,157 @@
+"""A top-k routed mixture-of-experts layer, with its experts sharded over ranks (expert parallelism).
+
+Every rank holds its own tokens ``x (T, hidden)``, the whole router, and
+``E/P`` of the ``E`` experts (rank ``r``: experts ``r*E/P ... (r+1)*E/P - 1``).
+One forward pass, :func:`expert_parallel_moe`:
+
+1. **route**: softmax of ``x @ router.T + bias``; each token picks its top-k
+   experts, weighted by their probabilities (the *gates*);
+2. **capacity**: an expert takes at most ``capacity`` of a rank's assignments
+   (``ceil(capacity_factor * T * k / E)``; the first ones in token order);
+   the rest are *dropped*: they add nothing to the token's output;
+3. **exchange counts**: an even ``all_to_all_single`` of the per-expert
+   counts tells every rank how many rows it will receive from each rank;
+4. **dispatch**: the kept assignments, sorted by expert, go to the experts'
+   ranks with the uneven ``all_to_all_single`` (``input_split_sizes`` = rows
+   for each rank, ``output_split_sizes`` = rows from each rank);
+5. **experts** run on the rows they received;
+6. **combine**: the reverse all-to-all (split lists swapped) brings each
+   result back to its token, which adds it weighted by its gate.
+
+The single-device reference, :func:`moe`, is the same layer on one device
+with a loop over experts; with ``groups=P`` it applies the capacity per
+group of ``T`` tokens, as each rank does. Gradients: the all-to-alls'
+backward is the all-to-all with the split lists swapped, so token gradients
+go home and expert gradients stay with the expert's rank; the router's
+gradient on each rank comes from that rank's tokens (sum over ranks = the
+single-device router gradient, as data parallelism would all-reduce it).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..communicator import Communicator
+
+__all__ = ["make_moe", "route", "keep_mask", "capacity", "expert", "moe", "shard_experts",
+           "expert_parallel_moe", "tokens_per_expert"]
+
+
+def make_moe(hidden: int, ffn: int, num_experts: int, *, seed: int = 0, dtype: torch.dtype = torch.float64
+             ) -> dict[str, torch.Tensor]:
+    """Seeded parameters: ``router (E, hidden)``, ``bias (E,)`` (zeros), ``w1 (E, ffn, hidden)``,
+    ``w2 (E, hidden, ffn)``."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "router": torch.randn(num_experts, hidden, generator=gen, dtype=dtype) / math.sqrt(hidden),
+        "bias": torch.zeros(num_experts, dtype=dtype),
+        "w1": torch.randn(num_experts, ffn, hidden, generator=gen, dtype=dtype) / math.sqrt(hidden),
+        "w2": torch.randn(num_experts, hidden, ffn, generator=gen, dtype=dtype) / math.sqrt(ffn),
+    }
+
+
+def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gates (T, k), experts (T, k))``: each token's top-k router probabilities and expert ids."""
+    num_experts = router.shape[0]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"route: top_k={top_k} must be between 1 and the number of experts {num_experts}")
+    probs = torch.softmax(x @ router.T + bias, dim=-1)          # (T, E)
+    return probs.topk(top_k, dim=-1)
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int | None:
+    """Assignments one expert takes from ``tokens`` tokens: ``ceil(factor * tokens * k / E)``."""
+    if capacity_factor is None:
+        return None
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity: capacity_factor={capacity_factor!r} must be > 0 (or None: no limit)")
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def keep_mask(experts: torch.Tensor, num_experts: int, limit: int | None) -> torch.Tensor:
+    """``(T, k)`` bools: the assignments within each expert's first ``limit`` (token order, then slot)."""
+    if limit is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    flat = experts.flatten()                                     # (T*k,) in token-then-slot order
+    one_hot = F.one_hot(flat, num_experts)                       # (T*k, E)
+    position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1         # how many came before, per expert
+    return (position < limit).view_as(experts)
+
+
+def expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert: ``gelu(x @ w1.T) @ w2.T`` on ``(rows, hidden)``."""
+    return F.gelu(x @ w1.T) @ w2.T
+
+
+def moe(x: torch.Tensor, params: dict[str, torch.Tensor], top_k: int, *,
+        capacity_factor: float | None = None, groups: int = 1) -> torch.Tensor:
+    """The single-device MoE layer on ``x (T, hidden)``; capacity applies per group of ``T/groups`` tokens."""
+    num_experts = params["router"].shape[0]
+    out = torch.zeros_like(x)
+    for rows in torch.arange(x.shape[0], device=x.device).chunk(groups):
+        gates, experts = route(x[rows], params["router"], params["bias"], top_k)
+        kept = keep_mask(experts, num_experts, capacity(len(rows), top_k, num_experts, capacity_factor))
+        for e in range(num_experts):
+            token, slot = torch.nonzero((experts == e) & kept, as_tuple=True)
+            y = expert(x[rows][token], params["w1"][e], params["w2"][e])           # (n_e, hidden)
+            out = out.index_add(0, rows[token], y * gates[token, slot].unsqueeze(-1))
+    return out
+
+
+def shard_experts(params: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s leaf parameters: the whole router and bias, and its ``E/P`` experts."""
+    num_experts = params["router"].shape[0]
+    if num_experts % world_size:
+        raise ValueError(f"shard_experts: {num_experts} experts are not divisible by the world size {world_size}")
+    local = slice(rank * num_experts // world_size, (rank + 1) * num_experts // world_size)
+    return {"router": params["router"].clone().requires_grad_(), "bias": params["bias"].clone().requires_grad_(),
+            "w1": params["w1"][local].clone().requires_grad_(),      # (E/P, ffn, hidden)
+            "w2": params["w2"][local].clone().requires_grad_()}      # (E/P, hidden, ffn)
+
+
+def tokens_per_expert(experts: torch.Tensor, kept: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``(E,)`` int64: how many kept assignments go to each expert."""
+    return torch.bincount(experts[kept], minlength=num_experts)
+
+
+def expert_parallel_moe(comm: Communicator, x: torch.Tensor, shards: dict[str, torch.Tensor], top_k: int, *,
+                        capacity_factor: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The MoE layer on this rank's tokens ``x (T, hidden)``, experts sharded over the group.
+
+    ``shards``: :func:`shard_experts` of this rank. Returns ``(out (T, hidden), stats)``;
+    ``stats``: ``sent`` and ``received`` (rows per rank, the two split lists),
+    ``per_expert`` (this rank's kept assignments per expert, a list of E) and
+    ``dropped`` (assignments over capacity). Blocks on three all-to-alls;
+    inputs are not modified; gradients reach ``x`` and every shard.
+    """
+    world_size = comm.world_size
+    local_experts = shards["w1"].shape[0]
+    num_experts = local_experts * world_size
+    if shards["router"].shape[0] != num_experts:
+        raise ValueError(f"expert_parallel_moe: rank {comm.rank} holds {local_experts} experts x {world_size} "
+                         f"ranks, but the router has {shards['router'].shape[0]} rows")
+    gates, experts = route(x, shards["router"], shards["bias"], top_k)          # (T, k) each
+    kept = keep_mask(experts, num_experts, capacity(x.shape[0], top_k, num_experts, capacity_factor))
+    token, slot = torch.nonzero(kept, as_tuple=True)                            # kept assignments
+    order = torch.argsort(experts[token, slot], stable=True)                    # sorted by expert
+    token, slot = token[order], slot[order]
+    per_expert = tokens_per_expert(experts, kept, num_experts)                  # (E,)
+    sent = per_expert.view(world_size, local_experts).sum(1).tolist()           # rows to each rank
+    from_each = comm.all_to_all_single(per_expert)                              # (P * E/P,): counts for my experts
+    received = from_each.view(world_size, local_experts).sum(1).tolist()        # rows from each rank
+    arrived = comm.all_to_all_single(x[token], received, sent)                  # (sum(received), hidden)
+    local_id = torch.arange(local_experts, device=x.device).repeat(world_size)     # (P * E/P,) expert of each count
+    local_id = local_id.repeat_interleave(from_each)                               # (rows,) expert of each row
+    grouped = torch.argsort(local_id, stable=True)                              # rows grouped by expert
+    counts = torch.bincount(local_id, minlength=local_experts).tolist()
+    outputs = [expert(rows, shards["w1"][e], shards["w2"][e])
+               for e, rows in enumerate(arrived[grouped].split(counts))]
+    results = torch.cat(outputs)[torch.argsort(grouped)]                        # back in arrival order
+    back = comm.all_to_all_single(results, sent, received)                      # (kept, hidden), sorted order
+    out = torch.zeros_like(x).index_add(0, token, back * gates[token, slot].unsqueeze(-1))
+    stats = {"sent": sent, "received": received, "per_expert": per_expert.tolist(),
+             "dropped": int((~kept).sum())}
+    return out, stats

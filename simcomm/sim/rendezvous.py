@@ -1,0 +1,138 @@
+"""Where the ranks of a virtual run meet: slots of collectives, posted messages, groups.
+
+A collective is a *rendezvous*: each member of a :class:`Group` deposits its
+input in the group's :class:`Slot` for that step, and the last to arrive
+computes the outputs (:mod:`simcomm.collectives`). A send or recv is a
+:class:`Message` posted on the group's ``(sender, receiver)`` channel until its
+partner comes. The scheduler (:mod:`simcomm.sim.scheduler`) decides who runs;
+the transport (:mod:`simcomm.sim.transport`) fills these tables under the
+run's lock.
+
+When one computed tensor is the output of several ranks (a broadcast, an
+all-reduce), every holder but one gets a copy of its own, so no two ranks
+share storage, as no two processes would.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import memory
+from ..reports import program_location
+from . import shape as _shape
+
+if TYPE_CHECKING:
+    from .scheduler import RunState
+
+__all__ = ["Slot", "Message", "Group", "shared_entries", "copy_small_shared", "materialize", "format_args",
+           "call_site"]
+
+
+def shared_entries(outputs: list, owner: int) -> list[bool]:
+    """Which ranks must copy their output because another rank keeps the same tensor.
+
+    ``owner`` (the rank that computed the outputs) keeps the original of its own
+    entry; every other holder gets a copy (made by :func:`copy_small_shared` at once, or
+    by the holder itself on its own thread for large tensors).
+    """
+    first: dict[int, int] = {}
+    shared = [False] * len(outputs)
+    for index, out in enumerate(outputs):
+        if isinstance(out, torch.Tensor):
+            if id(out) in first:
+                shared[index] = True
+            else:
+                first[id(out)] = index
+    mine = outputs[owner]
+    if shared[owner]:
+        shared[owner], shared[first[id(mine)]] = False, True
+    return shared
+
+
+_COPY_HERE_BELOW = 1 << 16  # bytes: smaller shared outputs are copied by the rank that computed them
+
+
+def copy_small_shared(slot: Slot) -> None:
+    """Copy small shared outputs right away, while this thread's caches are warm; a
+    woken rank's first touches are the expensive ones. Large ones stay per rank."""
+    for index, shared in enumerate(slot.shared):
+        out = slot.outputs[index]
+        if shared and out.nbytes < _COPY_HERE_BELOW:
+            slot.outputs[index], slot.shared[index] = out.clone(), False
+
+
+def materialize(slot: Slot, rank: int, state: RunState):
+    out = slot.outputs[rank]
+    # the slot keeps no reference to this rank's tensors or frames: they are freed when the program drops them
+    slot.outputs[rank] = slot.inputs[rank] = slot.frames[rank] = None
+    if state.shape_only:    # meta outputs become fake tensors of this rank's own mode
+        return memory.received(_shape.own(out, state.device))
+    return memory.received(out.clone() if slot.shared[rank] else out)
+
+
+def format_args(sig: tuple) -> str:
+    return ", ".join(f"{name}={str(value).removeprefix('torch.')}" for name, value in sig)
+
+
+def call_site(frame) -> str:
+    """Where a rank called from: a live frame, or the location an asynchronous call kept
+    when it was issued (its frame has moved on since)."""
+    return frame if isinstance(frame, str) else program_location(frame)
+
+
+class Slot:
+    """One collective of one group at one step: where the members meet.
+
+    ``frames[i]`` is a blocked member's live frame, or the location string of a
+    member that issued the call asynchronously. ``moved`` is when the last member
+    computed the outputs (seconds since the run started).
+    """
+
+    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "failed",
+                 "moved")
+
+    def __init__(self, op: str, sig: tuple, world_size: int):
+        self.op, self.sig = op, sig
+        self.inputs: list = [None] * world_size
+        self.frames: list = [None] * world_size
+        self.arrived: list[int] = []      # group-local ranks, in arrival order
+        self.waiting: list[int] = []      # global ranks blocked on this slot
+        self.outputs: list | None = None
+        self.shared: list[bool] = []
+        self.failed = False
+        self.moved = 0.0
+
+
+class Message:
+    """A posted send or recv waiting for its partner.
+
+    ``owned``: ``tensor`` is a private copy made at issue (an ``isend``), handed
+    over without another copy. ``blocked``: the poster is blocked on this message
+    (a blocking call, or a ``wait()``) and must be woken when it completes.
+    """
+
+    __slots__ = ("kind", "rank", "tensor", "shape", "dtype", "frame", "owned", "blocked", "done",
+                 "moved")
+
+    def __init__(self, kind: str, rank: int, tensor, shape, dtype, frame, owned: bool = False):
+        self.kind, self.rank, self.tensor, self.shape, self.dtype, self.frame = (
+            kind, rank, tensor, shape, dtype, frame)
+        self.owned = owned
+        self.blocked = False
+        self.done = False
+        self.moved = 0.0
+
+
+class Group:
+    """A set of ranks that run collectives together; shared by its members' transports."""
+
+    __slots__ = ("key", "ranks", "slots", "channels")
+
+    def __init__(self, key: tuple, ranks: Sequence[int]):
+        self.key = key
+        self.ranks = tuple(ranks)
+        self.slots: dict[int, Slot] = {}
+        self.channels: dict[tuple[int, int], deque[Message]] = {}

@@ -1,0 +1,271 @@
+"""The scheduler of virtual ranks: whose turn it is, who is blocked, and the run's first error.
+
+Every rank of a :class:`simcomm.World` is a thread running the program, and
+the ranks take turns (:class:`RunState`): exactly one runs until it blocks in
+a communication call or finishes, then hands the turn to the next ready rank.
+Because it sees every rank at once, the scheduler tells at once what real
+NCCL shows as a hang:
+
+* a rank about to block when every other unfinished rank is blocked too (or
+  a rank finishing while all the others are blocked) raises
+  :class:`~simcomm.errors.DeadlockError`, listing who waits for whom;
+* a communicator used after its run ended raises
+  :class:`~simcomm.errors.CommunicatorClosedError`, and one used from a thread
+  other than its rank's raises :class:`~simcomm.errors.WrongThreadError`
+  (:meth:`RunState.lock_for`, the entry of every communication call).
+
+That error, a :class:`~simcomm.errors.CollectiveMismatchError` found by the
+transport, or a rank's own exception *aborts* the run: every blocked rank is
+woken and unwinds with :class:`Aborted`, and ``World.run`` raises the error.
+
+**The lock.** ``RunState.lock`` guards the scheduler's tables (who is blocked,
+who is ready, the slots and channels). Method names say what they do with it,
+here and in :mod:`simcomm.sim.transport`:
+
+* ``*_locked``: called with the lock held, return with it held;
+* ``lock_for`` and ``*_and_hold``: take the lock and return holding it;
+* ``release_and_wait`` and ``*_and_release``: called with it held, release it;
+* every other method takes it itself.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import NoReturn
+
+import torch
+
+from ..errors import CommunicatorClosedError, DeadlockError, WrongThreadError
+from ..reports import program_location
+from .rank_random import RankRandomState
+from .rendezvous import Group
+from .waits import Wait, describe_deadlock, describe_ranks, describe_waits
+
+__all__ = ["Aborted", "RunState"]
+
+
+_get_ident = threading.get_ident
+
+
+class Aborted(BaseException):
+    """Unwinds a rank's program after the run was aborted (not an ``Exception``,
+    so a program's ``except Exception`` does not swallow it)."""
+
+
+class RunState:
+    """Everything the ranks of one run share: the lock, whose turn it is, the first error.
+
+    Ranks take turns: exactly one rank thread runs at a time, and it hands the
+    turn on only when it blocks in a communication call or finishes. A rank
+    woken by a completed collective joins the ``ready`` queue instead of
+    running at once, so every handoff wakes exactly one thread and no two rank
+    threads compete for the interpreter lock. Runs are therefore
+    deterministic, and a deadlock is simply "nobody ready, everybody blocked".
+
+    At each handoff the rank handing the turn on saves torch's default
+    generator state and the rank taking it loads its own
+    (:class:`~simcomm.sim.rank_random.RankRandomState`), so each rank draws from
+    a random stream of its own.
+
+    Lock discipline (see the module docstring): the scheduler's decisions are
+    taken under ``lock``; waking another rank's thread and blocking on one's
+    own waiter happen after it is released.
+    """
+
+    def __init__(self, world_size: int, device: torch.device, trace: bool):
+        self.lock = threading.Lock()
+        self.world_size = world_size
+        self.device = device
+        self.waiters = [threading.Lock() for _ in range(world_size)]
+        for waiter in self.waiters:
+            waiter.acquire()
+        self.threads: list[threading.Thread | None] = [None] * world_size
+        self.thread_ids: list[int | None] = [None] * world_size
+        self.started: set[int] = set()
+        self.blocked: dict[int, Wait] = {}
+        self.ready: deque[int] = deque()
+        self.running = world_size
+        self.finished: set[int] = set()
+        self.error: BaseException | None = None
+        self.rank_errors: list[tuple[int, BaseException]] = []
+        self.closed = False
+        self.woken_by_abort: set[int] = set()
+        self.done = threading.Event()
+        self.random = RankRandomState(world_size, device)
+        self.events: list[tuple] | None = [] if trace else None
+        self.clock_zero = time.perf_counter()
+        self.world = Group(("world",), range(world_size))
+        #: fake tensors on every rank (simcomm.sim.shape): collective math on meta tensors
+        self.shape_only = False
+
+    # -- the run's life: called by World and by each rank thread (each takes the lock) --
+
+    def start(self) -> None:
+        """Give rank 0 the first turn; the others are ready in rank order."""
+        with self.lock:
+            self.ready.extend(range(1, self.world_size))
+        self.waiters[0].release()
+
+    def wait_turn(self, rank: int) -> None:
+        """Called by rank ``rank``'s thread before its program: wait for the first turn."""
+        self.threads[rank] = threading.current_thread()
+        self.thread_ids[rank] = threading.get_ident()
+        self.waiters[rank].acquire()
+        if self.error is not None:
+            raise Aborted
+        self.started.add(rank)
+        self.random.set_state(self.random.states[rank])
+
+    def rank_failed(self, rank: int, error: BaseException) -> None:
+        """``rank``'s program raised ``error``: record it and abort the run."""
+        with self.lock:
+            if self.error is None or self.rank_errors:
+                self.rank_errors.append((rank, error))
+            self.abort_locked(self.error or error)
+
+    def rank_finished(self, rank: int) -> None:
+        """``rank``'s program returned (or unwound): hand the turn on, or end the run."""
+        with self.lock:
+            self.running -= 1
+            self.finished.add(rank)
+            if self.running == 0:
+                self.done.set()
+                return
+            if self.error is not None:
+                return
+            next_rank = self.ready.popleft() if self.ready else None
+            if next_rank is None and len(self.blocked) == self.running:
+                self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
+        if next_rank is not None:
+            self.waiters[next_rank].release()
+
+    def abort(self, error: BaseException) -> None:
+        """Abort the run from outside it (a timeout, Ctrl-C)."""
+        with self.lock:
+            self.abort_locked(error)
+
+    def close(self) -> None:
+        """The run has ended: any later use of its communicators raises at once."""
+        with self.lock:
+            self.closed = True
+
+    # -- the entry of every communication call --
+
+    def lock_for(self, rank: int, op: str) -> None:
+        """Take the lock for a communication call ``op`` of rank ``rank``; return holding it.
+
+        Raises instead, without the lock: :class:`Aborted` on an aborted run's own
+        rank thread; :class:`~simcomm.errors.CommunicatorClosedError` when the run
+        has ended; :class:`~simcomm.errors.WrongThreadError` (and the run fails with
+        it) when the caller is not rank ``rank``'s thread.
+        """
+        if _get_ident() != self.thread_ids[rank] or self.closed:
+            raise self._refusal(rank, op)
+        self.lock.acquire()
+        if self.error is not None:
+            self.lock.release()
+            raise Aborted
+
+    def _refusal(self, rank: int, op: str) -> BaseException:
+        """The error for a call of rank ``rank``'s communicator from a thread not its own."""
+        caller = threading.current_thread()
+        if self.error is not None and caller in self.threads:
+            return Aborted()   # a rank thread of an aborted run, still unwinding
+        if self.closed:
+            return CommunicatorClosedError(
+                f"{op} on rank {rank}: the run this communicator belongs to has ended, so no "
+                f"rank is there to meet this call. A communicator works only inside its run; "
+                f"if this is the backward of a tensor a program returned, call backward inside "
+                f"the program or return the tensor's .detach()")
+        error = WrongThreadError(
+            f"{op} on rank {rank}: the communicator of rank {rank} was used from thread "
+            f"{caller.name!r}; each rank's communicator must be used on its rank's thread "
+            f"({self.threads[rank].name if self.threads[rank] else 'not started'!r})")
+        if caller not in self.threads:
+            self.rank_failed(rank, error)   # a helper thread's error would otherwise go unseen
+        return error
+
+    # -- blocking and waking: called by the transport with the lock held --
+
+    def release_and_wait(self, rank: int, wait: Wait) -> None:
+        """Block ``rank`` until woken. Called with the lock held; releases it.
+
+        Under the lock: record the wait, pick the next ready rank, or see that
+        nobody can run (a deadlock: abort). Then, released: wake the next rank,
+        sleep on this rank's waiter, and on waking load this rank's random state.
+        Raises :class:`Aborted` if the run was aborted.
+        """
+        self.blocked[rank] = wait
+        random = self.random
+        random.states[rank] = random.get_state()
+        next_rank = self.ready.popleft() if self.ready else None
+        deadlock = next_rank is None and len(self.blocked) == self.running
+        if deadlock:
+            self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
+        self.lock.release()
+        if deadlock:
+            raise Aborted
+        if next_rank is not None:
+            self.waiters[next_rank].release()
+        self.waiters[rank].acquire()
+        if self.error is not None:
+            raise Aborted
+        random.set_state(random.states[rank])
+
+    def abort_and_release(self, error: BaseException) -> NoReturn:
+        """Abort the run with ``error``. Called with the lock held; releases it and
+        raises :class:`Aborted` to unwind the calling rank."""
+        self.abort_locked(error)
+        self.lock.release()
+        raise Aborted
+
+    def wake_locked(self, rank: int) -> None:
+        """``rank`` may continue: it runs when the current rank hands on its turn."""
+        del self.blocked[rank]
+        self.ready.append(rank)
+
+    def abort_locked(self, error: BaseException) -> None:
+        """Record the run's first error and wake every blocked or ready rank to unwind."""
+        if self.error is None:
+            self.error = error
+        for rank in [*self.blocked, *self.ready]:
+            self.waiters[rank].release()
+            self.woken_by_abort.add(rank)
+        self.blocked.clear()
+        self.ready.clear()
+        self.done.set()
+
+    # -- reports --
+
+    def describe_deadlock_locked(self) -> str:
+        return describe_deadlock(self.blocked, self.finished, self.world_size)
+
+    def turn_holders(self) -> list[int]:
+        """Unfinished ranks that were running program code, not waiting in the scheduler,
+        when the run was aborted: the rank that held the turn. The abort woke every
+        other rank, and those unwind by themselves."""
+        with self.lock:
+            return [rank for rank in self.started
+                    if rank not in self.finished and rank not in self.woken_by_abort]
+
+    def describe_ranks_locked(self, frames: dict[int, object]) -> list[str]:
+        """Where each unfinished rank is (for the timeout message); ``frames`` maps
+        thread ids to their current frames (``sys._current_frames()``)."""
+        lines = describe_waits(self.blocked, self.world_size)
+        others: dict[int, str] = {}
+        for rank in range(self.world_size):
+            if rank in self.blocked or rank in self.finished:
+                continue
+            thread = self.threads[rank]
+            if rank not in self.started:
+                others[rank] = "never started (waiting for a first turn)"
+            elif rank in self.ready:
+                others[rank] = ("is ready and waits for its turn at "
+                                + program_location(frames.get(thread.ident) if thread else None))
+            else:
+                others[rank] = "computes at " + program_location(frames.get(thread.ident) if thread else None)
+        lines.extend(describe_ranks(others, self.world_size))
+        return lines
+
+# -- the transport -----------------------------------------------------------------------

@@ -1,0 +1,347 @@
+"""Shape-only virtual ranks: the program runs on fake tensors, communication is traced and checked.
+
+``World(n, tensors="shape")`` runs every rank's program under a
+``FakeTensorMode`` of its own (``torch._subclasses.fake_tensor``): every
+tensor the program creates, parameters included, is a *fake* tensor that has
+a shape, a dtype, strides and a device but no data, and every op computes
+only the metadata of its result. Collectives check and produce shapes and
+dtypes and record the same trace as a real-valued run; the program's control
+flow, subgroups, send/recv, handles and autograd run as they do with data.
+Compute is skipped, so a step of a 1024-rank program costs what its
+communication and its ops' shape propagation cost, not its FLOPs.
+
+**One mode per rank.** A ``FakeTensorMode`` keeps a stack of its entries
+(``enter_stack``) and the dispatch mode stack is per thread, so one mode
+shared by rank threads that enter and leave it in turns would pop each
+other's entries. Each rank thread enters a mode of its own for its whole
+program (:func:`rank_mode`). A fake tensor belongs to its mode, and torch
+refuses ops that mix modes; so a tensor never crosses ranks as it is:
+
+* the collective math of :mod:`simcomm.collectives` runs on *meta* tensors
+  (:func:`compute_on_meta`: each rank's fake input becomes a meta tensor with
+  the same shape, dtype and strides; the math yields meta outputs), and
+* each rank turns what it receives into a fake tensor of its own mode
+  (:func:`own`), on its own thread, where the memory tracker counts it.
+
+**What comes back.** ``World.run`` returns what each rank's program returned:
+tensors in it are fake tensors (``.shape``, ``.dtype``, ``.device`` work;
+reading values does not). :func:`shapes` turns them into
+``torch.Size`` objects.
+
+**torch.distributed.** Programs that use torch.distributed run too: c10d
+calls reach the simulator as with data; the functional collectives DTensor
+uses (``torch.ops._c10d_functional``), which a fake mode would otherwise
+answer with an empty output and no communication, are routed to the rank's
+process group (:class:`FunctionalCollectives`); ``DeviceMesh`` keeps real
+rank tensors (:func:`install_device_mesh_values`).
+
+**Unsupported.** An op that needs values (``.item()``, ``.tolist()``,
+``bool(t)``, ``torch.nonzero``, a data-dependent split) raises
+:class:`ShapeOnlyError` naming the op and the rank (:func:`data_dependent_error`).
+Such programs need the real-valued mode, or the value given as a Python
+number. So does ``dist.all_to_all_single`` with uneven split sizes (the
+simcomm c10d backend reads the longest split with ``.item()``). Changing a
+module's dtype in place (``Module.double()``) works only when torch can swap
+the fake parameters (it refuses when something holds a weak reference to
+them, depending on torch's state in the process); its refusal is a
+:class:`ShapeOnlyError` too: create the module with ``dtype=`` instead.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+)
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import SimcommError
+
+__all__ = ["TENSOR_MODES", "ShapeOnlyError", "rank_mode", "fake_arguments", "compute_on_meta", "own",
+           "shapes", "is_shape_only", "data_dependent_error", "trace_signature", "FunctionalCollectives",
+           "install_device_mesh_values"]
+
+#: the values of ``World(..., tensors=)``
+TENSOR_MODES = ("real", "shape")
+
+#: torch's errors for an op whose result depends on values a fake tensor does not have
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException)
+
+
+#: how a program reads values, by the aten op torch reports
+_VALUE_READS = {"aten._local_scalar_dense.default": "a value read (.item(), .tolist(), bool(t), int(t): "
+                                                    "aten._local_scalar_dense)"}
+
+
+class ShapeOnlyError(SimcommError):
+    """A program run with ``tensors="shape"`` called an op that needs tensor values."""
+
+
+def rank_mode() -> FakeTensorMode:
+    """A fresh ``FakeTensorMode`` for one rank thread (see the module docstring)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_shape_only() -> bool:
+    """Whether this thread runs inside a fake mode (a shape-only rank)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def fake_arguments(args: tuple, kwargs: dict, mode: FakeTensorMode, device: torch.device
+                   ) -> tuple[tuple, dict]:
+    """One rank's arguments with every tensor (and every module's parameters and buffers)
+    turned into a fake tensor of ``mode`` on ``device``. The caller's objects are not modified;
+    no data is copied (a fake tensor holds metadata only)."""
+    import copy
+
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        fake = mode.from_tensor(tensor, static_shapes=True)
+        if fake.device != device:
+            with mode:
+                fake = fake.to(device)
+        if isinstance(tensor, torch.nn.Parameter) and not isinstance(fake, torch.nn.Parameter):
+            fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+        return fake
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            leaf = convert(leaf)
+        elif isinstance(leaf, torch.nn.Module):
+            # a module's structure is copied without its tensors' data: every tensor is swapped
+            # for a fake one in the copy's own dicts
+            memo: dict = {}
+            for tensor in (*leaf.parameters(), *leaf.buffers()):
+                memo[id(tensor)] = convert(tensor)
+            leaf = copy.deepcopy(leaf, memo)
+        out.append(leaf)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _meta(value)
+    if isinstance(value, tuple):
+        return tuple(_to_meta(item) for item in value)
+    if isinstance(value, list):
+        return [_to_meta(item) for item in value]
+    return value
+
+
+@contextlib.contextmanager
+def _no_fake_mode() -> Iterator[None]:
+    mode = torch._C._unset_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    try:
+        yield
+    finally:
+        if mode is not None:
+            torch._C._set_dispatch_mode(mode)
+
+
+def compute_on_meta(compute: Callable[[list], list], inputs: list) -> list:
+    """Run a collective's math (``compute``, a list of per-rank inputs in, a list out) on meta
+    tensors with the metadata of ``inputs`` (fake tensors of several ranks' modes): the
+    outputs are meta tensors of the shapes and dtypes a real-valued run produces."""
+    with _no_fake_mode(), torch.no_grad():
+        return compute([_to_meta(entry) for entry in inputs])
+
+
+def own(value: Any, device: torch.device) -> Any:
+    """What a shape-only rank receives, as fake tensors of its own mode on ``device``.
+
+    Meta tensors (a collective's outputs) and other ranks' fake tensors (a message
+    in flight) are rebuilt from their metadata; anything else passes through.
+    Called on the receiving rank's thread, inside its mode.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_meta or isinstance(value, FakeTensor):
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+        return value
+    if isinstance(value, tuple):
+        return tuple(own(item, device) for item in value)
+    return value
+
+
+def shapes(value: Any) -> Any:
+    """``value`` with every tensor replaced by its ``torch.Size`` (lists, tuples, dicts kept)."""
+    return pytree.tree_map(lambda leaf: leaf.shape if isinstance(leaf, torch.Tensor) else leaf, value)
+
+
+def trace_signature(trace) -> dict[int, list[tuple]]:
+    """What a trace says about communication, without times: per rank, in program order, each
+    call's op, group, step, phase, shapes, dtype, bytes, root, bytes per peer and arguments.
+
+    Equal for a shape-only and a real-valued run of the same program.
+    """
+    by_rank: dict[int, list[tuple]] = {}
+    for event in trace.events:
+        by_rank.setdefault(event.rank, []).append((
+            event.op, event.group, event.step, event.phase, event.shape, event.out_shape, event.dtype,
+            event.nbytes, event.root, event.async_op, tuple(sorted(event.sent.items())),
+            tuple(sorted(event.received.items())), repr(sorted(event.args.items()))))
+    return by_rank
+
+
+def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | None:
+    """A :class:`ShapeOnlyError` naming the op and the rank when ``error`` (or what caused it)
+    is torch's refusal to compute a value from a fake tensor; ``None`` otherwise."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, _DATA_DEPENDENT):
+            op = getattr(error, "func", None)
+            name = str(op) if op is not None else type(error).__name__
+            name = _VALUE_READS.get(name, name)
+            return ShapeOnlyError(
+                f"rank {rank}: {name} needs tensor values, which a shape-only run "
+                f"(World(..., tensors='shape')) does not have (e.g. .item(), .tolist(), bool(t), "
+                f"nonzero, or split sizes read from a tensor); run this program with tensors='real', "
+                f"or compute the value from shapes or Python numbers")
+        if isinstance(error, RuntimeError) and str(error).startswith("_apply(): Couldn't swap"):
+            return ShapeOnlyError(
+                f"rank {rank}: {error}: torch cannot change the dtype or device of a module's fake "
+                f"parameters in place (Module.to/.double()/.half() on a shape-only rank); create the "
+                f"module with dtype=/device= (or torch.set_default_dtype) instead")
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+# -- torch.distributed's own bookkeeping tensors ------------------------------------------------
+
+_OUTSIDE_FAKE_INSTALLED = False
+
+
+def _outside_fake(function: Callable) -> Callable:
+    def run(*args, **kwargs):
+        with _no_fake_mode():
+            return function(*args, **kwargs)
+    run.__wrapped__ = function
+    run.__name__, run.__qualname__, run.__doc__ = function.__name__, function.__qualname__, function.__doc__
+    return run
+
+
+def install_device_mesh_values() -> None:
+    """Let ``DeviceMesh`` keep real rank tensors on shape-only ranks.
+
+    A ``DeviceMesh`` holds the ranks of its dims in an integer tensor and reads
+    them back with ``.tolist()``: bookkeeping, not model data. Its methods and
+    ``init_device_mesh`` run with the rank's fake mode set aside, so that tensor
+    holds values; fake ops that meet it turn it into a fake tensor
+    (``allow_non_fake_inputs``). Installed once, on the first shape-only run;
+    outside a fake mode the wrappers change nothing.
+    """
+    global _OUTSIDE_FAKE_INSTALLED
+    if _OUTSIDE_FAKE_INSTALLED:
+        return
+    from torch.distributed import device_mesh
+
+    mesh_class = device_mesh.DeviceMesh
+    for name, value in list(vars(mesh_class).items()):
+        if callable(value) and not isinstance(value, type) and not name.startswith("__") or name == "__init__":
+            if isinstance(value, (staticmethod, classmethod)):
+                continue
+            setattr(mesh_class, name, _outside_fake(value))
+    import sys
+
+    import torch.distributed.fsdp  # noqa: F401  (modules that import init_device_mesh by name)
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    original = device_mesh.init_device_mesh
+    wrapped = _outside_fake(original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and getattr(module, "init_device_mesh", None) is original:
+            module.init_device_mesh = wrapped
+    _OUTSIDE_FAKE_INSTALLED = True
+
+
+# -- functional collectives ----------------------------------------------------------------------
+
+def _group(name: Any):
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    return name if isinstance(name, dist.ProcessGroup) else c10d._resolve_process_group(name)
+
+
+def _reduce_op(name: str):
+    import torch.distributed as dist
+
+    return getattr(dist.ReduceOp, {"prod": "PRODUCT", "mean": "AVG"}.get(name.lower(), name.upper()))
+
+
+def _functional(func, args: tuple, kwargs: dict):
+    """One ``_c10d_functional`` op on the rank's process group, through torch.distributed's
+    c10d API (the path the op's own kernel takes on a real backend): issued asynchronously,
+    as a functional collective is, and waited at once, so the trace matches the real-valued
+    run's (``async_op`` set); the order of the calls is the same."""
+    import torch.distributed as dist
+
+    name = func._overloadpacket.__name__
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    if name == "wait_tensor":
+        return bound["tensor"]
+    group = _group(bound["group_name"])
+    if name in ("all_reduce", "all_reduce_"):
+        out = bound["input"] if name == "all_reduce_" else bound["input"].clone()
+        dist.all_reduce(out, op=_reduce_op(bound["reduce_op"]), group=group, async_op=True).wait()
+        return out
+    if name == "all_reduce_coalesced":
+        outs = [tensor.clone() for tensor in bound["inputs"]]
+        for out in outs:
+            dist.all_reduce(out, op=_reduce_op(bound["reduce_op"]), group=group, async_op=True).wait()
+        return outs
+    if name in ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"):
+        inputs = bound["inputs"] if name.endswith("coalesced") else [bound["input"]]
+        outs = [bound["out"]] if name.endswith("_out") else [
+            tensor.new_empty((bound["group_size"] * tensor.shape[0], *tensor.shape[1:])) for tensor in inputs]
+        for out, tensor in zip(outs, inputs):
+            dist.all_gather_into_tensor(out, tensor.contiguous(), group=group, async_op=True).wait()
+        return outs if name.endswith("coalesced") else outs[0]
+    if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+        inputs = bound["inputs"] if name.endswith("coalesced") else [bound["input"]]
+        outs = []
+        for tensor in inputs:
+            out = tensor.new_empty((tensor.shape[0] // bound["group_size"], *tensor.shape[1:]))
+            dist.reduce_scatter_tensor(out, tensor.contiguous(), op=_reduce_op(bound["reduce_op"]), group=group, async_op=True).wait()
+            outs.append(out)
+        return outs if name.endswith("coalesced") else outs[0]
+    if name == "all_to_all_single":
+        tensor = bound["input"]
+        out_splits, in_splits = list(bound["output_split_sizes"]), list(bound["input_split_sizes"])
+        rows = sum(out_splits) if out_splits else tensor.shape[0]
+        out = tensor.new_empty((rows, *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), out_splits or None, in_splits or None, group=group, async_op=True).wait()
+        return out
+    if name in ("broadcast", "broadcast_"):
+        out = bound["input"] if name == "broadcast_" else bound["input"].clone()
+        dist.broadcast(out, group_src=bound["src"], group=group, async_op=True).wait()
+        return out
+    raise ShapeOnlyError(f"{func} is not supported on shape-only ranks (World(..., tensors='shape')); "
+                         f"use the torch.distributed call it stands for")
+
+
+class FunctionalCollectives(TorchDispatchMode):
+    """Runs torch's functional collectives (``torch.ops._c10d_functional``, what DTensor and
+    ``torch.distributed._functional_collectives`` call) on the rank's process group.
+
+    Under a fake mode those ops would otherwise get their fake kernels: an output of the
+    right shape, no communication, nothing traced. Pushed above the rank's fake mode.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            return _functional(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))

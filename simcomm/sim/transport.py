@@ -1,0 +1,438 @@
+"""The in-process transport of one virtual rank in one group.
+
+:class:`SimTransport` implements :class:`simcomm.transport.Transport` on the
+tables of :mod:`simcomm.sim.rendezvous`, under the scheduler's lock
+(:mod:`simcomm.sim.scheduler`, whose docstring states the lock-naming rule).
+
+A blocking collective arrives at its group's slot and blocks until the last
+member has computed it. An asynchronous call (``async_op=True``, ``isend``,
+``irecv``) deposits a copy of its input at the rendezvous (or posts its
+message) without blocking and returns a :class:`~simcomm.handles.Handle`
+(:mod:`simcomm.sim.pending`); the rank blocks, visibly to the scheduler, only
+in the handle's ``wait()``. The step of a collective is counted when it is
+issued, so the mismatch check compares what the ranks *issued* at each step: a
+rank arriving with another op or incompatible arguments than the ranks
+already waiting raises :class:`~simcomm.errors.CollectiveMismatchError`. A
+program that returns with a handle it never waited on raises
+:class:`~simcomm.handles.UnwaitedHandleError`, naming the rank and the line
+that issued it.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+import torch
+
+from .. import collectives, memory
+from ..checks import check_splits
+from ..errors import CollectiveMismatchError, DeadlockError, SimcommError
+from ..handles import Handle, P2POp, UnwaitedHandleError
+from ..reports import mismatch_message, program_location
+from ..trace import Record, Recorder
+from ..transport import TransportBase
+from . import shape as _shape
+from .pending import Pending, PendingCollective, PendingMessage
+from .rendezvous import Group, Message, Slot, call_site, copy_small_shared, format_args, materialize, shared_entries
+from .scheduler import Aborted, RunState
+from .waits import Wait, p2p_detail
+
+__all__ = ["SimTransport"]
+
+
+class SimTransport(TransportBase):
+    """The :class:`~simcomm.transport.Transport` of one virtual rank in one group.
+
+    ``pending`` holds the rank's issued, not yet waited asynchronous calls; the
+    transports of the rank's subgroups share it (and the trace ``recorder``).
+    """
+
+    def __init__(self, state: RunState, group: Group, rank: int, pending: dict | None = None,
+                 recorder: Recorder | None = None):
+        if recorder is None and state.events is not None:
+            recorder = Recorder(state.events, state.clock_zero)
+        super().__init__(rank, group.ranks, state.device, recorder)
+        self.state = state
+        self.group = group
+        self.pending: dict[int, Pending] = {} if pending is None else pending
+        # the rank's thread (an object, not an ident: idents are reused by later runs' threads)
+        self._thread = threading.current_thread()
+        self._fruitless_polls = 0
+
+    def __repr__(self) -> str:
+        return f"SimTransport(rank={self.rank}, ranks={list(self.ranks)})"
+
+    # -- collectives --
+
+    def _collective(self, op: str, tensor: torch.Tensor | None, sig: tuple,
+                    compute: Callable[[list], list], root: int | None = None, async_op: bool = False):
+        step = self._next_step()
+        record = None
+        if self._recorder is not None:
+            record = self._begin(op, step, tensor, root, args=dict(sig[2:] if tensor is not None else sig),
+                                 async_op=async_op)
+        if async_op:   # the input is copied: the program may reuse its tensor before wait()
+            return self._issue(op, step, tensor.clone() if tensor is not None else None, sig, compute,
+                               record)
+        out = self._rendezvous(op, step, tensor, sig, compute)
+        self._end(record, out)
+        return out
+
+    def _arrive_and_hold(self, op: str, step: int, tensor, sig: tuple, frame) -> Slot:
+        """Deposit this rank's input in its group's slot for ``step``.
+
+        Takes the run's lock and returns *holding it*; on a mismatch it aborts
+        the run, releases the lock and raises :class:`Aborted`.
+        """
+        state, group, me = self.state, self.group, self.rank
+        state.lock_for(self.global_rank, op)
+        slot = group.slots.get(step)
+        if slot is None:
+            slot = group.slots[step] = Slot(op, sig, self.world_size)
+        elif slot.op != op or slot.sig != sig:
+            self._mismatch_and_release(slot, op, sig, frame)
+        slot.inputs[me] = tensor
+        slot.frames[me] = frame
+        slot.arrived.append(me)
+        return slot
+
+    def _complete(self, slot: Slot, step: int, compute: Callable[[list], list]) -> None:
+        """The last rank to arrive does the collective's tensor work (with warm caches),
+        outside the lock, then wakes the members blocked on the slot."""
+        state = self.state
+        try:
+            with memory.untracked():    # outputs are counted on the ranks that receive them
+                if state.shape_only:    # meta outputs; each rank rebuilds its own (materialize)
+                    slot.outputs = _shape.compute_on_meta(compute, slot.inputs)
+                else:
+                    slot.outputs = compute(slot.inputs)
+                    slot.shared = shared_entries(slot.outputs, owner=self.rank)
+                    copy_small_shared(slot)
+        except BaseException:
+            slot.failed = True
+            raise
+        finally:
+            slot.moved = time.perf_counter() - state.clock_zero
+            with state.lock:
+                del self.group.slots[step]
+                for rank in slot.waiting:
+                    state.wake_locked(rank)
+
+    def _rendezvous(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list]):
+        """A blocking collective: arrive, then wait for the last member or be it."""
+        state = self.state
+        frame = sys._getframe(2)
+        slot = self._arrive_and_hold(op, step, tensor, sig, frame)
+        if len(slot.arrived) < self.world_size:
+            slot.waiting.append(self.global_rank)
+            state.release_and_wait(self.global_rank, Wait(op, frame, slot, self.group.ranks, step))
+            if slot.failed:
+                raise Aborted
+            return materialize(slot, self.rank, state)
+        state.lock.release()
+        self._complete(slot, step, compute)
+        return materialize(slot, self.rank, state)
+
+    def _issue(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list],
+               record: Record | None) -> Handle:
+        """An asynchronous collective: arrive without blocking (completing the collective
+        if this rank is the last member); the rank blocks only in the handle's ``wait()``."""
+        where = program_location(sys._getframe(2))
+        slot = self._arrive_and_hold(op, step, tensor, sig, where)
+        last = len(slot.arrived) == self.world_size
+        self.state.lock.release()
+        if last:
+            self._complete(slot, step, compute)
+        return self._handle(PendingCollective(self, slot, step, record, where))
+
+    def _mismatch_and_release(self, slot: Slot, op: str, sig: tuple, frame) -> NoReturn:
+        """Abort the run with a CollectiveMismatchError. Called with the lock held; releases it."""
+        ranks = self.group.ranks
+        arrived = [ranks[i] for i in slot.arrived]
+        message = mismatch_message(ranks, self._step - 1, [
+            (arrived, f"{slot.op}({format_args(slot.sig)})", call_site(slot.frames[slot.arrived[0]])),
+            ([ranks[self.rank]], f"{op}({format_args(sig)})", call_site(frame))])
+        self.state.abort_and_release(CollectiveMismatchError(message))
+
+    @staticmethod
+    def _sig(tensor: torch.Tensor, **args) -> tuple:
+        return (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype), *args.items())
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False):
+        return self._collective("all_reduce", tensor, self._sig(tensor, op=op),
+                                lambda inputs: collectives.all_reduce(inputs, op), async_op=async_op)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False):
+        return self._collective("all_gather", tensor, self._sig(tensor, dim=dim),
+                                lambda inputs: collectives.all_gather(inputs, dim), async_op=async_op)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False):
+        return self._collective("reduce_scatter", tensor, self._sig(tensor, dim=dim, op=op),
+                                lambda inputs: collectives.reduce_scatter(inputs, dim, op), async_op=async_op)
+
+    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False):
+        return self._collective("all_to_all", tensor,
+                                self._sig(tensor, scatter_dim=scatter_dim, gather_dim=gather_dim),
+                                lambda inputs: collectives.all_to_all(inputs, scatter_dim, gather_dim),
+                                async_op=async_op)
+
+    def gather(self, tensor: torch.Tensor, dst: int, dim: int, async_op: bool = False):
+        return self._collective("gather", tensor, self._sig(tensor, dst=dst, dim=dim),
+                                lambda inputs: collectives.gather(inputs, dst, dim), root=dst, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        return self._collective("broadcast", tensor, self._sig(tensor, src=src),
+                                lambda inputs: collectives.broadcast(inputs, src), root=src, async_op=async_op)
+
+    def barrier(self, async_op: bool = False):
+        return self._collective("barrier", None, (), lambda inputs: [None] * len(inputs), async_op=async_op)
+
+    def subgroup(self, groups: tuple[tuple[int, ...], ...]) -> SimTransport:
+        parent, step = self.group, self._step
+
+        def split(inputs: list) -> list:
+            members = [None] * len(inputs)
+            for index, part in enumerate(groups):
+                group = Group((*parent.key, step, index), [parent.ranks[r] for r in part])
+                for position, rank in enumerate(part):
+                    members[rank] = (group, position)
+            return members
+
+        group, position = self._collective("subgroup", None, (("groups", groups),), split)
+        return SimTransport(self.state, group, position, self.pending, self._recorder)
+
+    # -- point to point --
+
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle | None:
+        """Blocking: returns once the matching recv has taken the data. ``async_op``: an
+        ``isend``, whose copy of ``tensor`` is taken now and handed over when matched."""
+        record = self._p2p_begin("send", dst, tensor, async_op=async_op)
+        if async_op:
+            tensor = tensor.clone()
+        return self._p2p("send", dst, (self.rank, dst), tensor, tensor.shape, tensor.dtype, record, async_op)
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, async_op: bool = False):
+        shape = torch.Size(shape)
+        record = self._p2p_begin("recv", src, None, shape.numel() * dtype.itemsize, async_op)
+        out = self._p2p("recv", src, (src, self.rank), None, shape, dtype, record, async_op)
+        return out if async_op else memory.received(out)
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """Issue every op without blocking, in list order; one handle per op."""
+        return [self.send(op.data, op.peer, async_op=True) if op.op == "isend"
+                else self.recv(op.data[0], op.data[1], op.peer, async_op=True) for op in ops]
+
+    def _p2p(self, kind: str, peer: int, key: tuple[int, int], tensor, shape, dtype,
+             record: Record | None, async_op: bool):
+        """Match this send/recv with its partner on the (sender, receiver) channel, or post it.
+
+        A blocking call blocks until matched; an asynchronous one returns a handle.
+        """
+        state, group = self.state, self.group
+        frame = program_location(sys._getframe(2)) if async_op else sys._getframe(2)
+        me = self.global_rank
+        state.lock_for(me, kind)
+        channel = group.channels.setdefault(key, deque())
+        if channel and channel[0].kind != kind:
+            partner = channel.popleft()
+            if partner.shape != shape or partner.dtype != dtype:
+                self._p2p_mismatch_and_release(Message(kind, me, tensor, shape, dtype, frame), partner)
+            if kind == "send":
+                partner.tensor = tensor if async_op or state.shape_only else tensor.clone()
+                self._deliver_locked(partner)
+                state.lock.release()
+                out = None
+            else:
+                state.lock.release()
+                if state.shape_only:   # the sender's fake tensor, rebuilt in this rank's mode
+                    out = _shape.own(partner.tensor, state.device)
+                else:
+                    out = partner.tensor if partner.owned else partner.tensor.clone()  # the sender waits
+                with state.lock:
+                    self._deliver_locked(partner)
+            if not async_op:
+                self._end(record, out)
+                return out
+            message = Message(kind, me, out, shape, dtype, frame)   # complete at issue
+            message.done, message.moved = True, partner.moved
+            return self._handle(PendingMessage(self, message, record, peer))
+        message = Message(kind, me, tensor, shape, dtype, frame, owned=async_op)
+        channel.append(message)
+        if async_op:
+            state.lock.release()
+            return self._handle(PendingMessage(self, message, record, peer))
+        message.blocked = True
+        state.release_and_wait(me, Wait(kind, frame, peer=group.ranks[peer], detail=p2p_detail(dtype, shape)))
+        out = message.tensor if kind == "recv" else None
+        if out is not None and state.shape_only:
+            out = _shape.own(out, state.device)
+        self._end(record, out)
+        return out
+
+    def _deliver_locked(self, message: Message) -> None:
+        """A posted message found its partner: mark it done, wake its rank if blocked on it."""
+        message.done = True
+        message.moved = time.perf_counter() - self.state.clock_zero
+        if message.blocked:
+            message.blocked = False
+            self.state.wake_locked(message.rank)
+
+    def _p2p_mismatch_and_release(self, mine: Message, partner: Message) -> None:
+        send, recv = (mine, partner) if mine.kind == "send" else (partner, mine)
+        message = (
+            f"send/recv mismatch in group {list(self.group.ranks)}:\n"
+            f"  rank {send.rank} sends {str(send.dtype).removeprefix('torch.')} "
+            f"{tuple(send.shape)} at {call_site(send.frame)}\n"
+            f"  rank {recv.rank} expects {str(recv.dtype).removeprefix('torch.')} "
+            f"{tuple(recv.shape)} at {call_site(recv.frame)}")
+        self.state.abort_and_release(CollectiveMismatchError(message))
+
+    # -- rooted and uneven collectives --
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False):
+        """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks."""
+        return self._collective("reduce", tensor, self._sig(tensor, dst=dst, op=op),
+                                lambda inputs: collectives.reduce_to(inputs, dst, op), root=dst, async_op=async_op)
+
+    def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
+                async_op: bool = False):
+        """``(chunk r of src's tensor along dim, whether src said requires_grad)``; ``tensor`` is
+        ``None`` off ``src``, and each rank's ``dim`` must name src's dim (negative allowed)."""
+        step = self._next_step()
+        # off src the dtype is known once the data arrives; it is added to args then (for the bytes)
+        dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
+        args = {"src": src, "dim": dim, "dtype": dtype}
+        event = self._begin("scatter", step, tensor, src, args=args, async_op=async_op)
+
+        def compute(inputs: list) -> list:
+            source, flag, source_dim = inputs[src]
+            ndim = source.dim()
+            for rank, (_, _, rank_dim) in enumerate(inputs):
+                if not -ndim <= rank_dim < ndim or rank_dim % ndim != source_dim:
+                    raise ValueError(
+                        f"scatter: dim={rank_dim} on rank {rank} does not name the dim "
+                        f"dim={source_dim} of the source rank {src}'s "
+                        f"{ndim}-D tensor {tuple(source.shape)}")
+            chunks = collectives.scatter_from([entry[0] for entry in inputs], src, source_dim)
+            return [(chunk, flag) for chunk in chunks]
+
+        def arrived(out: tuple) -> tuple:
+            args["dtype"] = str(out[0].dtype).removeprefix("torch.")
+            return out
+
+        entry = (tensor.clone() if async_op and tensor is not None else tensor, requires_grad, dim)
+        if async_op:
+            return Handle(self._issue("scatter", step, entry, (("src", src),), compute, event), arrived)
+        out = arrived(self._rendezvous("scatter", step, entry, (("src", src),), compute))
+        self._end(event, out[0])
+        return out
+
+    def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int], async_op: bool = False):
+        """Uneven all-to-all along dim 0; the ranks' split lists are checked against each other."""
+        step = self._next_step()
+        outputs, inputs_ = list(output_split_sizes), list(input_split_sizes)
+        event = self._begin("all_to_all_single", step, tensor,
+                            args={"input_split_sizes": inputs_, "output_split_sizes": outputs},
+                            async_op=async_op)
+        sig = (("dtype", tensor.dtype), ("shape[1:]", tuple(tensor.shape[1:])))
+
+        def compute(entries: list) -> list:
+            try:
+                check_splits("all_to_all_single", [e[2] for e in entries], [e[1] for e in entries])
+            except ValueError as error:   # the ranks disagree: a mismatch, as on real processes' checked mode
+                self.state.abort(CollectiveMismatchError(mismatch_message(
+                    self.ranks, step, [], f"(group-local ranks) {error}")))
+                raise Aborted from None
+            return collectives.all_to_all_single([e[0] for e in entries], [e[1] for e in entries],
+                                          [e[2] for e in entries])
+
+        if async_op:
+            return self._issue("all_to_all_single", step, (tensor.clone(), outputs, inputs_), sig, compute, event)
+        out = self._rendezvous("all_to_all_single", step, (tensor, outputs, inputs_), sig, compute)
+        self._end(event, out)
+        return out
+
+    # -- asynchronous calls --
+
+    def _handle(self, pending: Pending) -> Handle:
+        self.pending[id(pending)] = pending
+        return Handle(pending)
+
+    def check_all_waited(self) -> None:
+        """Raise :class:`~simcomm.handles.UnwaitedHandleError` if this rank issued a handle
+        (in any of its groups) that was never waited on. Called when the program returns."""
+        if not self.pending:
+            return
+        lines = [f"rank {self.global_rank}: the program returned without waiting on "
+                 f"{len(self.pending)} handle(s):"]
+        lines += [f"  {pending.what} issued at {pending.where}" for pending in self.pending.values()]
+        lines.append("call wait() on every handle (async_op=True, isend, irecv, batch_isend_irecv) "
+                     "before the program returns")
+        raise UnwaitedHandleError("\n".join(lines))
+
+    def begin_wait_and_hold(self, pending: Pending) -> RunState:
+        """Checks before a handle's ``wait()`` blocks; returns with the run's lock *held*."""
+        state = self.state
+        if threading.current_thread() is not self._thread:
+            raise SimcommError(
+                f"wait() on the handle of {pending.what} issued by rank {self.global_rank} at "
+                f"{pending.where}: called outside that rank's program (its run has ended, or "
+                f"another thread called it); wait on handles inside the program that issued them")
+        state.lock_for(self.global_rank, f"wait() on {pending.what}")
+        return state
+
+    def waited(self, pending: Pending, out) -> None:
+        """A handle's wait returned ``out``: the call is no longer pending; keep its record."""
+        del self.pending[id(pending)]
+        self._fruitless_polls = 0
+        if pending.record is not None:
+            self._recorder.moved(pending.record, out,
+                                 at=pending.moved_at())
+            self._recorder.waited(pending.record)
+
+    def poll(self, pending: Pending) -> None:
+        """A handle that is not complete was polled: let the ranks that are ready run first.
+
+        When no rank is ready, every other unfinished rank is blocked, so only this
+        rank can complete the call; a program that keeps polling instead would spin
+        forever, and after :data:`FRUITLESS_POLLS` such polls in a row the run is
+        aborted with a :class:`~simcomm.errors.DeadlockError`.
+        """
+        state, me = self.state, self.global_rank
+        if threading.current_thread() is not self._thread:
+            return
+        with state.lock:
+            if state.error is not None:
+                raise_aborted = True
+            elif state.ready:
+                raise_aborted = False
+                state.ready.append(me)
+                state.random.states[me] = state.random.get_state()   # this rank's stream, kept
+                state.waiters[state.ready.popleft()].release()
+            else:
+                self._fruitless_polls += 1
+                if self._fruitless_polls >= FRUITLESS_POLLS:
+                    state.abort_locked(DeadlockError(
+                        f"rank {me} polls is_completed() on the handle of {pending.what} issued at "
+                        f"{pending.where}, which cannot complete: every other rank is blocked or has "
+                        f"finished ({FRUITLESS_POLLS} polls in a row); wait() on it, or make the call "
+                        f"its peers wait for first"))
+                    raise_aborted = True
+                else:
+                    return
+        if not raise_aborted:
+            self._fruitless_polls = 0
+            state.waiters[me].acquire()
+            if state.error is None:
+                state.random.set_state(state.random.states[me])
+        if state.error is not None:
+            raise Aborted
+
+
+#: polls of an incomplete handle, with no other rank able to run, after which the run is a deadlock
+FRUITLESS_POLLS = 10_000

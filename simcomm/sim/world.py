@@ -1,0 +1,376 @@
+"""``World``: N virtual ranks in this process, each a thread running the same SPMD program."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import memory as _memory
+from ..c10d import rank_process_group
+from ..communicator import Communicator
+from ..errors import RankError, RunTimeoutError
+from ..reports import format_ranks, program_location
+from ..trace import Trace
+from . import shape as _shape
+from .scheduler import Aborted, RunState
+from .transport import SimTransport
+
+__all__ = ["World"]
+
+#: after an abort, how long (seconds) the rank that held the turn gets to stop: it is
+#: interrupted at once after a timeout or Ctrl-C, and again halfway. Still alive then, it
+#: is named in the error as "could not be stopped".
+STOP_GRACE_S = 1.0
+#: how long the ranks woken by an abort get to unwind (they do so by themselves, in
+#: milliseconds for thousands of ranks; only a program that catches the abort takes longer)
+UNWIND_S = 5.0
+
+
+class World:
+    """``world_size`` virtual ranks that run SPMD programs.
+
+    >>> world = World(4)
+    >>> outs = world.run(program, *args)   # program(comm, *args) on every rank
+    >>> outs[r]                             # what rank r returned
+    >>> world.trace                         # the transport calls of that run
+    >>> World(4, memory=True).memory        # after a run: bytes per rank by label (simcomm.memory)
+    >>> World(1024, tensors="shape")        # fake tensors: shapes, trace and memory, no data (simcomm.sim.shape)
+
+    Each rank runs ``program(comm, *args, **kwargs)`` on a thread of its own,
+    so rank-dependent control flow, blocking send/recv and per-rank
+    ``backward()`` behave as on real processes: each rank has its own copy of
+    the arguments and its own random state (see :meth:`run`).
+    """
+
+    def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
+                 memory: bool = False, tensors: str = "real"):
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"World: world_size={world_size!r} must be a positive int")
+        if tensors not in _shape.TENSOR_MODES:
+            raise ValueError(f"World: tensors={tensors!r} must be one of {list(_shape.TENSOR_MODES)}")
+        self.world_size = world_size
+        self.tensors = tensors
+        self.device = torch.device(device)
+        self.tracing = trace
+        self.trace = Trace()
+        self.track_memory = memory
+        self.memory: _memory.MemoryReport | None = None   # bytes per rank of the last run (memory=True)
+
+    def __repr__(self) -> str:
+        mode = f", tensors={self.tensors!r}" if self.tensors != "real" else ""
+        return f"World(world_size={self.world_size}, device={self.device}{mode})"
+
+    # A World holds no resources between runs; the context manager only mirrors real.Cluster.
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def run(self, program: Callable[..., Any], *args: Any, timeout: float | None = None,
+            **kwargs: Any) -> list[Any]:
+        """Run ``program(comm, *args, **kwargs)`` on every rank; return the ranks' results.
+
+        Blocks until every rank has returned. What each rank sees is what a
+        process of a real run sees:
+
+        * **its own arguments**: every tensor among ``args``/``kwargs`` (also
+          inside lists, tuples, dicts and namedtuples) and every
+          ``torch.nn.Module`` is deep-copied for each rank and placed on the
+          World's device, as each process unpickles its own copy. The caller's
+          tensors are never modified. A tensor that requires grad must be a
+          leaf (autograd does not follow a tensor into another process).
+          Other objects are passed as they are.
+        * **its own random state**: torch's default generators start every run
+          from a fresh generator's state on every rank, and one rank's seeding
+          and drawing never changes another's numbers
+          (:mod:`simcomm.sim.rank_random`). The caller's state is unchanged.
+        * autograd's backward runs on the rank's own thread
+          (``torch.autograd.set_multithreading_enabled(False)``), on any device.
+
+        With ``World(n, tensors="shape")`` every rank runs under a fake tensor
+        mode of its own (:mod:`simcomm.sim.shape`): tensor arguments (and modules'
+        parameters) arrive as fake tensors, tensors the program creates are
+        fake, compute is skipped, and collectives produce fake outputs of the
+        shapes and dtypes a real-valued run gives, with the same trace, errors
+        and memory report. The results hold fake tensors. A program that reads
+        tensor values raises :class:`~simcomm.errors.RankError` caused by a
+        :class:`~simcomm.sim.shape.ShapeOnlyError` naming the op and the rank.
+
+        A communicator, or a tensor that still holds one through its autograd
+        graph (an output returned without ``.detach()``), works only inside its
+        run: afterwards any call, a backward included, raises
+        :class:`~simcomm.errors.CommunicatorClosedError` at once, since the
+        other ranks' programs have returned and nobody would meet it.
+
+        Raises:
+
+        * :class:`~simcomm.errors.CollectiveMismatchError` or
+          :class:`~simcomm.errors.DeadlockError` as soon as the simulator sees one;
+        * :class:`~simcomm.errors.RankError` when a rank's program raised (the
+          original exception is its ``__cause__``), also when a program used a
+          rank's communicator from another thread
+          (:class:`~simcomm.errors.WrongThreadError`);
+        * :class:`~simcomm.errors.RunTimeoutError` within ``timeout`` +
+          :data:`STOP_GRACE_S` seconds (plus the milliseconds the other ranks
+          take to unwind), naming where each rank is and which rank
+          threads could not be stopped (a thread in ``time.sleep`` or a long C
+          call cannot be interrupted; it ends, unwinding, when the call returns,
+          and never holds up a later run). ``timeout=None`` or ``math.inf``:
+          no timeout.
+        * ``ValueError`` for a ``timeout`` that is NaN or negative, or an
+          argument tensor that requires grad and is not a leaf.
+
+        After any error the World can run again.
+        """
+        timeout = _check_timeout(timeout)
+        shape_only = self.tensors == "shape"
+        if shape_only:
+            _check_leaves(args, kwargs)
+            _shape.install_device_mesh_values()
+            modes = [_shape.rank_mode() for _ in range(self.world_size)]
+            rank_args = [(_shape.fake_arguments(args, kwargs, mode, self.device), mode) for mode in modes]
+            del modes
+        else:
+            rank_args = [(_copy_arguments(args, kwargs, self.device), None) for _ in range(self.world_size)]
+        state = RunState(self.world_size, self.device, self.tracing)
+        state.shape_only = shape_only
+        results: list[Any] = [None] * self.world_size
+        reports = [None] * self.world_size if self.track_memory else None
+        threads = [
+            threading.Thread(target=_rank_main, name=f"simcomm-rank-{rank}", daemon=True,
+                             args=(state, rank, program, *rank_args[rank][0], results, reports,
+                                   rank_args[rank][1]))
+            for rank in range(self.world_size)]
+        del rank_args
+        state.random.save_caller()
+        timed_out = None
+        try:
+            for thread in threads:
+                thread.start()
+            state.start()
+            if not state.done.wait(timeout):
+                with state.lock:
+                    if state.running and state.error is None:
+                        where = state.describe_ranks_locked(sys._current_frames())
+                        timed_out = RunTimeoutError("\n".join(
+                            [f"the run did not finish within timeout={timeout} s; ranks still running:",
+                             *where]))
+                        state.abort_locked(timed_out)
+        except BaseException as interrupt:  # KeyboardInterrupt in a notebook: stop the ranks too
+            state.abort(interrupt)
+            try:
+                stuck = _stop(threads, state, interrupt_holders=True)
+            finally:
+                _end_run(state)
+            if stuck:
+                interrupt.add_note(stuck)
+            raise
+        try:
+            stuck = _stop(threads, state, interrupt_holders=timed_out is not None)
+        finally:
+            _end_run(state)
+        self.trace = Trace(state.events, backend="simcomm")
+        self.memory = _memory.MemoryReport(reports) if reports is not None and None not in reports else None
+        if state.rank_errors:
+            (rank, error), others = state.rank_errors[0], state.rank_errors[1:]
+            failure: BaseException = RankError(rank, error, tuple(r for r, _ in others))
+            failure.__cause__ = error
+        elif state.error is not None:
+            failure = state.error.with_traceback(None)
+        else:
+            return results
+        if stuck:
+            failure.add_note(stuck)
+        raise failure
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"World.run: timeout={timeout!r} must be a number of seconds, math.inf or None")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"World.run: timeout={timeout!r} must be a non-negative number of seconds "
+                         f"(math.inf or None for no timeout)")
+    return None if math.isinf(timeout) else float(timeout)
+
+
+# -- each rank's own copy of the arguments ---------------------------------------------------
+
+def _is_copied(leaf: Any) -> bool:
+    return isinstance(leaf, (torch.Tensor, torch.nn.Module))
+
+
+def _copy_arguments(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    """One rank's deep copy of the tensors and modules in ``args``/``kwargs``, on ``device``.
+
+    Tensors that share storage within the arguments share it in the copy too
+    (one ``deepcopy`` memo per rank), as after unpickling; ``.grad`` is not
+    copied (pickling drops it).
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if not any(_is_copied(leaf) for leaf in leaves):
+        return args, kwargs
+    memo: dict = {}
+    copies = []
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            leaf = _copy_tensor(leaf, device, memo, lambda: _argument_name(args, kwargs, index))
+        elif isinstance(leaf, torch.nn.Module):
+            leaf = copy.deepcopy(leaf, memo).to(device)
+            for parameter in leaf.parameters():
+                parameter.grad = None
+        copies.append(leaf)
+    return pytree.tree_unflatten(copies, spec)
+
+
+def _check_leaves(args: tuple, kwargs: dict) -> None:
+    """The argument check of :func:`_copy_tensor`, for shape-only runs (which copy no data)."""
+    for index, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and not leaf.is_leaf:
+            _copy_tensor(leaf, leaf.device, {}, lambda: _argument_name(args, kwargs, index))
+
+
+def _copy_tensor(tensor: torch.Tensor, device: torch.device, memo: dict, name: Callable[[], str]
+                 ) -> torch.Tensor:
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise ValueError(
+            f"World.run: argument {name()} requires grad and is not a leaf (grad_fn="
+            f"{type(tensor.grad_fn).__name__}); each rank gets its own copy of its arguments, as each "
+            f"process of a real run unpickles its own, and autograd cannot follow a tensor into that "
+            f"copy: pass .detach() (or .detach().requires_grad_() for a new leaf)")
+    if tensor.device == device:
+        mine = copy.deepcopy(tensor, memo)
+        mine.grad = None
+        return mine
+    with torch.no_grad():
+        moved = tensor.detach().to(device, copy=True)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
+    return moved.requires_grad_(tensor.requires_grad)
+
+
+def _argument_name(args: tuple, kwargs: dict, index: int) -> str:
+    """``args[1]['w1']``: where the ``index``-th leaf sits in the arguments."""
+    paths, _ = pytree.tree_flatten_with_path((args, kwargs))
+    path, _leaf = paths[index]
+    head, rest = path[0], path[1:]
+    return ("args" if head.idx == 0 else "kwargs") + pytree.keystr(rest)
+
+
+# -- a rank thread -------------------------------------------------------------------------------
+
+def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
+               results: list, reports: list | None, fake_mode=None) -> None:
+    try:
+        _run_rank(state, rank, program, args, kwargs, results, reports, fake_mode)
+    except Aborted:   # raised into this thread while it was already finishing
+        pass
+
+
+def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
+              results: list, reports: list | None, fake_mode=None) -> None:
+    comm = Communicator(SimTransport(state, state.world, rank))
+    try:
+        # backward on this thread, where the scheduler sees its waits (CUDA would use
+        # autograd's device threads, shared by every rank); thread-local
+        torch.autograd.set_multithreading_enabled(False)
+        state.wait_turn(rank)
+        # shape-only: this thread's own fake mode (simcomm.sim.shape), innermost, for the whole program
+        with (rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE,
+              _shape.FunctionalCollectives() if fake_mode is not None else _NO_MODE,
+              _memory.track(rank, reports)):
+            results[rank] = program(comm, *args, **kwargs)
+            comm.transport.check_all_waited()   # a handle never waited on is an error
+    except Aborted:
+        pass
+    except BaseException as error:
+        if not _caused_by_abort(error):
+            if fake_mode is not None:
+                refusal = _shape.data_dependent_error(error, rank)
+                if refusal is not None:
+                    refusal.__cause__, error = error, refusal
+            state.rank_failed(rank, error)
+    finally:
+        state.rank_finished(rank)
+
+
+_NO_MODE = contextlib.nullcontext()
+
+
+def _caused_by_abort(error: BaseException | None) -> bool:
+    """Whether ``error`` was raised while unwinding from an abort (a program may catch
+    the abort and raise something else from it)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Aborted):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+# -- ending a run ------------------------------------------------------------------------------
+
+def _interrupt(thread: threading.Thread) -> None:
+    """Raise ``Aborted`` inside ``thread`` at its next Python instruction (a thread in
+    ``time.sleep``, a lock wait or a C call gets it only when that call returns)."""
+    if thread.is_alive() and thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Aborted))
+
+
+def _stop(threads: list[threading.Thread], state: RunState, *, interrupt_holders: bool) -> str:
+    """Wait for every rank thread to end; return the note naming those that could not be
+    stopped ("" when all ended).
+
+    The rank that held the turn when the run was aborted from outside (timeout,
+    Ctrl-C) is interrupted at once, and any holder still alive halfway through
+    :data:`STOP_GRACE_S` again; holders get :data:`STOP_GRACE_S` in all. The
+    ranks the abort woke unwind by themselves and get :data:`UNWIND_S` (a
+    program that catches the abort and goes on could take longer).
+    """
+    start = time.monotonic()
+    holders = [threads[rank] for rank in state.turn_holders()]
+    if interrupt_holders:
+        for thread in holders:
+            _interrupt(thread)
+    for thread in holders:
+        thread.join(max(0.0, start + STOP_GRACE_S / 2 - time.monotonic()))
+    for thread in holders:
+        _interrupt(thread)
+    for thread in holders:
+        thread.join(max(0.0, start + STOP_GRACE_S - time.monotonic()))
+    for thread in threads:
+        if thread not in holders:
+            thread.join(max(0.0, start + UNWIND_S - time.monotonic()))
+    stuck = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+    if not stuck:
+        return ""
+    frames = sys._current_frames()
+    by_place: dict[str, list[int]] = {}
+    for rank in stuck:
+        by_place.setdefault(program_location(frames.get(threads[rank].ident)), []).append(rank)
+    lines = ["rank threads that could not be stopped (they keep running in the background, unwind "
+             "when their current call returns, and hold up no later run):"]
+    lines.extend(f"  rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks) if len(ranks) > 1 else ranks[0]} "
+                 f"at {place}" for place, ranks in by_place.items())
+    return "\n".join(lines)
+
+
+def _end_run(state: RunState) -> None:
+    """Close the run's communicators and give the caller its random state back."""
+    state.close()
+    state.random.restore_caller()

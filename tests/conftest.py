@@ -1,0 +1,37 @@
+"""Shared fixtures and the test tiers.
+
+Tiers: ``python -m pytest -q -m "not slow"`` is the developers' quick check
+(the library and its figures, under two minutes); ``python -m pytest -q``, what
+CI runs, adds the slow tier: real worker processes (marker ``real``), lessons
+under nbval, the handout and the browser tests (``browser``). Every test marked
+``real`` or ``browser`` is slow.
+"""
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("real") or item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def gloo_cluster():
+    """``gloo_cluster(world_size, timeout=120.0)``: a running gloo :class:`real.Cluster`, one per
+    ``(world_size, timeout)`` for the whole session, so its workers start once. A test that
+    breaks or closes it leaves it usable: a Cluster restarts dead workers on its next run."""
+    import real
+
+    clusters: dict[tuple[int, float], real.Cluster] = {}
+
+    def get(world_size: int, timeout: float = 120.0) -> real.Cluster:
+        key = (world_size, timeout)
+        if key not in clusters:
+            clusters[key] = real.Cluster(world_size, backend="gloo", timeout=timeout)
+        return clusters[key]
+
+    yield get
+    for cluster in clusters.values():
+        cluster.close()

@@ -1,0 +1,241 @@
+"""The checkers of lessons 09-12: a right answer is Correct; wrong, partial and malformed answers
+get 'Not yet:' with a hint; the placeholder gets NOT_ANSWERED; nothing raises."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from simcomm.lessons import scaling as sl
+from simcomm.parallel.transformer3d import make_block
+
+
+def not_implemented(*args):
+    raise NotImplementedError
+
+
+def crashes(*args):
+    raise KeyError("oops")
+
+
+def verdict_kind(verdict: str) -> str:
+    if verdict == sl.NOT_ANSWERED:
+        return "unanswered"
+    assert verdict.startswith(("Correct", "Not yet: ")), verdict
+    return "correct" if sl.is_correct(verdict) else "not yet"
+
+
+# -- 09 -----------------------------------------------------------------------------------------
+
+def merge_right(o1, l1, o2, l2):
+    lse = torch.logaddexp(l1, l2)
+    return o1 * (l1 - lse).exp()[..., None] + o2 * (l2 - lse).exp()[..., None], lse
+
+
+@pytest.mark.parametrize("answer, kind, hint", [
+    (merge_right, "correct", ""),
+    (..., "unanswered", ""),
+    (not_implemented, "unanswered", ""),
+    (crashes, "not yet", "KeyError"),
+    (lambda o1, l1, o2, l2: (o1 + o2) / 2, "not yet", "return a pair"),                       # malformed
+    (lambda o1, l1, o2, l2: ((o1 + o2) / 2, torch.logaddexp(l1, l2)), "not yet", "lse is right"),  # partial
+    (lambda o1, l1, o2, l2: (merge_right(o1, l1, o2, l2)[0], torch.maximum(l1, l2)), "not yet", "output is right"),
+    (lambda o1, l1, o2, l2: (o1, l1), "not yet", "both differ"),
+    (lambda o1, l1, o2, l2: (merge_right(o1, l1, o2, l2)[0], (l1.exp() + l2.exp()).log() + 0 * l1.exp().isinf()),
+     "correct", ""),
+])
+def test_check_lse_merge(answer, kind, hint):
+    verdict = sl.check_lse_merge(answer)
+    assert verdict_kind(verdict) == kind and hint in verdict, verdict
+
+
+def test_check_lse_merge_empty_block_rule():
+    def no_logaddexp(o1, l1, o2, l2):          # right on finite blocks, nan on the empty start block
+        lse = l1 + torch.log1p((l2 - l1).exp())
+        out = o1 * (l1 - lse).exp()[..., None] + o2 * (l2 - lse).exp()[..., None]
+        return out, lse
+    assert sl.check_lse_merge(no_logaddexp).startswith("Not yet: merging with an empty block")
+
+
+@pytest.mark.parametrize("answer, kind, hint", [
+    (lambda r, p: [r, 2 * p - 1 - r], "correct", ""),
+    (lambda r, p: [2 * r, 2 * r + 1], "not yet", "head"),                 # contiguous pairs: unbalanced
+    (lambda r, p: [r, r + p], "not yet", "head"),                          # every chunk held, still unbalanced
+    (lambda r, p: [r, r], "not yet", "exactly one rank"),                  # partial: chunks missing
+    (lambda r, p: r, "not yet", "list of two"),                            # malformed
+    (..., "unanswered", ""),
+])
+def test_check_zigzag_chunks(answer, kind, hint):
+    verdict = sl.check_zigzag_chunks(answer)
+    assert verdict_kind(verdict) == kind and hint in verdict, verdict
+
+
+# -- 10 -----------------------------------------------------------------------------------------
+
+def splits_right(experts, num_experts, world_size):
+    return torch.bincount(experts.flatten() // (num_experts // world_size), minlength=world_size).tolist()
+
+
+@pytest.mark.parametrize("answer, kind, hint", [
+    (splits_right, "correct", ""),
+    (lambda e, n, p: torch.bincount(e.flatten(), minlength=n).tolist(), "not yet", "one entry per expert"),  # partial
+    (lambda e, n, p: torch.bincount(e[:, 0] // (n // p), minlength=p).tolist(), "not yet", "add up to"),    # top-1 only
+    (lambda e, n, p: torch.bincount(e.flatten() % p, minlength=p).tolist(), "not yet", "Rank r holds"),     # round robin
+    (lambda e, n, p: "4, 4", "not yet", "list of"),                                                          # malformed
+    (lambda e, n, p: torch.bincount(e.flatten() // (n // p), minlength=p), "correct", ""),                 # a tensor is fine
+    (not_implemented, "unanswered", ""),
+])
+def test_check_split_sizes(answer, kind, hint):
+    verdict = sl.check_split_sizes(answer)
+    assert verdict_kind(verdict) == kind and hint in verdict, verdict
+
+
+@pytest.mark.parametrize("answer, kind, hint", [
+    (lambda e, n, c: int((torch.bincount(e.flatten(), minlength=n) - c).clamp(min=0).sum()), "correct", ""),
+    (lambda e, n, c: int((torch.bincount(e.flatten(), minlength=n) - c).sum()), "not yet", "max(0"),      # partial
+    (lambda e, n, c: [0], "not yet", "as an int"),                                                          # malformed
+    (..., "unanswered", ""),
+])
+def test_check_dropped(answer, kind, hint):
+    verdict = sl.check_dropped(answer)
+    assert verdict_kind(verdict) == kind and hint in verdict, verdict
+
+
+# -- 11 -----------------------------------------------------------------------------------------
+
+def exchange_right(comm, x):
+    left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
+    if comm.rank % 2 == 0:
+        comm.send(x, right)
+        from_left = comm.recv(x.shape, x.dtype, left)
+        comm.send(x, left)
+        from_right = comm.recv(x.shape, x.dtype, right)
+    else:
+        from_left = comm.recv(x.shape, x.dtype, left)
+        comm.send(x, right)
+        from_right = comm.recv(x.shape, x.dtype, right)
+        comm.send(x, left)
+    return from_left, from_right
+
+
+def exchange_deadlocks(comm, x):
+    left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
+    comm.send(x, right)
+    return comm.recv(x.shape, x.dtype, left), x
+
+
+def exchange_swapped(comm, x):
+    handles = comm.batch_isend_irecv([
+        __import__("simcomm").P2POp("isend", x, (comm.rank + 1) % comm.world_size),
+        __import__("simcomm").P2POp("isend", x, (comm.rank - 1) % comm.world_size),
+        __import__("simcomm").P2POp("irecv", (x.shape, x.dtype), (comm.rank - 1) % comm.world_size),
+        __import__("simcomm").P2POp("irecv", (x.shape, x.dtype), (comm.rank + 1) % comm.world_size)])
+    for h in handles:
+        h.wait()
+    return handles[3].wait(), handles[2].wait()              # wrong order: right first
+
+
+@pytest.mark.parametrize("answer, kind, hint", [
+    (exchange_right, "correct", ""),
+    (exchange_deadlocks, "not yet", "deadlocks"),
+    (exchange_swapped, "not yet", "expected rank"),
+    (lambda comm, x: x, "not yet", "return a pair"),
+    (not_implemented, "unanswered", ""),
+    (crashes, "not yet", "KeyError"),
+])
+def test_check_neighbour_exchange(answer, kind, hint):
+    verdict = sl.check_neighbour_exchange(answer)
+    assert verdict_kind(verdict) == kind and hint in verdict, verdict
+
+
+def layernorm_step(all_reduce: bool, factor: float = 1.0):
+    def step(comm, x, weight, bias, probe):
+        (F.layer_norm(x, (6,), weight, bias) * probe).sum().backward()
+        grads = weight.grad * factor, bias.grad
+        return tuple(comm.all_reduce(g) for g in grads) if all_reduce else grads
+    return step
+
+
+@pytest.mark.parametrize("answer, kind, hint", [
+    (layernorm_step(True), "correct", ""),
+    (layernorm_step(False), "not yet", "all-reduce it"),          # the bug of the lesson
+    (layernorm_step(True, 4.0), "not yet", "4 times too large"),
+    (lambda comm, x, w, b, p: (lambda g: (comm.all_reduce(g[0]), g[1]))(                  # partial: bias not summed
+        (F.layer_norm(x, (6,), w, b) * p).sum().backward() or (w.grad, b.grad)), "not yet", "bias gradient is only"),
+    (lambda comm, x, w, b, p: w, "not yet", "return (weight_grad, bias_grad)"),
+    (not_implemented, "unanswered", ""),
+])
+def test_check_sp_layernorm(answer, kind, hint):
+    verdict = sl.check_sp_layernorm(answer)
+    assert verdict_kind(verdict) == kind and hint in verdict, verdict
+
+
+# -- 12 -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("answer, kind, hint", [
+    (lambda r, tp, dp, pp: (r // (tp * dp), (r // tp) % dp, r % tp), "correct", ""),
+    (lambda r, tp, dp, pp: (r // (tp * dp), r % dp, r // dp % tp), "not yet", "neighbours"),   # dp innermost
+    (lambda r, tp, dp, pp: (r // (tp * dp), r % tp), "not yet", "return (stage, d, t)"),
+    (..., "unanswered", ""),
+])
+def test_check_mesh_coords(answer, kind, hint):
+    verdict = sl.check_mesh_coords(answer)
+    assert verdict_kind(verdict) == kind and hint in verdict, verdict
+
+
+ROWS = [{"tp": 1, "dp": 8, "pp": 1, "peak_bytes": 900, "NVLink node": 1e-5},
+        {"tp": 2, "dp": 4, "pp": 1, "peak_bytes": 500, "NVLink node": 3e-5},
+        {"tp": 1, "dp": 4, "pp": 2, "peak_bytes": 600, "NVLink node": 2e-5},
+        {"tp": 8, "dp": 1, "pp": 1, "peak_bytes": 300, "NVLink node": 9e-5}]
+
+
+@pytest.mark.parametrize("answer, kind, hint", [
+    ((1, 4, 2), "correct", ""),
+    ((1, 8, 1), "not yet", "more than the limit"),
+    ((2, 4, 1), "not yet", "another layout that fits is faster"),
+    ((8, 8, 8), "not yet", "not a layout of the table"),
+    ("1, 4, 2", "not yet", "tuple (tp, dp, pp)"),
+    (..., "unanswered", ""),
+])
+def test_check_layout_choice(answer, kind, hint):
+    verdict = sl.check_layout_choice(answer, ROWS, 700, "NVLink node")
+    assert verdict_kind(verdict) == kind and hint in verdict, verdict
+
+
+def test_layout_table_rows_are_checked_and_fastest_fitting():
+    from simcomm.parallel.layout_choice import TOPOLOGIES, fastest_fitting, layout_table
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(4, 8, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    rows = layout_table(x, w, make_block(8, 16), 4)
+    assert {(r["tp"], r["dp"], r["pp"]) for r in rows} == {(1, 8, 1), (2, 4, 1), (4, 2, 1), (1, 4, 2), (2, 2, 2),
+                                                          (4, 1, 2)} - {(1, 8, 1)}   # batch 4: dp <= 4
+    assert all(r["max_error"] < 1e-10 and r["peak_bytes"] > 0 and all(r[t] > 0 for t in TOPOLOGIES) for r in rows)
+    least = min(r["peak_bytes"] for r in rows)
+    best = fastest_fitting(rows, least, "NVLink node")
+    assert [r for r in rows if (r["tp"], r["dp"], r["pp"]) == best][0]["peak_bytes"] == least
+    assert fastest_fitting(rows, least - 1, "NVLink node") is None
+
+
+# -- simcomm.lessons.debugging ----------------------------------------------------------------------------
+
+def test_assert_replicated_names_the_ranks_that_differ_and_passes_replicas():
+    import simcomm
+    from simcomm.lessons.debugging import assert_replicated, error_summary
+
+    def program(comm, skew):
+        w = torch.ones(3) + (skew if comm.rank == 2 else 0.0)
+        assert_replicated(comm, w, "w")
+        return True
+
+    assert simcomm.World(3).run(program, 0.0) == [True] * 3
+    with pytest.raises(simcomm.RankError) as info:
+        simcomm.World(3).run(program, 0.5)
+    assert "w is not replicated: it differs from rank 0's on rank 2 by 0.5" in str(info.value.__cause__)
+
+    def mismatch(comm):
+        return comm.all_gather(torch.ones(2 + (comm.rank == 1)), dim=0)
+
+    with pytest.raises(simcomm.CollectiveMismatchError) as info:
+        simcomm.World(2).run(mismatch)
+    summary = error_summary(info.value)
+    assert summary.startswith("CollectiveMismatchError: ") and "/" not in summary and " of mismatch" in summary

@@ -1,0 +1,185 @@
+"""Checkers of lessons 06-08: right answers pass; wrong, partial and malformed ones get a hint, never a
+traceback. Plus the numbers lesson 07 shows: ZeRO memory and communication volume against the formulas."""
+import pytest
+
+import simcomm
+from simcomm import ReduceOp
+from simcomm.lessons import training as tl
+from simcomm.parallel import data as dp
+from simcomm.parallel import pipeline as pp
+from simcomm.parallel import zero
+
+
+def _verdicts_ok(verdict: str, correct: bool) -> None:
+    assert isinstance(verdict, str)
+    assert "Traceback" not in verdict
+    if correct:
+        assert tl.is_correct(verdict), verdict
+    else:
+        assert verdict.startswith("Not yet:") and not tl.is_correct(verdict), verdict
+
+
+# -- lesson 06 --------------------------------------------------------------------------------
+
+def _avg_step(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
+
+
+def _scaled_step(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / (xs.shape[0] * comm.world_size)).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad)
+
+
+def _forgets_to_average(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad)
+
+
+def _weights_only(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for p in list(model.parameters())[::2]:
+        p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
+
+
+def _no_communication(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+
+
+def _placeholder(*args):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("step, correct, fragment", [
+    (_avg_step, True, "whole batch"),
+    (_scaled_step, True, "whole batch"),
+    (_forgets_to_average, False, "4 x the reference"),
+    (_weights_only, False, "parameters [1, 3, 5]"),
+    (_no_communication, False, "different gradients"),
+    (lambda comm: None, False, "raised TypeError"),
+    (42, False, "must be a function"),
+])
+def test_check_dp_step(step, correct, fragment):
+    verdict = tl.check_dp_step(step)
+    _verdicts_ok(verdict, correct)
+    assert fragment in verdict
+
+
+def test_placeholders_say_not_answered():
+    for checker in (tl.check_dp_step, tl.check_zero2_grads, tl.check_1f1b):
+        assert checker(...) == tl.NOT_ANSWERED
+        assert checker(_placeholder) == tl.NOT_ANSWERED
+    for checker in (tl.check_accumulation_calls, tl.check_zero3_bytes, tl.check_bubble):
+        assert checker(...) == tl.NOT_ANSWERED
+
+
+def test_check_accumulation_calls():
+    numels = [p.numel() for p in dp.make_model().parameters()]
+    buckets = len(dp.bucket_plan(numels, 8, tl.ACCUMULATION_EXERCISE["bucket_bytes"]))
+    _verdicts_ok(tl.check_accumulation_calls(buckets), True)
+    assert "once per step" in tl.check_accumulation_calls(buckets * tl.ACCUMULATION_EXERCISE["microbatches"])
+    assert "per parameter" in tl.check_accumulation_calls(len(numels))
+    for malformed in ("two", 2.5, None, [2], True):
+        _verdicts_ok(tl.check_accumulation_calls(malformed), False)
+
+
+# -- lesson 07 --------------------------------------------------------------------------------
+
+PSI, N, K = tl.ZERO3_EXERCISE["psi"], tl.ZERO3_EXERCISE["world_size"], tl.ZERO3_EXERCISE["K"]
+RIGHT = {"parameters": 2 * PSI / N, "gradients": 2 * PSI / N, "optimizer_state": K * PSI / N}
+
+
+@pytest.mark.parametrize("answer, correct, fragment", [
+    (RIGHT, True, "GB per rank"),
+    ({**RIGHT, "parameters": 2 * PSI}, False, "unsharded"),
+    ({**RIGHT, "gradients": 4 * PSI / N}, False, "4 bytes per value"),
+    ({"parameters": RIGHT["parameters"]}, False, "missing"),
+    ({**RIGHT, "optimizer_state": "lots"}, False, "numbers of bytes"),
+    (16 * PSI / N, False, "must be a dict"),
+    ({**RIGHT, "optimizer_state": 1.0}, False, "off"),
+])
+def test_check_zero3_bytes(answer, correct, fragment):
+    verdict = tl.check_zero3_bytes(answer)
+    _verdicts_ok(verdict, correct)
+    assert fragment in verdict
+
+
+def _rs(comm, grad):
+    return comm.reduce_scatter(grad, dim=0)
+
+
+def _ar_then_slice(comm, grad):
+    return comm.all_reduce(grad).chunk(comm.world_size)[comm.rank]
+
+
+def _local_chunk(comm, grad):
+    return grad.chunk(comm.world_size)[comm.rank]
+
+
+def _whole(comm, grad):
+    return comm.all_reduce(grad)
+
+
+@pytest.mark.parametrize("fn, correct, fragment", [
+    (_rs, True, "reduce-scatter"),
+    (_ar_then_slice, False, "twice the data"),
+    (_local_chunk, False, "not summed"),
+    (_whole, False, "shapes"),
+    (lambda comm, grad: "shard", False, "not a tensor"),
+    ("reduce_scatter", False, "must be a function"),
+])
+def test_check_zero2_grads(fn, correct, fragment):
+    verdict = tl.check_zero2_grads(fn)
+    _verdicts_ok(verdict, correct)
+    assert fragment in verdict
+
+
+MLP = zero.MLP((16, 64, 64, 8))   # every layer divides by 4: no padding
+
+
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_communication_volume_per_stage(stage):
+    """Bytes rank 0 sends in one step, in units of (n-1)/n psi fp32: 2 for DP, ZeRO-1, ZeRO-2; 3 for ZeRO-3."""
+    world = simcomm.World(4)
+    world.run(zero.train, stage, MLP, steps=1, batch_size=8)
+    sent = sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)
+    assert sent / (3 / 4 * MLP.numel * 4) == pytest.approx(3.0 if stage == 3 else 2.0)
+
+
+# -- lesson 08 --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("answer, correct, fragment", [
+    (7 / 39, True, "7/39"),
+    ("7/39", False, "not a number"),
+    (7 / 32, False, "(p-1)/m"),
+    (7 / 8, False, "naive"),
+    (100 * 7 / 39, False, "percentage"),
+    (0.5, False, "not it"),
+    (None, False, "not a number"),
+])
+def test_check_bubble(answer, correct, fragment):
+    verdict = tl.check_bubble(answer)
+    _verdicts_ok(verdict, correct)
+    assert fragment in verdict
+
+
+def _named(name):
+    return lambda stage, stages, microbatches: pp.schedule(name, stages, microbatches)[stage]
+
+
+@pytest.mark.parametrize("fn, correct, fragment", [
+    (_named("1f1b"), True, "as fast as GPipe"),
+    (_named("gpipe"), False, "holds 8 microbatches"),
+    (_named("naive"), False, "time units"),
+    (lambda s, p, m: [("B", i) for i in range(m)] + [("F", i) for i in range(m)], False, "before"),
+    (lambda s, p, m: [("F", i) for i in range(m)], False, "exactly once"),
+    (lambda s, p, m: "F0 B0", False, "pair"),
+    (lambda s, p: [], False, "raised TypeError"),
+])
+def test_check_1f1b(fn, correct, fragment):
+    verdict = tl.check_1f1b(fn)
+    _verdicts_ok(verdict, correct)
+    assert fragment in verdict

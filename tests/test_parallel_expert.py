@@ -1,0 +1,115 @@
+"""Expert-parallel MoE against a single-device float64 MoE written here with plain loops:
+output and every gradient (router and bias included), odd world sizes, capacity drops,
+zero tokens routed to an expert."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import simcomm
+from simcomm.parallel.expert import expert_parallel_moe, make_moe, moe, shard_experts
+
+
+def loop_moe(x, params, top_k, capacity_factor, groups):
+    """Token by token: softmax router, top-k, the first ``cap`` assignments per expert kept per group."""
+    num_experts = params["router"].shape[0]
+    rows = []
+    per_group = x.shape[0] // groups
+    for g in range(groups):
+        taken = [0] * num_experts
+        cap = math.inf if capacity_factor is None else math.ceil(capacity_factor * per_group * top_k / num_experts)
+        for t in range(g * per_group, (g + 1) * per_group):
+            probs = torch.softmax(x[t] @ params["router"].T + params["bias"], -1)
+            gates, ids = probs.topk(top_k)
+            row = torch.zeros_like(x[t])
+            for gate, e in zip(gates, ids.tolist()):
+                if taken[e] < cap:
+                    taken[e] += 1
+                    row = row + gate * (F.gelu(x[t] @ params["w1"][e].T) @ params["w2"][e].T)
+            rows.append(row)
+    return torch.stack(rows)
+
+
+def setup(world_size, experts_per_rank=2, tokens=6, hidden=4, ffn=6, seed=0):
+    params = make_moe(hidden, ffn, experts_per_rank * world_size, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(world_size * tokens, hidden, generator=gen, dtype=torch.float64)
+    w = torch.randn(world_size * tokens, hidden, generator=gen, dtype=torch.float64)
+    return params, x, w
+
+
+def _program(comm, x, w, params, top_k, capacity_factor):
+    tokens = x.shape[0] // comm.world_size
+    mine = slice(comm.rank * tokens, (comm.rank + 1) * tokens)
+    xr = x[mine].clone().requires_grad_()
+    shards = shard_experts(params, comm.rank, comm.world_size)
+    out, stats = expert_parallel_moe(comm, xr, shards, top_k, capacity_factor=capacity_factor)
+    (out * w[mine]).sum().backward()
+    return out.detach(), xr.grad, {k: v.grad for k, v in shards.items()}, stats
+
+
+def _reference(x, w, params, top_k, capacity_factor, groups):
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    xr = x.clone().requires_grad_()
+    out = loop_moe(xr, leaves, top_k, capacity_factor, groups)
+    (out * w).sum().backward()
+    return out.detach(), xr.grad, {k: v.grad for k, v in leaves.items()}
+
+
+def _check(outs, expected):
+    out, x_grad, grads = expected
+    assert torch.allclose(torch.cat([o[0] for o in outs]), out, atol=1e-12)
+    assert torch.allclose(torch.cat([o[1] for o in outs]), x_grad, atol=1e-12)
+    for name in ("router", "bias"):          # replicated: each rank's share from its tokens; they sum
+        assert torch.allclose(sum(o[2][name] for o in outs), grads[name], atol=1e-12), name
+    for name in ("w1", "w2"):                # sharded: concatenate the experts
+        assert torch.allclose(torch.cat([o[2][name] for o in outs]), grads[name], atol=1e-12), name
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_expert_parallel_moe_equals_single_device(world_size, top_k, capacity_factor):
+    params, x, w = setup(world_size, seed=world_size)
+    outs = simcomm.World(world_size).run(_program, x, w, params, top_k, capacity_factor)
+    _check(outs, _reference(x, w, params, top_k, capacity_factor, world_size))
+    assert torch.allclose(moe(x, params, top_k, capacity_factor=capacity_factor, groups=world_size),
+                          _reference(x, w, params, top_k, capacity_factor, world_size)[0], atol=1e-12)
+
+
+def test_zero_tokens_routed_to_an_expert_and_to_a_rank():
+    params, x, w = setup(3, seed=5)
+    params["bias"] = torch.tensor([0., 0., 50., 0., 0., 40.], dtype=torch.float64)   # experts 2 and 5 take all
+    world = simcomm.World(3)
+    outs = world.run(_program, x, w, params, 2, None)
+    _check(outs, _reference(x, w, params, 2, None, 3))
+    for out in outs:
+        stats = out[3]
+        assert stats["per_expert"][0] == 0 and stats["sent"][0] == 0
+    assert [o[3]["received"] for o in outs][0] == [0, 0, 0]              # rank 0 holds experts 0, 1: no rows
+    assert torch.count_nonzero(outs[0][2]["w1"]) == 0                     # ...so their gradients are zero
+    splits = [e.args["input_split_sizes"] for e in world.trace.filter(op="all_to_all_single", rank=1).events]
+    assert [0, 6, 6] in splits                                             # the uneven dispatch, zeros included
+
+
+def test_capacity_drops_and_counts():
+    params, x, w = setup(2, seed=3)
+    params["bias"] = torch.tensor([5., 0., 0., 0.], dtype=torch.float64)   # everyone wants expert 0
+    outs = simcomm.World(2).run(_program, x, w, params, 1, 1.0)
+    capacity = math.ceil(1.0 * 6 * 1 / 4)                                   # 2 per expert per rank
+    for out in outs:
+        stats = out[3]
+        assert max(stats["per_expert"]) <= capacity
+        assert stats["dropped"] == 6 - sum(stats["per_expert"]) > 0
+    _check(outs, _reference(x, w, params, 1, 1.0, 2))
+
+
+def test_wrong_router_size_and_indivisible_experts_are_named_errors():
+    params = make_moe(4, 6, 3)
+    with pytest.raises(ValueError, match="3 experts are not divisible by the world size 2"):
+        shard_experts(params, 0, 2)
+    with pytest.raises(ValueError, match="top_k=4"):
+        moe(torch.zeros(2, 4, dtype=torch.float64), params, 4)

@@ -1,0 +1,140 @@
+"""Each virtual rank has its own random state, as each process of a real run has.
+
+The oracle is a single process: ``torch.manual_seed(s)`` and the same draws
+on a ``torch.Generator`` of this thread, with no other rank drawing in between.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import simcomm
+from simcomm.sim.rank_random import FRESH_SEED, fresh_cpu_state
+
+
+def reference_draws(seed: int | None, count: int, shape=(3,)) -> list[torch.Tensor]:
+    gen = torch.Generator()
+    if seed is not None:
+        gen.manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for _ in range(count)]
+
+
+def seeded_program(comm):
+    """Seed, draw, hand the turn around with collectives, draw again."""
+    torch.manual_seed(0)
+    first = torch.randn(3)
+    comm.barrier()                                   # every other rank draws in between
+    comm.all_reduce(torch.ones(1))
+    second = torch.randn(3)
+    return first, second
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 5])
+def test_seeding_every_rank_alike_gives_every_rank_the_single_process_numbers(world_size):
+    expected = reference_draws(0, 2)
+    for rank, (first, second) in enumerate(simcomm.World(world_size).run(seeded_program)):
+        assert torch.equal(first, expected[0]), rank
+        assert torch.equal(second, expected[1]), rank
+
+
+def test_one_rank_seeding_and_drawing_never_changes_another_ranks_numbers():
+    def program(comm):
+        torch.manual_seed(comm.rank)
+        mine = []
+        for step in range(3):
+            # rank r draws r + 1 tensors per step; the others draw theirs in between
+            mine.extend(torch.randn(2) for _ in range(comm.rank + 1))
+            comm.barrier()
+        return mine
+
+    for rank, draws in enumerate(simcomm.World(3).run(program)):
+        expected = reference_draws(rank, 3 * (rank + 1), shape=(2,))
+        assert all(torch.equal(a, b) for a, b in zip(draws, expected, strict=True)), rank
+
+
+def test_every_rank_starts_every_run_from_a_fresh_generator_state():
+    def program(comm):
+        comm.barrier()
+        return torch.randn(3), torch.initial_seed()
+
+    world = simcomm.World(3)
+    expected = reference_draws(None, 1)[0]
+    for run in range(2):   # the second run starts afresh too
+        for rank, (draw, seed) in enumerate(world.run(program)):
+            assert torch.equal(draw, expected), (run, rank)
+            assert seed == FRESH_SEED
+    assert torch.equal(fresh_cpu_state(), torch.Generator().get_state())
+
+
+def test_a_run_leaves_the_callers_random_state_unchanged():
+    torch.manual_seed(123)
+    expected = torch.randn(4)
+    torch.manual_seed(123)
+    simcomm.World(2).run(lambda comm: (torch.manual_seed(7), torch.randn(100)))
+    assert torch.equal(torch.randn(4), expected)
+
+
+def test_dropout_model_with_the_same_seed_on_every_rank_matches_one_process():
+    """Data parallel with dropout: every rank seeds alike, so the replicated weights and
+    every rank's dropout mask are those of the single-process model on that rank's batch."""
+    world_size, batch, width = 3, 4, 6
+    data = torch.randn(world_size * batch, width, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(1))
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Dropout(0.5),
+                                   torch.nn.Linear(width, 1)).double()
+
+    def program(comm, data):
+        model = build()
+        comm.barrier()      # the other ranks build theirs in between: the turn passes
+        out = model(data[comm.rank * batch:(comm.rank + 1) * batch])   # (batch, 1)
+        out.sum().backward()
+        grads = [comm.all_reduce(p.grad) for p in model.parameters()]
+        return out.detach(), grads
+
+    outs = simcomm.World(world_size).run(program, data)
+    ref_grads = None
+    for rank, (out, grads) in enumerate(outs):
+        model = build()   # the reference: one process, the same seed, rank's batch
+        ref_out = model(data[rank * batch:(rank + 1) * batch])
+        ref_out.sum().backward()
+        assert torch.equal(out, ref_out.detach()), rank
+        rank_grads = [p.grad for p in model.parameters()]
+        ref_grads = rank_grads if ref_grads is None else [a + b for a, b in zip(ref_grads, rank_grads)]
+    for rank, (_, grads) in enumerate(outs):
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _real_program(comm):
+    torch.manual_seed(0)
+    first = torch.randn(3)
+    comm.barrier()
+    second = torch.randn(3)
+    return first, second
+
+
+def _unseeded(comm):
+    return torch.randn(3)
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_seeded_random_numbers_are_the_same_on_real_processes():
+    real = pytest.importorskip("real")
+    sim = simcomm.World(2).run(_real_program)
+    got = real.run(_real_program, world_size=2, backend="gloo")
+    for rank in range(2):
+        assert torch.equal(got[rank][0], sim[rank][0]) and torch.equal(got[rank][1], sim[rank][1])
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_unseeded_random_numbers_are_the_same_on_real_processes():
+    real = pytest.importorskip("real")
+    sim = simcomm.World(2).run(_unseeded)
+    got = real.run(_unseeded, world_size=2, backend="gloo")
+    for rank in range(2):
+        assert torch.equal(got[rank], sim[rank]), rank

@@ -1,0 +1,61 @@
+"""Figures and the layout widget of lessons 09-12: text at least 14 px, a static HTML export
+holds the data, and the widget reruns and redraws for the chosen layout."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from simcomm.parallel.layout_choice import TOPOLOGIES
+from simcomm.parallel.transformer3d import make_block
+from simcomm.viz import scaling as figures
+
+
+def font_sizes(fig) -> list[float]:
+    """Every font size set anywhere in the figure's JSON."""
+    sizes = []
+
+    def walk(node, key=""):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "size" and "font" in key and isinstance(v, (int, float)):
+                    sizes.append(v)
+                walk(v, k if "font" in k else key)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, key)
+
+    walk(json.loads(fig.to_json()))
+    return sizes
+
+
+ROWS = [{"tp": 1, "dp": 8, "pp": 1, "peak_bytes": 4096, "NVLink node": 1e-5, "InfiniBand cluster": 2e-5},
+        {"tp": 2, "dp": 4, "pp": 1, "peak_bytes": 2048, "NVLink node": 3e-5, "InfiniBand cluster": 5e-5}]
+
+
+@pytest.mark.parametrize("fig", [
+    figures.bars_per_rank({"contiguous": [1, 2, 3, 4], "zigzag": [2.5] * 4}, title="work", y_title="flops"),
+    figures.tokens_per_expert_figure([[1, 0, 3], [2, 2, 0]], title="tokens"),
+    figures.layout_figure(ROWS, list(TOPOLOGIES)),
+], ids=["bars", "tokens", "layouts"])
+def test_text_is_at_least_14_px_and_survives_html_export(fig):
+    sizes = font_sizes(fig)
+    assert sizes and min(sizes) >= 14, sizes
+    html = fig.to_html(include_plotlyjs=False, full_html=False)
+    assert fig.layout.title.text in html and '"type":"bar"' in html.replace(" ", "")
+
+
+def test_layout_explorer_runs_the_chosen_layout_and_redraws():
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(4, 8, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    explorer = figures.LayoutExplorer(x, w, make_block(8, 16), 4, [(2, 2, 1), (1, 4, 1), (2, 1, 2)],
+                                      TOPOLOGIES, layout=(2, 2, 1))
+    first = explorer.figure
+    assert explorer.row["tp"] == 2 and explorer.row["max_error"] < 1e-10
+    assert "tp=2 dp=2 pp=1" in first.layout.title.text and len(explorer.output.outputs) == 1
+    explorer.layout.value = (2, 1, 2)                       # as a learner picking from the dropdown
+    assert explorer.figure is not first and "tp=2 dp=1 pp=2" in explorer.figure.layout.title.text
+    explorer.topology.value = "InfiniBand cluster"
+    assert "InfiniBand cluster" in explorer.figure.layout.title.text
+    assert explorer.output.outputs[0]["data"]["application/vnd.plotly.v1+json"]["data"]
