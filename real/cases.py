@@ -45,12 +45,14 @@ def _data(key: str, shape: tuple[int, ...], rank: int) -> torch.Tensor:
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * 2).round().clamp(-4, 4) / 2
 
 
-def _smooth(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+def smooth(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Seeded float64 normals for ``key`` (the same on every rank and process)."""
     gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     return torch.randn(shape, generator=gen, dtype=torch.float64)
 
 
-def _cpu(tensors: list) -> list:
+def on_cpu(tensors: list) -> list:
+    """The tensors of ``tensors`` detached and on the CPU, as results travel back."""
     return [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in tensors]
 
 
@@ -61,7 +63,7 @@ def _per_rank_program(key: str, shape_fn, forward, comm: Communicator) -> RankRe
     y = forward(comm, x)
     (y * _data(key + "/w", tuple(y.shape), comm.rank).to(comm.device)).sum().backward()
     # an input with no path to any output (scatter off the source) has gradient zero
-    return _cpu([y]), _cpu([x.grad if x.grad is not None else torch.zeros_like(x)])
+    return on_cpu([y]), on_cpu([x.grad if x.grad is not None else torch.zeros_like(x)])
 
 
 def _per_rank_reference(key: str, shape_fn, forward_math, world_size: int) -> list[RankResult]:
@@ -148,7 +150,7 @@ def _root_program(op: str, which: str, comm: Communicator, **kwargs) -> RankResu
     key = f"{op}/{which}"
     if op == "gather":
         x = _data(key, (2, 3), comm.rank).to(comm.device)
-        return _cpu([comm.gather(x, dst=root, **kwargs)]), []
+        return on_cpu([comm.gather(x, dst=root, **kwargs)]), []
     return _per_rank_program(key, partial(_fixed, (3, 4)), partial(_call, "broadcast", src=root), comm)
 
 
@@ -167,7 +169,7 @@ def _slice_program(dim: int, scale_grad: bool, comm: Communicator) -> RankResult
     x = _data(key, _split(comm.world_size), 0).to(comm.device).requires_grad_()   # replicated
     y = comm.slice(x, dim, scale_grad=scale_grad)
     (y * _data(key + "/w", tuple(y.shape), comm.rank).to(comm.device)).sum().backward()
-    return _cpu([y]), _cpu([x.grad])
+    return on_cpu([y]), on_cpu([x.grad])
 
 
 def _slice_reference(dim: int, scale_grad: bool, world_size: int) -> list[RankResult]:
@@ -183,7 +185,7 @@ def _ring_program(comm: Communicator) -> RankResult:
     x = _data("ring", (2, 5), comm.rank).to(comm.device)
     if comm.world_size == 1:
         return [x.cpu()], []
-    return _cpu([ring_exchange(comm, x)]), []   # to the next rank, from the previous one
+    return on_cpu([ring_exchange(comm, x)]), []   # to the next rank, from the previous one
 
 
 def _ring_reference(world_size: int) -> list[RankResult]:
@@ -225,7 +227,7 @@ def _a2a_program(key: str, even: bool, comm: Communicator) -> RankResult:
     x = _data(key, (rows, 3), comm.rank).to(comm.device).requires_grad_()
     y = comm.all_to_all_single(x, out_splits, in_splits)
     (y * _data(key + "/w", tuple(y.shape), comm.rank).to(comm.device)).sum().backward()
-    return _cpu([y]), _cpu([x.grad])
+    return on_cpu([y]), on_cpu([x.grad])
 
 
 def _a2a_reference(key: str, even: bool, world_size: int) -> list[RankResult]:
@@ -278,7 +280,7 @@ def _overlap_program(comm: Communicator) -> RankResult:
     loss = (reduced * _data("overlap/wa", (2, 3), comm.rank).to(comm.device)).sum()
     loss = loss + (gathered * _data("overlap/wb", tuple(gathered.shape), comm.rank).to(comm.device)).sum()
     loss.backward()
-    return _cpu([reduced, gathered]), _cpu([a.grad, b.grad])
+    return on_cpu([reduced, gathered]), on_cpu([a.grad, b.grad])
 
 
 def _overlap_reference(world_size: int) -> list[RankResult]:
@@ -303,7 +305,7 @@ def _batch_ring_program(comm: Communicator) -> RankResult:
                                       P2POp("isend", x, nxt), P2POp("isend", 2 * x, prev)])
     from_prev, from_next, *sent = [handle.wait() for handle in handles]
     assert sent == [None, None]
-    return _cpu([from_prev, from_next]), []
+    return on_cpu([from_prev, from_next]), []
 
 
 def _batch_ring_reference(world_size: int) -> list[RankResult]:
@@ -321,7 +323,7 @@ def _isend_first_program(comm: Communicator) -> RankResult:
     sent = comm.isend(x)
     got = comm.recv((3,), torch.float64)
     sent.wait()
-    return _cpu([got]), []
+    return on_cpu([got]), []
 
 
 def _isend_first_reference(world_size: int) -> list[RankResult]:
@@ -367,5 +369,5 @@ def _async_root_program(op: str, comm: Communicator) -> RankResult:
     key = f"{op}/last"
     if op == "gather":
         x = _data(key, (2, 3), comm.rank).to(comm.device)
-        return _cpu([comm.gather(x, dst=root, dim=0, async_op=True).wait()]), []
+        return on_cpu([comm.gather(x, dst=root, dim=0, async_op=True).wait()]), []
     return _per_rank_program(key, partial(_fixed, (3, 4)), partial(_call_async, "broadcast", src=root), comm)

@@ -13,7 +13,7 @@ from simcomm.communicator import Communicator
 from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
 from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
 
-from .cases import Case, RankResult, _cpu, _smooth
+from .cases import Case, RankResult, on_cpu, smooth
 
 __all__ = ["model_cases"]
 
@@ -34,18 +34,18 @@ def _tp_program(conjugate: bool, comm: Communicator) -> RankResult:
     world_size, device = comm.world_size, comm.device
     params = make_mlp(_HIDDEN, 4 * world_size, seed=1)
     shards = {k: v.detach().to(device).requires_grad_() for k, v in shard_mlp(params, comm.rank, world_size).items()}
-    x = _smooth("tp/x", (_BATCH, _HIDDEN)).to(device).requires_grad_()        # replicated input
+    x = smooth("tp/x", (_BATCH, _HIDDEN)).to(device).requires_grad_()        # replicated input
     out = tp_mlp(comm, x, shards, conjugate=conjugate)                          # (batch, hidden), replicated
-    (out * _smooth("tp/w", tuple(out.shape)).to(device)).sum().backward()
+    (out * smooth("tp/w", tuple(out.shape)).to(device)).sum().backward()
     grads = [shards[k].grad for k in _PARAM_NAMES]
-    return _cpu([out]), _cpu(grads + ([x.grad] if conjugate else []))
+    return on_cpu([out]), on_cpu(grads + ([x.grad] if conjugate else []))
 
 
 def _tp_reference(conjugate: bool, world_size: int) -> list[RankResult]:
     params = {k: v.requires_grad_() for k, v in make_mlp(_HIDDEN, 4 * world_size, seed=1).items()}
-    x = _smooth("tp/x", (_BATCH, _HIDDEN)).requires_grad_()
+    x = smooth("tp/x", (_BATCH, _HIDDEN)).requires_grad_()
     out = mlp(x, params)
-    (out * _smooth("tp/w", tuple(out.shape))).sum().backward()
+    (out * smooth("tp/w", tuple(out.shape))).sum().backward()
     grads = {k: v.grad for k, v in params.items()}
     results = []
     for rank in range(world_size):
@@ -73,15 +73,15 @@ def _ulysses_program(causal: bool, comm: Communicator) -> RankResult:
     world_size, device = comm.world_size, comm.device
     q, k, v = (_seq_shard(t, comm.rank, world_size).to(device).requires_grad_() for t in _qkv(world_size))
     out = ulysses_attention(comm, q, k, v, causal=causal)                      # (b, s/P, h, d)
-    weight = _seq_shard(_smooth("ulysses/w", tuple(_qkv(world_size)[0].shape)), comm.rank, world_size)
+    weight = _seq_shard(smooth("ulysses/w", tuple(_qkv(world_size)[0].shape)), comm.rank, world_size)
     (out * weight.to(device)).sum().backward()
-    return _cpu([out]), _cpu([q.grad, k.grad, v.grad])
+    return on_cpu([out]), on_cpu([q.grad, k.grad, v.grad])
 
 
 def _ulysses_reference(causal: bool, world_size: int) -> list[RankResult]:
     q, k, v = (t.requires_grad_() for t in _qkv(world_size))
     out = attention(q, k, v, causal=causal)                                    # (b, s, h, d)
-    (out * _smooth("ulysses/w", tuple(out.shape))).sum().backward()
+    (out * smooth("ulysses/w", tuple(out.shape))).sum().backward()
     return [([_seq_shard(out.detach(), r, world_size)],
              [_seq_shard(t.grad, r, world_size) for t in (q, k, v)]) for r in range(world_size)]
 
@@ -103,19 +103,19 @@ def _mesh_program(comm: Communicator) -> RankResult:
     params = make_mlp(_HIDDEN, 4 * tp, seed=3)
     shards = {k: v.detach().to(device).requires_grad_() for k, v in shard_mlp(params, tp_rank, tp).items()}
     rows = slice(replica * _BATCH, (replica + 1) * _BATCH)
-    x = _smooth("mesh/x", (dp * _BATCH, _HIDDEN))[rows].to(device)                  # this replica's batch
+    x = smooth("mesh/x", (dp * _BATCH, _HIDDEN))[rows].to(device)                  # this replica's batch
     out = tp_mlp(tp_comm, x, shards)                                                 # (batch, hidden)
-    (out * _smooth("mesh/w", (dp * _BATCH, _HIDDEN))[rows].to(device)).sum().backward()
+    (out * smooth("mesh/w", (dp * _BATCH, _HIDDEN))[rows].to(device)).sum().backward()
     grads = [dp_comm.all_reduce(shards[k].grad) for k in _PARAM_NAMES]            # sum over replicas
-    return _cpu([out]), _cpu(grads)
+    return on_cpu([out]), on_cpu(grads)
 
 
 def _mesh_reference(world_size: int) -> list[RankResult]:
     tp, dp = _mesh(world_size)
     params = {k: v.requires_grad_() for k, v in make_mlp(_HIDDEN, 4 * tp, seed=3).items()}
-    x = _smooth("mesh/x", (dp * _BATCH, _HIDDEN))
+    x = smooth("mesh/x", (dp * _BATCH, _HIDDEN))
     out = mlp(x, params)                                                             # (dp*batch, hidden)
-    (out * _smooth("mesh/w", tuple(out.shape))).sum().backward()
+    (out * smooth("mesh/w", tuple(out.shape))).sum().backward()
     grads = {k: v.grad for k, v in params.items()}
     results = []
     for rank in range(world_size):
