@@ -68,5 +68,5 @@ def test_counting_is_off_by_default_and_leaves_results_unchanged():
 @pytest.mark.skipif(torch.backends.cuda.is_built(), reason="this torch is built with CUDA")
 def test_a_shape_only_cuda_device_without_a_cuda_build_is_refused_with_the_reason():
     with pytest.raises(ShapeOnlyError, match=r"device='cuda' needs a CUDA build of torch.*autograd aborts "
-                                             r"the process.*Use device='cpu'"):
+                                             r"the process.*Use device='cpu' with map_cuda=True"):
         simcomm.World(2, tensors="shape", device="cuda")

@@ -96,16 +96,18 @@ def check_shape_device(device: torch.device) -> None:
     (``InputMetadata``), aborts the whole process (``std::terminate``, no Python exception).
     torch's own fallback (``torch._C._ensureCUDADeviceGuardSet``, called by ``FakeTensorMode``)
     does not install one on such a build. So a shape-only CUDA run needs a CUDA build of torch
-    (a GPU is not needed); on a CPU-only build use ``device="cpu"``.
+    (torch's comment says one without a GPU gets a no-op guard; not verified here); on a CPU-only
+    build use ``device="cpu", map_cuda=True`` (:mod:`simcomm.sim.cuda_map`).
     """
     if device.type == "cuda" and not torch.backends.cuda.is_built():
         raise ShapeOnlyError(
-            f"World: tensors='shape' with device={str(device)!r} needs a CUDA build of torch (a GPU is "
-            f"not needed), and this torch {torch.__version__} is built without CUDA: its fake CUDA "
+            f"World: tensors='shape' with device={str(device)!r} needs a CUDA build of torch, and this "
+            f"torch {torch.__version__} is built without CUDA: its fake CUDA "
             f"tensors have no device guard, so Tensor.copy_/.cuda()/.to('cuda')/nn.init fail and "
-            f"autograd aborts the process on a CUDA tensor that requires grad. Use device='cpu' "
-            f"(the shapes, dtypes, trace, memory and FLOPs are the same; tensors report device cpu), "
-            f"and change the script's 'cuda' to a device it reads from its arguments or environment")
+            f"autograd aborts the process on a CUDA tensor that requires grad. Use device='cpu' with "
+            f"map_cuda=True: the program's 'cuda' then means cpu and torch.cuda answers as one GPU per "
+            f"rank (simcomm.sim.cuda_map; shapes, dtypes, trace, memory and FLOPs are the same; tensors "
+            f"report device cpu)")
 
 
 def rank_mode() -> FakeTensorMode:

@@ -21,6 +21,7 @@ from ..errors import RankError, RunTimeoutError
 from ..reports import format_ranks, program_location
 from ..trace import Trace
 from . import shape as _shape
+from .cuda_map import CudaAsDevice, cuda_answers
 from .flops import FlopCounter
 from .scheduler import Aborted, RunState
 from .transport import SimTransport
@@ -54,7 +55,8 @@ class World:
     """
 
     def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
-                 memory: bool = False, tensors: str = "real", count_flops: bool = False):
+                 memory: bool = False, tensors: str = "real", count_flops: bool = False,
+                 map_cuda: bool = False):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size={world_size!r} must be a positive int")
         if tensors not in _shape.TENSOR_MODES:
@@ -67,6 +69,9 @@ class World:
         #: count each rank's FLOPs at the dispatcher and trace them as compute (simcomm.sim.flops)
         self.count_flops = bool(count_flops)
         self.flops: list[int] | None = None   # FLOPs per rank of the last run (count_flops=True)
+        #: a program's "cuda" means this World's device; torch.cuda answers as one GPU per rank
+        #: (simcomm.sim.cuda_map: for scripts that hard-code CUDA, on a machine without one)
+        self.map_cuda = bool(map_cuda)
         self.tracing = trace
         self.trace = Trace()
         self.track_memory = memory
@@ -155,6 +160,7 @@ class World:
         state = RunState(self.world_size, self.device, self.tracing)
         state.shape_only = shape_only
         state.flop_totals = [0] * self.world_size if self.count_flops else None
+        state.map_cuda = self.map_cuda
         results: list[Any] = [None] * self.world_size
         reports = [None] * self.world_size if self.track_memory else None
         threads = [
@@ -165,6 +171,8 @@ class World:
         del rank_args
         state.random.save_caller()
         timed_out = None
+        answers = cuda_answers(self.world_size) if self.map_cuda else _NO_MODE
+        answers.__enter__()
         try:
             for thread in threads:
                 thread.start()
@@ -185,11 +193,13 @@ class World:
                 _end_run(state)
             if stuck:
                 interrupt.add_note(stuck)
+            answers.__exit__(None, None, None)
             raise
         try:
             stuck = _stop(threads, state, interrupt_holders=timed_out is not None)
         finally:
             _end_run(state)
+            answers.__exit__(None, None, None)
         self.trace = Trace(state.events, backend="simcomm")
         self.memory = _memory.MemoryReport(reports) if reports is not None and None not in reports else None
         self.flops = state.flop_totals
@@ -302,7 +312,8 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
         counter = FlopCounter(comm.transport) if state.flop_totals is not None else None
         with (rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE,
               _shape.FunctionalCollectives() if fake_mode is not None else _NO_MODE,
-              _memory.track(rank, reports), counter if counter is not None else _NO_MODE):
+              _memory.track(rank, reports), counter if counter is not None else _NO_MODE,
+              CudaAsDevice(state.device) if state.map_cuda else _NO_MODE):
             try:
                 results[rank] = program(comm, *args, **kwargs)
             finally:
