@@ -19,7 +19,7 @@ checkpointing *per op* (torchtitan's ``selective_ac_option="op"``): in each
 block, the outputs of attention and of every other matmul are saved, the rest
 is recomputed in the backward; AdamW. It labels its memory for
 :mod:`simcomm.memory` (``parameters``, ``gradients``, ``optimizer_state``,
-``activations``; see the function) and marks ``"step N"`` after each step.
+``activations``; see the function) and marks each backward and each step.
 """
 from __future__ import annotations
 
@@ -220,8 +220,8 @@ def fsdp_train_step(comm, config: LlamaConfig, batch_size: int, seq_len: int, st
     tensors ``fully_shard`` frees are counted there too while they live); AdamW's moments as
     ``optimizer_state``; everything forward and backward create as ``activations`` (this
     includes FSDP2's all-gathered bf16 parameters, its reduce-scatter buffers and the logits);
-    the sharded gradients are relabelled ``gradients`` after each backward. Marks: ``"step N"``
-    after each optimizer step. Returns ``{"loss": last loss (a tensor), "steps": steps}``.
+    the sharded gradients are relabelled ``gradients`` after each backward. Marks: ``"step N
+    backward"`` after each backward (gradients tagged), ``"step N"`` after each optimizer step. Returns ``{"loss": last loss (a tensor), "steps": steps}``.
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -251,6 +251,7 @@ def fsdp_train_step(comm, config: LlamaConfig, batch_size: int, seq_len: int, st
         for parameter in model.parameters():
             if parameter.grad is not None:
                 memory.tag(parameter.grad.to_local(), "gradients")
+        memory.mark(f"step {step} backward")
         with memory.label("optimizer_state"):
             optimizer.step()
         optimizer.zero_grad()
