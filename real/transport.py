@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from simcomm.checks import check_splits, to_reduce_op
+from simcomm.collectives import on_the_wire
 from simcomm.handles import Handle, P2POp
 from simcomm.trace import Record, Recorder, Trace
 from simcomm.transport import TransportBase
@@ -274,9 +275,11 @@ class DistTransport(TransportBase):
             return dist.all_reduce(out, to_reduce_op("sum"), group=self.group, async_op=async_op), True
         return dist.all_reduce(out, to_reduce_op(reduction), group=self.group, async_op=async_op), False
 
-    def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False) -> Any:
+    def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False, *,
+                   factor: float | torch.Tensor | None = None) -> Any:
         self._check_avg("all_reduce", tensor, op)
         record = self._begin("all_reduce", self._next_step(), tensor, args={"op": op}, async_op=async_op)
+        tensor, op = on_the_wire(tensor, op, factor)   # PREMUL_SUM (gloo has none): premultiplied, then SUM
         out = self._local_copy(tensor)
         with self._calling():
             work, divide = self._all_reduce_into(out, op, async_op)
@@ -290,10 +293,12 @@ class DistTransport(TransportBase):
             work = _all_gather_single(flat, moved, group=self.group, async_op=async_op)
         return self._done(record, work, lambda: flat.movedim(0, dim).contiguous())  # concat along dim
 
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False) -> Any:
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False, *,
+                       factor: float | torch.Tensor | None = None) -> Any:
         self._check_avg("reduce_scatter", tensor, op)
         record = self._begin("reduce_scatter", self._next_step(), tensor, args={"dim": dim, "op": op},
                              async_op=async_op)
+        tensor, op = on_the_wire(tensor, op, factor)   # PREMUL_SUM (gloo has none): premultiplied, then SUM
         moved = self._on_device(tensor.movedim(dim, 0), async_op)   # (d, *rest): dim first
         shard = moved.shape[0] // self.world_size
         out = moved.new_empty((shard, *moved.shape[1:]))         # (d/P, *rest)
@@ -430,12 +435,14 @@ class DistTransport(TransportBase):
 
     # -- rooted and uneven collectives --
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False) -> Any:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False, *,
+               factor: float | torch.Tensor | None = None) -> Any:
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks
         (the backend leaves partial sums there; simcomm defines them as zeros on both backends)."""
         self._check_avg("reduce", tensor, op)
         record = self._begin("reduce", self._next_step(), tensor, root=dst, args={"dst": dst, "op": op},
                              async_op=async_op)
+        tensor, op = on_the_wire(tensor, op, factor)   # PREMUL_SUM (gloo has none): premultiplied, then SUM
         out = self._local_copy(tensor)
         with self._calling():
             # AVG as SUM, then divide on dst: a reduce with AVG is not on every backend

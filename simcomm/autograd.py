@@ -24,7 +24,8 @@ Function           forward                                   backward (adjoint)
 _AllReduce         reduce over ranks                         SUM/AVG: all-reduce of the grads (AVG /n);
                                                              MAX/MIN: summed grad to the holder(s) of the
                                                              extreme, split evenly among ties;
-                                                             PRODUCT: summed grad x product of the others
+                                                             PRODUCT: summed grad x product of the others;
+                                                             PREMUL_SUM: summed grad x this rank's factor
 _AllGather         concat along dim                          reduce-scatter (sum) along dim
 _ReduceScatter     reduce, keep chunk r                      all-gather along dim (then as _AllReduce)
 _Slice             keep chunk r of a replicated tensor       all-gather of the grads (/n if scale_grad)
@@ -40,6 +41,17 @@ _AllToAllSingle    uneven all-to-all along dim 0             the same with the t
 _CopyToGroup       identity                                  all-reduce (sum) of the grads
 _ReduceFromGroup   all-reduce (sum)                          identity
 =================  ========================================  ==========================================
+
+**PREMUL_SUM.** Forward, every rank gets ``y = sum_s f_s x_s`` (rank ``s``
+multiplies its own input by its own factor ``f_s``). With the objective
+``L = sum_r L_r(y_r)`` and ``g_r = dL_r/dy_r``, ``dL/dx_r = f_r * sum_s g_s``:
+the backward is the SUM all-reduce of the gradients (the same collective as for
+SUM, same bytes), then this rank's own factor, locally. When every rank's
+factor is the same this equals a PREMUL_SUM all-reduce of the gradients with
+that factor; with different factors only the form above is the adjoint. A
+factor given as a tensor that requires grad gets ``dL/df_r = sum(x_r * sum_s g_s)``.
+Reduce-scatter and reduce use the same factor after their all-gather /
+broadcast of the gradients.
 """
 from __future__ import annotations
 
@@ -49,6 +61,8 @@ from typing import Any
 
 import torch
 
+from .checks import PREMUL_SUM
+from .collectives import premultiply
 from .trace import backward_phase
 from .transport import Transport
 
@@ -106,6 +120,32 @@ def replaced_backward(name: str, backward: Callable[..., tuple]) -> Iterator[Non
         BACKWARD_RULES[name] = original
 
 
+def _factor_kwargs(factor: float | torch.Tensor | None) -> dict:
+    """The transport's ``factor=`` keyword, only for PREMUL_SUM (other transports need not know it)."""
+    return {} if factor is None else {"factor": factor.detach() if isinstance(factor, torch.Tensor) else factor}
+
+
+def _save(ctx: Any, op: str, factor: float | torch.Tensor | None, x: torch.Tensor, y: torch.Tensor) -> None:
+    """What a reducing Function's backward needs: ``(x, y)`` for MAX/MIN/PRODUCT, ``(x,)`` for a
+    PREMUL_SUM whose factor is a tensor that requires grad; the factor itself on ``ctx``."""
+    ctx.factor = factor
+    ctx.factor_grad = isinstance(factor, torch.Tensor) and factor.requires_grad
+    if op in _NONLINEAR:
+        ctx.save_for_backward(x, y)
+    elif ctx.factor_grad:
+        ctx.save_for_backward(x)
+
+
+def _factor_grad(ctx: Any, total: torch.Tensor) -> torch.Tensor | None:
+    """d(sum_r L_r)/d factor on this rank: ``sum(x * total)``, ``total`` the summed gradient
+    at the input's shape; ``None`` unless the factor is a tensor that requires grad."""
+    if not getattr(ctx, "factor_grad", False):
+        return None
+    (x,) = ctx.saved_tensors
+    factor = ctx.factor
+    return (x * total).sum().real.to(factor.dtype).reshape(factor.shape)
+
+
 def _through_reduction(ctx: Any, grad: torch.Tensor, full_result) -> torch.Tensor:
     """``grad`` (the gradient reaching the reduced tensor, at the input's shape) times the
     derivative of ``ctx.op``'s reduction with respect to this rank's input. ``full_result``
@@ -115,6 +155,8 @@ def _through_reduction(ctx: Any, grad: torch.Tensor, full_result) -> torch.Tenso
         return grad
     if ctx.op == "avg":
         return grad / ctx.transport.world_size
+    if ctx.op == PREMUL_SUM:
+        return premultiply(grad, ctx.factor.detach() if isinstance(ctx.factor, torch.Tensor) else ctx.factor)
     x, y = ctx.saved_tensors
     y_full = full_result(y) if ctx.op != "product" else None
     return grad * _local_factor(ctx.transport, ctx.op, x, y_full, grad)
@@ -122,11 +164,11 @@ def _through_reduction(ctx: Any, grad: torch.Tensor, full_result) -> torch.Tenso
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, transport: Transport, x: torch.Tensor, op: str) -> torch.Tensor:
-        y = transport.all_reduce(x, op)
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, op: str,
+                factor: float | torch.Tensor | None = None) -> torch.Tensor:
+        y = transport.all_reduce(x, op, **_factor_kwargs(factor))
         ctx.transport, ctx.op = transport, op
-        if op in _NONLINEAR:
-            ctx.save_for_backward(x, y)
+        _save(ctx, op, factor, x, y)
         return y
 
     @staticmethod
@@ -138,8 +180,9 @@ class _AllReduce(torch.autograd.Function):
 def _all_reduce_backward(ctx: Any, grad: torch.Tensor):
     with backward_phase():
         total = ctx.transport.all_reduce(grad.contiguous(), "sum")
+        factor_grad = _factor_grad(ctx, total)
         total = _through_reduction(ctx, total, lambda y: y)
-    return None, total, None
+    return None, total, None, factor_grad
 
 
 class _AllGather(torch.autograd.Function):
@@ -161,11 +204,11 @@ def _all_gather_backward(ctx: Any, grad: torch.Tensor):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
-        y = transport.reduce_scatter(x, dim, op)
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dim: int, op: str,
+                factor: float | torch.Tensor | None = None) -> torch.Tensor:
+        y = transport.reduce_scatter(x, dim, op, **_factor_kwargs(factor))
         ctx.transport, ctx.dim, ctx.op = transport, dim, op
-        if op in _NONLINEAR:
-            ctx.save_for_backward(x, y)
+        _save(ctx, op, factor, x, y)
         return y
 
     @staticmethod
@@ -178,8 +221,9 @@ def _reduce_scatter_backward(ctx: Any, grad: torch.Tensor):
     transport = ctx.transport
     with backward_phase():
         full = transport.all_gather(grad.contiguous(), ctx.dim)
+        factor_grad = _factor_grad(ctx, full)
         full = _through_reduction(ctx, full, lambda y: transport.all_gather(y, ctx.dim))
-    return None, full, None, None
+    return None, full, None, None, factor_grad
 
 
 class _Slice(torch.autograd.Function):
@@ -280,11 +324,11 @@ class _Reduce(torch.autograd.Function):
     """Reduction onto ``dst``; the other ranks get zeros (a constant: their output grads are ignored)."""
 
     @staticmethod
-    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dst: int, op: str) -> torch.Tensor:
-        y = transport.reduce(x, dst, op)
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dst: int, op: str,
+                factor: float | torch.Tensor | None = None) -> torch.Tensor:
+        y = transport.reduce(x, dst, op, **_factor_kwargs(factor))
         ctx.transport, ctx.dst, ctx.op = transport, dst, op
-        if op in _NONLINEAR:
-            ctx.save_for_backward(x, y)
+        _save(ctx, op, factor, x, y)
         return y
 
     @staticmethod
@@ -297,8 +341,9 @@ def _reduce_backward(ctx: Any, grad: torch.Tensor):
     transport = ctx.transport
     with backward_phase():
         total = transport.broadcast(grad.contiguous(), ctx.dst)   # dst's grad, on every rank
+        factor_grad = _factor_grad(ctx, total)
         total = _through_reduction(ctx, total, lambda y: transport.broadcast(y, ctx.dst))   # dst's result
-    return None, total, None, None
+    return None, total, None, None, factor_grad
 
 
 class _Scatter(torch.autograd.Function):

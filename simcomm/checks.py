@@ -144,17 +144,25 @@ def check_partition(op: str, groups: Sequence[Sequence[int]], world_size: int, r
 
 #: The reductions every backend supports, by canonical name.
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
-_ALIASES = {"mean": "avg", "prod": "product", "premul_sum": None}
+#: The reduction that carries an argument: ``ReduceOp.PREMUL_SUM(factor)`` (or
+#: ``torch.distributed._make_nccl_premul_sum(factor)``) sums ``factor * x`` over the ranks, each
+#: rank multiplying its own input by its own factor before the sum, as NCCL does. Not in
+#: :data:`REDUCE_OPS`: a name alone does not make it.
+PREMUL_SUM = "premul_sum"
+_ALIASES = {"mean": "avg", "prod": "product"}
 
 
-_NAMES: dict = {**{getattr(ReduceOp, name.upper()): name for name in REDUCE_OPS},
-                **{name: name for name in REDUCE_OPS}}
+_NAMES: dict = {**{getattr(ReduceOp, name.upper()): name for name in (*REDUCE_OPS, PREMUL_SUM)},
+                **{name: name for name in (*REDUCE_OPS, PREMUL_SUM)}}
 
 
 def reduce_op_name(op: ReduceOp | str) -> str:
-    """The canonical name (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``) of ``op``.
+    """The canonical name (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``,
+    ``"premul_sum"``) of ``op``.
 
-    Accepts ``torch.distributed.ReduceOp`` members and their names as strings.
+    Accepts ``torch.distributed.ReduceOp`` members, ``ReduceOp`` objects (such as
+    ``ReduceOp.PREMUL_SUM(0.5)``) and their names as strings. The factor of a
+    PREMUL_SUM is read by :func:`reduce_op_and_factor`.
     """
     try:
         return _NAMES[op]
@@ -162,13 +170,58 @@ def reduce_op_name(op: ReduceOp | str) -> str:
         pass
     if isinstance(op, str):
         name = _ALIASES.get(op.lower(), op.lower())
-        if name in REDUCE_OPS:
+        if name in _NAMES:
             return name
     else:
-        for name in REDUCE_OPS:
+        for name in (*REDUCE_OPS, PREMUL_SUM):
             if op == getattr(ReduceOp, name.upper()):
                 return name
-    raise ValueError(f"unsupported reduce op {op!r}; use one of ReduceOp.SUM, AVG, MAX, MIN, PRODUCT")
+    raise ValueError(f"unsupported reduce op {op!r}; use one of ReduceOp.SUM, AVG, MAX, MIN, PRODUCT "
+                     f"or ReduceOp.PREMUL_SUM(factor)")
+
+
+def reduce_op_and_factor(call: str, op: ReduceOp | str, rank: int | None = None
+                         ) -> tuple[str, float | torch.Tensor | None]:
+    """``(canonical name, factor)`` of ``op`` for the collective ``call`` on ``rank``.
+
+    The factor is ``None`` except for PREMUL_SUM, whose factor is a Python number
+    or a one-element floating-point tensor (``ReduceOp.factor``, as
+    ``torch.distributed._make_nccl_premul_sum`` stores it). A PREMUL_SUM
+    without a factor (``ReduceOp.PREMUL_SUM`` itself, or the string
+    ``"premul_sum"``) raises ``ValueError``, as torch does.
+    """
+    name = reduce_op_name(op)
+    if name != PREMUL_SUM:
+        return name, None
+    where = f" on rank {rank}" if rank is not None else ""
+    factor = getattr(op, "factor", None) if isinstance(op, ReduceOp) else None
+    if factor is None:
+        raise ValueError(f"{call}: op={op!r}{where} is PREMUL_SUM without a factor; make it with "
+                         f"ReduceOp.PREMUL_SUM(factor) or torch.distributed._make_nccl_premul_sum(factor)")
+    return name, check_premul_factor(call, factor, rank)
+
+
+def check_premul_factor(call: str, factor: object, rank: int | None = None,
+                        tensor: torch.Tensor | None = None) -> float | torch.Tensor:
+    """Check a PREMUL_SUM factor: a real Python number, or a one-element real floating tensor
+    (with ``tensor``: of ``tensor``'s dtype, or its real dtype for a complex ``tensor``, as NCCL
+    reads it). Returns the factor (a number as ``float``)."""
+    where = f" on rank {rank}" if rank is not None else ""
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1 or not factor.is_floating_point():
+            raise ValueError(f"{call}: the PREMUL_SUM factor{where} is a {factor.dtype} tensor of shape "
+                             f"{tuple(factor.shape)}; it must be one floating-point element")
+        if tensor is not None:
+            expected = tensor.real.dtype if tensor.is_complex() else tensor.dtype
+            if factor.dtype != expected:
+                raise ValueError(f"{call}: the PREMUL_SUM factor{where} is a {factor.dtype} tensor but "
+                                 f"the input is {tensor.dtype}; NCCL reads a tensor factor in the input's "
+                                 f"dtype: pass factor.to({expected}) or a Python float")
+        return factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise ValueError(f"{call}: the PREMUL_SUM factor{where} is {_short.repr(factor)} "
+                         f"({type(factor).__name__}); it must be a Python float or a one-element tensor")
+    return float(factor)
 
 
 def to_reduce_op(name: str) -> ReduceOp:
@@ -190,11 +243,13 @@ def check_same(op: str, inputs: Sequence[torch.Tensor]) -> None:
 
 
 def check_avg_dtype(op: str, tensor: torch.Tensor, reduction: str, rank: int | None = None) -> None:
-    """Raise ``ValueError`` for ``ReduceOp.AVG`` of a tensor that is not floating point
-    (or complex), at every world size, with one wording for both backends."""
-    if reduction == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+    """Raise ``ValueError`` for ``ReduceOp.AVG`` or ``PREMUL_SUM`` of a tensor that is not floating
+    point (or complex), at every world size, with one wording for both backends (NCCL refuses
+    PREMUL_SUM of integers too)."""
+    if reduction in ("avg", PREMUL_SUM) and not (tensor.is_floating_point() or tensor.is_complex()):
         where = f" on rank {rank}" if rank is not None else ""
-        raise ValueError(f"{op}: ReduceOp.AVG{where} needs a floating-point dtype, got {tensor.dtype}")
+        raise ValueError(f"{op}: ReduceOp.{reduction.upper()}{where} needs a floating-point dtype, "
+                         f"got {tensor.dtype}")
 
 
 def check_splits(op: str, input_splits: Sequence[Sequence[int]], output_splits: Sequence[Sequence[int]]

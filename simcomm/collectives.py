@@ -14,6 +14,12 @@ No function modifies its inputs, and no output is a view of an input.
 Reductions keep the input dtype, as ``torch.distributed`` does: integer sums
 and products wrap around (int8 ``100 + 100`` is ``-56``), and on ``bool``
 SUM is a logical or, PRODUCT a logical and.
+
+``PREMUL_SUM`` (``ReduceOp.PREMUL_SUM(factor)``) is NCCL's "multiply, then
+sum": each rank multiplies its own input by its own factor, locally, in the
+input's dtype (:func:`premultiply`), and the products are summed. The reducing
+functions take the ranks' factors as ``factors`` (one per rank); the
+transports premultiply on each rank and send the products with SUM.
 """
 from __future__ import annotations
 
@@ -22,11 +28,11 @@ from collections.abc import Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from .checks import check_avg_dtype, check_same, check_splits, reduce_op_name
+from .checks import PREMUL_SUM, check_avg_dtype, check_premul_factor, check_same, check_splits, reduce_op_name
 
 __all__ = [
     "reduce", "all_reduce", "all_gather", "reduce_scatter", "scatter", "all_to_all", "gather", "broadcast",
-    "reduce_to", "scatter_from", "all_to_all_single",
+    "reduce_to", "scatter_from", "all_to_all_single", "premultiply", "on_the_wire",
 ]
 
 _ACCUMULATE_FROM = 1 << 16  # elements per rank from which large reductions accumulate in place
@@ -52,10 +58,61 @@ def _reduce_accumulate(inputs: Sequence[torch.Tensor], name: str) -> torch.Tenso
     return out
 
 
-def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> torch.Tensor:
-    """Elementwise reduction of the ranks' tensors: one new tensor of the common shape and dtype."""
+def premultiply(tensor: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
+    """One rank's side of PREMUL_SUM: ``tensor * factor``, a new tensor of ``tensor``'s dtype.
+
+    As NCCL does, the factor is first cast to the input's dtype (its real dtype
+    for a complex input: NCCL reduces a complex tensor as its real view), then
+    multiplied elementwise. A tensor factor keeps its autograd graph.
+    """
+    real_dtype = tensor.real.dtype if tensor.is_complex() else tensor.dtype
+    if isinstance(factor, torch.Tensor):
+        scale = factor.reshape(()).to(device=tensor.device, dtype=real_dtype)
+    else:
+        scale = torch.tensor(factor, dtype=real_dtype, device=tensor.device)
+    return tensor * scale
+
+
+def on_the_wire(tensor: torch.Tensor, op: str, factor: float | torch.Tensor | None
+                ) -> tuple[torch.Tensor, str]:
+    """What one rank sends for the reduction ``op`` (a canonical name): for PREMUL_SUM its
+    input premultiplied by its own ``factor`` and ``"sum"`` (both transports reduce PREMUL_SUM
+    so: the factor is local to each rank, as in NCCL); otherwise ``(tensor, op)`` unchanged."""
+    if op == PREMUL_SUM:
+        if factor is None:
+            raise ValueError("premul_sum: a transport got PREMUL_SUM without its factor")
+        return premultiply(tensor, factor), "sum"
+    return tensor, op
+
+
+def _factors(name: str, inputs: Sequence[torch.Tensor], factors: Sequence | None) -> list | None:
+    if name != PREMUL_SUM:
+        if factors is not None:
+            raise ValueError(f"reduce: factors={_repr(factors)} are only for PREMUL_SUM, not {name}")
+        return None
+    if factors is None or len(factors) != len(inputs):
+        raise ValueError(f"reduce: PREMUL_SUM needs factors, one per rank ({len(inputs)}), got "
+                         f"{_repr(factors)}")
+    return [check_premul_factor("reduce", factor, rank, inputs[rank]) for rank, factor in enumerate(factors)]
+
+
+def _repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum", factors: Sequence | None = None
+           ) -> torch.Tensor:
+    """Elementwise reduction of the ranks' tensors: one new tensor of the common shape and dtype.
+
+    ``factors``: for PREMUL_SUM only, rank ``r``'s factor at ``factors[r]``; the
+    result is ``sum_r premultiply(inputs[r], factors[r])``.
+    """
     name = reduce_op_name(op)
     check_avg_dtype("reduce", inputs[0], name)
+    factors = _factors(name, inputs, factors)
+    if factors is not None:
+        return reduce([premultiply(tensor, factor) for tensor, factor in zip(inputs, factors)], "sum")
     if len(inputs) == 1:
         return inputs[0].clone()
     large = inputs[0].numel() >= _ACCUMULATE_FROM
@@ -77,10 +134,11 @@ def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> torch.
     return out if out.dtype == stacked.dtype else out.to(stacked.dtype)
 
 
-def all_reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum") -> list[torch.Tensor]:
-    """Every rank gets the reduction of all ranks' tensors."""
+def all_reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum", factors: Sequence | None = None
+               ) -> list[torch.Tensor]:
+    """Every rank gets the reduction of all ranks' tensors (``factors``: as :func:`reduce`)."""
     check_same("all_reduce", inputs)
-    return [reduce(inputs, op)] * len(inputs)
+    return [reduce(inputs, op, factors)] * len(inputs)
 
 
 def all_gather(inputs: Sequence[torch.Tensor], dim: int = -1) -> list[torch.Tensor]:
@@ -100,11 +158,12 @@ def scatter(tensor: torch.Tensor, world_size: int, dim: int = -1) -> list[torch.
             for rank in range(world_size)]
 
 
-def reduce_scatter(inputs: Sequence[torch.Tensor], dim: int = -1, op: ReduceOp | str = "sum"
-                   ) -> list[torch.Tensor]:
-    """Reduce the ranks' tensors, then rank ``r`` keeps chunk ``r`` along ``dim``."""
+def reduce_scatter(inputs: Sequence[torch.Tensor], dim: int = -1, op: ReduceOp | str = "sum",
+                   factors: Sequence | None = None) -> list[torch.Tensor]:
+    """Reduce the ranks' tensors, then rank ``r`` keeps chunk ``r`` along ``dim``
+    (``factors``: as :func:`reduce`)."""
     check_same("reduce_scatter", inputs)
-    return scatter(reduce(inputs, op), len(inputs), dim)
+    return scatter(reduce(inputs, op, factors), len(inputs), dim)
 
 
 def all_to_all(inputs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int) -> list[torch.Tensor]:
@@ -142,11 +201,13 @@ def broadcast(inputs: Sequence[torch.Tensor], src: int = 0) -> list[torch.Tensor
     return [inputs[src].clone()] * len(inputs)
 
 
-def reduce_to(inputs: Sequence[torch.Tensor], dst: int = 0, op: ReduceOp | str = "sum") -> list[torch.Tensor]:
+def reduce_to(inputs: Sequence[torch.Tensor], dst: int = 0, op: ReduceOp | str = "sum",
+              factors: Sequence | None = None) -> list[torch.Tensor]:
     """Rank ``dst`` gets the reduction of all ranks' tensors; every other rank gets zeros
-    of the same shape and dtype (what it contributes to a loss: nothing)."""
+    of the same shape and dtype (what it contributes to a loss: nothing). ``factors``: as
+    :func:`reduce`."""
     check_same("reduce", inputs)
-    reduced = reduce(inputs, op)
+    reduced = reduce(inputs, op, factors)
     zeros = torch.zeros_like(inputs[0])
     return [reduced if rank == dst else zeros for rank in range(len(inputs))]
 

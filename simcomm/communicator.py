@@ -30,12 +30,13 @@ from .checks import (
     check_4d,
     check_avg_dtype,
     check_divisible,
+    check_premul_factor,
     check_partition,
     check_peer,
     check_split_sizes,
     check_tensor,
     normalize_dim,
-    reduce_op_name,
+    reduce_op_and_factor,
 )
 from .handles import Handle, P2POp
 from .transport import Transport
@@ -57,7 +58,8 @@ _NO_GRAD_CTX = _NoGradContext()
 def _apply(rule: type[torch.autograd.Function], transport: Transport, input_: torch.Tensor, *args):
     """``rule.apply`` when a gradient can flow through ``input_``; else its forward alone,
     which computes the same values without autograd's bookkeeping."""
-    if input_.requires_grad and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and (input_.requires_grad or any(
+            isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)):   # a PREMUL_SUM factor
         return rule.apply(transport, input_, *args)
     return rule.forward(_NO_GRAD_CTX, transport, input_, *args)
 
@@ -119,13 +121,16 @@ class Communicator:
                 f"ranks={list(self.ranks)}, device={self.device})")
 
     def _issue(self, rule: type[torch.autograd.Function], op: str, input_: torch.Tensor,
-               transport_args: tuple, rule_args: tuple, transport_input: Any = _TAKEN) -> Handle:
+               transport_args: tuple, rule_args: tuple, transport_input: Any = _TAKEN,
+               factor: float | torch.Tensor | None = None) -> Handle:
         """Issue ``op`` asynchronously; the handle's wait applies ``rule`` to what arrived,
         under the grad mode of the issuing call. The transport gets ``input_`` detached,
-        or ``transport_input`` when given (scatter off its source passes ``None``)."""
+        or ``transport_input`` when given (scatter off its source passes ``None``), and
+        PREMUL_SUM's ``factor``."""
         if transport_input is _TAKEN:
             transport_input = input_.detach()
-        work = getattr(self.transport, op)(transport_input, *transport_args, async_op=True)
+        work = getattr(self.transport, op)(transport_input, *transport_args, async_op=True,
+                                           **rules._factor_kwargs(factor))
         transport, grad_enabled = self.transport, torch.is_grad_enabled()
 
         def finish(output: Any) -> Any:
@@ -145,13 +150,27 @@ class Communicator:
         PRODUCT multiplies the summed gradient by the product of the other
         ranks' values (exact with zeros). ``async_op=True``: returns a handle
         (the same backward flows through ``handle.wait()``).
+
+        ``op=ReduceOp.PREMUL_SUM(factor)`` (or ``dist._make_nccl_premul_sum(factor)``):
+        the sum of every rank's ``factor * input_``, each rank with its own factor
+        (a Python number, or a one-element tensor of the input's dtype), floating-point
+        dtypes only; backward: the summed gradient times this rank's factor.
         """
         check_tensor("all_reduce", input_, self.rank)
-        op = reduce_op_name(op)
-        check_avg_dtype("all_reduce", input_, op, self.rank)
+        op, factor = self._reduction("all_reduce", input_, op)
         if async_op:
-            return self._issue(rules._AllReduce, "all_reduce", input_.contiguous(), (op,), (op,))
-        return _apply(rules._AllReduce, self.transport, input_.contiguous(), op)
+            return self._issue(rules._AllReduce, "all_reduce", input_.contiguous(), (op,), (op, *factor),
+                               factor=factor[0] if factor else None)
+        return _apply(rules._AllReduce, self.transport, input_.contiguous(), op, *factor)
+
+    def _reduction(self, call: str, input_: torch.Tensor, op: ReduceOp | str) -> tuple[str, tuple]:
+        """``op``'s canonical name, checked against ``input_``'s dtype, and ``(factor,)`` for a
+        PREMUL_SUM (``()`` for the others: the rules' extra argument)."""
+        name, factor = reduce_op_and_factor(call, op, self.rank)
+        check_avg_dtype(call, input_, name, self.rank)
+        if factor is None:
+            return name, ()
+        return name, (check_premul_factor(call, factor, self.rank, input_),)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1, *, async_op: bool = False
                    ) -> torch.Tensor | Handle:
@@ -172,16 +191,16 @@ class Communicator:
 
         ``input_.shape[dim]`` must be divisible by the world size. Backward:
         all-gather of the gradient along ``dim`` (with the MAX/MIN/PRODUCT
-        factors of :meth:`all_reduce`). ``async_op=True``: returns a handle.
+        factors of :meth:`all_reduce`, and its PREMUL_SUM). ``async_op=True``: returns a handle.
         """
         check_tensor("reduce_scatter", input_, self.rank)
         dim = normalize_dim("reduce_scatter", input_, dim, self.rank)
         check_divisible("reduce_scatter", input_, dim, self.world_size, self.rank)
-        op = reduce_op_name(op)
-        check_avg_dtype("reduce_scatter", input_, op, self.rank)
+        op, factor = self._reduction("reduce_scatter", input_, op)
         if async_op:
-            return self._issue(rules._ReduceScatter, "reduce_scatter", input_.contiguous(), (dim, op), (dim, op))
-        return _apply(rules._ReduceScatter, self.transport, input_.contiguous(), dim, op)
+            return self._issue(rules._ReduceScatter, "reduce_scatter", input_.contiguous(), (dim, op),
+                               (dim, op, *factor), factor=factor[0] if factor else None)
+        return _apply(rules._ReduceScatter, self.transport, input_.contiguous(), dim, op, *factor)
 
     def slice(self, input_: torch.Tensor, dim: int = -1, *, scale_grad: bool, async_op: bool = False
               ) -> torch.Tensor | Handle:
@@ -302,15 +321,15 @@ class Communicator:
         of ``dst``'s gradient to every rank (AVG divides by the world size;
         MAX/MIN/PRODUCT apply the factors of :meth:`all_reduce`); the other
         ranks' output gradients are ignored, since their zeros do not depend on
-        any input. ``async_op=True``: returns a handle.
+        any input. ``async_op=True``: returns a handle. PREMUL_SUM: as :meth:`all_reduce`.
         """
         check_tensor("reduce", input_, self.rank)
         check_peer("reduce", dst, self.world_size, self.rank, "dst")
-        op = reduce_op_name(op)
-        check_avg_dtype("reduce", input_, op, self.rank)
+        op, factor = self._reduction("reduce", input_, op)
         if async_op:
-            return self._issue(rules._Reduce, "reduce", input_.contiguous(), (dst, op), (dst, op))
-        return _apply(rules._Reduce, self.transport, input_.contiguous(), dst, op)
+            return self._issue(rules._Reduce, "reduce", input_.contiguous(), (dst, op), (dst, op, *factor),
+                               factor=factor[0] if factor else None)
+        return _apply(rules._Reduce, self.transport, input_.contiguous(), dst, op, *factor)
 
     def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = -1, *, async_op: bool = False
                 ) -> torch.Tensor | Handle:

@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed import ReduceOp
 
-from ..checks import reduce_op_name
+from ..checks import check_avg_dtype, check_premul_factor, reduce_op_and_factor
 from ..sim.transport import SimTransport
 
 __all__ = ["Issued", "all_reduce", "all_gather_list", "all_gather_into_tensor", "reduce_scatter_list",
@@ -44,16 +45,28 @@ class Issued(NamedTuple):
     finish: Callable[[list[Any]], list[torch.Tensor]]
 
 
-def _op_name(c10d_op: str, opts) -> str:
-    """The canonical reduction name of ``opts.reduceOp`` (:func:`simcomm.checks.reduce_op_name`);
-    NotImplementedError for the ones the simulator's math has no rule for (bitwise ops, PREMUL_SUM)."""
-    red = opts.reduceOp.op
+def _reduction(c10d_op: str, opts, transport: SimTransport, tensors: Sequence[torch.Tensor]
+               ) -> tuple[str, dict]:
+    """The canonical reduction name of ``opts.reduceOp`` (:func:`simcomm.checks.reduce_op_and_factor`)
+    and the transport's keywords for it: ``{"factor": f}`` for ``PREMUL_SUM(f)`` (the factor
+    ``torch.distributed._make_nccl_premul_sum`` stored, read from ``opts.reduceOp.factor``),
+    ``{}`` otherwise. NotImplementedError for the bitwise ops, which the simulator's math has
+    no rule for; ValueError for a PREMUL_SUM of integers or with a bad factor, as NCCL refuses them."""
+    red = opts.reduceOp
     try:
-        return reduce_op_name(red)
+        name, factor = reduce_op_and_factor(c10d_op, red, transport.rank)
     except ValueError:
+        if getattr(red, "op", red) == ReduceOp.PREMUL_SUM:
+            raise
         raise NotImplementedError(
-            f"{c10d_op} with reduce op {red} is not supported by the 'simcomm' backend; "
-            f"use SUM, AVG, MAX, MIN or PRODUCT") from None
+            f"{c10d_op} with reduce op {getattr(red, 'op', red)} is not supported by the 'simcomm' backend; "
+            f"use SUM, AVG, MAX, MIN, PRODUCT or PREMUL_SUM") from None
+    if factor is None:
+        return name, {}
+    for tensor in tensors:
+        check_avg_dtype(c10d_op, tensor, name, transport.rank)
+        check_premul_factor(c10d_op, factor, transport.rank, tensor)
+    return name, {"factor": factor}
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -92,8 +105,8 @@ def _one_per_rank(c10d_op: str, argument: str, tensors: Sequence, transport: Sim
 
 def all_reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.all_reduce`` (and its coalesced form): each tensor reduced in place."""
-    name = _op_name("all_reduce", opts)
-    calls = [transport.all_reduce(_rows(tensor), name, async_op=async_op) for tensor in tensors]
+    name, factor = _reduction("all_reduce", opts, transport, tensors)
+    calls = [transport.all_reduce(_rows(tensor), name, async_op=async_op, **factor) for tensor in tensors]
 
     def finish(results: list) -> list[torch.Tensor]:
         for tensor, value in zip(tensors, results, strict=True):
@@ -142,7 +155,7 @@ def all_gather_list(transport: SimTransport, output_lists: Sequence[Sequence[tor
 def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tensor],
                           inputs: Sequence[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.reduce_scatter_tensor``: rank ``r`` gets block ``r`` of the reduced input."""
-    name = _op_name("reduce_scatter_tensor", opts)
+    name, factor = _reduction("reduce_scatter_tensor", opts, transport, inputs)
     calls = []
     for output, input_ in zip(outputs, inputs, strict=True):
         _check_numel("reduce_scatter_tensor", "input", input_, output.numel() * transport.world_size,
@@ -150,7 +163,7 @@ def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tenso
         rows = _rows(input_)
         if rows.shape[0] % transport.world_size:
             rows = rows.reshape(-1)  # blocks of a flat buffer: (world * numel(output),)
-        calls.append(transport.reduce_scatter(rows, 0, name, async_op=async_op))
+        calls.append(transport.reduce_scatter(rows, 0, name, async_op=async_op, **factor))
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, value in zip(outputs, results, strict=True):
@@ -163,12 +176,12 @@ def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tenso
 def reduce_scatter_list(transport: SimTransport, outputs: Sequence[torch.Tensor],
                         input_lists: Sequence[Sequence[torch.Tensor]], opts, async_op: bool) -> Issued:
     """``dist.reduce_scatter``: rank ``r`` gets the reduction of every rank's ``input_list[r]``."""
-    name = _op_name("reduce_scatter", opts)
+    name, factor = _reduction("reduce_scatter", opts, transport, [t for inputs in input_lists for t in inputs])
     calls = []
     for inputs in input_lists:
         _one_per_rank("reduce_scatter", "input_list", inputs, transport)
         stacked = torch.stack([_rows(t) for t in inputs])  # (world, *shape)
-        calls.append(transport.reduce_scatter(stacked, 0, name, async_op=async_op))
+        calls.append(transport.reduce_scatter(stacked, 0, name, async_op=async_op, **factor))
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, value in zip(outputs, results, strict=True):
@@ -194,8 +207,8 @@ def broadcast(transport: SimTransport, tensors: list[torch.Tensor], root: int, a
 def reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.reduce``: the root's tensor becomes the reduction; the others' stay as they are
     (traced as ``reduce``: every other rank sends its bytes to the root)."""
-    name, root = _op_name("reduce", opts), opts.rootRank
-    calls = [transport.reduce(_rows(tensor), root, name, async_op=async_op) for tensor in tensors]
+    (name, factor), root = _reduction("reduce", opts, transport, tensors), opts.rootRank
+    calls = [transport.reduce(_rows(tensor), root, name, async_op=async_op, **factor) for tensor in tensors]
 
     def finish(results: list) -> list[torch.Tensor]:
         if transport.rank == root:

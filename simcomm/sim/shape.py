@@ -65,7 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import SimcommError
 
-__all__ = ["TENSOR_MODES", "ShapeOnlyError", "rank_mode", "fake_arguments", "compute_on_meta", "own",
+__all__ = ["TENSOR_MODES", "ShapeOnlyError", "check_shape_device", "rank_mode", "fake_arguments", "compute_on_meta", "own",
            "shapes", "is_shape_only", "data_dependent_error", "trace_signature", "FunctionalCollectives",
            "install_device_mesh_values"]
 
@@ -83,6 +83,31 @@ _VALUE_READS = {"aten._local_scalar_dense.default": "a value read (.item(), .tol
 
 class ShapeOnlyError(SimcommError):
     """A program run with ``tensors="shape"`` called an op that needs tensor values."""
+
+
+def check_shape_device(device: torch.device) -> None:
+    """Refuse a shape-only CUDA device where torch cannot fake one: raise :class:`ShapeOnlyError`.
+
+    A ``FakeTensorMode`` makes CUDA tensors on any machine (``torch.empty(n, device="cuda")``
+    gives a fake tensor whose ``device`` is ``cuda:0``, and most ops run on it), but on a build
+    of torch without CUDA (``torch.backends.cuda.is_built()`` false) there is no CUDA device
+    guard: ``Tensor.copy_``, ``.cuda()``, ``.to("cuda")``, ``nn.init``'s ``uniform_`` fail, and
+    autograd's engine, which asks for the device guard of every CUDA tensor that requires grad
+    (``InputMetadata``), aborts the whole process (``std::terminate``, no Python exception).
+    torch's own fallback (``torch._C._ensureCUDADeviceGuardSet``, called by ``FakeTensorMode``)
+    does not install one on such a build. So a shape-only CUDA run needs a CUDA build of torch
+    (torch's comment says one without a GPU gets a no-op guard; not verified here); on a CPU-only
+    build use ``device="cpu", map_cuda=True`` (:mod:`simcomm.sim.cuda_map`).
+    """
+    if device.type == "cuda" and not torch.backends.cuda.is_built():
+        raise ShapeOnlyError(
+            f"World: tensors='shape' with device={str(device)!r} needs a CUDA build of torch, and this "
+            f"torch {torch.__version__} is built without CUDA: its fake CUDA "
+            f"tensors have no device guard, so Tensor.copy_/.cuda()/.to('cuda')/nn.init fail and "
+            f"autograd aborts the process on a CUDA tensor that requires grad. Use device='cpu' with "
+            f"map_cuda=True: the program's 'cuda' then means cpu and torch.cuda answers as one GPU per "
+            f"rank (simcomm.sim.cuda_map; shapes, dtypes, trace, memory and FLOPs are the same; tensors "
+            f"report device cpu)")
 
 
 def rank_mode() -> FakeTensorMode:

@@ -162,17 +162,21 @@ class SimTransport(TransportBase):
     def _sig(tensor: torch.Tensor, **args) -> tuple:
         return (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype), *args.items())
 
-    def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False):
-        return self._collective("all_reduce", tensor, self._sig(tensor, op=op),
-                                lambda inputs: collectives.all_reduce(inputs, op), async_op=async_op)
+    def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False, *,
+                   factor: float | torch.Tensor | None = None):
+        sent, wire = collectives.on_the_wire(tensor, op, factor)   # PREMUL_SUM: premultiplied, summed
+        return self._collective("all_reduce", sent, self._sig(tensor, op=op),
+                                lambda inputs: collectives.all_reduce(inputs, wire), async_op=async_op)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False):
         return self._collective("all_gather", tensor, self._sig(tensor, dim=dim),
                                 lambda inputs: collectives.all_gather(inputs, dim), async_op=async_op)
 
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False):
-        return self._collective("reduce_scatter", tensor, self._sig(tensor, dim=dim, op=op),
-                                lambda inputs: collectives.reduce_scatter(inputs, dim, op), async_op=async_op)
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False, *,
+                       factor: float | torch.Tensor | None = None):
+        sent, wire = collectives.on_the_wire(tensor, op, factor)
+        return self._collective("reduce_scatter", sent, self._sig(tensor, dim=dim, op=op),
+                                lambda inputs: collectives.reduce_scatter(inputs, dim, wire), async_op=async_op)
 
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False):
         return self._collective("all_to_all", tensor,
@@ -293,10 +297,12 @@ class SimTransport(TransportBase):
 
     # -- rooted and uneven collectives --
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False):
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False, *,
+               factor: float | torch.Tensor | None = None):
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks."""
-        return self._collective("reduce", tensor, self._sig(tensor, dst=dst, op=op),
-                                lambda inputs: collectives.reduce_to(inputs, dst, op), root=dst, async_op=async_op)
+        sent, wire = collectives.on_the_wire(tensor, op, factor)
+        return self._collective("reduce", sent, self._sig(tensor, dst=dst, op=op),
+                                lambda inputs: collectives.reduce_to(inputs, dst, wire), root=dst, async_op=async_op)
 
     def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
                 async_op: bool = False):

@@ -21,6 +21,8 @@ from ..errors import RankError, RunTimeoutError
 from ..reports import format_ranks, program_location
 from ..trace import Trace
 from . import shape as _shape
+from .cuda_map import CudaAsDevice, cuda_answers
+from .flops import FlopCounter
 from .scheduler import Aborted, RunState
 from .transport import SimTransport
 
@@ -44,6 +46,7 @@ class World:
     >>> world.trace                         # the transport calls of that run
     >>> World(4, memory=True).memory        # after a run: bytes per rank by label (simcomm.memory)
     >>> World(1024, tensors="shape")        # fake tensors: shapes, trace and memory, no data (simcomm.sim.shape)
+    >>> World(8, tensors="shape", count_flops=True).flops   # after a run: FLOPs per rank (simcomm.sim.flops)
 
     Each rank runs ``program(comm, *args, **kwargs)`` on a thread of its own,
     so rank-dependent control flow, blocking send/recv and per-rank
@@ -52,7 +55,8 @@ class World:
     """
 
     def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
-                 memory: bool = False, tensors: str = "real"):
+                 memory: bool = False, tensors: str = "real", count_flops: bool = False,
+                 map_cuda: bool = False):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size={world_size!r} must be a positive int")
         if tensors not in _shape.TENSOR_MODES:
@@ -60,6 +64,14 @@ class World:
         self.world_size = world_size
         self.tensors = tensors
         self.device = torch.device(device)
+        if tensors == "shape":
+            _shape.check_shape_device(self.device)
+        #: count each rank's FLOPs at the dispatcher and trace them as compute (simcomm.sim.flops)
+        self.count_flops = bool(count_flops)
+        self.flops: list[int] | None = None   # FLOPs per rank of the last run (count_flops=True)
+        #: a program's "cuda" means this World's device; torch.cuda answers as one GPU per rank
+        #: (simcomm.sim.cuda_map: for scripts that hard-code CUDA, on a machine without one)
+        self.map_cuda = bool(map_cuda)
         self.tracing = trace
         self.trace = Trace()
         self.track_memory = memory
@@ -147,6 +159,8 @@ class World:
             rank_args = [(_copy_arguments(args, kwargs, self.device), None) for _ in range(self.world_size)]
         state = RunState(self.world_size, self.device, self.tracing)
         state.shape_only = shape_only
+        state.flop_totals = [0] * self.world_size if self.count_flops else None
+        state.map_cuda = self.map_cuda
         results: list[Any] = [None] * self.world_size
         reports = [None] * self.world_size if self.track_memory else None
         threads = [
@@ -157,6 +171,8 @@ class World:
         del rank_args
         state.random.save_caller()
         timed_out = None
+        answers = cuda_answers(self.world_size) if self.map_cuda else _NO_MODE
+        answers.__enter__()
         try:
             for thread in threads:
                 thread.start()
@@ -177,13 +193,16 @@ class World:
                 _end_run(state)
             if stuck:
                 interrupt.add_note(stuck)
+            answers.__exit__(None, None, None)
             raise
         try:
             stuck = _stop(threads, state, interrupt_holders=timed_out is not None)
         finally:
             _end_run(state)
+            answers.__exit__(None, None, None)
         self.trace = Trace(state.events, backend="simcomm")
         self.memory = _memory.MemoryReport(reports) if reports is not None and None not in reports else None
+        self.flops = state.flop_totals
         if state.rank_errors:
             (rank, error), others = state.rank_errors[0], state.rank_errors[1:]
             failure: BaseException = RankError(rank, error, tuple(r for r, _ in others))
@@ -290,10 +309,16 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
         torch.autograd.set_multithreading_enabled(False)
         state.wait_turn(rank)
         # shape-only: this thread's own fake mode (simcomm.sim.shape), innermost, for the whole program
+        counter = FlopCounter(comm.transport) if state.flop_totals is not None else None
         with (rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE,
               _shape.FunctionalCollectives() if fake_mode is not None else _NO_MODE,
-              _memory.track(rank, reports)):
-            results[rank] = program(comm, *args, **kwargs)
+              _memory.track(rank, reports), counter if counter is not None else _NO_MODE,
+              CudaAsDevice(state.device) if state.map_cuda else _NO_MODE):
+            try:
+                results[rank] = program(comm, *args, **kwargs)
+            finally:
+                if counter is not None:
+                    state.flop_totals[rank] = counter.total
             comm.transport.check_all_waited()   # a handle never waited on is an error
     except Aborted:
         pass
