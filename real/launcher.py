@@ -539,12 +539,12 @@ class Cluster:
         generation); one destroyed on some ranks only means fresh workers (False)."""
         kept = [message.default_group for message in finished.values()]
         if all(kept):
+            self._regroup = None
             return True
         if any(kept):
             return False
-        if self._regroup is None:
-            self._generation += 1
-            self._regroup = self._generation
+        self._generation += 1                 # every generation its own keys in the store
+        self._regroup = self._generation
         return True
 
     def _relay_and_trace(self, finished: dict[int, Finished]) -> None:

@@ -267,3 +267,22 @@ def test_dumps_shared_keeps_large_storages_out_of_the_pickle():
     assert out[1].untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()
     blob, fd, shared = real.pickling.dumps_shared([small])
     assert fd is None and shared is None and torch.equal(real.pickling.loads_shared(blob, None, None)[0], small)
+
+
+_LEFT_OPEN = """
+import real
+cluster = real.Cluster(2, backend="gloo")
+cluster.run(lambda comm: None)
+print(cluster.pids, flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_an_interpreter_exits_promptly_and_takes_the_workers_of_a_cluster_never_closed():
+    done = _python(_LEFT_OPEN, timeout=200)               # non-daemonic workers must not block the exit
+    assert done.returncode == 0, done.stderr
+    pids = json.loads(done.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 5
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in pids)
