@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -77,7 +78,8 @@ for rank, out in enumerate(outs):                # the values came back, every e
     assert out.shape == (numel,) and bool((out == rank + 1).all()), f"rank {rank}: wrong result"
 peak_rise_mib = (peak_kib() - before_peak) / 1024
 print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_rise_mib": peak_rise_mib,
-                  "rss_rise_mib": None if after_rss is None else after_rss - before_rss}))
+                  "rss_rise_mib": None if after_rss is None else after_rss - before_rss,
+                  "real": sys.modules["real"].__file__ if "real" in sys.modules else None}))
 if mode == "cluster":
     del outs
     cluster.close()
@@ -96,10 +98,14 @@ def available_mib() -> float:
     return float("inf")
 
 
-def measure(mode: str, world_size: int, mib: int) -> dict[str, float]:
-    """One case in a fresh Python process."""
+def measure(mode: str, world_size: int, mib: int, code: str | None = None) -> dict[str, float]:
+    """One case in a fresh Python process (importing ``real`` from the checkout ``code`` if given)."""
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, "-c", _CASE, mode, str(world_size), str(mib)], check=True,
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=1800, env=env,
+                          cwd=code)            # `python -c` puts the working folder first on sys.path
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -109,8 +115,14 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--copies", type=float, default=4.0,
                         help="copies of all results the machine must have free to run a size")
+    parser.add_argument("--baseline", metavar="CHECKOUT",
+                        help="also time Cluster.run with the real package of another checkout (e.g. "
+                             "`git archive <commit> | tar -x -C DIR`), as the 'before' row")
+    parser.add_argument("--baseline-copies", type=float, default=6.0,
+                        help="copies of all results the machine must have free to run the baseline")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     rows = []
     for mib in args.sizes:
@@ -119,9 +131,17 @@ def main() -> None:
         if available_mib() < need:
             print(f"{label}: skipped, {available_mib():.0f} MiB available, {need:.0f} MiB needed")
             continue
-        reference = measure("in_process", args.world_size, mib)
-        cluster = measure("cluster", args.world_size, mib)
-        for case, row in (("in process", reference), ("Cluster.run", cluster)):
+        cases = [("in process", measure("in_process", args.world_size, mib)),
+                 ("Cluster.run", measure("cluster", args.world_size, mib, here))]
+        if args.baseline is not None:
+            baseline_need = args.baseline_copies * args.world_size * mib + 1024
+            if available_mib() >= baseline_need:
+                cases.append(("before", measure("cluster", args.world_size, mib, args.baseline)))
+            else:
+                print(f"{label}: baseline skipped, {available_mib():.0f} MiB available, "
+                      f"{baseline_need:.0f} MiB needed")
+        reference = cases[0][1]
+        for case, row in cases:
             rows.append({"results": label, "case": case, **row,
                          "ratio": row["wall_s"] / reference["wall_s"]})
     print(f"{'results':<16}{'case':<14}{'wall':>9}{'CPU':>9}{'peak RSS rise':>15}{'RSS rise':>11}"

@@ -416,6 +416,10 @@ class Cluster:
         with all its communication completed (then they stay). ``timeout``
         (seconds, ``inf`` for none) overrides the Cluster's for this run; it
         is not passed to the program. Runs from several threads take turns.
+        A result's tensors of 1 MiB or more come back in shared memory (one
+        copy, no pickled bytes): their storages cannot be resized, as those
+        :mod:`torch.multiprocessing` delivers. In a child of ``os.fork()``
+        this Cluster's ``run`` raises :class:`WorkerError`: make a new one there.
         """
         if self._forked():
             raise WorkerError(f"Cluster.run: this Cluster was made by process {self._owner_pid}, and this "

@@ -40,6 +40,8 @@ __all__ = ["dumps", "loads", "dumps_shared", "loads_shared", "map_shared", "Shar
 #: storages at least this large travel through shared memory in :func:`dumps_shared`
 SHARE_MIN_BYTES = 1 << 20
 _ALIGN = mmap.PAGESIZE
+#: map every page at once (Linux): far cheaper than one page fault per 4 KiB while copying/reading
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _PERSISTENT_TAG = "simcomm-shared-storage"
 
 
@@ -128,7 +130,7 @@ def dumps_shared(obj: Any, min_bytes: int = SHARE_MIN_BYTES) -> tuple[bytes, int
     fd = os.memfd_create("simcomm-result", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as mapping:
+        with mmap.mmap(fd, size, flags=_MAP_FLAGS) as mapping:
             target = torch.frombuffer(mapping, dtype=torch.uint8)    # (size,) over the mapped pages
             for storage, (offset, nbytes) in zip(pickler.storages, layout):
                 source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
@@ -163,7 +165,7 @@ class _SharedUnpickler(pickle.Unpickler):
 
 def map_shared(fd: int, shared: SharedStorages) -> mmap.mmap:
     """Map the shared-memory file ``fd`` (which the caller may close afterwards)."""
-    return mmap.mmap(fd, shared.size)
+    return mmap.mmap(fd, shared.size, flags=_MAP_FLAGS)
 
 
 def loads_shared(blob: bytes, mapping: mmap.mmap | None, shared: SharedStorages | None) -> Any:
