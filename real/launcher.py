@@ -181,10 +181,11 @@ def _relay_output(printed: dict[int, str]) -> None:
 
 
 class _Worker:
-    __slots__ = ("rank", "process", "conn", "dump_path")
+    __slots__ = ("rank", "process", "conn", "dump_path", "own_group")
 
     def __init__(self, rank: int, process, conn, dump_path: str):
         self.rank, self.process, self.conn, self.dump_path = rank, process, conn, dump_path
+        self.own_group = False        # leads a process group of its own (said in its Ready)
 
 
 class Cluster:
@@ -323,6 +324,7 @@ class Cluster:
                     raise RankError(worker.rank, error) from error
                 assert isinstance(message, Ready), message
                 devices[worker.rank] = message.device
+                worker.own_group = message.own_group
                 del pending[worker.rank]
         self.devices = [devices[rank] for rank in range(self.world_size)]
         self._ready = True
@@ -374,9 +376,8 @@ class Cluster:
         if self._forked():
             return
         _LIVE_CLUSTERS.discard(self)
-        for worker in self._workers:
-            if worker.process.is_alive():
-                _kill_worker(worker)
+        for worker in self._workers:        # also after a clean exit: what its program left running
+            _kill_worker(worker)
         for worker in self._workers:
             worker.process.join(10.0)
             worker.conn.close()
@@ -613,16 +614,23 @@ class Cluster:
 
 
 def _kill_worker(worker: _Worker) -> None:
-    """SIGKILL a worker and its process group (the processes its program started), or the worker
-    alone before it has made its group."""
-    pid = worker.process.pid
+    """SIGKILL a worker and its process group (the processes its program started, even after
+    the worker itself exited: the group's id stays reserved while a member lives), or the
+    worker alone before it has said it made its group."""
+    if worker.own_group or _leads_its_group(worker.process.pid):
+        try:
+            os.killpg(worker.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if worker.process.is_alive():
+        worker.process.kill()
+
+
+def _leads_its_group(pid: int | None) -> bool:
     try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-            return
+        return pid is not None and os.getpgid(pid) == pid
     except (ProcessLookupError, PermissionError):
-        pass
-    worker.process.kill()
+        return False
 
 
 def _kill_all_at_exit() -> None:

@@ -80,6 +80,7 @@ class Close:
 class Ready:
     rank: int
     device: str
+    own_group: bool = False        # the worker leads a process group of its own (real.worker.die_with_parent)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ def reset_random_state() -> None:
     torch.manual_seed(FRESH_PROCESS_SEED)
 
 
-def die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> bool:
     """Make this process (and the processes it starts, in its own process group) die within a
     fraction of a second of ``parent_pid``, the Cluster's process, whatever it is running.
 
@@ -105,7 +105,8 @@ def die_with_parent(parent_pid: int) -> None:
     * a watchdog thread blocks on a pidfd of ``parent_pid`` (or polls it every
       :data:`_PARENT_POLL_S` s) and kills this worker's process group when it exits.
 
-    Exits at once if ``parent_pid`` is already gone.
+    Exits at once if ``parent_pid`` is already gone. Returns whether this process now leads a
+    process group of its own (the Cluster then kills that group with it).
     """
     startup.forget_forkserver()
     with_group = False
@@ -131,6 +132,7 @@ def die_with_parent(parent_pid: int) -> None:
             _kill_own_group(with_group)
     threading.Thread(target=_watch, args=(parent_pid, pidfd, with_group),
                      name="simcomm-parent-watchdog", daemon=True).start()
+    return with_group
 
 
 def _alive(pid: int) -> bool:
@@ -188,7 +190,7 @@ def _check_store(port: int, timeout: float) -> dist.TCPStore:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of worker ``spec.rank`` (started by the launcher's forkserver)."""
-    die_with_parent(spec.parent_pid)
+    own_group = die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C in a notebook is the parent's to handle
     # processes the program starts use the parent's start method (a forkserver child's default
     # would be the forkserver: a DataLoader's workers would start another one and pickle by name)
@@ -211,7 +213,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     except BaseException as error:
         messages.send(conn, StartFailed(spec.rank, messages.encode_error(error)))
         return
-    messages.send(conn, Ready(spec.rank, str(device)))
+    messages.send(conn, Ready(spec.rank, str(device), own_group))
     try:
         _serve(conn, spec, device, store, cache)
     finally:

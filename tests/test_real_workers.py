@@ -112,10 +112,35 @@ def test_a_dataloader_with_worker_processes_runs_inside_a_program():
     assert [out[2] for out in outs_real] == [out[2] for out in outs_sim]   # this process's start method
 
 
-def test_workers_are_not_daemonic_and_take_their_children_when_killed(gloo_cluster):
-    cluster = gloo_cluster(2)
-    assert cluster.run(lambda comm: __import__("multiprocessing").current_process().daemon) == [False, False]
-    assert cluster.run(lambda comm: os.getpgrp() == os.getpid()) == [True, True]   # a group of its own
+def _starts_a_sleeper(comm):
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+
+
+def _starts_a_sleeper_then_hangs(comm, folder):
+    with open(os.path.join(folder, f"sleeper{comm.rank}"), "w") as f:
+        f.write(str(_starts_a_sleeper(comm)))
+    time.sleep(600)
+
+
+@pytest.mark.timeout(240)
+def test_workers_are_not_daemonic_and_what_their_programs_leave_running_goes_with_them(tmp_path):
+    with real.Cluster(2, backend="gloo", timeout=120) as cluster:
+        assert cluster.run(lambda comm: __import__("multiprocessing").current_process().daemon) == [False] * 2
+        assert cluster.run(lambda comm: os.getpgrp() == os.getpid()) == [True, True]   # a group of its own
+        left_running = cluster.run(_starts_a_sleeper)
+        assert not any(_gone(pid) for pid in left_running)
+    deadline = time.monotonic() + 5                        # closed: the workers' groups are killed
+    while not all(_gone(pid) for pid in left_running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in left_running)
+    with real.Cluster(2, backend="gloo", timeout=120) as cluster:
+        with pytest.raises(simcomm.RunTimeoutError):      # a run that times out kills the workers
+            cluster.run(_starts_a_sleeper_then_hangs, str(tmp_path), timeout=15)
+    sleepers = [int((tmp_path / f"sleeper{rank}").read_text()) for rank in range(2)]
+    deadline = time.monotonic() + 5
+    while not all(_gone(pid) for pid in sleepers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in sleepers)
 
 
 # -- 15. a parent killed with SIGKILL during a run --
