@@ -48,6 +48,7 @@ def _gone(pid: int) -> bool:
 def _ends_with_destroy(comm):
     x = torch.arange(3.0) + 10 * dist.get_rank()
     dist.all_reduce(x)
+    x = comm.subgroup([[0], [1]]).all_reduce(x)            # a group of one: x unchanged
     dist.destroy_process_group()
     return x, dist.is_initialized()
 
@@ -55,7 +56,10 @@ def _ends_with_destroy(comm):
 def _uses_the_default_group(comm):
     y = torch.ones(2) * (comm.rank + 1)
     dist.all_reduce(y)
-    return y, dist.is_initialized(), dist.get_world_size(), comm.all_reduce(torch.full((1,), comm.rank + 1.0))
+    pair = dist.new_group([0, 1])
+    dist.all_reduce(y, group=pair)                            # 2 * (1 + 2) = 6 on both ranks
+    alone = comm.subgroup([[0], [1]]).all_reduce(torch.ones(1))
+    return y, dist.is_initialized(), dist.get_world_size(), comm.all_reduce(torch.full((1,), comm.rank + 1.0) * alone)
 
 
 def _destroys_on_rank_0_only(comm):
@@ -77,12 +81,12 @@ def test_a_program_ending_with_destroy_process_group_leaves_the_next_run_a_fresh
                 for x, initialized in outs:
                     assert torch.equal(x, expected_x) and initialized is False, backend
             for y, initialized, world_size, z in run(_uses_the_default_group):
-                assert torch.equal(y, torch.full((2,), 3.0)) and initialized and world_size == 2, backend
+                assert torch.equal(y, torch.full((2,), 6.0)) and initialized and world_size == 2, backend
                 assert torch.equal(z, torch.full((1,), 3.0)), backend
         pids = cluster.pids
         assert [x.item() for x in cluster.run(_destroys_on_rank_0_only)] == [3.0, 3.0]
         for y, initialized, world_size, z in cluster.run(_uses_the_default_group):
-            assert torch.equal(y, torch.full((2,), 3.0)) and initialized and world_size == 2
+            assert torch.equal(y, torch.full((2,), 6.0)) and initialized and world_size == 2
         assert cluster.pids != pids                         # one rank destroyed it: fresh workers
     assert [x.item() for x in world.run(_destroys_on_rank_0_only)] == [3.0, 3.0]
     assert world.run(_uses_the_default_group)[0][2] == 2
