@@ -17,6 +17,29 @@ this process owns a worker, so a run from a short-lived thread is safe. In an
 interactive session ``import real`` starts the forkserver in the background
 (:func:`real.prestart`), so the first Cluster does not wait for torch's import.
 
+**Workers die with this process** and may start processes of their own. They
+are not daemonic (a ``DataLoader(num_workers=2)`` in a program works); at
+interpreter exit the workers of every Cluster not closed are killed, and a
+worker killed by its Cluster takes its process group (the processes its program
+started) with it. When this process dies without cleaning up (SIGKILL, a kernel
+restart, the OOM killer), every worker dies within a fraction of a second,
+whatever it is running (:func:`real.worker.die_with_parent`).
+
+**After os.fork()** a Cluster belongs to the process that made it: in the child
+its :meth:`Cluster.run` raises :class:`WorkerError` naming the fork (its workers
+serve the parent), its :meth:`Cluster.close` does nothing, and a new Cluster in
+the child works (with a forkserver of its own).
+
+**Large results** come back through shared memory (:func:`real.pickling.dumps_shared`):
+a rank's tensors of 1 MiB or more are copied once, by the worker, into an
+anonymous shared-memory file that this process maps, so they cost one copy at
+memory speed and this process holds one copy of them.
+
+**A program that destroys the default group** (``dist.destroy_process_group()``
+at its end, as PyTorch's examples do) ends its own use of it; the next run gets
+a fresh default group, as the next torchrun launch would. If only some ranks
+destroyed it, the next run starts fresh workers.
+
 The program travels by value (cloudpickle): a function defined in a notebook
 cell, a closure or a lambda works. Every tensor argument is placed on the
 rank's device (``cuda:rank`` under NCCL), each rank's default random
@@ -40,14 +63,19 @@ or a checked mismatch stops every rank before any data moved.
 """
 from __future__ import annotations
 
+import atexit
 import math
+import mmap
+import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
@@ -74,6 +102,12 @@ _ERROR_GRACE_S = 1.0
 _CHECK_MARGIN_S = 30.0
 #: how often a checked run looks for ranks that wait on each other (seconds)
 _DEADLOCK_POLL_S = 0.5
+
+#: every Cluster of this process with workers (their workers are killed at interpreter exit)
+_LIVE_CLUSTERS: weakref.WeakSet[Cluster] = weakref.WeakSet()
+#: the stores of Clusters a forked child inherited: never destroyed there (their server threads
+#: live in the parent only), kept until the child exits
+_INHERITED_STORES: list = []
 
 
 class WorkerError(SimcommError):
@@ -147,10 +181,11 @@ def _relay_output(printed: dict[int, str]) -> None:
 
 
 class _Worker:
-    __slots__ = ("rank", "process", "conn", "dump_path")
+    __slots__ = ("rank", "process", "conn", "dump_path", "own_group")
 
     def __init__(self, rank: int, process, conn, dump_path: str):
         self.rank, self.process, self.conn, self.dump_path = rank, process, conn, dump_path
+        self.own_group = False        # leads a process group of its own (said in its Ready)
 
 
 class Cluster:
@@ -210,6 +245,9 @@ class Cluster:
         self._ready = False
         self._closed = False
         self._lock = threading.Lock()
+        self._owner_pid = os.getpid()
+        self._regroup: int | None = None          # the default group to make at the next run
+        self._generation = 0
         self._start()
 
     def __repr__(self) -> str:
@@ -250,12 +288,17 @@ class Cluster:
                 parent_end, child_end = context.Pipe(duplex=True)
                 dump_path = os.path.join(self._tmpdir, f"stack-{rank}.txt")
                 spec = WorkerSpec(rank, self.world_size, self.backend, self._store.port, self.start_timeout,
-                                  self.threads, dump_path, environ, self.socket_ifname, os.getpid())
+                                  self.threads, dump_path, environ, self.socket_ifname, os.getpid(),
+                                  multiprocessing.get_start_method(allow_none=True))
+                # not daemonic: a program may start processes (a DataLoader's workers); the
+                # workers die with this process all the same (_kill_all_at_exit, die_with_parent)
                 process = context.Process(target=worker_main, name=f"simcomm-real-rank-{rank}",
-                                          daemon=True, args=(spec, child_end))
+                                          daemon=False, args=(spec, child_end))
                 process.start()
                 child_end.close()
                 self._workers.append(_Worker(rank, process, parent_end, dump_path))
+        self._regroup = None
+        _LIVE_CLUSTERS.add(self)
 
     def _await_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -281,6 +324,7 @@ class Cluster:
                     raise RankError(worker.rank, error) from error
                 assert isinstance(message, Ready), message
                 devices[worker.rank] = message.device
+                worker.own_group = message.own_group
                 del pending[worker.rank]
         self.devices = [devices[rank] for rank in range(self.world_size)]
         self._ready = True
@@ -291,6 +335,8 @@ class Cluster:
         Waits for a run in progress on another thread. A later :meth:`run`
         starts fresh workers.
         """
+        if self._forked():
+            return                          # the workers serve the parent; nothing here to stop
         with self._lock:
             if self._closed:
                 return
@@ -304,11 +350,34 @@ class Cluster:
                 worker.process.join(5.0)
             self._kill()
 
-    def _kill(self) -> None:
-        """Kill and reap every worker, close the pipes and the store's port."""
+    def _forked(self) -> bool:
+        """Whether this process is a fork of the one that made this Cluster."""
+        return os.getpid() != self._owner_pid
+
+    def _forget_in_forked_child(self) -> None:
+        """In a child of os.fork(): drop the parent's workers without touching them (close this
+        process's copies of their pipes, so their end of the pipe still breaks when the parent
+        goes), and keep the inherited store alive but unused."""
         for worker in self._workers:
-            if worker.process.is_alive():
-                worker.process.kill()
+            try:
+                worker.conn.close()
+            except OSError:
+                pass
+        self._workers = []
+        self._ready = False
+        if self._store is not None:
+            _INHERITED_STORES.append(self._store)
+        self._store = None
+        self._tmpdir = None                 # the parent's folder
+
+    def _kill(self) -> None:
+        """Kill and reap every worker (with the processes its program started), close the pipes and
+        the store's port."""
+        if self._forked():
+            return
+        _LIVE_CLUSTERS.discard(self)
+        for worker in self._workers:        # also after a clean exit: what its program left running
+            _kill_worker(worker)
         for worker in self._workers:
             worker.process.join(10.0)
             worker.conn.close()
@@ -348,7 +417,15 @@ class Cluster:
         with all its communication completed (then they stay). ``timeout``
         (seconds, ``inf`` for none) overrides the Cluster's for this run; it
         is not passed to the program. Runs from several threads take turns.
+        A result's tensors of 1 MiB or more come back in shared memory (one
+        copy, no pickled bytes): their storages cannot be resized, as those
+        :mod:`torch.multiprocessing` delivers. In a child of ``os.fork()``
+        this Cluster's ``run`` raises :class:`WorkerError`: make a new one there.
         """
+        if self._forked():
+            raise WorkerError(f"Cluster.run: this Cluster was made by process {self._owner_pid}, and this "
+                              f"process ({os.getpid()}) is a fork of it (os.fork()); its workers serve the "
+                              f"process that started them. Make a new real.Cluster in this process")
         timeout = self.timeout if timeout is None else _check_timeout(timeout, "Cluster.run")
         blob = pickling.dumps((program, args, kwargs))      # an unpicklable program fails here, harmlessly
         with self._lock:
@@ -367,7 +444,8 @@ class Cluster:
                     check_store = startup.loopback_store()
                 request = Run(blob, time.perf_counter(), self.tracing,
                               check_store.port if check_store is not None else None,
-                              math.inf if timeout is None else timeout + _CHECK_MARGIN_S, self.track_memory)
+                              math.inf if timeout is None else timeout + _CHECK_MARGIN_S, self.track_memory,
+                              self._regroup)
                 for worker in self._workers:
                     try:
                         messages.send(worker.conn, request)
@@ -390,6 +468,7 @@ class Cluster:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {w.rank: w for w in self._workers}
         finished: dict[int, Finished] = {}
+        mappings: dict[int, mmap.mmap] = {}
         dead: list[tuple[int, int | None]] = []
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -407,6 +486,12 @@ class Cluster:
             for worker in ready:
                 message = self._receive(worker)
                 del pending[worker.rank]
+                if isinstance(message, Finished) and message.shared is not None:
+                    mapping = self._receive_shared(worker, message)
+                    if mapping is None:
+                        message = None
+                    else:
+                        mappings[worker.rank] = mapping
                 if isinstance(message, Finished):
                     finished[worker.rank] = message
                 else:
@@ -424,7 +509,8 @@ class Cluster:
             echoes = "".join(f"; rank {r} then raised {type(e).__name__}: {_first_line(e)}" for r, e in errors)
             raise WorkerError(f"Cluster.run: the worker of rank {rank} exited with code {code} without "
                               f"reporting a result (ranks still running: {sorted(pending)}){echoes}")
-        in_step = not pending and books_agree({rank: m.books for rank, m in finished.items()})
+        in_step = (not pending and books_agree({rank: m.books for rank, m in finished.items()})
+                   and self._plan_default_group(finished))
         if not in_step:
             self._kill()             # never reuse process groups with half-finished communication
         mismatches = [error for _, error in errors if isinstance(error, (CollectiveMismatchError, DeadlockError))]
@@ -438,7 +524,8 @@ class Cluster:
         results: list[Any] = []
         for rank in range(self.world_size):
             try:
-                results.append(pickling.loads(finished[rank].result))
+                results.append(pickling.loads_shared(finished[rank].result, mappings.get(rank),
+                                                     finished[rank].shared))
             except Exception as error:
                 raise ResultError(f"Cluster.run: the result of rank {rank} could not be unpickled in this "
                                   f"process: {type(error).__name__}: {_first_line(error)}; return plain "
@@ -450,6 +537,20 @@ class Cluster:
         self.memory = MemoryReport.from_dicts(reports) if self.track_memory else None
         out.memory = self.memory
         return out
+
+    def _plan_default_group(self, finished: dict[int, Finished]) -> bool:
+        """After a run: whether the workers can serve the next one as to their default group. A
+        program that destroyed it on every rank gets a fresh one made at the next run (a new
+        generation); one destroyed on some ranks only means fresh workers (False)."""
+        kept = [message.default_group for message in finished.values()]
+        if all(kept):
+            self._regroup = None
+            return True
+        if any(kept):
+            return False
+        self._generation += 1                 # every generation its own keys in the store
+        self._regroup = self._generation
+        return True
 
     def _relay_and_trace(self, finished: dict[int, Finished]) -> None:
         self.trace = Trace([event for rank in sorted(finished) for event in finished[rank].events],
@@ -493,9 +594,65 @@ class Cluster:
         return None
 
     @staticmethod
+    def _receive_shared(worker: _Worker, message: Finished) -> mmap.mmap | None:
+        """Map the shared-memory file that follows ``message`` on the pipe (None if it broke)."""
+        try:
+            fd = messages.receive_fd(worker.conn)
+        except (EOFError, OSError, RuntimeError):
+            return None
+        try:
+            return pickling.map_shared(fd, message.shared)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+
+    @staticmethod
     def _exitcode(worker: _Worker) -> int | None:
         worker.process.join(1.0)
         return worker.process.exitcode
+
+
+def _kill_worker(worker: _Worker) -> None:
+    """SIGKILL a worker and its process group (the processes its program started, even after
+    the worker itself exited: the group's id stays reserved while a member lives), or the
+    worker alone before it has said it made its group."""
+    if worker.own_group or _leads_its_group(worker.process.pid):
+        try:
+            os.killpg(worker.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if worker.process.is_alive():
+        worker.process.kill()
+
+
+def _leads_its_group(pid: int | None) -> bool:
+    try:
+        return pid is not None and os.getpgid(pid) == pid
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _kill_all_at_exit() -> None:
+    """At interpreter exit, kill the workers of every Cluster not closed. Registered after
+    multiprocessing's own exit handler, so it runs first: that handler joins every non-daemonic
+    child, and the workers would wait for their pipe forever."""
+    for cluster in list(_LIVE_CLUSTERS):
+        try:
+            cluster._kill()
+        except Exception:
+            pass
+
+
+def _after_fork_in_child() -> None:
+    for cluster in list(_LIVE_CLUSTERS):
+        cluster._forget_in_forked_child()
+    _LIVE_CLUSTERS.clear()
+    startup.forget_forkserver()
+
+
+atexit.register(_kill_all_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _finished_with_error(finished: dict[int, Finished]) -> bool:

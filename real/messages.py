@@ -9,20 +9,25 @@ rank, instead of breaking the message around it.
 
 Parent to worker: :class:`Run`, :class:`Close`.
 Worker to parent: :class:`Ready` or :class:`StartFailed` once, then one
-:class:`Finished` per :class:`Run`.
+:class:`Finished` per :class:`Run`. A :class:`Finished` whose ``shared`` is set
+is followed on the pipe by one file descriptor (:func:`send` with ``fd``,
+:func:`receive_fd`): the shared-memory file holding the result's large
+storages (:func:`real.pickling.dumps_shared`).
 """
 from __future__ import annotations
 
 import pickle
 import traceback
+from multiprocessing import reduction
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from . import pickling
+from .pickling import SharedStorages
 
 __all__ = ["WorkerSpec", "Run", "Close", "Ready", "StartFailed", "Finished", "EncodedError",
-           "encode_error", "send", "receive"]
+           "encode_error", "send", "receive", "receive_fd"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class WorkerSpec:
     environ: dict[str, str]        # the parent's environment when the Cluster started the worker
     socket_ifname: str | None      # GLOO_SOCKET_IFNAME of the worker (None: leave it unset)
     parent_pid: int                # the process that owns the Cluster
+    start_method: str | None = None  # the parent's multiprocessing start method (None: the default)
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class Run:
     check_port: int | None         # the checked mode's store for this run (None: unchecked)
     check_timeout: float           # how long a check waits for its peers (seconds)
     track_memory: bool = False     # measure the bytes the program holds (simcomm.memory)
+    regroup: int | None = None     # the default group is gone on every rank: make generation n first
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class Close:
 class Ready:
     rank: int
     device: str
+    own_group: bool = False        # the worker leads a process group of its own (real.worker.die_with_parent)
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class Finished:
     books: tuple = (False, {})                   # real.transport.GroupCache.books()
     output: str = ""                             # what the program printed
     memory: dict | None = None                   # simcomm.memory.RankMemory.to_dict(), when tracked
+    shared: SharedStorages | None = None         # the result's large storages; their file follows
+    default_group: bool = True                   # this rank still has its default process group
 
 
 def _safe_str(error: BaseException) -> str:
@@ -126,11 +136,20 @@ def encode_error(error: BaseException, skip_frames: int = 0) -> EncodedError:
     return EncodedError(blob, f"{type(error).__module__}.{type(error).__qualname__}", message, text)
 
 
-def send(conn: Connection, message: Any) -> None:
-    """Send one message (raises ``OSError``/``BrokenPipeError`` when the other end has gone)."""
+def send(conn: Connection, message: Any, fd: int | None = None) -> None:
+    """Send one message, then the file descriptor ``fd`` if given (the receiver calls
+    :func:`receive_fd` after :func:`receive`; the sender still owns and closes ``fd``).
+    Raises ``OSError``/``BrokenPipeError`` when the other end has gone."""
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    if fd is not None:
+        reduction.send_handle(conn, fd, None)      # SCM_RIGHTS over the pipe's Unix socket
 
 
 def receive(conn: Connection) -> Any:
     """The next message (blocks; raises ``EOFError``/``OSError`` when the other end has gone)."""
     return pickle.loads(conn.recv_bytes())
+
+
+def receive_fd(conn: Connection) -> int:
+    """The file descriptor sent after the message just received (this process owns it)."""
+    return reduction.recv_handle(conn)

@@ -4,6 +4,7 @@ interface, the folders of dead parents, and saying what is starting.
 * :func:`worker_context`: :mod:`multiprocessing`'s forkserver (one per Python process),
   preloading torch and :mod:`real.worker`, so a worker costs a fork instead of an import
   of torch; the forkserver never touches CUDA. :func:`prestart` starts it without waiting.
+  :func:`forget_forkserver`: a forked child (or a worker) lets go of its parent's forkserver.
 * :func:`hide_main`: children do not re-run this process's ``__main__``.
 * :func:`loopback_store`: a store server on 127.0.0.1, port chosen by the OS.
 * :func:`clean_stale_tmpdirs`: ``simcomm-real-<pid>-*`` folders whose owner is gone.
@@ -26,7 +27,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 __all__ = ["worker_context", "prestart", "hide_main", "loopback_store", "clean_stale_tmpdirs", "notice",
-           "interactive", "default_ifname", "TMP_PREFIX"]
+           "interactive", "default_ifname", "TMP_PREFIX", "forget_forkserver"]
 
 logger = logging.getLogger("real")
 
@@ -88,6 +89,33 @@ def worker_context(start_method: str):
         preload = list(getattr(server, "_preload_modules", None) or [])
         context.set_forkserver_preload([name for name in preload if name != "__main__"] + ["real.worker"])
     return context, "" if running else " (the first start in this Python process imports torch once: seconds)"
+
+
+def forget_forkserver() -> None:
+    """Let go of the forkserver this process inherited (after ``os.fork()``, or in a worker).
+
+    :mod:`multiprocessing` hands every process forked from its forkserver, and every
+    ``os.fork()`` child of the process that started it, the write end of the forkserver's
+    "alive" pipe, and the forkserver lives until every copy is closed: a child holding one
+    would keep the parent's forkserver (and so, through ``PR_SET_PDEATHSIG``, the parent's
+    workers) alive after the parent died, and could not start a forkserver of its own
+    (``ChildProcessError``: the parent's forkserver is not its child). This closes this
+    process's copy and clears the forkserver's address, so a later forkserver start here makes
+    a new one. :mod:`multiprocessing` has no public call for this; it touches the attributes of
+    ``multiprocessing.forkserver._forkserver`` that its own ``ensure_running`` resets.
+    """
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if server is None:
+        return
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        try:
+            os.close(alive_fd)
+        except OSError:
+            pass
+    server._forkserver_alive_fd = None
+    server._forkserver_address = None
+    server._forkserver_pid = None
 
 
 def prestart() -> None:
