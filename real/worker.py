@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_map_only
 
 from simcomm import memory
 from simcomm.communicator import Communicator
+from simcomm.sim.process_state import reset_python_and_numpy
 from simcomm.sim.rank_random import FRESH_SEED
 
 from . import messages, pickling
@@ -59,8 +60,11 @@ FRESH_PROCESS_SEED = FRESH_SEED
 
 
 def reset_random_state() -> None:
-    """Reset the default CPU generator (and every CUDA generator, lazily) to a fresh process's state."""
+    """Start a run from the state every virtual rank starts from: the default CPU generator
+    (and every CUDA generator, lazily) as a fresh one, Python's ``random`` and NumPy's global
+    ``np.random`` seeded as :func:`simcomm.sim.process_state.reset_python_and_numpy` seeds them."""
     torch.manual_seed(FRESH_PROCESS_SEED)
+    reset_python_and_numpy()
 
 
 def _die_with_parent(parent_pid: int) -> None:
