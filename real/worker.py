@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from simcomm import memory
+from simcomm.c10d.rank_state import install_init_join
 from simcomm.communicator import Communicator
 from simcomm.sim.process_state import reset_python_and_numpy
 from simcomm.sim.rank_random import FRESH_SEED
@@ -122,6 +123,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
                                 timeout=datetime.timedelta(seconds=max(spec.start_timeout, 600.0)),
                                 **({"device_id": device} if spec.backend == "nccl" else {}))
+        install_init_join(process_world=True)   # a program's init_process_group joins this group
         cache = GroupCache()
     except BaseException as error:
         messages.send(conn, StartFailed(spec.rank, messages.encode_error(error)))
