@@ -132,18 +132,18 @@ class _TaggedStream(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def _tagged_output(enabled: bool) -> Iterator[threading.local]:
-    """Swap ``sys.stdout``/``sys.stderr`` for tagging streams for the length of a launch."""
+def _tagged_output(enabled: bool) -> Iterator[tuple[threading.local, tuple[_TaggedStream, ...]]]:
+    """Swap ``sys.stdout``/``sys.stderr`` for tagging streams for the length of a launch;
+    yields the thread-local that names each rank thread's rank, and the streams."""
     local = threading.local()
     if not enabled:
-        yield local
+        yield local, ()
         return
     saved = sys.stdout, sys.stderr
     streams = _TaggedStream(saved[0], local), _TaggedStream(saved[1], local)
     sys.stdout, sys.stderr = streams
-    local.streams = streams
     try:
-        yield local
+        yield local, streams
     finally:
         if (sys.stdout, sys.stderr) == streams:
             sys.stdout, sys.stderr = saved
@@ -178,6 +178,7 @@ class _Launch:
     env: dict
     statuses: list
     output: threading.local
+    streams: tuple
 
     def run_rank(self, rank: int) -> int:
         output = self.output
@@ -204,7 +205,7 @@ class _Launch:
                 self.statuses[rank] = 0
                 return 0
         finally:
-            for stream in getattr(output, "streams", ()):
+            for stream in self.streams:
                 stream.end_rank(rank)
             output.rank = None
 
@@ -292,11 +293,11 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     error: BaseException | None = None
     start = time.perf_counter()
     try:
-        with _tagged_output(tag_output) as output:
+        with _tagged_output(tag_output) as (output, streams):
             launch = _Launch(target, module, list(args), nproc_per_node, nnodes,
                              {"master_addr": master_addr, "master_port": master_port,
                               "run_id": run_id if run_id is not None else "none"},
-                             statuses, output)
+                             statuses, output, streams)
             try:
                 world.run(_rank_program, launch, timeout=timeout)
             except SimcommError as failure:
