@@ -25,10 +25,13 @@ saved before a run and put back after it.
 
 **Cost.** Saving Python's or NumPy's state is slow (``random.getstate`` about
 10 us, ``np.random.get_state`` about 100 us), so it is done only for a rank
-that changed it: each generator has a *fingerprint*, a copy of its raw state
-bytes read straight from memory (about 0.3 us), and a rank whose fingerprint
-is unchanged at handoff saves nothing; loading is skipped when the rank's
-saved state is already the live one. A program that never draws from them
+that changed it: each generator has a *fingerprint*, a few words of its raw
+state read straight from memory (the position, two state words, the cached
+Gaussian: any draw, seeding or ``setstate`` changes them, but for chance
+collisions of 2**-64), and a rank whose fingerprint is unchanged at handoff
+saves nothing; loading is skipped when the rank's saved state is already the
+live one. Every rank hands off when it gives up the turn, also when it
+finishes, so the live state is always known. A program that never draws from them
 pays about 1 us per handoff in all (``benchmarks/launch_script.py``
 measures it). Where the raw bytes cannot be found (another interpreter or
 NumPy layout), every handoff saves and loads in full: correct, only slower.
@@ -99,8 +102,10 @@ def _python_fingerprint() -> Callable[[], Any] | None:
     raw = ctypes.string_at(address, size)
     if struct.unpack_from("i", raw)[0] != state[-1] or struct.unpack_from("624I", raw, 4) != state[:-1]:
         return None
-    string_at = ctypes.string_at
-    return lambda: (string_at(address, size), inst.gauss_next)
+    words = (ctypes.c_uint32 * 625).from_address(address)   # a live view: index, then the state
+    # the index, the first two and the last state words: a draw moves the index, and every
+    # 624 words the whole state is regenerated; seeding or setstate rewrites the words
+    return lambda: (words[0], words[1], words[2], words[624], inst.gauss_next)
 
 
 def _numpy_fingerprint() -> Callable[[], Any] | None:
@@ -130,8 +135,12 @@ def _numpy_fingerprint() -> Callable[[], Any] | None:
         legacy.set_state(saved)
     state_address = generator.ctypes.state.value
     cache_address = id(legacy) + offset - 8
-    string_at = ctypes.string_at
-    return lambda: string_at(state_address, 624 * 4 + 4) + string_at(cache_address, 16)
+    key = (ctypes.c_uint32 * 625).from_address(state_address)     # live views: key[624] is pos
+    flag = ctypes.c_int.from_address(cache_address)
+    gauss = ctypes.c_double.from_address(cache_address + 8)
+    # key[1], key[623] and the position (a draw moves it; every 624 words the key is
+    # regenerated), and the cached Gaussian with its flag
+    return lambda: (key[1], key[623], key[624], flag.value, gauss.value)
 
 
 _FINGERPRINTS: dict[str, Callable[[], Any] | None] = {}
@@ -168,14 +177,12 @@ class _SwappedGenerator:
 
     def take_turn(self, rank: int) -> None:
         state = self.states[rank]
-        fingerprint = self.fingerprint
-        if fingerprint is None:
+        if self.fingerprint is None:
             self.set(state)
-            return
-        if state is not self.loaded or fingerprint() != self.loaded_print:
+        elif state is not self.loaded:   # every rank handed off before: the live state is known
             self.set(state)
             self.loaded = state
-            self.loaded_print = fingerprint()
+            self.loaded_print = self.fingerprint()
 
 
 class RankProcessState:

@@ -135,6 +135,7 @@ class RunState:
                 return
             if self.error is not None:
                 return
+            self.random.hand_off(rank)   # the next rank then knows what the live state is
             next_rank = self.ready.popleft() if self.ready else None
             if next_rank is None and len(self.blocked) == self.running:
                 self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
