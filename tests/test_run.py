@@ -249,8 +249,8 @@ def test_shape_only_ranks_run_a_script_without_values(tmp_path, capsys):
 
 @pytest.mark.parametrize("call", [
     lambda comm: dist.init_process_group("gloo"),
-    lambda comm: dist.init_process_group("nccl", init_method="env://"),
-    lambda comm: dist.init_process_group("cpu:gloo,cuda:nccl", rank=comm.rank, world_size=3),
+    lambda comm: dist.init_process_group("cpu:gloo", init_method="env://"),
+    lambda comm: dist.init_process_group("gloo", rank=comm.rank, world_size=3),
     lambda comm: dist.init_process_group(None, init_method="tcp://127.0.0.1:29500", world_size=3),
     lambda comm: dist.init_process_group(),
 ])
@@ -282,6 +282,22 @@ def test_init_process_group_that_disagrees_names_what(kwargs, words):
     rank = info.value.rank
     assert isinstance(info.value.error, ValueError)
     assert f"init_process_group on rank {rank}: " + words.format(rank=rank) in str(info.value.error)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_nccl_is_refused_as_torch_refuses_it_without_nccl_and_accepted_shape_only(backend):
+    def program(comm):
+        dist.init_process_group(backend, init_method="env://")
+        return dist.get_world_size()
+
+    if dist.is_nccl_available():
+        assert simcomm.World(2).run(program) == [2, 2]
+    else:
+        with pytest.raises(simcomm.RankError) as info:
+            simcomm.World(2).run(program)
+        assert isinstance(info.value.error, RuntimeError)
+        assert "needs NCCL, and this torch has none" in str(info.value.error)
+    assert simcomm.World(2, tensors="shape").run(program) == [2, 2]   # planning a GPU run
 
 
 def test_init_process_group_after_the_programs_own_destroy_starts_a_new_default_group():

@@ -292,7 +292,7 @@ def install_init_join(*, process_world: bool = False) -> None:
 
 
 def check_init_arguments(backend: Any, world_size: int, rank: int, init_method: Any,
-                         run_rank: int, run_world_size: int) -> None:
+                         run_rank: int, run_world_size: int, nccl: bool = True) -> None:
     """Raise ``ValueError`` unless ``init_process_group(backend, world_size=, rank=,
     init_method=)`` on rank ``run_rank`` agrees with a run of ``run_world_size`` ranks.
 
@@ -300,7 +300,8 @@ def check_init_arguments(backend: Any, world_size: int, rank: int, init_method: 
     which the launcher set to agree) are accepted; ``backend`` may be ``None``, one of
     :data:`JOINABLE_BACKENDS`, or a device map such as ``"cpu:gloo,cuda:nccl"``;
     ``init_method`` may be ``None`` or any URL (``env://``, ``tcp://``, ``file://``):
-    the run is the rendezvous.
+    the run is the rendezvous. ``nccl=False`` (a torch without NCCL, real tensors on
+    the CPU) refuses ``"nccl"`` with ``RuntimeError`` as torchrun's processes would.
     """
     where = f"init_process_group on rank {run_rank}"
     if backend is not None:
@@ -313,6 +314,12 @@ def check_init_arguments(backend: Any, world_size: int, rank: int, init_method: 
                     f"{where}: backend={backend!r}: {name!r} cannot be served here; the run's world "
                     f"stands for any of {list(JOINABLE_BACKENDS[:3])} (alone or as a device map "
                     f"such as 'cpu:gloo,cuda:nccl')")
+            if name == "nccl" and not nccl:
+                raise RuntimeError(
+                    f"{where}: backend={backend!r} needs NCCL, and this torch has none "
+                    f"(dist.is_nccl_available() is False): under torchrun its processes fail "
+                    f"the same way (\"Distributed package doesn't have NCCL built in\"). Use "
+                    f"'gloo', or plan the GPU run shape-only (--tensors shape)")
     if init_method is not None and not isinstance(init_method, str):
         raise ValueError(f"{where}: init_method={init_method!r} must be a URL string or None")
     if world_size not in (-1, None) and world_size != run_world_size:
@@ -336,8 +343,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     and ``device_id`` are then accepted and have no effect."""
     context = getattr(_local, "rank", None)
     if context is not None:
+        state = context.state
         check_init_arguments(backend, world_size, rank, init_method, context.transport.global_rank,
-                             len(context.state.world.ranks))
+                             len(state.world.ranks), nccl=dist.is_nccl_available()
+                             or state.device.type == "cuda" or state.shape_only)
         if context.world is None:
             context.initialize()
         elif context.world.default_pg is None:
@@ -345,7 +354,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         return None
     if _process_world_joins and c10d.is_initialized():
         check_init_arguments(backend, world_size, rank, init_method, dist.get_rank(),
-                             dist.get_world_size())
+                             dist.get_world_size(), nccl=dist.is_nccl_available())
         return None
     return _original_init_process_group(backend, init_method, timeout, world_size, rank, store,
                                         group_name, pg_options, device_id, **kwargs)
