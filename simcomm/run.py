@@ -258,7 +258,7 @@ class ScriptRun:
             mark = "  (root cause)" if rank == root else ""
             lines.append(f"  rank {rank} (local_rank {rank % self.nproc_per_node}): {status}{mark}")
         if self.error is not None and not isinstance(self.error, (RankError, _RankExited)):
-            lines += ["-" * 60, f"{type(self.error).__name__}: {self.error}"]
+            lines += ["-" * 60, f"the run ended with {type(self.error).__name__} (above)"]
         lines.append(bar)
         return "\n".join(lines)
 

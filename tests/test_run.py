@@ -213,7 +213,7 @@ def test_a_mismatch_and_a_deadlock_name_each_ranks_script_line(tmp_path, capsys)
     deadlock = run_script(script, 2, ["deadlock"])
     assert isinstance(deadlock.error, simcomm.DeadlockError)
     assert f"{script}:7" in str(deadlock.error) and f"{script}:9" in str(deadlock.error)
-    assert deadlock.returncode == 1 and "DeadlockError" in deadlock.summary()
+    assert deadlock.returncode == 1 and "the run ended with DeadlockError" in deadlock.summary()
 
 
 def test_the_command_exits_nonzero_and_notes_ignored_flags(tmp_path):

@@ -17,6 +17,13 @@ The default group of a rank is created lazily, on the program's first use
 of torch.distributed, so a program that never touches it pays only for a
 thread-local assignment. Everything is torn down when the rank's program
 ends (returns, raises or is aborted): nothing survives into the next run.
+
+A program's own ``dist.init_process_group(...)`` (every torchrun script has
+one) joins the rank's world when its arguments agree with the run, and raises
+naming what disagrees otherwise (:func:`install_init_join`; real workers
+install the same rule). Top-level code of a script run as ``__main__`` on a
+rank thread gets the rank's state; only modules being imported get the
+process's (:func:`_from_module_body`).
 """
 from __future__ import annotations
 
