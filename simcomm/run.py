@@ -277,6 +277,11 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     runs shape-only ranks, ``memory=True`` fills ``ScriptRun.memory``. Raises
     ``ValueError`` for a bad ``nproc_per_node``/``nnodes``, ``FileNotFoundError``
     for a script that does not exist.
+
+    For the run, torch computes with the number of threads the ranks'
+    ``OMP_NUM_THREADS`` says (torchrun gives its workers 1 when it is unset and
+    there are several), as torchrun's processes do: a different count can change
+    float results in the last digits. The caller's setting is put back after.
     """
     for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -290,6 +295,12 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     # the script's folder leads sys.path, as `python script.py` puts it (the cwd for -m)
     search = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
     sys.path.insert(0, search)
+    # torchrun's workers start with OMP_NUM_THREADS=1 (when it is unset and N > 1), so their
+    # torch computes with one thread; so do the ranks here, or float results could differ
+    saved_threads = torch.get_num_threads()
+    threads = rank_environment(0, nproc_per_node, nnodes).get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
     error: BaseException | None = None
     start = time.perf_counter()
     try:
@@ -303,6 +314,7 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
             except SimcommError as failure:
                 error = failure
     finally:
+        torch.set_num_threads(saved_threads)
         with contextlib.suppress(ValueError):
             sys.path.remove(search)
     if isinstance(error, RankError) and isinstance(error.error, _RankExited):

@@ -160,6 +160,16 @@ def test_output_is_tagged_per_line_and_an_unfinished_line_is_flushed_at_the_end(
         assert f"[rank {rank}]  c{rank}\n" in out.err
 
 
+def test_torch_computes_with_the_threads_torchrun_gives_its_workers(tmp_path, capsys):
+    script = tmp_path / "threads.py"
+    script.write_text("import os, torch\nprint('threads', torch.get_num_threads(), os.environ.get('OMP_NUM_THREADS'))\n")
+    before = torch.get_num_threads()
+    expected = os.environ.get("OMP_NUM_THREADS") or "1"
+    assert run_script(script, 2).returncode == 0
+    assert tagged_lines(capsys.readouterr().out)[1] == [f"threads {expected} {expected}"]
+    assert torch.get_num_threads() == before
+
+
 # -- exit status ------------------------------------------------------------------------------
 
 def test_sys_exit_nonzero_on_one_rank_is_its_exit_code_and_fails_the_launch(capsys):
