@@ -165,7 +165,7 @@ def _exit_code(exit_: SystemExit, stderr) -> int:
     if isinstance(code, bool) or not isinstance(code, int):
         print(code, file=stderr)
         return 1
-    return code & 0xFF if code >= 0 else 256 + code if code >= -255 else 1
+    return code & 0xFF        # what the parent of a process sees: sys.exit(-1) is 255
 
 
 @dataclass
@@ -197,7 +197,7 @@ class _Launch:
                     if code != 0:
                         raise _RankExited(rank, code) from None
                     return 0
-                except (Aborted, _RankExited):
+                except Aborted:       # the run was stopped: this rank has no exit status
                     raise
                 except BaseException:
                     self.statuses[rank] = 1

@@ -324,10 +324,11 @@ class _RankEnviron(os._Environ):
         merged.update(self._current())
         return merged
 
-    # os._Environ keeps these for putenv; the view has no encoding of its own
-    @property
-    def _data(self):
-        return self._real._data
+    def __getattr__(self, name: str) -> Any:
+        # os._Environ's encoders and raw data (os.get_exec_path, subprocess): the process's own
+        if name == "_real":
+            raise AttributeError(name)
+        return getattr(self._real, name)
 
 
 @contextlib.contextmanager
