@@ -6,6 +6,9 @@ Launch (each command in a fresh process, rounds alternating between the two):
 * ``first collective``: from starting the command to the moment the last rank's first
   ``dist.all_reduce`` returned (the script prints ``time.time()`` there);
 * ``wall``: from starting the command to its exit;
+* ``its CPU``: the ranks' CPU time up to that point (``time.process_time()`` in the
+  script: simcomm.run's one process; the sum over torchrun's worker processes, without
+  the launcher's own);
 * ``CPU``: user + system time of the command and everything it waited for
   (``resource.getrusage(RUSAGE_CHILDREN)``), beside the wall time.
 
@@ -48,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 dist.init_process_group("gloo")
 value = torch.ones(1)
 dist.all_reduce(value)
-print(f"first_collective_at {time.time():.6f}", flush=True)
+print(f"first_collective_at {time.time():.6f} cpu {time.process_time():.6f}", flush=True)
 torch.manual_seed(0)
 model = DistributedDataParallel(nn.Linear(16, 16))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -102,10 +105,14 @@ def launch_once(command: list[str], cwd: str) -> dict:
     wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
     if done.returncode != 0:
         raise RuntimeError(f"{command} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    firsts = [float(line.rsplit(" ", 1)[1]) for line in (done.stdout + done.stderr).splitlines()
-              if "first_collective_at" in line]
-    return {"first_collective_s": max(firsts) - start_epoch, "wall_s": wall, "cpu_s": cpu,
-            "ranks_reporting": len(firsts)}
+    marks = [line.split("first_collective_at ", 1)[1].split() for line in
+             (done.stdout + done.stderr).splitlines() if "first_collective_at" in line]
+    firsts = [float(mark[0]) for mark in marks]
+    cpus = [float(mark[2]) for mark in marks]
+    # the ranks' CPU time up to their first collective: one process here, one per rank there
+    first_cpu = max(cpus) if command[1:3] == ["-m", "simcomm.run"] else sum(cpus)
+    return {"first_collective_s": max(firsts) - start_epoch, "first_collective_cpu_s": first_cpu,
+            "wall_s": wall, "cpu_s": cpu, "ranks_reporting": len(firsts)}
 
 
 def handoff_once(case: str, barriers: int) -> dict:
@@ -140,17 +147,18 @@ def main() -> None:
                     [*launcher, "--nproc-per-node", str(options.nproc), str(script), str(options.steps)],
                     folder))
     medians = {name: {key: statistics.median(s[key] for s in runs) for key in
-                      ("first_collective_s", "wall_s", "cpu_s")} for name, runs in samples.items()}
+                      ("first_collective_s", "first_collective_cpu_s", "wall_s", "cpu_s")}
+               for name, runs in samples.items()}
     print(f"launch: {options.nproc} ranks, {options.steps} DDP steps, median of {options.rounds} "
           f"rounds (seconds)")
-    print(f"{'':14}{'first collective':>18}{'wall':>10}{'CPU':>10}")
+    columns = (("first collective", "first_collective_s"), ("its CPU", "first_collective_cpu_s"),
+               ("wall", "wall_s"), ("CPU", "cpu_s"))
+    print(f"{'':14}" + "".join(f"{title:>18}" for title, _ in columns))
     for name, numbers in medians.items():
-        print(f"{name:14}{numbers['first_collective_s']:18.2f}{numbers['wall_s']:10.2f}"
-              f"{numbers['cpu_s']:10.2f}")
+        print(f"{name:14}" + "".join(f"{numbers[key]:18.2f}" for _, key in columns))
     sim, ref = medians["simcomm.run"], medians["torchrun"]
-    print(f"{'ratio':14}{sim['first_collective_s'] / ref['first_collective_s']:18.2f}"
-          f"{sim['wall_s'] / ref['wall_s']:10.2f}{sim['cpu_s'] / ref['cpu_s']:10.2f}"
-          f"   (simcomm.run / torchrun)")
+    print(f"{'ratio':14}" + "".join(f"{sim[key] / ref[key]:18.2f}" for _, key in columns)
+          + "   (simcomm.run / torchrun)")
 
     cases = ["torch only", "per-rank process state", "per-rank process state, drawing"]
     handoff = {case: [] for case in cases}

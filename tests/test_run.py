@@ -226,6 +226,15 @@ def test_a_mismatch_and_a_deadlock_name_each_ranks_script_line(tmp_path, capsys)
     assert deadlock.returncode == 1 and "the run ended with DeadlockError" in deadlock.summary()
 
 
+def test_a_timeout_stops_a_rank_that_never_ends_and_names_its_line(tmp_path):
+    script = tmp_path / "spins.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    while True:\n        pass\n")
+    result = run_script(script, 2, timeout=1.0)
+    assert isinstance(result.error, simcomm.RunTimeoutError)
+    assert result.exit_codes == [0, None] and result.returncode == 1
+    assert f"{script}:3" in str(result.error) or f"{script}:4" in str(result.error)
+
+
 def test_the_command_exits_nonzero_and_notes_ignored_flags(tmp_path):
     trace = tmp_path / "trace.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

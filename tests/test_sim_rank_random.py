@@ -142,10 +142,18 @@ def test_unseeded_random_numbers_are_the_same_on_real_processes():
 
 # -- Python's random and NumPy's global random state, sys.argv and __main__ ------------------------
 
-def test_python_and_numpy_seeding_on_one_rank_never_changes_another_ranks_numbers():
+@pytest.mark.parametrize("raw", [True, False], ids=["raw bytes", "getstate fallback"])
+def test_python_and_numpy_seeding_on_one_rank_never_changes_another_ranks_numbers(raw, monkeypatch):
     """Each rank seeds with its rank and draws between barriers, the legacy Gaussians' cached
-    second values included; the oracle is one process doing the same with nobody in between."""
+    second values included; the oracle is one process doing the same with nobody in between.
+    Both ways of keeping the state: raw bytes, and the generators' own getstate/setstate
+    (where the raw layout is unknown)."""
     import random
+
+    from simcomm.sim import process_state
+
+    if not raw:
+        monkeypatch.setattr(process_state, "_RAW", {"python": None, "numpy": None})
 
     import numpy as np
 

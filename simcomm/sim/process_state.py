@@ -23,18 +23,20 @@ process to process; ``real`` workers reset to these same seeds at the start of
 every run, so both backends draw the same numbers.) The caller's state is
 saved before a run and put back after it.
 
-**Cost.** Saving Python's or NumPy's state is slow (``random.getstate`` about
-10 us, ``np.random.get_state`` about 100 us), so it is done only for a rank
-that changed it: each generator has a *fingerprint*, a few words of its raw
-state read straight from memory (the position, two state words, the cached
-Gaussian: any draw, seeding or ``setstate`` changes them, but for chance
-collisions of 2**-64), and a rank whose fingerprint is unchanged at handoff
-saves nothing; loading is skipped when the rank's saved state is already the
-live one. Every rank hands off when it gives up the turn, also when it
+**Cost.** Python's and NumPy's own ``getstate``/``setstate`` are slow (about
+10 and 100 us), so the state is saved and loaded as raw bytes, copied
+straight from and into the generator's memory (the layout is checked against
+``getstate`` once; about 1 us), and only for a rank that changed it: each
+generator has a *fingerprint*, a few words of its raw state (the position,
+two state words, the cached Gaussian: any draw, seeding or ``setstate``
+changes them, but for chance collisions of 2**-64), and a rank whose
+fingerprint is unchanged at handoff saves nothing; loading is skipped when
+the rank's saved state is already the live one. Every rank hands off when it gives up the turn, also when it
 finishes, so the live state is always known. A program that never draws from them
 pays about 1 us per handoff in all (``benchmarks/launch_script.py``
 measures it). Where the raw bytes cannot be found (another interpreter or
-NumPy layout), every handoff saves and loads in full: correct, only slower.
+NumPy layout), every handoff saves and loads with ``getstate``/``setstate``:
+correct, only slower.
 
 **Environment variables** are per rank through :func:`rank_environ`, a view
 of ``os.environ`` that resolves to the calling rank thread's own copy (and to
@@ -53,7 +55,7 @@ import struct
 import sys
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -80,20 +82,12 @@ def reset_python_and_numpy() -> None:
         _np.random.seed(NUMPY_FRESH_SEED)
 
 
-def _fresh_python_state() -> Any:
-    return _random.Random(PYTHON_FRESH_SEED).getstate()
-
-
-def _fresh_numpy_state() -> Any:
-    return _np.random.RandomState(NUMPY_FRESH_SEED).get_state()
-
-
 # -- fingerprints: the raw bytes of a generator's state, read without building Python objects --
 
-def _python_fingerprint() -> Callable[[], Any] | None:
-    """A function returning the raw state of ``random``'s hidden generator (CPython's
-    ``RandomObject``: an int index, then 624 uint32 words, after the object header),
-    and its cached ``gauss_next``; ``None`` if the layout is not what it should be."""
+def _python_raw() -> _Raw | None:
+    """Raw access to the state of ``random``'s hidden generator (CPython's ``RandomObject``:
+    an int index, then 624 uint32 words, after the object header) and its cached
+    ``gauss_next``; ``None`` if the layout is not what it should be."""
     inst = _random._inst
     if sys.implementation.name != "cpython":
         return None
@@ -103,15 +97,25 @@ def _python_fingerprint() -> Callable[[], Any] | None:
     if struct.unpack_from("i", raw)[0] != state[-1] or struct.unpack_from("624I", raw, 4) != state[:-1]:
         return None
     words = (ctypes.c_uint32 * 625).from_address(address)   # a live view: index, then the state
+    string_at, memmove = ctypes.string_at, ctypes.memmove
+
+    def get() -> tuple:
+        return string_at(address, size), inst.gauss_next
+
+    def set_(state: tuple) -> None:
+        memmove(address, state[0], size)
+        inst.gauss_next = state[1]
+
     # the index, the first two and the last state words: a draw moves the index, and every
     # 624 words the whole state is regenerated; seeding or setstate rewrites the words
-    return lambda: (words[0], words[1], words[2], words[624], inst.gauss_next)
+    return _Raw(lambda: (words[0], words[1], words[2], words[624], inst.gauss_next), get, set_)
 
 
-def _numpy_fingerprint() -> Callable[[], Any] | None:
-    """A function returning the raw state of NumPy's global ``RandomState``: its MT19937
-    state (public: ``bit_generator.ctypes.state``, 624 words and a position) and the cached
-    Gaussian of the legacy ``randn`` (found in the object by planting a known value)."""
+def _numpy_raw() -> _Raw | None:
+    """Raw access to NumPy's global ``RandomState``: its MT19937 state (public:
+    ``bit_generator.ctypes.state``, 624 words and a position) and the cached Gaussian of
+    the legacy ``randn`` (found in the object by planting a known value); ``None`` if the
+    layout is not what it should be."""
     if _np is None:
         return None
     legacy = _np.random.mtrand._rand
@@ -138,18 +142,49 @@ def _numpy_fingerprint() -> Callable[[], Any] | None:
     key = (ctypes.c_uint32 * 625).from_address(state_address)     # live views: key[624] is pos
     flag = ctypes.c_int.from_address(cache_address)
     gauss = ctypes.c_double.from_address(cache_address + 8)
+    string_at, memmove, size = ctypes.string_at, ctypes.memmove, 624 * 4 + 4
+
+    def get() -> tuple:
+        return string_at(state_address, size), flag.value, gauss.value
+
+    def set_(state: tuple) -> None:
+        memmove(state_address, state[0], size)
+        flag.value, gauss.value = state[1], state[2]
+
     # key[1], key[623] and the position (a draw moves it; every 624 words the key is
     # regenerated), and the cached Gaussian with its flag
-    return lambda: (key[1], key[623], key[624], flag.value, gauss.value)
+    return _Raw(lambda: (key[1], key[623], key[624], flag.value, gauss.value), get, set_)
 
 
-_FINGERPRINTS: dict[str, Callable[[], Any] | None] = {}
+class _Raw(NamedTuple):
+    """A generator's state read and written as raw bytes (microseconds, where its own
+    ``getstate``/``setstate`` take 10 to 100), and its fingerprint."""
+
+    fingerprint: Callable[[], Any]
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
 
 
-def _fingerprint(name: str) -> Callable[[], Any] | None:
-    if name not in _FINGERPRINTS:
-        _FINGERPRINTS[name] = _python_fingerprint() if name == "python" else _numpy_fingerprint()
-    return _FINGERPRINTS[name]
+_RAW: dict[str, _Raw | None] = {}
+
+
+def _raw(name: str) -> _Raw | None:
+    if name not in _RAW:
+        _RAW[name] = _python_raw() if name == "python" else _numpy_raw()
+    return _RAW[name]
+
+
+def _swapped(world_size: int, name: str, get: Callable, set_: Callable, reseed: Callable) -> _SwappedGenerator:
+    """The generator ``name`` kept per rank: raw bytes and a fingerprint where the layout is
+    known, its own ``get``/``set`` (every handoff) elsewhere. ``reseed`` seeds it fresh."""
+    raw = _raw(name)
+    if raw is not None:
+        get, set_ = raw.get, raw.set
+    saved = get()
+    reseed()
+    fresh = get()
+    set_(saved)
+    return _SwappedGenerator(world_size, get, set_, fresh, raw.fingerprint if raw is not None else None)
 
 
 class _SwappedGenerator:
@@ -194,11 +229,11 @@ class RankProcessState:
 
     def __init__(self, world_size: int, device: torch.device):
         self.torch = RankRandomState(world_size, device)
-        self.python = _SwappedGenerator(world_size, _random.getstate, _random.setstate,
-                                        _fresh_python_state(), _fingerprint("python"))
+        self.python = _swapped(world_size, "python", _random.getstate, _random.setstate,
+                               lambda: _random.seed(PYTHON_FRESH_SEED))
         self.numpy = (None if _np is None else
-                      _SwappedGenerator(world_size, _np.random.get_state, _np.random.set_state,
-                                        _fresh_numpy_state(), _fingerprint("numpy")))
+                      _swapped(world_size, "numpy", _np.random.get_state, _np.random.set_state,
+                               lambda: _np.random.seed(NUMPY_FRESH_SEED)))
         self.argv: list = [sys.argv] * world_size
         self.main: list = [sys.modules.get("__main__")] * world_size
         self._caller_sys: tuple | None = None
