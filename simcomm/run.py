@@ -170,6 +170,8 @@ def _exit_code(exit_: SystemExit, stderr) -> int:
 
 @dataclass
 class _Launch:
+    """One launch, shared by its rank threads: what to run, with what, and each rank's status."""
+
     target: str
     module: bool
     args: list[str]
@@ -181,6 +183,9 @@ class _Launch:
     streams: tuple
 
     def run_rank(self, rank: int) -> int:
+        """Run the script as rank ``rank``'s ``__main__``, with its environment and argv;
+        record its exit status. ``sys.exit(n != 0)`` raises ``_RankExited``, which stops
+        the other ranks as torchrun stops its workers when one fails."""
         output = self.output
         output.rank = rank
         try:
