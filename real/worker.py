@@ -65,7 +65,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from simcomm import memory
+from simcomm.c10d.rank_state import install_init_join
 from simcomm.communicator import Communicator
+from simcomm.sim.process_state import reset_python_and_numpy
 from simcomm.sim.rank_random import FRESH_SEED
 
 from . import messages, pickling, startup
@@ -86,8 +88,11 @@ FRESH_PROCESS_SEED = FRESH_SEED
 
 
 def reset_random_state() -> None:
-    """Reset the default CPU generator (and every CUDA generator, lazily) to a fresh process's state."""
+    """Start a run from the state every virtual rank starts from: the default CPU generator
+    (and every CUDA generator, lazily) as a fresh one, Python's ``random`` and NumPy's global
+    ``np.random`` seeded as :func:`simcomm.sim.process_state.reset_python_and_numpy` seeds them."""
     torch.manual_seed(FRESH_PROCESS_SEED)
+    reset_python_and_numpy()
 
 
 def die_with_parent(parent_pid: int) -> bool:
@@ -209,6 +214,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
                                 timeout=datetime.timedelta(seconds=max(spec.start_timeout, 600.0)),
                                 **({"device_id": device} if spec.backend == "nccl" else {}))
+        install_init_join(process_world=True)   # a program's init_process_group joins this group
         cache = GroupCache()
     except BaseException as error:
         messages.send(conn, StartFailed(spec.rank, messages.encode_error(error)))

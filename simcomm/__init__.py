@@ -16,6 +16,7 @@ The package is layered; imports run downward only:
 ``simcomm.parallel``   the parallelisms the lessons teach, with references
 ``simcomm.lessons``    the lessons' exercise checkers and their verdicts
 ``simcomm.viz``        figures and widgets
+``simcomm.run``        ``python -m simcomm.run``: torchrun scripts on virtual ranks (``run_script``)
 =====================  ================================================================
 """
 from torch.distributed import ReduceOp
@@ -43,6 +44,15 @@ __all__ = [
     "World", "ReduceOp", "Communicator", "Transport", "Trace", "TraceEvent", "collectives",
     "Handle", "P2POp", "cost", "topology",
     "CollectiveMismatchError", "DeadlockError", "RankError", "RunTimeoutError", "SimcommError",
-    "UnwaitedHandleError", "CommunicatorClosedError", "WrongThreadError",
+    "UnwaitedHandleError", "CommunicatorClosedError", "WrongThreadError", "run_script",
 ]
+
+
+def __getattr__(name: str):
+    # run_script lives in simcomm.run, the module `python -m simcomm.run` executes: imported
+    # on first use, so that command does not find its own module imported already
+    if name == "run_script":
+        from .run import run_script
+        return run_script
+    raise AttributeError(f"module 'simcomm' has no attribute {name!r}")
 __version__ = "0.1.0"

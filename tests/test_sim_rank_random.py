@@ -138,3 +138,55 @@ def test_unseeded_random_numbers_are_the_same_on_real_processes():
     got = real.run(_unseeded, world_size=2, backend="gloo")
     for rank in range(2):
         assert torch.equal(got[rank], sim[rank]), rank
+
+
+# -- Python's random and NumPy's global random state, sys.argv and __main__ ------------------------
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw bytes", "getstate fallback"])
+def test_python_and_numpy_seeding_on_one_rank_never_changes_another_ranks_numbers(raw, monkeypatch):
+    """Each rank seeds with its rank and draws between barriers, the legacy Gaussians' cached
+    second values included; the oracle is one process doing the same with nobody in between.
+    Both ways of keeping the state: raw bytes, and the generators' own getstate/setstate
+    (where the raw layout is unknown)."""
+    import random
+
+    from simcomm.sim import process_state
+
+    if not raw:
+        monkeypatch.setattr(process_state, "_RAW", {"python": None, "numpy": None})
+
+    import numpy as np
+
+    def draws():
+        return [random.random(), random.gauss(0, 1), float(np.random.randn()), int(np.random.randint(9))]
+
+    def program(comm):
+        random.seed(comm.rank)
+        np.random.seed(comm.rank)
+        mine = []
+        for _ in range(3):
+            mine.extend(draws())
+            comm.barrier()
+        return mine
+
+    for rank, mine in enumerate(simcomm.World(3).run(program)):
+        random.seed(rank)
+        np.random.seed(rank)
+        assert mine == [value for _ in range(3) for value in draws()], rank
+
+
+def test_sys_argv_and_main_are_per_rank_and_the_callers_come_back():
+    import sys
+    import types
+
+    caller_argv, caller_main = sys.argv, sys.modules["__main__"]
+
+    def program(comm):
+        sys.argv = [f"rank{comm.rank}"]
+        sys.modules["__main__"] = types.ModuleType(f"main{comm.rank}")
+        comm.barrier()
+        comm.all_reduce(torch.ones(1))
+        return sys.argv, sys.modules["__main__"].__name__
+
+    assert simcomm.World(3).run(program) == [([f"rank{r}"], f"main{r}") for r in range(3)]
+    assert sys.argv is caller_argv and sys.modules["__main__"] is caller_main

@@ -17,9 +17,17 @@ The default group of a rank is created lazily, on the program's first use
 of torch.distributed, so a program that never touches it pays only for a
 thread-local assignment. Everything is torn down when the rank's program
 ends (returns, raises or is aborted): nothing survives into the next run.
+
+A program's own ``dist.init_process_group(...)`` (every torchrun script has
+one) joins the rank's world when its arguments agree with the run, and raises
+naming what disagrees otherwise (:func:`install_init_join`; real workers
+install the same rule). Top-level code of a script run as ``__main__`` on a
+rank thread gets the rank's state; only modules being imported get the
+process's (:func:`_from_module_body`).
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -34,7 +42,8 @@ from ..sim.rendezvous import Group
 from ..sim.scheduler import RunState
 from ..sim.transport import SimTransport
 
-__all__ = ["rank_process_group", "BACKEND_NAME"]
+__all__ = ["rank_process_group", "BACKEND_NAME", "install_init_join", "check_init_arguments",
+           "JOINABLE_BACKENDS"]
 
 BACKEND_NAME = "simcomm"
 
@@ -115,12 +124,20 @@ class _WorldSwitch:
 
 
 def _from_module_body(frame) -> bool:
-    """Whether c10d's state is read by the top-level code of a module being imported,
+    """Whether c10d's state is read by the top-level code of a module *being imported*,
     directly or through ``group.WORLD`` (torch evaluates ``group=group.WORLD`` default
     arguments at import time). Such a read gets the process's own state: a module
-    imported on a rank thread must not capture that rank's group, nor start it mid-import."""
-    return frame.f_code.co_name == "<module>" or (
-        frame.f_back is not None and frame.f_back.f_code.co_name == "<module>")
+    imported on a rank thread must not capture that rank's group, nor start it mid-import.
+
+    A script's top level run as ``__main__`` (runpy, ``exec``) is module code too, but
+    not an import: its reads (``dist.destroy_process_group()`` at the end of a torchrun
+    script) are the rank's, as they are a process's on a real run. The import system
+    runs a module's code from ``importlib._bootstrap``; that caller tells them apart."""
+    for candidate in (frame, frame.f_back):
+        if candidate is not None and candidate.f_code.co_name == "<module>":
+            caller = candidate.f_back
+            return caller is not None and "importlib._bootstrap" in caller.f_code.co_filename
+    return False
 
 
 class _NoStore(dist.Store):
@@ -186,13 +203,18 @@ class _RankContext:
                     # backward must run on the rank thread that called it, as on one process
                     _multithreading_ctx = torch.autograd.set_multithreading_enabled(False)
             _active += 1
+        self.create_default_group()
+
+    def create_default_group(self) -> None:
+        """The default group of this rank: at first use, and again if the program destroyed
+        it and calls ``init_process_group`` once more (as a process may)."""
         # init_process_group also sets process-wide things (sys.excepthook with a rank
         # prefix, the module's _backend): keep them as they were for the rest of the process
         saved = (sys.excepthook, c10d._backend, c10d._default_pg_init_method)
         try:
-            dist.init_process_group(BACKEND_NAME, rank=self.transport.global_rank,
-                                    world_size=len(self.state.world.ranks),
-                                    store=_groups_of(self.state).store)
+            _original_init_process_group(BACKEND_NAME, rank=self.transport.global_rank,
+                                         world_size=len(self.state.world.ranks),
+                                         store=_groups_of(self.state).store)
         finally:
             sys.excepthook, c10d._backend, c10d._default_pg_init_method = saved
 
@@ -236,8 +258,9 @@ def current_context() -> _RankContext:
 
 
 def _install() -> None:
-    """Register the backend and put the switch in place of ``_world``: once, and again
-    if other code (e.g. PyTorch's threaded process group) has replaced it since."""
+    """Register the backend, put the switch in place of ``_world`` and let
+    ``init_process_group`` join a run: once, and again if other code (e.g. PyTorch's
+    threaded process group) has replaced ``_world`` since."""
     global _switch
     with _install_lock:
         if c10d._world is not _switch:
@@ -245,6 +268,103 @@ def _install() -> None:
             register()
             _switch = _WorldSwitch(c10d._world)
             c10d._world = _switch
+    install_init_join()
+
+
+# -- init_process_group inside a run ------------------------------------------------------------
+
+_original_init_process_group = c10d.init_process_group
+#: the backend names a program may ask for: every one is served by the run's own world
+#: (the simulator on virtual ranks; the worker's gloo or NCCL group on real workers)
+JOINABLE_BACKENDS = ("gloo", "nccl", BACKEND_NAME, "undefined")
+_process_world_joins = False     # a real worker: the process's default group is the run's world
+
+
+def install_init_join(*, process_world: bool = False) -> None:
+    """Make ``dist.init_process_group`` join the run a program runs in, as under torchrun.
+
+    On a virtual rank's thread the rank's world already stands (created on first
+    use); on a real worker (``process_world=True``, called once by the worker after
+    it joined its group) the process's default group is the run's world. There, a
+    call whose arguments agree with the run (see :func:`check_init_arguments`)
+    returns at once, having joined it; one that disagrees raises ``ValueError``
+    naming what disagrees. Everywhere else the call is torch's own.
+    """
+    global _process_world_joins
+    if process_world:
+        _process_world_joins = True
+    if dist.init_process_group is not init_process_group:
+        dist.init_process_group = init_process_group
+        c10d.init_process_group = init_process_group
+
+
+def check_init_arguments(backend: Any, world_size: int, rank: int, init_method: Any,
+                         run_rank: int, run_world_size: int, nccl: bool = True) -> None:
+    """Raise ``ValueError`` unless ``init_process_group(backend, world_size=, rank=,
+    init_method=)`` on rank ``run_rank`` agrees with a run of ``run_world_size`` ranks.
+
+    ``world_size``/``rank`` of ``-1`` (torch's default: read them from the environment,
+    which the launcher set to agree) are accepted; ``backend`` may be ``None``, one of
+    :data:`JOINABLE_BACKENDS`, or a device map such as ``"cpu:gloo,cuda:nccl"``;
+    ``init_method`` may be ``None`` or any URL (``env://``, ``tcp://``, ``file://``):
+    the run is the rendezvous. ``nccl=False`` (a torch without NCCL, real tensors on
+    the CPU) refuses ``"nccl"`` with ``RuntimeError`` as torchrun's processes would.
+    """
+    where = f"init_process_group on rank {run_rank}"
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise ValueError(f"{where}: backend={backend!r} must be a backend name (a str) or None")
+        for piece in backend.lower().split(","):
+            name = piece.split(":", 1)[-1].strip()
+            if name not in JOINABLE_BACKENDS:
+                raise ValueError(
+                    f"{where}: backend={backend!r}: {name!r} cannot be served here; the run's world "
+                    f"stands for any of {list(JOINABLE_BACKENDS[:3])} (alone or as a device map "
+                    f"such as 'cpu:gloo,cuda:nccl')")
+            if name == "nccl" and not nccl:
+                raise RuntimeError(
+                    f"{where}: backend={backend!r} needs NCCL, and this torch has none "
+                    f"(dist.is_nccl_available() is False): under torchrun its processes fail "
+                    f"the same way (\"Distributed package doesn't have NCCL built in\"). Use "
+                    f"'gloo', or plan the GPU run shape-only (--tensors shape)")
+    if init_method is not None and not isinstance(init_method, str):
+        raise ValueError(f"{where}: init_method={init_method!r} must be a URL string or None")
+    if world_size not in (-1, None) and world_size != run_world_size:
+        raise ValueError(
+            f"{where}: world_size={world_size!r} disagrees with the run, which has "
+            f"{run_world_size} ranks; pass world_size={run_world_size} or leave it out "
+            f"(torchrun's WORLD_SIZE)")
+    if rank not in (-1, None) and rank != run_rank:
+        raise ValueError(
+            f"{where}: rank={rank!r} disagrees with the run: this is rank {run_rank} of "
+            f"{run_world_size}; pass rank={run_rank} (e.g. int(os.environ['RANK'])) or leave it out")
+
+
+@functools.wraps(_original_init_process_group)
+def init_process_group(backend: str | None = None, init_method: str | None = None, timeout=None,
+                       world_size: int = -1, rank: int = -1, store: dist.Store | None = None,
+                       group_name: str = "", pg_options: Any = None, device_id: Any = None,
+                       **kwargs: Any) -> None:
+    """torch's ``init_process_group``, which inside a run joins the run's world
+    (:func:`install_init_join`); ``timeout``, ``store``, ``group_name``, ``pg_options``
+    and ``device_id`` are then accepted and have no effect."""
+    context = getattr(_local, "rank", None)
+    if context is not None:
+        state = context.state
+        check_init_arguments(backend, world_size, rank, init_method, context.transport.global_rank,
+                             len(state.world.ranks), nccl=dist.is_nccl_available()
+                             or state.device.type == "cuda" or state.shape_only)
+        if context.world is None:
+            context.initialize()
+        elif context.world.default_pg is None:
+            context.create_default_group()
+        return None
+    if _process_world_joins and c10d.is_initialized():
+        check_init_arguments(backend, world_size, rank, init_method, dist.get_rank(),
+                             dist.get_world_size(), nccl=dist.is_nccl_available())
+        return None
+    return _original_init_process_group(backend, init_method, timeout, world_size, rank, store,
+                                        group_name, pg_options, device_id, **kwargs)
 
 
 class rank_process_group:  # noqa: N801 - used as a function: ``with rank_process_group(comm):``

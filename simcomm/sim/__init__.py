@@ -9,8 +9,10 @@ The call chain of one collective on a virtual rank::
           -> RunState.release_and_wait (scheduler.py)   the others block; the turn passes on
 
 ``pending.py`` holds what an asynchronous call's handle waits on, ``waits.py``
-the deadlock and timeout reports, ``rank_random.py`` each rank's own random
-state, and ``shape.py`` shape-only ranks (fake tensors).
+the deadlock and timeout reports, ``rank_random.py`` each rank's own torch
+generators, ``process_state.py`` the rest of what each process has to itself
+(Python's and NumPy's random state, ``sys.argv``, ``__main__``, environment
+variables), and ``shape.py`` shape-only ranks (fake tensors).
 """
 from .scheduler import Aborted, RunState
 from .transport import SimTransport

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import CommunicatorClosedError, DeadlockError, WrongThreadError
 from ..reports import program_location
-from .rank_random import RankRandomState
+from .process_state import RankProcessState
 from .rendezvous import Group
 from .waits import Wait, describe_deadlock, describe_ranks, describe_waits
 
@@ -63,10 +63,11 @@ class RunState:
     threads compete for the interpreter lock. Runs are therefore
     deterministic, and a deadlock is simply "nobody ready, everybody blocked".
 
-    At each handoff the rank handing the turn on saves torch's default
-    generator state and the rank taking it loads its own
-    (:class:`~simcomm.sim.rank_random.RankRandomState`), so each rank draws from
-    a random stream of its own.
+    At each handoff the rank handing the turn on saves its process state
+    (torch's, Python's and NumPy's random state, ``sys.argv``, ``__main__``) and
+    the rank taking it loads its own
+    (:class:`~simcomm.sim.process_state.RankProcessState`), so each rank draws
+    from random streams of its own, as each process of a real run does.
 
     Lock discipline (see the module docstring): the scheduler's decisions are
     taken under ``lock``; waking another rank's thread and blocking on one's
@@ -92,7 +93,7 @@ class RunState:
         self.closed = False
         self.woken_by_abort: set[int] = set()
         self.done = threading.Event()
-        self.random = RankRandomState(world_size, device)
+        self.random = RankProcessState(world_size, device)
         self.events: list[tuple] | None = [] if trace else None
         self.clock_zero = time.perf_counter()
         self.world = Group(("world",), range(world_size))
@@ -115,7 +116,7 @@ class RunState:
         if self.error is not None:
             raise Aborted
         self.started.add(rank)
-        self.random.set_state(self.random.states[rank])
+        self.random.take_turn(rank)
 
     def rank_failed(self, rank: int, error: BaseException) -> None:
         """``rank``'s program raised ``error``: record it and abort the run."""
@@ -134,6 +135,7 @@ class RunState:
                 return
             if self.error is not None:
                 return
+            self.random.hand_off(rank)   # the next rank then knows what the live state is
             next_rank = self.ready.popleft() if self.ready else None
             if next_rank is None and len(self.blocked) == self.running:
                 self.abort_locked(DeadlockError(self.describe_deadlock_locked()))
@@ -198,7 +200,7 @@ class RunState:
         """
         self.blocked[rank] = wait
         random = self.random
-        random.states[rank] = random.get_state()
+        random.hand_off(rank)
         next_rank = self.ready.popleft() if self.ready else None
         deadlock = next_rank is None and len(self.blocked) == self.running
         if deadlock:
@@ -211,7 +213,7 @@ class RunState:
         self.waiters[rank].acquire()
         if self.error is not None:
             raise Aborted
-        random.set_state(random.states[rank])
+        random.take_turn(rank)
 
     def abort_and_release(self, error: BaseException) -> NoReturn:
         """Abort the run with ``error``. Called with the lock held; releases it and

@@ -418,7 +418,7 @@ class SimTransport(TransportBase):
             elif state.ready:
                 raise_aborted = False
                 state.ready.append(me)
-                state.random.states[me] = state.random.get_state()   # this rank's stream, kept
+                state.random.hand_off(me)   # this rank's random streams, argv, __main__: kept
                 state.waiters[state.ready.popleft()].release()
             else:
                 self._fruitless_polls += 1
@@ -435,7 +435,7 @@ class SimTransport(TransportBase):
             self._fruitless_polls = 0
             state.waiters[me].acquire()
             if state.error is None:
-                state.random.set_state(state.random.states[me])
+                state.random.take_turn(me)
         if state.error is not None:
             raise Aborted
 

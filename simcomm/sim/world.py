@@ -105,10 +105,12 @@ class World:
           tensors are never modified. A tensor that requires grad must be a
           leaf (autograd does not follow a tensor into another process).
           Other objects are passed as they are.
-        * **its own random state**: torch's default generators start every run
-          from a fresh generator's state on every rank, and one rank's seeding
-          and drawing never changes another's numbers
-          (:mod:`simcomm.sim.rank_random`). The caller's state is unchanged.
+        * **its own random state**: torch's default generators, Python's
+          ``random`` and NumPy's global ``np.random`` start every run from the
+          same fresh state on every rank, and one rank's seeding and drawing
+          never changes another's numbers (:mod:`simcomm.sim.process_state`);
+          so do ``sys.argv`` and ``sys.modules["__main__"]`` (each rank starts
+          with the caller's). The caller's state is unchanged.
         * autograd's backward runs on the rank's own thread
           (``torch.autograd.set_multithreading_enabled(False)``), on any device.
 

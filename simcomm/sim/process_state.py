@@ -1,0 +1,390 @@
+"""Per-rank process state: what each process of a real run has to itself, given to each virtual rank.
+
+Virtual ranks are threads of one process, so everything a process keeps in
+module globals is shared by them unless the simulator gives each rank its
+own. Since the ranks take turns (:class:`simcomm.sim.scheduler.RunState`),
+most of it can simply belong to the rank holding the turn: the rank handing
+the turn on saves it (:meth:`RankProcessState.hand_off`), the rank taking it
+loads its own (:meth:`RankProcessState.take_turn`). Swapped at each handoff:
+
+* torch's default generators (:mod:`simcomm.sim.rank_random`);
+* Python's ``random`` module state (the module-level functions draw from
+  one hidden ``random.Random``) and NumPy's global ``np.random`` state (the
+  legacy ``RandomState`` behind ``np.random.seed``/``rand``/``randn``);
+* ``sys.argv`` and ``sys.modules["__main__"]``, so each rank may run its own
+  ``__main__`` module with its own arguments (``python -m simcomm.run``).
+
+Every rank starts every run from the same fresh state: torch's generators as
+a fresh ``torch.Generator``, Python's ``random`` seeded with
+:data:`PYTHON_FRESH_SEED` and NumPy's with :data:`NUMPY_FRESH_SEED`, and the
+caller's ``sys.argv`` and ``__main__``. (A new interpreter seeds Python's and
+NumPy's generators from the operating system, so unseeded numbers differ from
+process to process; ``real`` workers reset to these same seeds at the start of
+every run, so both backends draw the same numbers.) The caller's state is
+saved before a run and put back after it.
+
+**Cost.** Python's and NumPy's own ``getstate``/``setstate`` are slow (about
+10 and 100 us), so the state is saved and loaded as raw bytes, copied
+straight from and into the generator's memory (the layout is checked against
+``getstate`` once; about 1 us), and only for a rank that changed it: each
+generator has a *fingerprint*, a few words of its raw state (the position,
+two state words, the cached Gaussian: any draw, seeding or ``setstate``
+changes them, but for chance collisions of 2**-64), and a rank whose
+fingerprint is unchanged at handoff saves nothing; loading is skipped when
+the rank's saved state is already the live one. Every rank hands off when it gives up the turn, also when it
+finishes, so the live state is always known. A program that never draws from them
+pays about 1 us per handoff in all (``benchmarks/launch_script.py``
+measures it). Where the raw bytes cannot be found (another interpreter or
+NumPy layout), every handoff saves and loads with ``getstate``/``setstate``:
+correct, only slower.
+
+**Environment variables** are per rank through :func:`rank_environ`, a view
+of ``os.environ`` that resolves to the calling rank thread's own copy (and to
+the process's environment on every other thread). What it cannot cover: C
+and C++ code that calls ``getenv`` (torch's C++ reads such as
+``TORCH_CPP_LOG_LEVEL``, NCCL's and gloo's variables) and child processes
+started without ``env=``, which see the process's one real environment.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import random as _random
+import struct
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from .rank_random import FRESH_SEED, RankRandomState
+
+__all__ = ["PYTHON_FRESH_SEED", "NUMPY_FRESH_SEED", "RankProcessState", "reset_python_and_numpy",
+           "rank_environ"]
+
+#: the seed Python's ``random`` starts every run from, on virtual ranks and real workers
+PYTHON_FRESH_SEED: int = FRESH_SEED
+#: the seed NumPy's global ``np.random`` starts every run from (it takes 32 bits)
+NUMPY_FRESH_SEED: int = FRESH_SEED & 0xFFFF_FFFF
+
+try:
+    import numpy as _np
+except ImportError:   # NumPy is optional: then there is no NumPy state to keep per rank
+    _np = None
+
+
+def reset_python_and_numpy() -> None:
+    """Seed Python's ``random`` and NumPy's global ``np.random`` as every run starts them."""
+    _random.seed(PYTHON_FRESH_SEED)
+    if _np is not None:
+        _np.random.seed(NUMPY_FRESH_SEED)
+
+
+# -- fingerprints: the raw bytes of a generator's state, read without building Python objects --
+
+def _python_raw() -> _Raw | None:
+    """Raw access to the state of ``random``'s hidden generator (CPython's ``RandomObject``:
+    an int index, then 624 uint32 words, after the object header) and its cached
+    ``gauss_next``; ``None`` if the layout is not what it should be."""
+    inst = _random._inst
+    if sys.implementation.name != "cpython":
+        return None
+    address, size = id(inst) + 2 * ctypes.sizeof(ctypes.c_void_p), 4 + 624 * 4
+    state = inst.getstate()[1]
+    raw = ctypes.string_at(address, size)
+    if struct.unpack_from("i", raw)[0] != state[-1] or struct.unpack_from("624I", raw, 4) != state[:-1]:
+        return None
+    words = (ctypes.c_uint32 * 625).from_address(address)   # a live view: index, then the state
+    string_at, memmove = ctypes.string_at, ctypes.memmove
+
+    def get() -> tuple:
+        return string_at(address, size), inst.gauss_next
+
+    def set_(state: tuple) -> None:
+        memmove(address, state[0], size)
+        inst.gauss_next = state[1]
+
+    # the index, the first two and the last state words: a draw moves the index, and every
+    # 624 words the whole state is regenerated; seeding or setstate rewrites the words
+    return _Raw(lambda: (words[0], words[1], words[2], words[624], inst.gauss_next), get, set_)
+
+
+def _numpy_raw() -> _Raw | None:
+    """Raw access to NumPy's global ``RandomState``: its MT19937 state (public:
+    ``bit_generator.ctypes.state``, 624 words and a position) and the cached Gaussian of
+    the legacy ``randn`` (found in the object by planting a known value); ``None`` if the
+    layout is not what it should be."""
+    if _np is None:
+        return None
+    legacy = _np.random.mtrand._rand
+    generator = legacy._bit_generator
+    if type(generator).__name__ != "MT19937":
+        return None
+    saved = legacy.get_state()
+    try:
+        key = _np.arange(624, dtype=_np.uint32)
+        marker = 1.2345678901234e-300
+        legacy.set_state(("MT19937", key, 5, 1, marker))
+        blob = ctypes.string_at(id(legacy), type(legacy).__basicsize__)
+        offset = blob.find(struct.pack("d", marker))
+        if offset < 8 or struct.unpack_from("i", blob, offset - 8)[0] != 1:
+            return None
+        legacy.set_state(("MT19937", key, 5, 0, 0.0))
+        blob = ctypes.string_at(id(legacy), type(legacy).__basicsize__)
+        if struct.unpack_from("i", blob, offset - 8)[0] != 0:
+            return None
+    finally:
+        legacy.set_state(saved)
+    state_address = generator.ctypes.state.value
+    cache_address = id(legacy) + offset - 8
+    key = (ctypes.c_uint32 * 625).from_address(state_address)     # live views: key[624] is pos
+    flag = ctypes.c_int.from_address(cache_address)
+    gauss = ctypes.c_double.from_address(cache_address + 8)
+    string_at, memmove, size = ctypes.string_at, ctypes.memmove, 624 * 4 + 4
+
+    def get() -> tuple:
+        return string_at(state_address, size), flag.value, gauss.value
+
+    def set_(state: tuple) -> None:
+        memmove(state_address, state[0], size)
+        flag.value, gauss.value = state[1], state[2]
+
+    # key[1], key[623] and the position (a draw moves it; every 624 words the key is
+    # regenerated), and the cached Gaussian with its flag
+    return _Raw(lambda: (key[1], key[623], key[624], flag.value, gauss.value), get, set_)
+
+
+class _Raw(NamedTuple):
+    """A generator's state read and written as raw bytes (microseconds, where its own
+    ``getstate``/``setstate`` take 10 to 100), and its fingerprint."""
+
+    fingerprint: Callable[[], Any]
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
+
+
+_RAW: dict[str, _Raw | None] = {}
+
+
+def _raw(name: str) -> _Raw | None:
+    if name not in _RAW:
+        _RAW[name] = _python_raw() if name == "python" else _numpy_raw()
+    return _RAW[name]
+
+
+def _swapped(world_size: int, name: str, get: Callable, set_: Callable, reseed: Callable) -> _SwappedGenerator:
+    """The generator ``name`` kept per rank: raw bytes and a fingerprint where the layout is
+    known, its own ``get``/``set`` (every handoff) elsewhere. ``reseed`` seeds it fresh."""
+    raw = _raw(name)
+    if raw is not None:
+        get, set_ = raw.get, raw.set
+    saved = get()
+    reseed()
+    fresh = get()
+    set_(saved)
+    return _SwappedGenerator(world_size, get, set_, fresh, raw.fingerprint if raw is not None else None)
+
+
+class _SwappedGenerator:
+    """One process-global generator kept per rank, saved only when a rank changed it."""
+
+    __slots__ = ("states", "get", "set", "fingerprint", "loaded", "loaded_print", "caller")
+
+    def __init__(self, world_size: int, get: Callable, set_: Callable, fresh: Any,
+                 fingerprint: Callable[[], Any] | None):
+        self.get, self.set, self.fingerprint = get, set_, fingerprint
+        self.states: list = [fresh] * world_size    # set copies in, so one state serves all
+        self.loaded = None            # the saved state that is live now (None: unknown)
+        self.loaded_print = None
+        self.caller = None
+
+    def hand_off(self, rank: int) -> None:
+        fingerprint = self.fingerprint
+        if fingerprint is None:
+            self.states[rank] = self.get()
+            return
+        now = fingerprint()
+        if now != self.loaded_print:
+            self.states[rank] = self.loaded = self.get()
+            self.loaded_print = now
+
+    def take_turn(self, rank: int) -> None:
+        state = self.states[rank]
+        if self.fingerprint is None:
+            self.set(state)
+        elif state is not self.loaded:   # every rank handed off before: the live state is known
+            self.set(state)
+            self.loaded = state
+            self.loaded_print = self.fingerprint()
+
+
+class RankProcessState:
+    """The per-rank process state of one run (see the module docstring).
+
+    :meth:`take_turn` and :meth:`hand_off` are called by a rank's own thread
+    while it holds the turn, so no lock is needed.
+    """
+
+    def __init__(self, world_size: int, device: torch.device):
+        self.torch = RankRandomState(world_size, device)
+        self.python = _swapped(world_size, "python", _random.getstate, _random.setstate,
+                               lambda: _random.seed(PYTHON_FRESH_SEED))
+        self.numpy = (None if _np is None else
+                      _swapped(world_size, "numpy", _np.random.get_state, _np.random.set_state,
+                               lambda: _np.random.seed(NUMPY_FRESH_SEED)))
+        self.argv: list = [sys.argv] * world_size
+        self.main: list = [sys.modules.get("__main__")] * world_size
+        self._caller_sys: tuple | None = None
+
+    def hand_off(self, rank: int) -> None:
+        """``rank`` hands the turn on: keep its state."""
+        torch_state = self.torch
+        torch_state.states[rank] = torch_state.get_state()
+        self.python.hand_off(rank)
+        if self.numpy is not None:
+            self.numpy.hand_off(rank)
+        self.argv[rank] = sys.argv
+        self.main[rank] = sys.modules.get("__main__")
+
+    def take_turn(self, rank: int) -> None:
+        """``rank`` takes the turn: make its state the live one."""
+        torch_state = self.torch
+        torch_state.set_state(torch_state.states[rank])
+        self.python.take_turn(rank)
+        if self.numpy is not None:
+            self.numpy.take_turn(rank)
+        sys.argv = self.argv[rank]
+        main = self.main[rank]
+        if main is not None:
+            sys.modules["__main__"] = main
+
+    def save_caller(self) -> None:
+        """Before a run: remember the state of the thread that starts it."""
+        self.torch.save_caller()
+        self.python.caller = _random.getstate()
+        if self.numpy is not None:
+            self.numpy.caller = _np.random.get_state()
+        self._caller_sys = (sys.argv, sys.modules.get("__main__"))
+
+    def restore_caller(self) -> None:
+        """After a run: the caller's state is as it was before it."""
+        self.torch.restore_caller()
+        if self.python.caller is not None:
+            _random.setstate(self.python.caller)
+        if self.numpy is not None and self.numpy.caller is not None:
+            _np.random.set_state(self.numpy.caller)
+        if self._caller_sys is not None:
+            sys.argv, main = self._caller_sys
+            if main is not None:
+                sys.modules["__main__"] = main
+
+
+# -- environment variables per rank ---------------------------------------------------------------
+
+_env_local = threading.local()      # .environ: the calling rank thread's own variables
+_env_lock = threading.Lock()
+_env_users = 0
+_real_environ: os._Environ | None = None
+
+
+class _RankEnviron(os._Environ):
+    """Stands in for ``os.environ``: the calling rank thread's own variables on a rank
+    thread inside :func:`rank_environ`, the process's environment everywhere else.
+
+    A rank's copy is a plain dict: setting a variable there changes what that
+    rank's Python code reads (``os.environ``, ``os.getenv``), not the C
+    environment, which the process has only one of.
+    """
+
+    def __init__(self, real: os._Environ):   # noqa: super().__init__ would copy the data
+        self._real = real
+
+    def _current(self) -> Any:
+        mine = getattr(_env_local, "environ", None)
+        return self._real if mine is None else mine
+
+    def __getitem__(self, key):
+        return self._current()[key]
+
+    def __setitem__(self, key, value):
+        mine = getattr(_env_local, "environ", None)
+        if mine is None:
+            self._real[key] = value
+            return
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"str expected, not {type(key if not isinstance(key, str) else value).__name__}")
+        mine[key] = value
+
+    def __delitem__(self, key):
+        del self._current()[key]
+
+    def __iter__(self):
+        return iter(list(self._current()))
+
+    def __len__(self):
+        return len(self._current())
+
+    def __contains__(self, key):
+        return key in self._current()
+
+    def __repr__(self):
+        mine = getattr(_env_local, "environ", None)
+        return repr(self._real) if mine is None else f"environ({mine!r})"
+
+    def copy(self):
+        return dict(self._current())
+
+    def setdefault(self, key, value):
+        if key not in self:
+            self[key] = value
+        return self[key]
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def __or__(self, other):
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        merged = dict(self._current())
+        merged.update(other)
+        return merged
+
+    def __ror__(self, other):
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        merged = dict(other)
+        merged.update(self._current())
+        return merged
+
+    def __getattr__(self, name: str) -> Any:
+        # os._Environ's encoders and raw data (os.get_exec_path, subprocess): the process's own
+        if name == "_real":
+            raise AttributeError(name)
+        return getattr(self._real, name)
+
+
+@contextlib.contextmanager
+def rank_environ(variables: Mapping[str, str]) -> Iterator[None]:
+    """For the calling thread, for the length of the block: ``os.environ`` (and
+    ``os.getenv``) read and write ``variables``, a copy of the process's environment
+    with this rank's variables on top. Other threads keep the real environment."""
+    global _env_users, _real_environ
+    with _env_lock:
+        if _env_users == 0:
+            _real_environ = os.environ
+            os.environ = _RankEnviron(_real_environ)
+        _env_users += 1
+        mine = dict(_real_environ)
+    mine.update(variables)
+    _env_local.environ = mine
+    try:
+        yield
+    finally:
+        _env_local.environ = None
+        with _env_lock:
+            _env_users -= 1
+            if _env_users == 0 and isinstance(os.environ, _RankEnviron):
+                os.environ = _real_environ
