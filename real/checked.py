@@ -235,24 +235,24 @@ class Checker:
     def __init__(self, store, rank: int, world_size: int):
         self.store = store
         self.rank = rank
-        self._groups: set[tuple[int, ...]] = {tuple(range(world_size))}
+        world = tuple(range(world_size))
+        self._groups: dict[str, tuple[int, ...]] = {".".join(map(str, world)): world}
         self._steps: Counter[tuple] = Counter()
         self._channels: Counter[tuple] = Counter()
         self._waits = 0
 
-    def add_group(self, ranks: Sequence[int]) -> None:
+    def add_group(self, transport) -> None:
         """Remember a group this rank belongs to (for :meth:`ended`)."""
-        self._groups.add(tuple(sorted(ranks)))
+        self._groups[_group_key(transport)] = tuple(sorted(transport.ranks))
 
     def ended(self, location: str = "") -> None:
         """This rank's program returned: answer every wait a peer could still enter for it."""
         keys = []
-        for group in self._groups:
-            name = ".".join(map(str, group))
-            keys.append(f"c/{name}/{self._steps[group]}/{self.rank}")
+        for name, group in self._groups.items():
+            keys.append(f"c/{name}/{self._steps[name]}/{self.rank}")
             for peer in group:
                 if peer != self.rank:
-                    send, recv = (group, self.rank, peer, "send"), (group, peer, self.rank, "recv")
+                    send, recv = (name, self.rank, peer, "send"), (name, peer, self.rank, "recv")
                     keys.append(f"p/{name}/{self.rank}>{peer}/{self._channels[send]}/send")
                     keys.append(f"p/{name}/{peer}>{self.rank}/{self._channels[recv]}/recv")
         marker = pickle.dumps((self.rank, _ENDED, location))
@@ -262,10 +262,10 @@ class Checker:
         """Compare ``call`` with the same step's call on every rank of ``transport``'s group; raise
         :class:`CollectiveMismatchError` (on every rank) when they disagree. Blocks until all arrive."""
         group = tuple(transport.ranks)
-        key = tuple(sorted(group))
+        key = _group_key(transport)
         step = self._steps[key]
         self._steps[key] += 1
-        prefix = f"c/{'.'.join(map(str, key))}/{step}/"
+        prefix = f"c/{key}/{step}/"
         me = group[transport.rank]
         keys = [prefix + str(rank) for rank in group]
         waiting = self._waiting([(k, r) for k, r in zip(keys, group) if r != me], call, location)
@@ -288,10 +288,10 @@ class Checker:
         group = tuple(transport.ranks)
         me, peer = group[transport.rank], group[call.peer]
         src, dst = (me, peer) if call.kind == "send" else (peer, me)
-        channel = (tuple(sorted(group)), src, dst, call.kind)
+        channel = (_group_key(transport), src, dst, call.kind)
         number = self._channels[channel]
         self._channels[channel] += 1
-        base = f"p/{'.'.join(map(str, channel[0]))}/{src}>{dst}/{number}/"
+        base = f"p/{channel[0]}/{src}>{dst}/{number}/"
         record = (me, call, location)
         posted = _Posted(base + ("recv" if call.kind == "send" else "send"), record, group, peer)
         if blocking:
@@ -316,6 +316,12 @@ class Checker:
                 f"send/recv mismatch in group {list(posted.group)}:\n"
                 f"  rank {send[0]} sends {_shape_dtype(send[1])}{_via(send[1], 'send')} at {send[2]}\n"
                 f"  rank {recv[0]} expects {_shape_dtype(recv[1])}{_via(recv[1], 'recv')} at {recv[2]}")
+
+
+def _group_key(transport) -> str:
+    """The name of ``transport``'s group in the store's keys (two groups may share their ranks)."""
+    key = getattr(transport, "group_key", None)
+    return key if key is not None else ".".join(map(str, sorted(transport.ranks)))
 
 
 def find_deadlock(store, ranks: Sequence[int]) -> str | None:
@@ -418,6 +424,12 @@ class CheckedTransport:
         """The transport that moves the data."""
         return self._inner
 
+    def local_subgroup(self, part):
+        """The inner transport's :meth:`~real.transport.DistTransport.local_subgroup`, checked."""
+        out = self._inner.local_subgroup(part)
+        self._checker.add_group(out)
+        return CheckedTransport(out, self._checker)
+
     def __getattr__(self, name: str):
         if name in ("_inner", "_checker"):       # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
@@ -445,7 +457,7 @@ class CheckedTransport:
             out = method(*args, **kwargs)
             if name != "subgroup":
                 return out
-            self._checker.add_group(out.ranks)
+            self._checker.add_group(out)
             return CheckedTransport(out, self._checker)
         blocking = name in ("send", "recv") and not kwargs.get("async_op", False)
         posted = [self._checker.post(inner, call, location, blocking) if call.peer != inner.rank else None

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from simcomm.checks import check_splits, to_reduce_op
 from simcomm.handles import Handle, P2POp
@@ -75,7 +76,8 @@ class GroupCache:
 
     def __init__(self, world_group: dist.ProcessGroup | None = None):
         self.world_group = world_group if world_group is not None else dist.group.WORLD
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._groups: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
+        self._made: Counter[tuple[int, ...]] = Counter()
         self.unsupported: set[tuple[str, str]] = set()
         self.calls: Counter[tuple] = Counter()
         self.broken = False
@@ -94,19 +96,41 @@ class GroupCache:
         """``(broken, calls)``: what :func:`books_agree` compares across ranks."""
         return self.broken, dict(self.calls)
 
-    def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        """The process group of exactly ``ranks`` (global, any order); created on first use.
+    def begin_run(self) -> None:
+        """A run starts: its subgroups take the cached groups from the first again."""
+        self._made.clear()
 
-        Only the members call this (local synchronization), so a subgroup of a
-        subgroup needs no cooperation from the rest of the world.
+    def group(self, ranks: tuple[int, ...]) -> tuple[dist.ProcessGroup, str]:
+        """A process group of exactly ``ranks`` (global, any order) of its own, and its name.
+
+        The n-th group of a run with these ranks is the n-th cached one (created on first
+        use), so every subgroup of a run is a group of its own, also one with the same
+        ranks as another or as the world, and a Cluster's later runs reuse them: creating
+        groups in every run leaks nothing. Only the members call this (they alone meet in
+        the store), so a subgroup of a subgroup needs no cooperation from the rest of the world.
         """
         key = tuple(sorted(ranks))
-        if key == tuple(range(dist.get_world_size())):
-            return self.world_group
-        group = self._groups.get(key)
+        ordinal = self._made[key]
+        self._made[key] += 1
+        name = "simcomm:" + ".".join(map(str, key)) + f":{ordinal}"
+        group = self._groups.get((key, ordinal))
         if group is None:
-            group = dist.new_group(list(key), use_local_synchronization=True)
-            self._groups[key] = group
+            group = self._groups[(key, ordinal)] = self._create(key, name)
+        return group, name
+
+    def _create(self, ranks: tuple[int, ...], name: str) -> dist.ProcessGroup:
+        world = self.world_group
+        backend = dist.get_backend(world)
+        store = c10d._world.pg_map[world][1]
+        saved = c10d._world.default_pg
+        c10d._world.default_pg = world      # a run's own default group must not see this
+        try:
+            group, _ = c10d._new_process_group_helper(
+                len(ranks), ranks.index(dist.get_rank(world)), list(ranks), backend, store, name,
+                timeout=c10d._get_default_timeout(backend), device_id=world.bound_device_id)
+        finally:
+            c10d._world.default_pg = saved
+        c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
         return group
 
 
@@ -186,7 +210,8 @@ class DistTransport(TransportBase):
 
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
                  *, events: list | None = None, clock_zero: float | None = None,
-                 cache: GroupCache | None = None, recorder: Recorder | None = None):
+                 cache: GroupCache | None = None, recorder: Recorder | None = None,
+                 group_key: str | None = None):
         group = group if group is not None else dist.group.WORLD
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("DistTransport: this process is not a member of the given group "
@@ -201,6 +226,13 @@ class DistTransport(TransportBase):
             recorder = Recorder(events, clock_zero)
         super().__init__(dist.get_rank(group), ranks, torch.device(device), recorder)
         self._cache = cache if cache is not None else GroupCache()
+        #: names this group among the process's groups (two groups may have the same ranks)
+        self.group_key = group_key if group_key is not None else ".".join(map(str, ranks))
+
+    @property
+    def cache(self) -> GroupCache:
+        """The process groups (and books) this transport and its subgroups share."""
+        return self._cache
 
     def __repr__(self) -> str:
         return (f"DistTransport(rank={self.rank}, ranks={list(self.ranks)}, backend={self.backend}, "
@@ -369,10 +401,15 @@ class DistTransport(TransportBase):
         """
         record = self._begin("subgroup", self._next_step(), None, args={"groups": groups})
         part = next(part for part in groups if self.rank in part)
-        group = self._cache.group(tuple(self.ranks[r] for r in part))
-        child = DistTransport(group, self.device, recorder=self._recorder, cache=self._cache)
+        child = self.local_subgroup(part)
         self._end(record, None)
         return child
+
+    def local_subgroup(self, part: Sequence[int]) -> DistTransport:
+        """The transport of the group of ``part`` (group-local ranks, this rank among them),
+        made by its members only: not a collective of this group, not traced."""
+        group, name = self._cache.group(tuple(self.ranks[r] for r in part))
+        return DistTransport(group, self.device, recorder=self._recorder, cache=self._cache, group_key=name)
 
     # -- point to point --
 

@@ -46,6 +46,7 @@ from simcomm.sim.rank_random import FRESH_SEED
 
 from . import messages, pickling
 from .checked import CheckedTransport, Checker
+from .checked_pg import run_process_groups
 from .messages import Close, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import device_for
 from .transport import DistTransport, GroupCache
@@ -165,11 +166,12 @@ def _run(request: Run, rank: int, device: torch.device, cache: GroupCache) -> Fi
                 check_store = _check_store(request.check_port, request.check_timeout)
                 checker = Checker(check_store, dist.get_rank(), dist.get_world_size())
                 transport = CheckedTransport(transport, checker)
-            if request.track_memory:
-                result, memory_report = memory.run_tracked(
-                    rank, program, (Communicator(transport), *args), kwargs, device=device)
-            else:
-                result, memory_report = program(Communicator(transport), *args, **kwargs), None
+            with run_process_groups(transport):     # dist.* checked and traced as comm.*
+                if request.track_memory:
+                    result, memory_report = memory.run_tracked(
+                        rank, program, (Communicator(transport), *args), kwargs, device=device)
+                else:
+                    result, memory_report = program(Communicator(transport), *args, **kwargs), None
             if checker is not None:
                 checker.ended()
         result_blob = pickling.dumps(_to_cpu(result))
