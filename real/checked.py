@@ -41,17 +41,22 @@ their check at issue and complete it in ``wait()``.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import pickle
 import sys
+import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from simcomm.checks import check_splits
 from simcomm.errors import CollectiveMismatchError, DeadlockError
+from simcomm.handles import Handle
 from simcomm.reports import mismatch_message, program_location
 
 __all__ = ["Call", "Checker", "CheckedTransport", "EXTRACTORS", "describe", "find_deadlock"]
@@ -218,6 +223,16 @@ class _Posted:
     peer: int                      # global rank of the other side
 
 
+@dataclass
+class _Step:
+    """A collective's record written to the store, waiting for the other ranks' records."""
+
+    group: tuple[int, ...]         # global ranks, group order
+    step: int
+    keys: list[str]                # every rank's record key, group order
+    record: tuple                  # (global rank, Call, location) of this rank
+
+
 _ENDED = "ended"
 
 
@@ -240,6 +255,36 @@ class Checker:
         self._steps: Counter[tuple] = Counter()
         self._channels: Counter[tuple] = Counter()
         self._waits = 0
+        #: group key -> the last async collective issued on it (see _Deferred)
+        self.last_issue: dict[str, _Deferred] = {}
+        self._spare_clients: list = []
+        self._clients_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def own_client(self) -> Iterator[Checker]:
+        """A checker sharing this one's books but with a store connection of its own, for the
+        thread of a deferred check (a store client serves one blocking wait at a time)."""
+        with self._clients_lock:
+            client = self._spare_clients.pop() if self._spare_clients else None
+        if client is None and not isinstance(self.store, dist.TCPStore):
+            client = self.store                  # an in-process store serves several waits at once
+        elif client is None:
+            client = dist.TCPStore(self.store.host, self.store.port, None, is_master=False,
+                                   timeout=self.store.timeout)
+        view = copy.copy(self)
+        view.store = client
+        try:
+            yield view
+        finally:
+            with self._clients_lock:
+                self._spare_clients.append(client)
+
+    def after_issued(self, transport) -> None:
+        """Block until the async collectives this rank issued earlier on ``transport``'s group
+        are issued to the backend (a later collective of the group must not overtake them)."""
+        work = self.last_issue.get(_group_key(transport))
+        if work is not None:
+            work.join()
 
     def add_group(self, transport) -> None:
         """Remember a group this rank belongs to (for :meth:`ended`)."""
@@ -261,20 +306,43 @@ class Checker:
     def collective(self, transport, call: Call, location: str) -> None:
         """Compare ``call`` with the same step's call on every rank of ``transport``'s group; raise
         :class:`CollectiveMismatchError` (on every rank) when they disagree. Blocks until all arrive."""
+        self.compare(self.post_collective(transport, call, location, announce=True))
+
+    def post_collective(self, transport, call: Call, location: str, announce: bool = False) -> _Step:
+        """Write this rank's record of its next collective on ``transport``'s group (``announce``:
+        and its waiting record: :meth:`compare` follows at once); :meth:`compare` completes it."""
         group = tuple(transport.ranks)
         key = _group_key(transport)
         step = self._steps[key]
         self._steps[key] += 1
         prefix = f"c/{key}/{step}/"
         me = group[transport.rank]
-        keys = [prefix + str(rank) for rank in group]
-        waiting = self._waiting([(k, r) for k, r in zip(keys, group) if r != me], call, location)
-        self.store.multi_set([prefix + str(me), f"w/{me}"], [pickle.dumps((me, call, location)), waiting])
-        records = [pickle.loads(blob) for blob in self.store.multi_get(keys)]
-        _raise_if_ended(records, group, me, call, location)
+        posted = _Step(group, step, [prefix + str(rank) for rank in group], (me, call, location))
+        if announce:
+            self.store.multi_set([prefix + str(me), f"w/{me}"], [pickle.dumps(posted.record),
+                                                                  self.waiting_record(posted)])
+        else:
+            self.store.set(prefix + str(me), pickle.dumps(posted.record))
+        return posted
+
+    def waiting_record(self, posted: _Step) -> bytes:
+        """The waiting record (``w/<rank>``) of a rank about to wait for ``posted``'s peers."""
+        me, call, location = posted.record
+        return self._waiting([(k, r) for k, r in zip(posted.keys, posted.group) if r != me], call, location)
+
+    def announce(self, posted: _Step) -> None:
+        """Write the waiting record: this rank now waits for ``posted``'s peers."""
+        self.store.set(f"w/{posted.record[0]}", self.waiting_record(posted))
+
+    def compare(self, posted: _Step) -> None:
+        """Wait for every rank's record of ``posted``'s step; raise :class:`CollectiveMismatchError`
+        (on every rank) when they disagree."""
+        me, call, location = posted.record
+        records = [pickle.loads(blob) for blob in self.store.multi_get(posted.keys)]
+        _raise_if_ended(records, posted.group, me, call, location)
         problem = _collective_problem(records)
         if problem is not None:
-            raise CollectiveMismatchError(_collective_message(group, step, records, problem))
+            raise CollectiveMismatchError(_collective_message(posted.group, posted.step, records, problem))
 
     def _waiting(self, awaited: list[tuple[str, int]], call: Call, location: str) -> bytes:
         """This rank's waiting record (``w/<rank>``): which keys of which ranks it is about to wait
@@ -321,7 +389,7 @@ class Checker:
 def _group_key(transport) -> str:
     """The name of ``transport``'s group in the store's keys (two groups may share their ranks)."""
     key = getattr(transport, "group_key", None)
-    return key if key is not None else ".".join(map(str, sorted(transport.ranks)))
+    return key if isinstance(key, str) else ".".join(map(str, sorted(transport.ranks)))
 
 
 def find_deadlock(store, ranks: Sequence[int]) -> str | None:
@@ -453,6 +521,9 @@ class CheckedTransport:
             return method(*args, **kwargs)
         location = program_location(sys._getframe(2))
         if calls[0].kind == "collective":
+            if kwargs.get("async_op", False):
+                return self._deferred(method, args, kwargs, calls[0], location)
+            self._checker.after_issued(inner)      # the group's earlier async calls go first
             self._checker.collective(inner, calls[0], location)
             out = method(*args, **kwargs)
             if name != "subgroup":
@@ -476,6 +547,66 @@ class CheckedTransport:
             if item is not None:
                 self._checker.finish(item, announce=True)
         return out
+
+
+class _Deferred:
+    """An async collective whose check completes on a thread of its own, which then issues it.
+
+    The program goes on at once, as with an unchecked ``async_op=True`` call: a rank may
+    issue async collectives of two groups in an order another rank does not, and the data
+    still moves only once every rank of the group has issued the same call. The group's
+    collectives keep the program's order (each waits until the one before it is issued).
+    """
+
+    def __init__(self, checker: Checker, posted: _Step, previous: threading.Event | None, issue):
+        self._checker, self._posted = checker, posted
+        self._previous, self._issue = previous, issue
+        self.issued = threading.Event()
+        self._handle = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="simcomm-checked-collective", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if self._previous is not None:
+                self._previous.wait()
+            with self._checker.own_client() as checker:
+                checker.compare(self._posted)
+            self._handle = self._issue()
+        except BaseException as error:     # raised again by wait()
+            self._error = error
+        finally:
+            self.issued.set()
+
+    def join(self) -> None:
+        """Block until the call is issued (or its check failed: raise that)."""
+        if not self.issued.is_set():
+            self._checker.announce(self._posted)   # the parent sees what this rank waits for
+            self.issued.wait()
+        if self._error is not None:
+            raise self._error.with_traceback(self._error.__traceback__)
+
+    def wait(self):
+        self.join()
+        return self._handle.wait()
+
+    def is_completed(self) -> bool:
+        return self.issued.is_set() and (self._error is not None or self._handle.is_completed())
+
+
+def _deferred(self, method, args: tuple, kwargs: dict, call: Call, location: str) -> Handle:
+    checker, inner = self._checker, self._inner
+    posted = checker.post_collective(inner, call, location)
+    key = _group_key(inner)
+    previous = checker.last_issue.get(key)
+    work = _Deferred(checker, posted, previous.issued if previous is not None else None,
+                     lambda: method(*args, **kwargs))
+    checker.last_issue[key] = work
+    return Handle(work)
+
+
+CheckedTransport._deferred = _deferred
 
 
 class _CheckedHandle:

@@ -27,7 +27,8 @@ a checked ``subgroup`` of the world whose gloo group comes from the worker's
 :class:`real.transport.GroupCache` (kept for the next run, so a run that
 makes groups leaks nothing; each call of a run gets a group of its own).
 What the program sees is unchanged: ``dist.get_backend()`` is ``"gloo"``,
-group names and ranks are torch's. When the run ends every group it created
+group names and ranks are torch's (``group.name()`` is ``"simcomm"``, as on
+virtual ranks). When the run ends every group it created
 is removed from c10d's state and the gloo world is the default group again.
 
 ``ReduceOp.PREMUL_SUM`` (gloo has none) is emulated: the input times the
@@ -81,23 +82,26 @@ class RealProcessGroup(SimcommProcessGroup):
     """The c10d process group of one real worker over a run's transport.
 
     ``transport`` is the run's transport of this group (checked or not);
-    ``backend`` the name of the backend that moves the data (what
-    ``getBackendName()`` answers: ``"gloo"`` or ``"nccl"``).
+    ``backend`` the name of the backend that moves the data (``"gloo"`` or
+    ``"nccl"``: what ``dist.get_backend(group)`` answers). The process group's
+    own ``name()`` is ``"simcomm"``, as on virtual ranks: torch's C++ code
+    (DDP's logger) asks a group named ``"gloo"`` for its gloo backend object,
+    which a Python process group does not have.
     """
 
-    def __init__(self, transport, backend: str):
+    def __init__(self, transport, backend: str, data_group: dist.ProcessGroup | None = None):
         super().__init__(transport)
         self._backend = backend
-
-    def getBackendName(self) -> str:
-        return self._backend
+        self._data_group = data_group if data_group is not None else transport.group
 
     @property
-    def name(self) -> str:
-        return self._backend
+    def data_group(self) -> dist.ProcessGroup:
+        """The backend's own process group that moves this group's data (a
+        :class:`real.transport.DistTransport` made from this group uses it)."""
+        return self._data_group
 
     def __repr__(self) -> str:
-        return f"RealProcessGroup(rank={self.transport.rank}, ranks={list(self.transport.ranks)}, {self._backend})"
+        return f"RealProcessGroup(rank={self.rank()}, size={self.size()}, {self._backend})"
 
     # -- groups --
 
@@ -169,23 +173,20 @@ class RealProcessGroup(SimcommProcessGroup):
         return self._submit(premul_reduce, tensors, _as_sum(opts), async_op=opts.asyncOp)
 
 
-@contextlib.contextmanager
-def run_process_groups(transport) -> Iterator[RealProcessGroup]:
-    """c10d's default group is a :class:`RealProcessGroup` over ``transport`` (the run's world
-    transport, the one ``comm`` holds) for the length of the block; afterwards the worker's own
-    default group is back and every group the block created is gone from c10d's state.
+#: the worker's default group once a run has installed it (it stays: see run_process_groups)
+_installed: RealProcessGroup | None = None
 
-    Needs an initialised default group (the worker's); the transport's data keeps moving through it.
-    """
+
+def _install(transport) -> RealProcessGroup:
+    """Make a :class:`RealProcessGroup` over ``transport`` c10d's default group, in place of the
+    worker's own (which stays in c10d's tables: the transport's data moves through it)."""
+    global _installed
     world = c10d._world
     original = world.default_pg
     if original is None:
         raise RuntimeError("run_process_groups: torch.distributed is not initialised in this worker")
-    before = set(world.pg_map)
     name = world.pg_names[original]
-    count = world.group_count
-    transport.cache.begin_run()
-    group = RealProcessGroup(transport, str(world.pg_map[original][0]).lower())
+    group = RealProcessGroup(transport, str(world.pg_map[original][0]).lower(), data_group=original)
     group._set_group_name(name)
     group._set_group_desc("default_pg")
     world.pg_map[group] = world.pg_map[original]
@@ -199,15 +200,36 @@ def run_process_groups(transport) -> Iterator[RealProcessGroup]:
     _unregister_process_group(name)
     _register_process_group(name, group)         # the functional collectives find groups by name
     world.default_pg = group
+    _installed = group
+    return group
+
+
+@contextlib.contextmanager
+def run_process_groups(transport) -> Iterator[RealProcessGroup]:
+    """c10d's default group is a :class:`RealProcessGroup` over ``transport`` (the run's world
+    transport, the one ``comm`` holds) for the length of the block; afterwards every group the
+    block created is gone from c10d's state.
+
+    The default group stays the same object from the first run on, its transport replaced by
+    each run's: torch evaluates ``group=group.WORLD`` default arguments when a module is
+    imported, so a module a run imports keeps the group it saw. Between runs it serves no
+    calls. Needs an initialised default group (the worker's).
+    """
+    world = c10d._world
+    group = _installed
+    if group is None or world.default_pg is not group:
+        group = _install(transport)
+    group.transport = transport
+    before = set(world.pg_map)
+    count = world.group_count
+    transport.cache.begin_run()
     try:
         yield group
     finally:
-        world.default_pg = original
         for made in [pg for pg in world.pg_map if pg not in before and isinstance(pg, RealProcessGroup)]:
             _forget(world, made)
-        _unregister_process_group(name)
-        _register_process_group(name, original)
         world.group_count = count
+        group.transport = None
 
 
 def _forget(world, group) -> None:

@@ -213,6 +213,8 @@ class DistTransport(TransportBase):
                  cache: GroupCache | None = None, recorder: Recorder | None = None,
                  group_key: str | None = None):
         group = group if group is not None else dist.group.WORLD
+        # a run's c10d group (real.checked_pg) moves its data through the backend's own group
+        group = getattr(group, "data_group", group)
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("DistTransport: this process is not a member of the given group "
                              "(or torch.distributed is not initialized)")
