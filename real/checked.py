@@ -35,9 +35,13 @@ of functions with the primitive's signature that return what to compare.
 Names not in the table (``compute``, attributes, primitives added later) pass
 through unchanged; a call whose arguments do not fit its extractor runs
 unchecked. Consequences to know: a blocking ``send`` waits until its ``recv``
-is posted (as on the simulator); an ``async_op=True`` collective waits at
-issue until every rank of the group has issued it; ``isend``/``irecv`` post
-their check at issue and complete it in ``wait()``.
+is posted (as on the simulator). An ``async_op=True`` collective, an
+``isend``/``irecv`` and a ``batch_isend_irecv`` return at once: the check
+completes on a thread of its own (with a store connection of its own), which
+issues the call to the backend once the other ranks agree, so the program's
+computation and its other groups go on as unchecked, and a mismatch moves no
+data (both sides raise it in ``wait()``). A group's collectives, and a
+channel's point-to-point calls, reach the backend in the program's order.
 """
 from __future__ import annotations
 
@@ -221,6 +225,7 @@ class _Posted:
     record: tuple                  # (global rank, Call, location) of this side
     group: tuple[int, ...]
     peer: int                      # global rank of the other side
+    channel: str = ""              # the (group, sender, receiver) channel: its calls keep their order
 
 
 @dataclass
@@ -282,7 +287,8 @@ class Checker:
     def after_issued(self, transport) -> None:
         """Block until the async collectives this rank issued earlier on ``transport``'s group
         are issued to the backend (a later collective of the group must not overtake them)."""
-        work = self.last_issue.get(_group_key(transport))
+        key = transport if isinstance(transport, str) else _group_key(transport)
+        work = self.last_issue.get(key)
         if work is not None:
             work.join()
 
@@ -361,13 +367,19 @@ class Checker:
         self._channels[channel] += 1
         base = f"p/{channel[0]}/{src}>{dst}/{number}/"
         record = (me, call, location)
-        posted = _Posted(base + ("recv" if call.kind == "send" else "send"), record, group, peer)
+        posted = _Posted(base + ("recv" if call.kind == "send" else "send"), record, group, peer,
+                         f"p/{channel[0]}/{src}>{dst}")
         if blocking:
             self.store.multi_set([base + call.kind, f"w/{me}"],
                                  [pickle.dumps(record), self._waiting([(posted.partner_key, peer)], call, location)])
         else:
             self.store.set(base + call.kind, pickle.dumps(record))
         return posted
+
+    def announce_pair(self, posted: _Posted) -> None:
+        """Write the waiting record: this rank now waits for the other side of ``posted``."""
+        self.store.set(f"w/{posted.record[0]}",
+                       self._waiting([(posted.partner_key, posted.peer)], posted.record[1], posted.record[2]))
 
     def finish(self, posted: _Posted, announce: bool = False) -> None:
         """Wait for the other side of the pair; raise :class:`CollectiveMismatchError` when the
@@ -533,97 +545,107 @@ class CheckedTransport:
         blocking = name in ("send", "recv") and not kwargs.get("async_op", False)
         posted = [self._checker.post(inner, call, location, blocking) if call.peer != inner.rank else None
                   for call in calls]
+        checked = [item for item in posted if item is not None]
         if blocking:                             # both sides agree before data moves
-            for item in posted:
-                if item is not None:
-                    self._checker.finish(item)
+            for item in checked:
+                self._checker.after_issued(item.channel)   # the channel's earlier isend/irecv first
+                self._checker.finish(item)
             return method(*args, **kwargs)
-        out = method(*args, **kwargs)
-        if isinstance(out, Sequence) and len(out) == len(posted):
-            return [_CheckedHandle(handle, self._checker, item) for handle, item in zip(out, posted)]
-        if len(posted) == 1:
-            return _CheckedHandle(out, self._checker, posted[0])
-        for item in posted:                      # a result this wrapper does not know: check now
-            if item is not None:
-                self._checker.finish(item, announce=True)
-        return out
+        # isend/irecv/batch: checked on a thread, issued once the other sides agree, so a
+        # mismatched pair moves nothing and leaves both processes fit for the next run
+        checker = self._checker
+        previous = [checker.last_issue[item.channel] for item in checked if item.channel in checker.last_issue]
+
+        def check(view: Checker) -> None:
+            for item in checked:
+                view.finish(item)
+
+        work = _Deferred(checker, check, previous, lambda: method(*args, **kwargs),
+                         lambda: checker.announce_pair(checked[0]) if checked else None)
+        for item in checked:
+            checker.last_issue[item.channel] = work
+        if name == "batch_isend_irecv":
+            return [Handle(_Part(work, index)) for index in range(len(calls))]
+        return Handle(work)
 
 
 class _Deferred:
-    """An async collective whose check completes on a thread of its own, which then issues it.
+    """An async call whose check completes on a thread of its own, which then issues it.
 
     The program goes on at once, as with an unchecked ``async_op=True`` call: a rank may
     issue async collectives of two groups in an order another rank does not, and the data
-    still moves only once every rank of the group has issued the same call. The group's
-    collectives keep the program's order (each waits until the one before it is issued).
+    still moves only once every rank of the group has issued the same call (for
+    ``isend``/``irecv``: once the other side has posted a matching call). Calls of one group
+    (of one point-to-point channel) keep the program's order: each is issued after the
+    ones ``previous`` names.
+
+    ``check(checker)`` runs on the thread with a checker of its own store connection;
+    ``issue()`` then makes the call; ``announce()`` writes the waiting record when the
+    program waits before the call is issued.
     """
 
-    def __init__(self, checker: Checker, posted: _Step, previous: threading.Event | None, issue):
-        self._checker, self._posted = checker, posted
-        self._previous, self._issue = previous, issue
+    def __init__(self, checker: Checker, check, previous: Sequence[_Deferred], issue, announce):
+        self._checker, self._check = checker, check
+        self._previous, self._issue, self._announce = list(previous), issue, announce
         self.issued = threading.Event()
-        self._handle = None
+        self.handle = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="simcomm-checked-collective", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="simcomm-checked-call", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            if self._previous is not None:
-                self._previous.wait()
+            for earlier in self._previous:
+                earlier.issued.wait()
             with self._checker.own_client() as checker:
-                checker.compare(self._posted)
-            self._handle = self._issue()
+                self._check(checker)
+            self.handle = self._issue()
         except BaseException as error:     # raised again by wait()
             self._error = error
         finally:
+            self._previous = []
             self.issued.set()
 
     def join(self) -> None:
         """Block until the call is issued (or its check failed: raise that)."""
         if not self.issued.is_set():
-            self._checker.announce(self._posted)   # the parent sees what this rank waits for
+            self._announce()                 # the parent sees what this rank waits for
             self.issued.wait()
         if self._error is not None:
             raise self._error.with_traceback(self._error.__traceback__)
 
     def wait(self):
         self.join()
-        return self._handle.wait()
+        return self.handle.wait()
 
     def is_completed(self) -> bool:
-        return self.issued.is_set() and (self._error is not None or self._handle.is_completed())
+        return self.issued.is_set() and (self._error is not None or self.handle.is_completed())
+
+
+class _Part:
+    """The handle of one op of a deferred ``batch_isend_irecv``."""
+
+    def __init__(self, work: _Deferred, index: int):
+        self._work, self._index = work, index
+
+    def wait(self):
+        self._work.join()
+        return self._work.handle[self._index].wait()
+
+    def is_completed(self) -> bool:
+        return self._work.issued.is_set() and (self._work._error is not None
+                                               or self._work.handle[self._index].is_completed())
 
 
 def _deferred(self, method, args: tuple, kwargs: dict, call: Call, location: str) -> Handle:
     checker, inner = self._checker, self._inner
     posted = checker.post_collective(inner, call, location)
     key = _group_key(inner)
-    previous = checker.last_issue.get(key)
-    work = _Deferred(checker, posted, previous.issued if previous is not None else None,
-                     lambda: method(*args, **kwargs))
+    previous = [checker.last_issue[key]] if key in checker.last_issue else []
+    work = _Deferred(checker, lambda view: view.compare(posted), previous, lambda: method(*args, **kwargs),
+                     lambda: checker.announce(posted))
     checker.last_issue[key] = work
     return Handle(work)
 
 
 CheckedTransport._deferred = _deferred
-
-
-class _CheckedHandle:
-    """A handle of ``isend``/``irecv`` whose ``wait()`` first completes the pair's check."""
-
-    def __init__(self, handle, checker: Checker, posted: _Posted | None):
-        self._handle = handle
-        self._checker = checker
-        self._posted = posted
-
-    def wait(self, *args, **kwargs):
-        posted, self._posted = self._posted, None
-        if posted is not None:
-            self._checker.finish(posted, announce=True)
-        return self._handle.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        if name in ("_handle", "_checker", "_posted"):
-            raise AttributeError(name)
-        return getattr(self._handle, name)

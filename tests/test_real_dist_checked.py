@@ -223,6 +223,8 @@ def test_async_collectives_on_two_partitions_in_different_orders_pass_checked_mo
 
 
 def _open_fds(comm):
+    import gc
+    gc.collect()                   # the store connections of earlier runs' checks are garbage
     return len(os.listdir("/proc/self/fd"))
 
 
@@ -238,7 +240,7 @@ def test_groups_made_by_a_run_are_not_kept_by_the_next(cluster):
     outs = [cluster.run(program) for _ in range(20)]
     after = cluster.run(_open_fds)
     assert outs[-1] == first
-    assert after == before, (before, after)
+    assert all(a <= b for a, b in zip(after, before)), (before, after)   # no fd per run (was 5)
     assert simcomm.World(WORLD).run(program) == [(2.0, 2)] * WORLD == [(t, 2) for t, _ in first]
 
 
@@ -264,3 +266,38 @@ def test_premul_sum_on_real_workers_equals_the_reference(cluster, factor):
     for rank, (x, out) in enumerate(outs):
         torch.testing.assert_close(x, want_x, rtol=1e-15, atol=0)
         torch.testing.assert_close(out, want_full[2 * rank:2 * rank + 2], rtol=1e-15, atol=0)
+
+
+# -- a mismatched async point-to-point pair moves nothing ----------------------------------
+
+def async_p2p_size_mismatch(comm):
+    if comm.rank == 0:
+        comm.isend(torch.ones(3), 1).wait()
+    else:
+        comm.irecv((2,), torch.float32, 0).wait()
+
+
+def dist_async_p2p_size_mismatch(comm):
+    if dist.get_rank() == 0:
+        dist.isend(torch.ones(3), 1).wait()
+    else:
+        dist.irecv(torch.empty(2), 0).wait()
+
+
+def blocking_pair(comm):
+    if comm.rank == 0:
+        comm.send(torch.arange(4.0), 1)
+        return None
+    return comm.recv((4,), torch.float32, 0)
+
+
+@pytest.mark.parametrize("program", [async_p2p_size_mismatch, dist_async_p2p_size_mismatch])
+def test_a_mismatched_async_pair_is_caught_before_data_moves_and_the_workers_serve_on(cluster, program):
+    pids = cluster.pids
+    for run in (simcomm.World(WORLD).run, cluster.run):
+        error, text = _outcome(run, program)
+        assert error is CollectiveMismatchError, text
+        assert "send/recv mismatch" in text and "float32 (3,)" in text and "float32 (2,)" in text
+    assert cluster.pids == pids                     # nothing half-delivered: the same workers
+    outs = cluster.run(blocking_pair, timeout=20)
+    torch.testing.assert_close(outs[1], torch.arange(4.0), rtol=0, atol=0)
