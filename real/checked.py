@@ -63,6 +63,8 @@ from simcomm.errors import CollectiveMismatchError, DeadlockError
 from simcomm.handles import Handle
 from simcomm.reports import mismatch_message, program_location
 
+from .transport import GroupCache, issuing_deferred
+
 __all__ = ["Call", "Checker", "CheckedTransport", "EXTRACTORS", "describe", "find_deadlock"]
 
 
@@ -561,7 +563,8 @@ class CheckedTransport:
                 view.finish(item)
 
         work = _Deferred(checker, check, previous, lambda: method(*args, **kwargs),
-                         lambda: checker.announce_pair(checked[0]) if checked else None)
+                         lambda: checker.announce_pair(checked[0]) if checked else None,
+                         _pending_of(inner), (" + ".join(describe(call) for call in calls), location))
         for item in checked:
             checker.last_issue[item.channel] = work
         if name == "batch_isend_irecv":
@@ -584,8 +587,12 @@ class _Deferred:
     program waits before the call is issued.
     """
 
-    def __init__(self, checker: Checker, check, previous: Sequence[_Deferred], issue, announce):
+    def __init__(self, checker: Checker, check, previous: Sequence[_Deferred], issue, announce,
+                 pending: dict | None = None, what: tuple[str, str] | None = None):
         self._checker, self._check = checker, check
+        self._pending = pending
+        if pending is not None:              # unwaited until the program waits (GroupCache.pending)
+            pending[id(self)] = what
         self._previous, self._issue, self._announce = list(previous), issue, announce
         self.issued = threading.Event()
         self.handle = None
@@ -599,7 +606,8 @@ class _Deferred:
                 earlier.issued.wait()
             with self._checker.own_client() as checker:
                 self._check(checker)
-            self.handle = self._issue()
+            with issuing_deferred():
+                self.handle = self._issue()
         except BaseException as error:     # raised again by wait()
             self._error = error
         finally:
@@ -608,6 +616,8 @@ class _Deferred:
 
     def join(self) -> None:
         """Block until the call is issued (or its check failed: raise that)."""
+        if self._pending is not None:
+            self._pending.pop(id(self), None)
         if not self.issued.is_set():
             self._announce()                 # the parent sees what this rank waits for
             self.issued.wait()
@@ -620,6 +630,12 @@ class _Deferred:
 
     def is_completed(self) -> bool:
         return self.issued.is_set() and (self._error is not None or self.handle.is_completed())
+
+
+def _pending_of(transport) -> dict | None:
+    """The registry of unwaited calls of ``transport``'s process (None for a transport without one)."""
+    cache = getattr(transport, "cache", None)
+    return cache.pending if isinstance(cache, GroupCache) else None
 
 
 class _Part:
@@ -643,7 +659,7 @@ def _deferred(self, method, args: tuple, kwargs: dict, call: Call, location: str
     key = _group_key(inner)
     previous = [checker.last_issue[key]] if key in checker.last_issue else []
     work = _Deferred(checker, lambda view: view.compare(posted), previous, lambda: method(*args, **kwargs),
-                     lambda: checker.announce(posted))
+                     lambda: checker.announce(posted), _pending_of(inner), (describe(call), location))
     checker.last_issue[key] = work
     return Handle(work)
 

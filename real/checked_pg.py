@@ -208,7 +208,10 @@ def _install(transport) -> RealProcessGroup:
 def run_process_groups(transport) -> Iterator[RealProcessGroup]:
     """c10d's default group is a :class:`RealProcessGroup` over ``transport`` (the run's world
     transport, the one ``comm`` holds) for the length of the block; afterwards every group the
-    block created is gone from c10d's state.
+    block created is gone from c10d's state. When the block ends normally, an async call
+    (handle, Work) the run issued and never waited on is an
+    :class:`~simcomm.handles.UnwaitedHandleError`, as on virtual ranks: wait what the program
+    returned first (:func:`simcomm.c10d.work.wait_returned`: a returned tensor is used).
 
     The default group stays the same object from the first run on, its transport replaced by
     each run's: torch evaluates ``group=group.WORLD`` default arguments when a module is
@@ -225,6 +228,7 @@ def run_process_groups(transport) -> Iterator[RealProcessGroup]:
     transport.cache.begin_run()
     try:
         yield group
+        transport.cache.check_all_waited(dist.get_rank())   # the program returned normally
     finally:
         for made in [pg for pg in world.pg_map if pg not in before and isinstance(pg, RealProcessGroup)]:
             _forget(world, made)

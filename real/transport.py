@@ -23,6 +23,8 @@ all-reduces and keeps this rank's chunk.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -32,11 +34,24 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from simcomm.checks import check_splits, to_reduce_op
-from simcomm.handles import Handle, P2POp
+from simcomm.handles import Handle, P2POp, UnwaitedHandleError
+from simcomm.reports import program_location, unwaited_message
 from simcomm.trace import Record, Recorder, Trace
 from simcomm.transport import TransportBase
 
-__all__ = ["DistTransport", "GroupCache", "books_agree"]
+__all__ = ["DistTransport", "GroupCache", "books_agree", "issuing_deferred"]
+
+_issuing = threading.local()      # .deferred: a checked call's thread is issuing (real.checked)
+
+
+@contextlib.contextmanager
+def issuing_deferred() -> Iterator[None]:
+    """The calls made in the block are a checked call's own (its handle is registered as pending)."""
+    _issuing.deferred = True
+    try:
+        yield
+    finally:
+        _issuing.deferred = False
 
 # The names torch gives its single-tensor collectives changed over releases.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -79,6 +94,8 @@ class GroupCache:
         self._groups: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
         self._made: Counter[tuple[int, ...]] = Counter()
         self.unsupported: set[tuple[str, str]] = set()
+        #: the async calls of this run not waited on yet: id -> (what, where)
+        self.pending: dict[int, tuple[str, str]] = {}
         self.calls: Counter[tuple] = Counter()
         self.broken = False
 
@@ -99,6 +116,13 @@ class GroupCache:
     def begin_run(self) -> None:
         """A run starts: its subgroups take the cached groups from the first again."""
         self._made.clear()
+        self.pending.clear()
+
+    def check_all_waited(self, rank: int) -> None:
+        """Raise :class:`~simcomm.handles.UnwaitedHandleError` if this run issued an async call
+        (a handle, a c10d Work) that was never waited on, as the simulator does."""
+        if self.pending:
+            raise UnwaitedHandleError(unwaited_message(rank, list(self.pending.values())))
 
     def group(self, ranks: tuple[int, ...]) -> tuple[dist.ProcessGroup, str]:
         """A process group of exactly ``ranks`` (global, any order) of its own, and its name.
@@ -171,6 +195,8 @@ class _DistWork:
                  result: Callable[[], Any]):
         self.transport, self.record, self.work, self.result = transport, record, work, result
         self.moved: float | None = None
+        if not getattr(_issuing, "deferred", False):    # a checked call registers its own handle
+            transport.cache.pending[id(self)] = (transport.describe_last(), program_location(sys._getframe(1)))
         if record is not None:
             try:
                 work.get_future().add_done_callback(self._on_moved)
@@ -184,6 +210,7 @@ class _DistWork:
         return self.work.is_completed()
 
     def wait(self) -> Any:
+        self.transport.cache.pending.pop(id(self), None)
         try:
             self.work.wait()
         except BaseException:
@@ -252,6 +279,21 @@ class DistTransport(TransportBase):
         return Trace(list(self.events or []))
 
     # -- helpers --
+
+    def _begin(self, op: str, step: int, tensor: torch.Tensor | None, root: int | None = None,
+               nbytes: int | None = None, args: dict | None = None, async_op: bool = False
+               ) -> Record | None:
+        if async_op:      # what an unwaited handle of this call is called (see describe_last)
+            self._last_call = (op, step, root, None if tensor is None else (tuple(tensor.shape), tensor.dtype))
+        return super()._begin(op, step, tensor, root, nbytes, args, async_op)
+
+    def describe_last(self) -> str:
+        """The last async call of this transport, as the simulator names an unwaited handle."""
+        op, step, peer, tensor = getattr(self, "_last_call", ("call", 0, None, None))
+        if op in ("send", "recv"):
+            what = f"isend to rank {self.ranks[peer]}" if op == "send" else f"irecv from rank {self.ranks[peer]}"
+            return what + ("" if tensor is None else f" ({str(tensor[1]).removeprefix('torch.')} {tensor[0]})")
+        return f"{op}(step {step}, group {list(self.ranks)})"
 
     def _calling(self, kind: str = "collective", peer: int | None = None):
         """Count this call in the books of :class:`GroupCache` (key: group, kind, global peer)."""

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from simcomm import memory
+from simcomm.c10d.work import wait_returned
 from simcomm.communicator import Communicator
 from simcomm.sim.rank_random import FRESH_SEED
 
@@ -172,6 +173,7 @@ def _run(request: Run, rank: int, device: torch.device, cache: GroupCache) -> Fi
                         rank, program, (Communicator(transport), *args), kwargs, device=device)
                 else:
                     result, memory_report = program(Communicator(transport), *args, **kwargs), None
+                result = wait_returned(result)      # a returned tensor is used, not unwaited
             if checker is not None:
                 checker.ended()
         result_blob = pickling.dumps(_to_cpu(result))

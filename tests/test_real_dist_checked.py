@@ -301,3 +301,37 @@ def test_a_mismatched_async_pair_is_caught_before_data_moves_and_the_workers_ser
     assert cluster.pids == pids                     # nothing half-delivered: the same workers
     outs = cluster.run(blocking_pair, timeout=20)
     torch.testing.assert_close(outs[1], torch.arange(4.0), rtol=0, atol=0)
+
+
+# -- one rule for handles never waited on -------------------------------------------------
+
+def returns_a_functional_collective(comm):
+    import torch.distributed._functional_collectives as funcol
+    return funcol.all_gather_tensor(torch.full((2,), float(dist.get_rank())), 0, dist.group.WORLD)
+
+
+def forgets_a_work(comm):
+    dist.all_reduce(torch.ones(2), async_op=True)
+
+
+def forgets_a_handle(comm):
+    comm.all_reduce(torch.ones(2), async_op=True)
+    return 1
+
+
+def test_a_returned_functional_collective_is_used_on_both_backends(cluster):
+    want = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    for outs in (cluster.run(returns_a_functional_collective),
+                 simcomm.World(WORLD).run(returns_a_functional_collective)):
+        for out in outs:
+            assert type(out) is torch.Tensor
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("program", [forgets_a_work, forgets_a_handle])
+def test_a_handle_never_waited_on_is_the_same_error_on_both_backends(cluster, program):
+    for run in (simcomm.World(WORLD).run, cluster.run):
+        with pytest.raises(simcomm.RankError) as info:
+            run(program)
+        assert isinstance(info.value.__cause__, simcomm.UnwaitedHandleError), info.value
+        assert "without waiting on 1 handle(s)" in str(info.value) and __file__ in str(info.value)

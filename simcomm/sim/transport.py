@@ -32,7 +32,7 @@ from .. import collectives, memory
 from ..checks import check_splits
 from ..errors import CollectiveMismatchError, DeadlockError, SimcommError
 from ..handles import Handle, P2POp, UnwaitedHandleError
-from ..reports import mismatch_message, program_location
+from ..reports import mismatch_message, program_location, unwaited_message
 from ..trace import Record, Recorder
 from ..transport import TransportBase
 from . import shape as _shape
@@ -368,12 +368,8 @@ class SimTransport(TransportBase):
         (in any of its groups) that was never waited on. Called when the program returns."""
         if not self.pending:
             return
-        lines = [f"rank {self.global_rank}: the program returned without waiting on "
-                 f"{len(self.pending)} handle(s):"]
-        lines += [f"  {pending.what} issued at {pending.where}" for pending in self.pending.values()]
-        lines.append("call wait() on every handle (async_op=True, isend, irecv, batch_isend_irecv) "
-                     "before the program returns")
-        raise UnwaitedHandleError("\n".join(lines))
+        raise UnwaitedHandleError(unwaited_message(
+            self.global_rank, [(pending.what, pending.where) for pending in self.pending.values()]))
 
     def begin_wait_and_hold(self, pending: Pending) -> RunState:
         """Checks before a handle's ``wait()`` blocks; returns with the run's lock *held*."""

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from .. import memory as _memory
 from ..c10d import rank_process_group
+from ..c10d.work import wait_returned
 from ..communicator import Communicator
 from ..errors import RankError, RunTimeoutError
 from ..reports import format_ranks, program_location
@@ -293,7 +294,7 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
         with (rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE,
               _shape.FunctionalCollectives() if fake_mode is not None else _NO_MODE,
               _memory.track(rank, reports)):
-            results[rank] = program(comm, *args, **kwargs)
+            results[rank] = wait_returned(program(comm, *args, **kwargs))   # returned: used
             comm.transport.check_all_waited()   # a handle never waited on is an error
     except Aborted:
         pass
