@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from simcomm import dtypes
 from simcomm.checks import check_splits, to_reduce_op
 from simcomm.handles import Handle, P2POp, UnwaitedHandleError
 from simcomm.reports import program_location, unwaited_message
@@ -283,6 +284,9 @@ class DistTransport(TransportBase):
     def _begin(self, op: str, step: int, tensor: torch.Tensor | None, root: int | None = None,
                nbytes: int | None = None, args: dict | None = None, async_op: bool = False
                ) -> Record | None:
+        # what the backend refuses, refused first in the simulator's words (simcomm.dtypes)
+        dtypes.check(op, None if tensor is None else tensor.dtype, (args or {}).get("op"), self.device,
+                     self.rank)
         if async_op:      # what an unwaited handle of this call is called (see describe_last)
             self._last_call = (op, step, root, None if tensor is None else (tuple(tensor.shape), tensor.dtype))
         return super()._begin(op, step, tensor, root, nbytes, args, async_op)

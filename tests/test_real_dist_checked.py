@@ -335,3 +335,43 @@ def test_a_handle_never_waited_on_is_the_same_error_on_both_backends(cluster, pr
             run(program)
         assert isinstance(info.value.__cause__, simcomm.UnwaitedHandleError), info.value
         assert "without waiting on 1 handle(s)" in str(info.value) and __file__ in str(info.value)
+
+
+# -- dtypes: the simulator accepts exactly what gloo accepts ---------------------------------
+
+DTYPE_CASES = [(dtype, op) for dtype in ("float32", "float64", "bfloat16", "int16", "int32", "bool", "complex64")
+               for op in ("sum", "max", "product")]
+
+
+def dtype_table_program(comm):
+    """Every (dtype, reduction) through comm.all_reduce, dist.all_reduce, comm.reduce_scatter and
+    comm.gather; each outcome is the error class or "ok" (a refusal happens on every rank alike)."""
+    outcomes = []
+    for dtype_name, op in DTYPE_CASES:
+        dtype = getattr(torch, dtype_name)
+        x = torch.ones(4, dtype=dtype)
+        calls = {"comm.all_reduce": lambda: comm.all_reduce(x, op=op),
+                 "dist.all_reduce": lambda: dist.all_reduce(x.clone(), op=getattr(dist.ReduceOp, op.upper())),
+                 "comm.reduce_scatter": lambda: comm.reduce_scatter(x, dim=0, op=op),
+                 "comm.gather": lambda: comm.gather(x, dst=0, dim=0)}
+        for name, call in calls.items():
+            try:
+                call()
+                outcomes.append((name, dtype_name, op, "ok"))
+            except (RuntimeError, ValueError) as error:
+                outcomes.append((name, dtype_name, op, type(error).__name__))
+    return outcomes
+
+
+def test_the_dtype_table_is_the_same_on_the_simulator_and_on_gloo(cluster):
+    sim = simcomm.World(WORLD).run(dtype_table_program)
+    real_outs = cluster.run(dtype_table_program)
+    assert sim == real_outs
+    outcome = {entry[:3]: entry[3] for entry in sim[0]}
+    assert outcome[("comm.all_reduce", "int16", "sum")] == "RuntimeError"          # gloo: Invalid scalar type
+    assert outcome[("comm.all_reduce", "complex64", "sum")] == "ok"                # as real views
+    assert outcome[("comm.all_reduce", "complex64", "max")] == "ValueError"        # supports_complex
+    assert outcome[("dist.all_reduce", "complex64", "product")] == "ValueError"
+    assert outcome[("comm.reduce_scatter", "complex64", "max")] == "RuntimeError"
+    assert outcome[("comm.gather", "complex64", "sum")] == "RuntimeError"          # gloo has no complex gather
+    assert outcome[("comm.all_reduce", "bfloat16", "product")] == "ok"

@@ -28,7 +28,7 @@ from typing import NoReturn
 
 import torch
 
-from .. import collectives, memory
+from .. import collectives, dtypes, memory
 from ..checks import check_splits
 from ..errors import CollectiveMismatchError, DeadlockError, SimcommError
 from ..handles import Handle, P2POp, UnwaitedHandleError
@@ -70,6 +70,8 @@ class SimTransport(TransportBase):
 
     def _collective(self, op: str, tensor: torch.Tensor | None, sig: tuple,
                     compute: Callable[[list], list], root: int | None = None, async_op: bool = False):
+        # what the real backend this run stands for refuses (gloo on CPU, NCCL on CUDA)
+        dtypes.check(op, None if tensor is None else tensor.dtype, dict(sig).get("op"), self.device, self.rank)
         step = self._next_step()
         record = None
         if self._recorder is not None:
@@ -302,6 +304,7 @@ class SimTransport(TransportBase):
                 async_op: bool = False):
         """``(chunk r of src's tensor along dim, whether src said requires_grad)``; ``tensor`` is
         ``None`` off ``src``, and each rank's ``dim`` must name src's dim (negative allowed)."""
+        dtypes.check("scatter", None if tensor is None else tensor.dtype, None, self.device, self.rank)
         step = self._next_step()
         # off src the dtype is known once the data arrives; it is added to args then (for the bytes)
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
@@ -334,6 +337,7 @@ class SimTransport(TransportBase):
     def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], async_op: bool = False):
         """Uneven all-to-all along dim 0; the ranks' split lists are checked against each other."""
+        dtypes.check("all_to_all_single", tensor.dtype, None, self.device, self.rank)
         step = self._next_step()
         outputs, inputs_ = list(output_split_sizes), list(input_split_sizes)
         event = self._begin("all_to_all_single", step, tensor,
