@@ -1,5 +1,10 @@
 """Checked mode: every rank's call is compared with its peers' before any data moves.
 
+Both the communicator's calls and the program's ``torch.distributed`` calls
+are checked: on a real worker c10d's default group is a process group over
+this transport (:mod:`real.checked_pg`), so ``dist.*``, DDP, FSDP2, DTensor
+and the functional collectives reach the same primitives as ``comm.*``.
+
 On real processes a mismatched collective is silent or slow: gloo returns
 wrong data for a MAX on one rank and a SUM on another, a ``recv`` larger than
 the ``send`` gets trailing garbage, one of another dtype gets raw bits, and
