@@ -1,7 +1,8 @@
 """The cost of checked mode for torch.distributed calls on real gloo workers, and the misuse table.
 
 ``python benchmarks/checked_mode.py``: ``dist.all_reduce`` of 1 KiB (256 float32)
-on 2 and 4 gloo ranks, checked vs unchecked, each configuration in its own
+on 2 and 4 gloo ranks, checked vs unchecked (both through simcomm's c10d
+process group) and raw (gloo's own group), each configuration in its own
 fresh process and its own fresh Cluster (``torch.set_num_threads(1)``),
 timed inside the program on every rank: wall time (``time.perf_counter``)
 and CPU time (``time.process_time``) per call, and their ratios.
@@ -20,26 +21,28 @@ import time
 CALLS = 300
 
 
-def _all_reduces(comm, calls: int):
+def _all_reduces(comm, calls: int, raw: bool):
     import time
 
     import torch
     import torch.distributed as dist
     x = torch.ones(256)                       # 1 KiB
+    # raw: gloo's own group, past simcomm's c10d process group (neither checked nor traced)
+    group = dist.group.WORLD.data_group if raw else None
     for _ in range(20):                       # warm-up
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(calls):
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
     return (time.perf_counter() - wall) / calls, (time.process_time() - cpu) / calls
 
 
-def measure(world_size: int, checked: bool) -> dict:
+def measure(world_size: int, mode: str) -> dict:
     import torch
     torch.set_num_threads(1)
     import real
-    with real.Cluster(world_size, backend="gloo", checked=checked, threads=1, timeout=300) as cluster:
-        outs = cluster.run(_all_reduces, CALLS)
+    with real.Cluster(world_size, backend="gloo", checked=mode == "checked", threads=1, timeout=300) as cluster:
+        outs = cluster.run(_all_reduces, CALLS, mode == "raw")
     return {"wall_us": 1e6 * max(w for w, _ in outs), "cpu_us": 1e6 * max(c for _, c in outs)}
 
 
@@ -69,21 +72,22 @@ def main() -> None:
         misuse()
         return
     if len(sys.argv) > 2 and sys.argv[1] == "one":
-        print(json.dumps(measure(int(sys.argv[2]), sys.argv[3] == "checked")))
+        print(json.dumps(measure(int(sys.argv[2]), sys.argv[3])))
         return
     print(f"dist.all_reduce 1 KiB, {CALLS} calls, slowest rank, per call")
-    print("| ranks | unchecked wall (us) | checked wall (us) | wall ratio | unchecked CPU (us) | "
-          "checked CPU (us) | CPU ratio |\n|---|---|---|---|---|---|---|")
+    print("| ranks | raw gloo wall (us) | unchecked wall (us) | checked wall (us) | checked/unchecked wall | "
+          "raw CPU (us) | unchecked CPU (us) | checked CPU (us) | checked/unchecked CPU |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for world_size in (2, 4):
         results = {}
-        for mode in ("unchecked", "checked"):     # each in a fresh process with a fresh Cluster
+        for mode in ("raw", "unchecked", "checked"):     # each in a fresh process with a fresh Cluster
             out = subprocess.run([sys.executable, __file__, "one", str(world_size), mode],
                                  capture_output=True, text=True, check=True)
             results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-        plain, checked = results["unchecked"], results["checked"]
-        print(f"| {world_size} | {plain['wall_us']:.0f} | {checked['wall_us']:.0f} | "
-              f"{checked['wall_us'] / plain['wall_us']:.1f} | {plain['cpu_us']:.0f} | {checked['cpu_us']:.0f} | "
-              f"{checked['cpu_us'] / plain['cpu_us']:.1f} |")
+        raw, plain, checked = results["raw"], results["unchecked"], results["checked"]
+        print(f"| {world_size} | {raw['wall_us']:.0f} | {plain['wall_us']:.0f} | {checked['wall_us']:.0f} | "
+              f"{checked['wall_us'] / plain['wall_us']:.1f} | {raw['cpu_us']:.0f} | {plain['cpu_us']:.0f} | "
+              f"{checked['cpu_us']:.0f} | {checked['cpu_us'] / plain['cpu_us']:.1f} |")
 
 
 if __name__ == "__main__":
