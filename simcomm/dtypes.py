@@ -15,8 +15,9 @@ before the backend is called, so the words are the same on both):
   tensor, complex MAX, MIN and PRODUCT are refused: ``ValueError`` for
   ``all_reduce`` (torch's own check), ``RuntimeError`` for ``reduce_scatter``
   and ``reduce`` (gloo's).
-* ``ReduceOp.AVG`` needs a floating-point or complex dtype (checked by the
-  transports themselves: ``ValueError``).
+* ``ReduceOp.AVG`` needs a floating-point or complex dtype (gloo: a
+  ``RuntimeError`` from the cast; here a ``ValueError`` on every rank before
+  any data moves, as the real transport's own check words it).
 
 :func:`check` is the one check; :data:`TABLES` the measured data.
 """
@@ -55,6 +56,8 @@ def check(op: str, dtype: torch.dtype | None, reduction: str | None, device: tor
     rank and the value; return quietly for a call it accepts. ``dtype`` None: nothing to check."""
     if dtype is None or op not in _COLLECTIVES:
         return
+    if reduction == "avg" and op in _REDUCING and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{op}: ReduceOp.AVG on rank {rank} needs a floating-point dtype, got {dtype}")
     backend = table_for(device)
     table = TABLES[backend]
     why = table.get((op, dtype)) or table.get(("*", dtype))

@@ -340,7 +340,7 @@ def test_a_handle_never_waited_on_is_the_same_error_on_both_backends(cluster, pr
 # -- dtypes: the simulator accepts exactly what gloo accepts ---------------------------------
 
 DTYPE_CASES = [(dtype, op) for dtype in ("float32", "float64", "bfloat16", "int16", "int32", "bool", "complex64")
-               for op in ("sum", "max", "product")]
+               for op in ("sum", "avg", "max", "product")]
 
 
 def dtype_table_program(comm):
@@ -375,3 +375,5 @@ def test_the_dtype_table_is_the_same_on_the_simulator_and_on_gloo(cluster):
     assert outcome[("comm.reduce_scatter", "complex64", "max")] == "RuntimeError"
     assert outcome[("comm.gather", "complex64", "sum")] == "RuntimeError"          # gloo has no complex gather
     assert outcome[("comm.all_reduce", "bfloat16", "product")] == "ok"
+    assert outcome[("dist.all_reduce", "int32", "avg")] == "ValueError"           # on every rank, at once
+    assert outcome[("dist.all_reduce", "float32", "avg")] == "ok"
