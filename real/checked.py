@@ -1,5 +1,10 @@
 """Checked mode: every rank's call is compared with its peers' before any data moves.
 
+Both the communicator's calls and the program's ``torch.distributed`` calls
+are checked: on a real worker c10d's default group is a process group over
+this transport (:mod:`real.checked_pg`), so ``dist.*``, DDP, FSDP2, DTensor
+and the functional collectives reach the same primitives as ``comm.*``.
+
 On real processes a mismatched collective is silent or slow: gloo returns
 wrong data for a MAX on one rank and a SUM on another, a ``recv`` larger than
 the ``send`` gets trailing garbage, one of another dtype gets raw bits, and
@@ -35,24 +40,35 @@ of functions with the primitive's signature that return what to compare.
 Names not in the table (``compute``, attributes, primitives added later) pass
 through unchanged; a call whose arguments do not fit its extractor runs
 unchecked. Consequences to know: a blocking ``send`` waits until its ``recv``
-is posted (as on the simulator); an ``async_op=True`` collective waits at
-issue until every rank of the group has issued it; ``isend``/``irecv`` post
-their check at issue and complete it in ``wait()``.
+is posted (as on the simulator). An ``async_op=True`` collective, an
+``isend``/``irecv`` and a ``batch_isend_irecv`` return at once: the check
+completes on a thread of its own (with a store connection of its own), which
+issues the call to the backend once the other ranks agree, so the program's
+computation and its other groups go on as unchecked, and a mismatch moves no
+data (both sides raise it in ``wait()``). A group's collectives, and a
+channel's point-to-point calls, reach the backend in the program's order.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import pickle
 import sys
+import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from simcomm.checks import check_splits
 from simcomm.errors import CollectiveMismatchError, DeadlockError
+from simcomm.handles import Handle
 from simcomm.reports import mismatch_message, program_location
+
+from .transport import GroupCache, issuing_deferred
 
 __all__ = ["Call", "Checker", "CheckedTransport", "EXTRACTORS", "describe", "find_deadlock"]
 
@@ -216,6 +232,17 @@ class _Posted:
     record: tuple                  # (global rank, Call, location) of this side
     group: tuple[int, ...]
     peer: int                      # global rank of the other side
+    channel: str = ""              # the (group, sender, receiver) channel: its calls keep their order
+
+
+@dataclass
+class _Step:
+    """A collective's record written to the store, waiting for the other ranks' records."""
+
+    group: tuple[int, ...]         # global ranks, group order
+    step: int
+    keys: list[str]                # every rank's record key, group order
+    record: tuple                  # (global rank, Call, location) of this rank
 
 
 _ENDED = "ended"
@@ -235,24 +262,55 @@ class Checker:
     def __init__(self, store, rank: int, world_size: int):
         self.store = store
         self.rank = rank
-        self._groups: set[tuple[int, ...]] = {tuple(range(world_size))}
+        world = tuple(range(world_size))
+        self._groups: dict[str, tuple[int, ...]] = {".".join(map(str, world)): world}
         self._steps: Counter[tuple] = Counter()
         self._channels: Counter[tuple] = Counter()
         self._waits = 0
+        #: group key -> the last async collective issued on it (see _Deferred)
+        self.last_issue: dict[str, _Deferred] = {}
+        self._spare_clients: list = []
+        self._clients_lock = threading.Lock()
 
-    def add_group(self, ranks: Sequence[int]) -> None:
+    @contextlib.contextmanager
+    def own_client(self) -> Iterator[Checker]:
+        """A checker sharing this one's books but with a store connection of its own, for the
+        thread of a deferred check (a store client serves one blocking wait at a time)."""
+        with self._clients_lock:
+            client = self._spare_clients.pop() if self._spare_clients else None
+        if client is None and not isinstance(self.store, dist.TCPStore):
+            client = self.store                  # an in-process store serves several waits at once
+        elif client is None:
+            client = dist.TCPStore(self.store.host, self.store.port, None, is_master=False,
+                                   timeout=self.store.timeout)
+        view = copy.copy(self)
+        view.store = client
+        try:
+            yield view
+        finally:
+            with self._clients_lock:
+                self._spare_clients.append(client)
+
+    def after_issued(self, transport) -> None:
+        """Block until the async collectives this rank issued earlier on ``transport``'s group
+        are issued to the backend (a later collective of the group must not overtake them)."""
+        key = transport if isinstance(transport, str) else _group_key(transport)
+        work = self.last_issue.get(key)
+        if work is not None:
+            work.join()
+
+    def add_group(self, transport) -> None:
         """Remember a group this rank belongs to (for :meth:`ended`)."""
-        self._groups.add(tuple(sorted(ranks)))
+        self._groups[_group_key(transport)] = tuple(sorted(transport.ranks))
 
     def ended(self, location: str = "") -> None:
         """This rank's program returned: answer every wait a peer could still enter for it."""
         keys = []
-        for group in self._groups:
-            name = ".".join(map(str, group))
-            keys.append(f"c/{name}/{self._steps[group]}/{self.rank}")
+        for name, group in self._groups.items():
+            keys.append(f"c/{name}/{self._steps[name]}/{self.rank}")
             for peer in group:
                 if peer != self.rank:
-                    send, recv = (group, self.rank, peer, "send"), (group, peer, self.rank, "recv")
+                    send, recv = (name, self.rank, peer, "send"), (name, peer, self.rank, "recv")
                     keys.append(f"p/{name}/{self.rank}>{peer}/{self._channels[send]}/send")
                     keys.append(f"p/{name}/{peer}>{self.rank}/{self._channels[recv]}/recv")
         marker = pickle.dumps((self.rank, _ENDED, location))
@@ -261,20 +319,43 @@ class Checker:
     def collective(self, transport, call: Call, location: str) -> None:
         """Compare ``call`` with the same step's call on every rank of ``transport``'s group; raise
         :class:`CollectiveMismatchError` (on every rank) when they disagree. Blocks until all arrive."""
+        self.compare(self.post_collective(transport, call, location, announce=True))
+
+    def post_collective(self, transport, call: Call, location: str, announce: bool = False) -> _Step:
+        """Write this rank's record of its next collective on ``transport``'s group (``announce``:
+        and its waiting record: :meth:`compare` follows at once); :meth:`compare` completes it."""
         group = tuple(transport.ranks)
-        key = tuple(sorted(group))
+        key = _group_key(transport)
         step = self._steps[key]
         self._steps[key] += 1
-        prefix = f"c/{'.'.join(map(str, key))}/{step}/"
+        prefix = f"c/{key}/{step}/"
         me = group[transport.rank]
-        keys = [prefix + str(rank) for rank in group]
-        waiting = self._waiting([(k, r) for k, r in zip(keys, group) if r != me], call, location)
-        self.store.multi_set([prefix + str(me), f"w/{me}"], [pickle.dumps((me, call, location)), waiting])
-        records = [pickle.loads(blob) for blob in self.store.multi_get(keys)]
-        _raise_if_ended(records, group, me, call, location)
+        posted = _Step(group, step, [prefix + str(rank) for rank in group], (me, call, location))
+        if announce:
+            self.store.multi_set([prefix + str(me), f"w/{me}"], [pickle.dumps(posted.record),
+                                                                  self.waiting_record(posted)])
+        else:
+            self.store.set(prefix + str(me), pickle.dumps(posted.record))
+        return posted
+
+    def waiting_record(self, posted: _Step) -> bytes:
+        """The waiting record (``w/<rank>``) of a rank about to wait for ``posted``'s peers."""
+        me, call, location = posted.record
+        return self._waiting([(k, r) for k, r in zip(posted.keys, posted.group) if r != me], call, location)
+
+    def announce(self, posted: _Step) -> None:
+        """Write the waiting record: this rank now waits for ``posted``'s peers."""
+        self.store.set(f"w/{posted.record[0]}", self.waiting_record(posted))
+
+    def compare(self, posted: _Step) -> None:
+        """Wait for every rank's record of ``posted``'s step; raise :class:`CollectiveMismatchError`
+        (on every rank) when they disagree."""
+        me, call, location = posted.record
+        records = [pickle.loads(blob) for blob in self.store.multi_get(posted.keys)]
+        _raise_if_ended(records, posted.group, me, call, location)
         problem = _collective_problem(records)
         if problem is not None:
-            raise CollectiveMismatchError(_collective_message(group, step, records, problem))
+            raise CollectiveMismatchError(_collective_message(posted.group, posted.step, records, problem))
 
     def _waiting(self, awaited: list[tuple[str, int]], call: Call, location: str) -> bytes:
         """This rank's waiting record (``w/<rank>``): which keys of which ranks it is about to wait
@@ -288,18 +369,24 @@ class Checker:
         group = tuple(transport.ranks)
         me, peer = group[transport.rank], group[call.peer]
         src, dst = (me, peer) if call.kind == "send" else (peer, me)
-        channel = (tuple(sorted(group)), src, dst, call.kind)
+        channel = (_group_key(transport), src, dst, call.kind)
         number = self._channels[channel]
         self._channels[channel] += 1
-        base = f"p/{'.'.join(map(str, channel[0]))}/{src}>{dst}/{number}/"
+        base = f"p/{channel[0]}/{src}>{dst}/{number}/"
         record = (me, call, location)
-        posted = _Posted(base + ("recv" if call.kind == "send" else "send"), record, group, peer)
+        posted = _Posted(base + ("recv" if call.kind == "send" else "send"), record, group, peer,
+                         f"p/{channel[0]}/{src}>{dst}")
         if blocking:
             self.store.multi_set([base + call.kind, f"w/{me}"],
                                  [pickle.dumps(record), self._waiting([(posted.partner_key, peer)], call, location)])
         else:
             self.store.set(base + call.kind, pickle.dumps(record))
         return posted
+
+    def announce_pair(self, posted: _Posted) -> None:
+        """Write the waiting record: this rank now waits for the other side of ``posted``."""
+        self.store.set(f"w/{posted.record[0]}",
+                       self._waiting([(posted.partner_key, posted.peer)], posted.record[1], posted.record[2]))
 
     def finish(self, posted: _Posted, announce: bool = False) -> None:
         """Wait for the other side of the pair; raise :class:`CollectiveMismatchError` when the
@@ -316,6 +403,12 @@ class Checker:
                 f"send/recv mismatch in group {list(posted.group)}:\n"
                 f"  rank {send[0]} sends {_shape_dtype(send[1])}{_via(send[1], 'send')} at {send[2]}\n"
                 f"  rank {recv[0]} expects {_shape_dtype(recv[1])}{_via(recv[1], 'recv')} at {recv[2]}")
+
+
+def _group_key(transport) -> str:
+    """The name of ``transport``'s group in the store's keys (two groups may share their ranks)."""
+    key = getattr(transport, "group_key", None)
+    return key if isinstance(key, str) else ".".join(map(str, sorted(transport.ranks)))
 
 
 def find_deadlock(store, ranks: Sequence[int]) -> str | None:
@@ -418,6 +511,12 @@ class CheckedTransport:
         """The transport that moves the data."""
         return self._inner
 
+    def local_subgroup(self, part):
+        """The inner transport's :meth:`~real.transport.DistTransport.local_subgroup`, checked."""
+        out = self._inner.local_subgroup(part)
+        self._checker.add_group(out)
+        return CheckedTransport(out, self._checker)
+
     def __getattr__(self, name: str):
         if name in ("_inner", "_checker"):       # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
@@ -441,46 +540,133 @@ class CheckedTransport:
             return method(*args, **kwargs)
         location = program_location(sys._getframe(2))
         if calls[0].kind == "collective":
+            if kwargs.get("async_op", False):
+                return self._deferred(method, args, kwargs, calls[0], location)
+            self._checker.after_issued(inner)      # the group's earlier async calls go first
             self._checker.collective(inner, calls[0], location)
             out = method(*args, **kwargs)
             if name != "subgroup":
                 return out
-            self._checker.add_group(out.ranks)
+            self._checker.add_group(out)
             return CheckedTransport(out, self._checker)
         blocking = name in ("send", "recv") and not kwargs.get("async_op", False)
         posted = [self._checker.post(inner, call, location, blocking) if call.peer != inner.rank else None
                   for call in calls]
+        checked = [item for item in posted if item is not None]
         if blocking:                             # both sides agree before data moves
-            for item in posted:
-                if item is not None:
-                    self._checker.finish(item)
+            for item in checked:
+                self._checker.after_issued(item.channel)   # the channel's earlier isend/irecv first
+                self._checker.finish(item)
             return method(*args, **kwargs)
-        out = method(*args, **kwargs)
-        if isinstance(out, Sequence) and len(out) == len(posted):
-            return [_CheckedHandle(handle, self._checker, item) for handle, item in zip(out, posted)]
-        if len(posted) == 1:
-            return _CheckedHandle(out, self._checker, posted[0])
-        for item in posted:                      # a result this wrapper does not know: check now
-            if item is not None:
-                self._checker.finish(item, announce=True)
-        return out
+        # isend/irecv/batch: checked on a thread, issued once the other sides agree, so a
+        # mismatched pair moves nothing and leaves both processes fit for the next run
+        checker = self._checker
+        previous = [checker.last_issue[item.channel] for item in checked if item.channel in checker.last_issue]
+
+        def check(view: Checker) -> None:
+            for item in checked:
+                view.finish(item)
+
+        work = _Deferred(checker, check, previous, lambda: method(*args, **kwargs),
+                         lambda: checker.announce_pair(checked[0]) if checked else None,
+                         _pending_of(inner), (" + ".join(describe(call) for call in calls), location))
+        for item in checked:
+            checker.last_issue[item.channel] = work
+        if name == "batch_isend_irecv":
+            return [Handle(_Part(work, index)) for index in range(len(calls))]
+        return Handle(work)
 
 
-class _CheckedHandle:
-    """A handle of ``isend``/``irecv`` whose ``wait()`` first completes the pair's check."""
+class _Deferred:
+    """An async call whose check completes on a thread of its own, which then issues it.
 
-    def __init__(self, handle, checker: Checker, posted: _Posted | None):
-        self._handle = handle
-        self._checker = checker
-        self._posted = posted
+    The program goes on at once, as with an unchecked ``async_op=True`` call: a rank may
+    issue async collectives of two groups in an order another rank does not, and the data
+    still moves only once every rank of the group has issued the same call (for
+    ``isend``/``irecv``: once the other side has posted a matching call). Calls of one group
+    (of one point-to-point channel) keep the program's order: each is issued after the
+    ones ``previous`` names.
 
-    def wait(self, *args, **kwargs):
-        posted, self._posted = self._posted, None
-        if posted is not None:
-            self._checker.finish(posted, announce=True)
-        return self._handle.wait(*args, **kwargs)
+    ``check(checker)`` runs on the thread with a checker of its own store connection;
+    ``issue()`` then makes the call; ``announce()`` writes the waiting record when the
+    program waits before the call is issued.
+    """
 
-    def __getattr__(self, name: str):
-        if name in ("_handle", "_checker", "_posted"):
-            raise AttributeError(name)
-        return getattr(self._handle, name)
+    def __init__(self, checker: Checker, check, previous: Sequence[_Deferred], issue, announce,
+                 pending: dict | None = None, what: tuple[str, str] | None = None):
+        self._checker, self._check = checker, check
+        self._pending = pending
+        if pending is not None:              # unwaited until the program waits (GroupCache.pending)
+            pending[id(self)] = what
+        self._previous, self._issue, self._announce = list(previous), issue, announce
+        self.issued = threading.Event()
+        self.handle = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="simcomm-checked-call", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for earlier in self._previous:
+                earlier.issued.wait()
+            with self._checker.own_client() as checker:
+                self._check(checker)
+            with issuing_deferred():
+                self.handle = self._issue()
+        except BaseException as error:     # raised again by wait()
+            self._error = error
+        finally:
+            self._previous = []
+            self.issued.set()
+
+    def join(self) -> None:
+        """Block until the call is issued (or its check failed: raise that)."""
+        if self._pending is not None:
+            self._pending.pop(id(self), None)
+        if not self.issued.is_set():
+            self._announce()                 # the parent sees what this rank waits for
+            self.issued.wait()
+        if self._error is not None:
+            raise self._error.with_traceback(self._error.__traceback__)
+
+    def wait(self):
+        self.join()
+        return self.handle.wait()
+
+    def is_completed(self) -> bool:
+        return self.issued.is_set() and (self._error is not None or self.handle.is_completed())
+
+
+def _pending_of(transport) -> dict | None:
+    """The registry of unwaited calls of ``transport``'s process (None for a transport without one)."""
+    cache = getattr(transport, "cache", None)
+    return cache.pending if isinstance(cache, GroupCache) else None
+
+
+class _Part:
+    """The handle of one op of a deferred ``batch_isend_irecv``."""
+
+    def __init__(self, work: _Deferred, index: int):
+        self._work, self._index = work, index
+
+    def wait(self):
+        self._work.join()
+        return self._work.handle[self._index].wait()
+
+    def is_completed(self) -> bool:
+        return self._work.issued.is_set() and (self._work._error is not None
+                                               or self._work.handle[self._index].is_completed())
+
+
+def _deferred(self, method, args: tuple, kwargs: dict, call: Call, location: str) -> Handle:
+    checker, inner = self._checker, self._inner
+    posted = checker.post_collective(inner, call, location)
+    key = _group_key(inner)
+    previous = [checker.last_issue[key]] if key in checker.last_issue else []
+    work = _Deferred(checker, lambda view: view.compare(posted), previous, lambda: method(*args, **kwargs),
+                     lambda: checker.announce(posted), _pending_of(inner), (describe(call), location))
+    checker.last_issue[key] = work
+    return Handle(work)
+
+
+CheckedTransport._deferred = _deferred

@@ -23,20 +23,37 @@ all-reduces and keeps this rank's chunk.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
+from simcomm import dtypes
 from simcomm.checks import check_splits, to_reduce_op
 from simcomm.collectives import on_the_wire
-from simcomm.handles import Handle, P2POp
+from simcomm.handles import Handle, P2POp, UnwaitedHandleError
+from simcomm.reports import program_location, unwaited_message
 from simcomm.trace import Record, Recorder, Trace
 from simcomm.transport import TransportBase
 
-__all__ = ["DistTransport", "GroupCache", "books_agree"]
+__all__ = ["DistTransport", "GroupCache", "books_agree", "issuing_deferred"]
+
+_issuing = threading.local()      # .deferred: a checked call's thread is issuing (real.checked)
+
+
+@contextlib.contextmanager
+def issuing_deferred() -> Iterator[None]:
+    """The calls made in the block are a checked call's own (its handle is registered as pending)."""
+    _issuing.deferred = True
+    try:
+        yield
+    finally:
+        _issuing.deferred = False
 
 # The names torch gives its single-tensor collectives changed over releases.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -76,8 +93,11 @@ class GroupCache:
 
     def __init__(self, world_group: dist.ProcessGroup | None = None):
         self.world_group = world_group if world_group is not None else dist.group.WORLD
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._groups: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
+        self._made: Counter[tuple[int, ...]] = Counter()
         self.unsupported: set[tuple[str, str]] = set()
+        #: the async calls of this run not waited on yet: id -> (what, where)
+        self.pending: dict[int, tuple[str, str]] = {}
         self.calls: Counter[tuple] = Counter()
         self.broken = False
 
@@ -95,19 +115,48 @@ class GroupCache:
         """``(broken, calls)``: what :func:`books_agree` compares across ranks."""
         return self.broken, dict(self.calls)
 
-    def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        """The process group of exactly ``ranks`` (global, any order); created on first use.
+    def begin_run(self) -> None:
+        """A run starts: its subgroups take the cached groups from the first again."""
+        self._made.clear()
+        self.pending.clear()
 
-        Only the members call this (local synchronization), so a subgroup of a
-        subgroup needs no cooperation from the rest of the world.
+    def check_all_waited(self, rank: int) -> None:
+        """Raise :class:`~simcomm.handles.UnwaitedHandleError` if this run issued an async call
+        (a handle, a c10d Work) that was never waited on, as the simulator does."""
+        if self.pending:
+            raise UnwaitedHandleError(unwaited_message(rank, list(self.pending.values())))
+
+    def group(self, ranks: tuple[int, ...]) -> tuple[dist.ProcessGroup, str]:
+        """A process group of exactly ``ranks`` (global, any order) of its own, and its name.
+
+        The n-th group of a run with these ranks is the n-th cached one (created on first
+        use), so every subgroup of a run is a group of its own, also one with the same
+        ranks as another or as the world, and a Cluster's later runs reuse them: creating
+        groups in every run leaks nothing. Only the members call this (they alone meet in
+        the store), so a subgroup of a subgroup needs no cooperation from the rest of the world.
         """
         key = tuple(sorted(ranks))
-        if key == tuple(range(dist.get_world_size())):
-            return self.world_group
-        group = self._groups.get(key)
+        ordinal = self._made[key]
+        self._made[key] += 1
+        name = "simcomm:" + ".".join(map(str, key)) + f":{ordinal}"
+        group = self._groups.get((key, ordinal))
         if group is None:
-            group = dist.new_group(list(key), use_local_synchronization=True)
-            self._groups[key] = group
+            group = self._groups[(key, ordinal)] = self._create(key, name)
+        return group, name
+
+    def _create(self, ranks: tuple[int, ...], name: str) -> dist.ProcessGroup:
+        world = self.world_group
+        backend = dist.get_backend(world)
+        store = c10d._world.pg_map[world][1]
+        saved = c10d._world.default_pg
+        c10d._world.default_pg = world      # a run's own default group must not see this
+        try:
+            group, _ = c10d._new_process_group_helper(
+                len(ranks), ranks.index(dist.get_rank(world)), list(ranks), backend, store, name,
+                timeout=c10d._get_default_timeout(backend), device_id=world.bound_device_id)
+        finally:
+            c10d._world.default_pg = saved
+        c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
         return group
 
 
@@ -148,6 +197,8 @@ class _DistWork:
                  result: Callable[[], Any]):
         self.transport, self.record, self.work, self.result = transport, record, work, result
         self.moved: float | None = None
+        if not getattr(_issuing, "deferred", False):    # a checked call registers its own handle
+            transport.cache.pending[id(self)] = (transport.describe_last(), program_location(sys._getframe(1)))
         if record is not None:
             try:
                 work.get_future().add_done_callback(self._on_moved)
@@ -161,6 +212,7 @@ class _DistWork:
         return self.work.is_completed()
 
     def wait(self) -> Any:
+        self.transport.cache.pending.pop(id(self), None)
         try:
             self.work.wait()
         except BaseException:
@@ -187,8 +239,11 @@ class DistTransport(TransportBase):
 
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
                  *, events: list | None = None, clock_zero: float | None = None,
-                 cache: GroupCache | None = None, recorder: Recorder | None = None):
+                 cache: GroupCache | None = None, recorder: Recorder | None = None,
+                 group_key: str | None = None):
         group = group if group is not None else dist.group.WORLD
+        # a run's c10d group (real.checked_pg) moves its data through the backend's own group
+        group = getattr(group, "data_group", group)
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("DistTransport: this process is not a member of the given group "
                              "(or torch.distributed is not initialized)")
@@ -202,6 +257,13 @@ class DistTransport(TransportBase):
             recorder = Recorder(events, clock_zero)
         super().__init__(dist.get_rank(group), ranks, torch.device(device), recorder)
         self._cache = cache if cache is not None else GroupCache()
+        #: names this group among the process's groups (two groups may have the same ranks)
+        self.group_key = group_key if group_key is not None else ".".join(map(str, ranks))
+
+    @property
+    def cache(self) -> GroupCache:
+        """The process groups (and books) this transport and its subgroups share."""
+        return self._cache
 
     def __repr__(self) -> str:
         return (f"DistTransport(rank={self.rank}, ranks={list(self.ranks)}, backend={self.backend}, "
@@ -219,6 +281,24 @@ class DistTransport(TransportBase):
         return Trace(list(self.events or []))
 
     # -- helpers --
+
+    def _begin(self, op: str, step: int, tensor: torch.Tensor | None, root: int | None = None,
+               nbytes: int | None = None, args: dict | None = None, async_op: bool = False
+               ) -> Record | None:
+        # what the backend refuses, refused first in the simulator's words (simcomm.dtypes)
+        dtypes.check(op, None if tensor is None else tensor.dtype, (args or {}).get("op"), self.device,
+                     self.rank)
+        if async_op:      # what an unwaited handle of this call is called (see describe_last)
+            self._last_call = (op, step, root, None if tensor is None else (tuple(tensor.shape), tensor.dtype))
+        return super()._begin(op, step, tensor, root, nbytes, args, async_op)
+
+    def describe_last(self) -> str:
+        """The last async call of this transport, as the simulator names an unwaited handle."""
+        op, step, peer, tensor = getattr(self, "_last_call", ("call", 0, None, None))
+        if op in ("send", "recv"):
+            what = f"isend to rank {self.ranks[peer]}" if op == "send" else f"irecv from rank {self.ranks[peer]}"
+            return what + ("" if tensor is None else f" ({str(tensor[1]).removeprefix('torch.')} {tensor[0]})")
+        return f"{op}(step {step}, group {list(self.ranks)})"
 
     def _calling(self, kind: str = "collective", peer: int | None = None):
         """Count this call in the books of :class:`GroupCache` (key: group, kind, global peer)."""
@@ -374,10 +454,15 @@ class DistTransport(TransportBase):
         """
         record = self._begin("subgroup", self._next_step(), None, args={"groups": groups})
         part = next(part for part in groups if self.rank in part)
-        group = self._cache.group(tuple(self.ranks[r] for r in part))
-        child = DistTransport(group, self.device, recorder=self._recorder, cache=self._cache)
+        child = self.local_subgroup(part)
         self._end(record, None)
         return child
+
+    def local_subgroup(self, part: Sequence[int]) -> DistTransport:
+        """The transport of the group of ``part`` (group-local ranks, this rank among them),
+        made by its members only: not a collective of this group, not traced."""
+        group, name = self._cache.group(tuple(self.ranks[r] for r in part))
+        return DistTransport(group, self.device, recorder=self._recorder, cache=self._cache, group_key=name)
 
     # -- point to point --
 

@@ -66,12 +66,14 @@ from torch.utils._pytree import tree_map_only
 
 from simcomm import memory
 from simcomm.c10d.rank_state import install_init_join
+from simcomm.c10d.work import wait_returned
 from simcomm.communicator import Communicator
 from simcomm.sim.process_state import reset_python_and_numpy
 from simcomm.sim.rank_random import FRESH_SEED
 
 from . import messages, pickling, startup
 from .checked import CheckedTransport, Checker
+from .checked_pg import run_process_groups
 from .messages import Close, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import device_for
 from .transport import DistTransport, GroupCache
@@ -291,11 +293,13 @@ def _run(request: Run, rank: int, device: torch.device, cache: GroupCache) -> tu
                 check_store = _check_store(request.check_port, request.check_timeout)
                 checker = Checker(check_store, dist.get_rank(), dist.get_world_size())
                 transport = CheckedTransport(transport, checker)
-            if request.track_memory:
-                result, memory_report = memory.run_tracked(
-                    rank, program, (Communicator(transport), *args), kwargs, device=device)
-            else:
-                result, memory_report = program(Communicator(transport), *args, **kwargs), None
+            with run_process_groups(transport):     # dist.* checked and traced as comm.*
+                if request.track_memory:
+                    result, memory_report = memory.run_tracked(
+                        rank, program, (Communicator(transport), *args), kwargs, device=device)
+                else:
+                    result, memory_report = program(Communicator(transport), *args, **kwargs), None
+                result = wait_returned(result)      # a returned tensor is used, not unwaited
             if checker is not None:
                 checker.ended()
         result_blob, fd, shared = pickling.dumps_shared(_to_cpu(result))

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import typing_extensions
 
-__all__ = ["program_location", "program_frame", "format_ranks", "mismatch_message"]
+__all__ = ["program_location", "program_frame", "format_ranks", "mismatch_message", "unwaited_message"]
 
 # -- where in the program a rank is -----------------------------------------------------
 
@@ -103,3 +103,15 @@ def mismatch_message(group: Sequence[int], step: int, calls: Sequence[tuple[Sequ
     return (f"ranks of group {list(group)} disagree at collective step {step}:\n{body}"
             f"every rank of a group must call the same collectives in the same order with "
             f"matching shapes, dtypes and arguments")
+
+
+# -- handles never waited on ------------------------------------------------------------------
+
+def unwaited_message(rank: int, issued: Sequence[tuple[str, str]]) -> str:
+    """The text of an :class:`~simcomm.handles.UnwaitedHandleError`: global ``rank`` returned
+    from its program with ``issued`` (``(what, where)`` of each call) never waited on."""
+    lines = [f"rank {rank}: the program returned without waiting on {len(issued)} handle(s):"]
+    lines += [f"  {what} issued at {where}" for what, where in issued]
+    lines.append("call wait() on every handle (async_op=True, isend, irecv, batch_isend_irecv) "
+                 "before the program returns")
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ class _FakeTransport:
 
         def primitive(*args, **kwargs):
             self.calls.append(name)
-            if name in ("isend", "irecv"):
+            if name in ("isend", "irecv") or kwargs.get("async_op"):
                 return SimpleNamespace(wait=lambda: name, is_completed=lambda: True)
             if name == "batch_isend_irecv":
                 return [SimpleNamespace(wait=lambda: "batch") for _ in args[0]]
@@ -72,7 +72,7 @@ def test_matching_collectives_pass_and_unknown_names_pass_through():
     def program(t):
         x = torch.ones(4)
         return [t.all_reduce(x, "sum"), t.reduce(x, 0, "max"), t.scatter(x if t.rank == 1 else None, 1, 0),
-                t.broadcast(x, src=0, async_op=True), t.compute(seconds=1.0), t.some_new_primitive(x),
+                t.broadcast(x, src=0, async_op=True).wait(), t.compute(seconds=1.0), t.some_new_primitive(x),
                 t.barrier(), t.rank]
 
     outcomes = _on_ranks(2, program)

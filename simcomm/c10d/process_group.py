@@ -96,6 +96,59 @@ class SimcommProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         return None
 
+    # -- new groups (c10d hands ``dist.new_group`` to a default group that implements it) --
+
+    def new_group(self, ranks, timeout=None, pg_options=None, group_name=None, group_desc=None):
+        """``dist.new_group(ranks)``: the process group of ``ranks`` (global), ``None`` off it.
+
+        c10d calls this on the default group (the world). Unless the caller asked for
+        ``use_local_synchronization=True`` (then only the members call, and c10d names the
+        group by a hash of its ranks), every rank of the world must call it with the same
+        ranks, as torch requires: the call is the world's collective ``subgroup`` with the
+        parts ``(ranks, the other ranks)``, checked and traced like ``comm.subgroup``, so a
+        rank that names other ranks, or never calls, is a CollectiveMismatchError or a
+        DeadlockError on both backends, never a hang. Each call makes a group of its own,
+        even with the same ranks as another (or as the world).
+        """
+        self._check_backend(_requested_backend(sys._getframe(1)))
+        ranks = [int(rank) for rank in ranks]
+        me = self.transport.global_rank
+        name = "" if group_name is None else str(group_name)
+        if name.isdigit():                       # world-synchronised: a collective of the world
+            others = tuple(rank for rank in self.transport.ranks if rank not in ranks)
+            local = {rank: index for index, rank in enumerate(self.transport.ranks)}
+            parts = (tuple(local[rank] for rank in ranks),) + ((tuple(local[r] for r in others),) if others else ())
+            child = self.transport.subgroup(parts)
+            if me not in ranks:
+                return None
+            group = self._wrap_subgroup(child)
+        else:
+            if me not in ranks:
+                return None
+            group = self._local_subgroup(ranks, name)
+        group._set_group_name(name)
+        group._set_group_desc("" if group_desc is None else str(group_desc))
+        return group
+
+    def _check_backend(self, backend: str | None) -> None:
+        """Refuse a ``new_group(backend=...)`` this process group cannot serve: on virtual
+        ranks every group is a "simcomm" group (a gloo group would block in its store where
+        the simulator cannot see)."""
+        if backend is not None and backend.lower() != BACKEND_NAME:
+            raise NotImplementedError(
+                f"only the {BACKEND_NAME!r} backend runs on virtual ranks: a process group of "
+                f"another backend (e.g. new_group(backend={backend!r})) cannot be created inside "
+                f"World.run")
+
+    def _wrap_subgroup(self, transport) -> SimcommProcessGroup:
+        """The process group over ``transport``, a subgroup transport of this group's."""
+        return type(self)(transport)
+
+    def _local_subgroup(self, ranks: list[int], name: str) -> SimcommProcessGroup:
+        """The process group of ``ranks`` made by its members only (``use_local_synchronization``)."""
+        transport = current_context().transport_for(ranks, ranks.index(self.transport.global_rank), name)
+        return type(self)(transport)
+
     def abort(self) -> None:
         return None
 
@@ -208,6 +261,17 @@ class SimcommProcessGroup(dist.ProcessGroup):
 
     def merge_remote_group(self, *args, **kwargs):
         raise NotImplementedError(f"merge_remote_group is not supported by the {BACKEND_NAME!r} backend")
+
+
+def _requested_backend(frame) -> str | None:
+    """The backend name ``dist.new_group`` resolved (c10d's ``_new_group_with_tag`` holds it
+    in its local ``backend``; c10d does not pass it on to ``new_group``), or None."""
+    while frame is not None and frame.f_code.co_name != "_new_group_with_tag":
+        frame = frame.f_back
+    if frame is None:
+        return None
+    backend = frame.f_locals.get("backend")
+    return None if backend is None else str(backend)
 
 
 def _create(backend_options, _pg_options) -> SimcommProcessGroup:

@@ -12,11 +12,14 @@ when the call was issued, when its data moved and when the program waited.
 A Work never waited on when the program returns is reported as the
 simulator reports a handle never waited on (an
 :class:`~simcomm.handles.UnwaitedHandleError` naming the rank and the line
-that issued it).
+that issued it). A functional collective's result the program returns
+(``return funcol.all_gather_tensor(...)``) is used, not unwaited: the run
+waits it (:func:`wait_returned`), on both backends, before that check.
 """
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +28,7 @@ from torch.futures import Future
 
 from .ops import Issued
 
-__all__ = ["SimcommWork", "completed"]
+__all__ = ["SimcommWork", "completed", "wait_returned"]
 
 
 class SimcommWork(dist.Work):
@@ -99,3 +102,12 @@ def completed(outputs: list[torch.Tensor]) -> dist.Work:
     future: Future = Future()
     future.set_result(outputs)
     return _create_work_from_future(future)
+
+
+def wait_returned(result: Any) -> Any:
+    """``result`` with every functional collective's pending result in it waited on (an
+    ``AsyncCollectiveTensor`` becomes the plain tensor it wraps): a returned tensor is used."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(AsyncCollectiveTensor, lambda tensor: tensor.wait(), result)

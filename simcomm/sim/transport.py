@@ -28,11 +28,11 @@ from typing import NoReturn
 
 import torch
 
-from .. import collectives, memory
+from .. import collectives, dtypes, memory
 from ..checks import check_splits
 from ..errors import CollectiveMismatchError, DeadlockError, SimcommError
 from ..handles import Handle, P2POp, UnwaitedHandleError
-from ..reports import mismatch_message, program_location
+from ..reports import mismatch_message, program_location, unwaited_message
 from ..trace import Record, Recorder
 from ..transport import TransportBase
 from . import shape as _shape
@@ -70,6 +70,8 @@ class SimTransport(TransportBase):
 
     def _collective(self, op: str, tensor: torch.Tensor | None, sig: tuple,
                     compute: Callable[[list], list], root: int | None = None, async_op: bool = False):
+        # what the real backend this run stands for refuses (gloo on CPU, NCCL on CUDA)
+        dtypes.check(op, None if tensor is None else tensor.dtype, dict(sig).get("op"), self.device, self.rank)
         step = self._next_step()
         record = None
         if self._recorder is not None:
@@ -308,6 +310,7 @@ class SimTransport(TransportBase):
                 async_op: bool = False):
         """``(chunk r of src's tensor along dim, whether src said requires_grad)``; ``tensor`` is
         ``None`` off ``src``, and each rank's ``dim`` must name src's dim (negative allowed)."""
+        dtypes.check("scatter", None if tensor is None else tensor.dtype, None, self.device, self.rank)
         step = self._next_step()
         # off src the dtype is known once the data arrives; it is added to args then (for the bytes)
         dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
@@ -340,6 +343,7 @@ class SimTransport(TransportBase):
     def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], async_op: bool = False):
         """Uneven all-to-all along dim 0; the ranks' split lists are checked against each other."""
+        dtypes.check("all_to_all_single", tensor.dtype, None, self.device, self.rank)
         step = self._next_step()
         outputs, inputs_ = list(output_split_sizes), list(input_split_sizes)
         event = self._begin("all_to_all_single", step, tensor,
@@ -374,12 +378,8 @@ class SimTransport(TransportBase):
         (in any of its groups) that was never waited on. Called when the program returns."""
         if not self.pending:
             return
-        lines = [f"rank {self.global_rank}: the program returned without waiting on "
-                 f"{len(self.pending)} handle(s):"]
-        lines += [f"  {pending.what} issued at {pending.where}" for pending in self.pending.values()]
-        lines.append("call wait() on every handle (async_op=True, isend, irecv, batch_isend_irecv) "
-                     "before the program returns")
-        raise UnwaitedHandleError("\n".join(lines))
+        raise UnwaitedHandleError(unwaited_message(
+            self.global_rank, [(pending.what, pending.where) for pending in self.pending.values()]))
 
     def begin_wait_and_hold(self, pending: Pending) -> RunState:
         """Checks before a handle's ``wait()`` blocks; returns with the run's lock *held*."""

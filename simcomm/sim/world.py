@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from .. import memory as _memory
 from ..c10d import rank_process_group
+from ..c10d.work import wait_returned
 from ..communicator import Communicator
 from ..errors import RankError, RunTimeoutError
 from ..reports import format_ranks, program_location
@@ -317,7 +318,7 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
               _memory.track(rank, reports), counter if counter is not None else _NO_MODE,
               CudaAsDevice(state.device) if state.map_cuda else _NO_MODE):
             try:
-                results[rank] = program(comm, *args, **kwargs)
+                results[rank] = wait_returned(program(comm, *args, **kwargs))   # returned: used
             finally:
                 if counter is not None:
                     state.flop_totals[rank] = counter.total

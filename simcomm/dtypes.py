@@ -1,0 +1,71 @@
+"""Which dtype x op calls a real backend accepts: the simulator accepts exactly those.
+
+The simulator stands for gloo on the CPU and for NCCL on CUDA, so a call
+gloo or NCCL refuses is refused on virtual ranks too, with the same error
+class, before any data moves (and the same check runs on real workers
+before the backend is called, so the words are the same on both):
+
+* gloo (CPU), measured by ``benchmarks/gloo_dtypes.py`` on torch 2.13: no
+  ``int16`` in any collective (gloo: ``RuntimeError: Invalid scalar type``;
+  point-to-point calls take it); no complex ``gather`` (same error).
+* NCCL (CUDA), from ``ProcessGroupNCCL``'s dtype map (not measured here):
+  no ``int16``.
+* Both, as ``torch.distributed`` itself decides for every backend
+  (``supports_complex``): complex SUM and AVG run as real views of the
+  tensor, complex MAX, MIN and PRODUCT are refused: ``ValueError`` for
+  ``all_reduce`` (torch's own check), ``RuntimeError`` for ``reduce_scatter``
+  and ``reduce`` (gloo's).
+* ``ReduceOp.AVG`` needs a floating-point or complex dtype (gloo: a
+  ``RuntimeError`` from the cast; here a ``ValueError`` on every rank before
+  any data moves, as the real transport's own check words it).
+
+:func:`check` is the one check; :data:`TABLES` the measured data.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TABLES", "check", "table_for"]
+
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "broadcast", "reduce",
+                "scatter", "all_to_all_single")
+
+#: backend -> {(op, dtype): why refused}; op ``"*"`` is every collective
+TABLES: dict[str, dict[tuple[str, torch.dtype], str]] = {
+    "gloo": {("*", torch.int16): "Invalid scalar type",
+             ("gather", torch.complex64): "Invalid scalar type",
+             ("gather", torch.complex128): "Invalid scalar type"},
+    "nccl": {("*", torch.int16): "Unsupported data type for NCCL process group"},
+}
+
+#: reductions torch.distributed runs on complex tensors (as real views)
+_COMPLEX_REDUCTIONS = ("sum", "avg", "premul_sum")
+#: ops with a reduction, and the error class torch raises for an unsupported complex one
+_REDUCING = {"all_reduce": ValueError, "reduce_scatter": RuntimeError, "reduce": RuntimeError}
+
+
+def table_for(device: torch.device | str) -> str:
+    """The backend whose table applies on ``device``: ``"nccl"`` on CUDA, ``"gloo"`` elsewhere."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def check(op: str, dtype: torch.dtype | None, reduction: str | None, device: torch.device | str,
+          rank: int) -> None:
+    """Raise what the real backend for ``device`` raises for ``op`` on ``dtype`` (with
+    ``reduction``, a canonical name such as ``"max"``, for reducing ops), naming the op, the
+    rank and the value; return quietly for a call it accepts. ``dtype`` None: nothing to check."""
+    if dtype is None or op not in _COLLECTIVES:
+        return
+    if reduction == "avg" and op in _REDUCING and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{op}: ReduceOp.AVG on rank {rank} needs a floating-point dtype, got {dtype}")
+    backend = table_for(device)
+    table = TABLES[backend]
+    why = table.get((op, dtype)) or table.get(("*", dtype))
+    if why is not None:
+        raise RuntimeError(f"{op}: rank {rank}'s tensor has dtype {str(dtype).removeprefix('torch.')}, which "
+                           f"{backend} does not support ({backend}: {why}); the simulator follows {backend}'s "
+                           f"table on {torch.device(device).type} (simcomm.dtypes)")
+    if dtype.is_complex and op in _REDUCING and reduction is not None and reduction not in _COMPLEX_REDUCTIONS:
+        raise _REDUCING[op](f"{op} does not support {reduction.upper()} on complex tensors (rank {rank}, "
+                            f"dtype {str(dtype).removeprefix('torch.')}); torch.distributed reduces complex "
+                            f"tensors only with SUM or AVG, as real views")
