@@ -1,6 +1,6 @@
 """Plan Llama 3.1 8B on 8 H100s before renting them: memory per rank and modelled throughput, shape-only.
 
-One process, ``torch.set_num_threads(1)``: :func:`simcomm.parallel.llama.fsdp_train_step`
+One process, ``torch.set_num_threads(1)``: :func:`simcomm.parallel.llama3_fsdp.fsdp_train_step`
 (FSDP2 on every block + norm/output + root, fp32 parameters, bf16 mixed precision, fp32
 reduction with ``PREMUL_SUM(1.0)``, per-op selective activation checkpointing, AdamW) on
 ``World(8, tensors="shape", memory=True, count_flops=True)``, local batch 2, sequence 8192,
@@ -47,7 +47,7 @@ def main() -> None:
 
     import simcomm
     from simcomm.model import cost, topology
-    from simcomm.parallel import llama
+    from simcomm.parallel import llama3_fsdp as llama
 
     config = llama.LLAMA3_8B.scaled(n_layers=args.layers)
     world = simcomm.World(args.ranks, tensors="shape", memory=True, count_flops=True)

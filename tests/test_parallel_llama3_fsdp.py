@@ -1,4 +1,4 @@
-"""The Llama-3-style model and its FSDP2 planning step (simcomm.parallel.llama) at toy sizes:
+"""The Llama-3-style model and its FSDP2 planning step (simcomm.parallel.llama3_fsdp) at toy sizes:
 the code path of benchmarks/plan_llama3_8b.py, checked against one device."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 import simcomm
-from simcomm.parallel import llama
+from simcomm.parallel import llama3_fsdp as llama
 from simcomm.sim.shape import trace_signature
 
 TOY = llama.LLAMA3_8B.scaled(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128)
