@@ -54,7 +54,7 @@ from ..communicator import Communicator
 
 __all__ = ["RECOMPUTE", "make_layer", "shard_layer", "causal_bias", "dropout_mask", "layer", "tp_layer",
            "gather_linear", "formula_bytes", "expected_bytes", "layer_flops", "recompute_flops",
-           "activation_run", "stack_loss", "assemble_grads", "REPLICATED", "DROPOUT"]
+           "activation_run", "stack_loss", "assemble_grads", "measure", "REPLICATED", "DROPOUT"]
 
 #: the recomputation modes
 RECOMPUTE = ("none", "selective", "full")
@@ -344,3 +344,28 @@ def assemble_grads(outs: list[dict], hidden: int) -> list[dict[str, torch.Tensor
                 full[name] = torch.cat(pieces, 1)
         layers.append(full)
     return layers
+
+
+def measure(world, sizes: Sequence[tuple[int, int, int, int]], layers: int = 2, seed: int = 0) -> list[dict]:
+    """Run :func:`activation_run` on ``world`` (a ``World`` or ``real.Cluster`` made with
+    ``memory=True``; ``t`` = its world size) for each ``(s, b, h, heads)`` of ``sizes`` and each
+    recomputation mode. One row each: ``size``, ``mode``, ``formula`` and ``expected`` bytes per
+    layer and rank, ``measured`` (per rank: activation bytes after the forward / ``layers``) and
+    the run's memory ``report``."""
+    rows = []
+    for size in sizes:
+        s, b, h, heads = size
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(s, b, h, dtype=torch.float64, generator=gen)
+        weights = torch.randn(s, b, h, dtype=torch.float64, generator=gen)
+        stack = [make_layer(h, seed=seed + i) for i in range(layers)]
+        for mode in RECOMPUTE:
+            world.run(activation_run, x, weights, stack, heads, mode)
+            if world.memory is None:
+                raise ValueError("activations.measure: the backend tracks no memory; make it with memory=True")
+            tp = len(world.memory)
+            rows.append({"size": size, "mode": mode, "formula": formula_bytes(s, b, h, heads, tp, mode),
+                         "expected": expected_bytes(s, b, h, heads, tp, mode),
+                         "measured": [snap["activations"] / layers for snap in world.memory.at("after forward")],
+                         "report": world.memory})
+    return rows
