@@ -44,7 +44,8 @@ from ..model.topology import Topology, get_topology
 from .mixed_precision import expected_bytes
 
 __all__ = ["Model", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "DIMENSIONS", "LABELS", "layouts", "plan",
-           "memory_per_gpu", "step_time", "layer_activation_bytes", "fastest_fitting", "key", "sized", "GiB"]
+           "memory_per_gpu", "step_time", "layer_activation_bytes", "fastest_fitting", "key", "sized", "GiB",
+           "published_layouts"]
 
 GiB = 2 ** 30
 #: the four dimensions of a layout, innermost first
@@ -143,10 +144,11 @@ def memory_per_gpu(model: Model, layout: tuple[int, int, int, int], *, seq: int,
     embedding = model.vocab * model.hidden / tp
     per_layer = layer_activation_bytes(model, seq, micro_batch, tp, cp, recompute)
     logits = 6 * seq * micro_batch * model.vocab / (tp * cp)      # bf16 logits and their fp32 copy for the loss
-    stages = {"first": (layers * model.layer_parameters / tp + embedding, min(pp, m) * layers * per_layer),
-              "last": (layers * model.layer_parameters / tp + embedding, layers * per_layer + logits)}
+    stack = layers * model.layer_parameters / tp
+    stages = {"first": (stack + embedding, min(pp, m) * layers * per_layer),
+              "last": (stack + embedding + model.hidden, layers * per_layer + logits)}     # + the final norm
     if pp == 1:
-        stages = {"only": (layers * model.layer_parameters / tp + 2 * embedding, layers * per_layer + logits)}
+        stages = {"only": (stack + 2 * embedding + model.hidden, layers * per_layer + logits)}
     best: dict[str, float] | None = None
     for name, (psi, acts) in stages.items():
         row: dict[str, Any] = dict(expected_bytes(zero, round(psi), dp * cp, gradients))
@@ -225,3 +227,31 @@ def fastest_fitting(rows: list[dict], limit: float) -> tuple[int, int, int, int]
     """The ``(tp, cp, pp, dp)`` with the shortest ``step_time`` among rows whose ``total`` fits ``limit``."""
     fitting = [row for row in rows if row["total"] <= limit]
     return key(min(fitting, key=lambda row: row["step_time"])) if fitting else None
+
+
+def published_layouts() -> list[dict]:
+    """Published training layouts and what they measured, with the :func:`plan` arguments that
+    describe each run: ``source``, ``model``, ``gpus``, ``layout`` ``(tp, cp, pp, dp)``, ``plan``
+    (keyword arguments), ``memory_gib`` and ``tps`` (tokens per GPU per second) where published.
+
+    Sources: Llama 3 paper (Dubey et al. 2024, Table 4: 405B on 16,384 H100s; 8K and 128K
+    sequences); torchtitan ``docs/performance.md`` (Llama 3.1 on H100s, 96 GB HBM2e; Tables 2-4:
+    memory per GPU, the maximum over GPUs, and TPS/GPU with torch.compile and Float8)."""
+    tt = "torchtitan"
+    return [
+        {"source": "Llama 3 paper, Table 4 (8K sequences)", "model": LLAMA3_405B, "gpus": 16384,
+         "layout": (8, 1, 16, 128), "plan": {"seq": 8192, "global_batch": 2048, "recompute": "full"},
+         "memory_gib": None, "tps": None},
+        {"source": "Llama 3 paper, Table 4 (128K sequences)", "model": LLAMA3_405B, "gpus": 16384,
+         "layout": (8, 16, 16, 8), "plan": {"seq": 131072, "global_batch": 128, "recompute": "full"},
+         "memory_gib": None, "tps": None},
+        {"source": f"{tt}, Table 3 (FSDP)", "model": LLAMA3_8B, "gpus": 128, "layout": (1, 1, 1, 128),
+         "plan": {"seq": 8192, "global_batch": 256, "micro_batch": 2, "zero": 3}, "memory_gib": 67.0, "tps": 5605},
+        {"source": f"{tt}, Table 4 (FSDP + TP, Float8)", "model": LLAMA3_70B, "gpus": 256, "layout": (8, 1, 1, 32),
+         "plan": {"seq": 8192, "global_batch": 512, "micro_batch": 16, "zero": 3, "recompute": "full"},
+         "memory_gib": 71.9, "tps": 829},
+        {"source": f"{tt}, Table 2 (32K, Float8)", "model": LLAMA3_8B, "gpus": 8, "layout": (1, 1, 1, 8),
+         "plan": {"seq": 32768, "global_batch": 8, "zero": 3, "recompute": "full"}, "memory_gib": 83.9, "tps": 3890},
+        {"source": f"{tt}, Table 2 (CP 8, 256K, Float8)", "model": LLAMA3_8B, "gpus": 8, "layout": (1, 8, 1, 1),
+         "plan": {"seq": 262144, "global_batch": 1, "zero": 3, "recompute": "full"}, "memory_gib": 84.5, "tps": 548},
+    ]
