@@ -239,7 +239,8 @@ print(checks.check_out_of_memory_reason(reason, oom, LIMIT))
 # brings it under 80 GiB; ZeRO would not, since the optimizer state is already sharded 1024 ways.
 #
 # </details>
-#
+
+# %% [markdown]
 # ## Takeaway
 #
 # * A plan is accounting: model states (`2 + 4 + 12/(dp cp)` bytes per parameter here), activations
