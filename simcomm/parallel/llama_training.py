@@ -1,0 +1,122 @@
+"""Training the small Llama on a 2-D mesh (data x tensor parallel) against one device, step by step.
+
+The corpus (:func:`corpus`) is generated: sequences of a seeded first-order
+Markov chain over the vocabulary, so there is something to learn and the loss
+falls. Each data-parallel rank reads its share of each global batch through
+``torch.utils.data.DistributedSampler`` (shuffled, the epoch set every pass);
+the tensor-parallel ranks of a data-parallel rank read the same sequences.
+
+One step on rank ``(d, t)`` (rank ``= d * tp + t``, tensor-innermost):
+
+1. the loss of each of its sequences with :func:`simcomm.parallel.llama.tp_loss`,
+   averaged over the global batch (``1 / global_batch`` each), backward;
+2. gradients summed over the data-parallel group (all-reduce), and the
+   replicated RMSNorm weights' parts summed over the tensor group too;
+3. **global gradient-norm clipping**: the squared norms of the sharded
+   gradients all-reduced over the tensor group (the replicated ones counted
+   once), ``clip = min(1, max_norm / (norm + 1e-6))`` as
+   ``torch.nn.utils.clip_grad_norm_``;
+4. ``torch.optim.Adam`` on the shards (elementwise, so sharded Adam is Adam).
+
+:func:`reference_losses` is the same training on one device without
+communication; the test and lesson compare every step's loss.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from ..communicator import Communicator
+from . import llama
+
+__all__ = ["corpus", "batches", "train", "reference_losses"]
+
+
+def corpus(config: llama.Config, sequences: int = 64, length: int = 17, seed: int = 0) -> torch.Tensor:
+    """``(sequences, length)`` token ids from a seeded Markov chain (each token has 4 likely successors)."""
+    gen = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, config.vocab, (config.vocab, 4), generator=gen)
+    data = torch.empty(sequences, length, dtype=torch.int64)
+    data[:, 0] = torch.randint(0, config.vocab, (sequences,), generator=gen)
+    for position in range(1, length):
+        choice = torch.randint(0, 4, (sequences,), generator=gen)
+        data[:, position] = successors[data[:, position - 1], choice]
+    return data
+
+
+def batches(data: torch.Tensor, steps: int, global_batch: int, dp: int, rank: int, seed: int = 0) -> list[torch.Tensor]:
+    """The sequence indices data-parallel rank ``rank`` of ``dp`` trains on at each step:
+    ``DistributedSampler`` order, ``global_batch / dp`` per step, a new epoch when one runs out."""
+    if global_batch % dp:
+        raise ValueError(f"llama_training.batches: global_batch={global_batch} is not divisible by dp={dp}")
+    sampler = DistributedSampler(range(data.shape[0]), num_replicas=dp, rank=rank, shuffle=True, seed=seed)
+    per, out, epoch, order = global_batch // dp, [], 0, []
+    while len(out) < steps:
+        if len(order) < per:
+            sampler.set_epoch(epoch)
+            order, epoch = list(sampler), epoch + 1
+        out.append(torch.tensor(order[:per]))
+        order = order[per:]
+    return out
+
+
+def _clip_coefficient(norm_sq: torch.Tensor, max_norm: float) -> torch.Tensor:
+    return torch.clamp(max_norm / (norm_sq.sqrt() + 1e-6), max=1.0)
+
+
+def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor], config: llama.Config, *,
+          tp: int, steps: int, global_batch: int, lr: float = 1e-2, max_norm: float = 1.0, seed: int = 0) -> dict:
+    """``steps`` steps on ``comm.world_size = dp * tp`` ranks (module docstring); returns the global
+    ``losses`` per step (float64, the same on every rank) and this rank's final ``shards``.
+    Collective over the world; blocks."""
+    if comm.world_size % tp:
+        raise ValueError(f"llama_training.train: rank {comm.rank}: world size {comm.world_size} is not "
+                         f"divisible by tp={tp}")
+    dp = comm.world_size // tp
+    d, t = divmod(comm.rank, tp)
+    tensor = comm.subgroup([[dd * tp + tt for tt in range(tp)] for dd in range(dp)])
+    data_group = comm.subgroup([[dd * tp + tt for dd in range(dp)] for tt in range(tp)])
+    shards = {n: p.clone().requires_grad_() for n, p in llama.shard_params(params, config, t, tp).items()}
+    optimizer = torch.optim.Adam(shards.values(), lr=lr)
+    losses = []
+    for indices in batches(data, steps, global_batch, dp, d, seed):
+        optimizer.zero_grad()
+        local = sum(llama.tp_loss(tensor, data[i], shards, config) for i in indices.tolist()) / global_batch
+        local.backward()
+        losses.append(data_group.all_reduce(local.detach()))
+        norm_sq = torch.zeros((), dtype=torch.float64)
+        replicated_sq = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for name, p in shards.items():
+                p.grad = data_group.all_reduce(p.grad)                       # summed over the batch shards
+                if name.split(".")[-1] in llama.REPLICATED:
+                    p.grad = tensor.all_reduce(p.grad)                       # and over the sequence shards
+                    replicated_sq = replicated_sq + p.grad.double().pow(2).sum()
+                else:
+                    norm_sq = norm_sq + p.grad.double().pow(2).sum()
+            norm_sq = tensor.all_reduce(norm_sq) + replicated_sq            # every shard once
+            coefficient = _clip_coefficient(norm_sq, max_norm)
+            for p in shards.values():
+                p.grad.mul_(coefficient.to(p.grad.dtype))
+        optimizer.step()
+    return {"losses": torch.stack(losses).double(), "shards": {n: p.detach() for n, p in shards.items()}}
+
+
+def reference_losses(data: torch.Tensor, params: dict[str, torch.Tensor], config: llama.Config, *, dp: int,
+                     steps: int, global_batch: int, lr: float = 1e-2, max_norm: float = 1.0,
+                     seed: int = 0) -> torch.Tensor:
+    """The oracle: the same steps on one device (the union of the ``dp`` ranks' sequences each step,
+    ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.Adam``); the loss of each step."""
+    leaves = {n: p.clone().requires_grad_() for n, p in params.items()}
+    optimizer = torch.optim.Adam(leaves.values(), lr=lr)
+    per_rank = [batches(data, steps, global_batch, dp, rank, seed) for rank in range(dp)]
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        indices = torch.cat([per_rank[rank][step] for rank in range(dp)]).tolist()
+        loss = sum(llama.loss(data[i], leaves, config) for i in indices) / global_batch
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(leaves.values(), max_norm)
+        optimizer.step()
+        losses.append(loss.detach().double())
+    return torch.stack(losses)
