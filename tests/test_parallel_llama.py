@@ -51,3 +51,30 @@ def test_indivisible_sizes_are_named():
         simcomm.World(2).run(_program, ids, params, CONFIG)
     with pytest.raises(ValueError, match="kv_heads=2 is not divisible by the tensor-parallel size 4"):
         llama.shard_params(params, CONFIG, 0, 4)
+
+
+def _cp_program(comm, ids, params, config, tp):
+    cp = comm.world_size // tp
+    tensor = comm.subgroup([[c * tp + t for t in range(tp)] for c in range(cp)])
+    context = comm.subgroup([[c * tp + t for c in range(cp)] for t in range(tp)])
+    shards = {n: p.requires_grad_() for n, p in llama.shard_params(params, config, tensor.rank, tp).items()}
+    part = llama.tp_loss(tensor, ids, shards, config, context)
+    part.backward()
+    with torch.no_grad():
+        grads = {n: context.all_reduce(p.grad) for n, p in shards.items()}   # the chunks' parts summed
+    return {"loss": context.all_reduce(part.detach()), "grads": grads, "t": tensor.rank}
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 2), (2, 2)])
+def test_context_parallel_llama_equals_one_device(tp, cp):
+    params = llama.init_params(CONFIG, seed=0)
+    ids = torch.randint(0, CONFIG.vocab, (17,), generator=torch.Generator().manual_seed(1))
+    leaves = {n: p.clone().requires_grad_() for n, p in params.items()}
+    reference = llama.loss(ids, leaves, CONFIG)
+    reference.backward()
+    outs = simcomm.World(tp * cp).run(_cp_program, ids, params, CONFIG, tp)
+    for out in outs:
+        torch.testing.assert_close(out["loss"], reference.detach(), rtol=0, atol=1e-12)
+    grads = llama.assemble_grads([outs[t]["grads"] for t in range(tp)])     # context rank 0's tensor group
+    for name, p in leaves.items():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-12, msg=name)

@@ -95,17 +95,23 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)   # (s, heads, d)
 
 
-def _attention(y, wq, wk, wv, wo, config: Config, positions):
-    """Causal grouped-query attention of ``y`` ``(s, h)`` with this rank's heads; ``(s, h)`` partial
-    sums of the output projection."""
+def _attention(y, wq, wk, wv, wo, config: Config, positions, context: Communicator | None = None):
+    """Causal grouped-query attention of ``y`` ``(s, h)`` (tokens at ``positions``) with this rank's
+    heads; ``(s, h)`` partial sums of the output projection. With a ``context`` group the keys and
+    values of every chunk of the sequence are all-gathered (backward: reduce-scatter), as the
+    Llama 3 paper's context parallelism does."""
     s, d = y.shape[0], config.head_dim
     q = _rope((y @ wq.T).view(s, -1, d), positions, config.rope_base)                   # (s, heads', d)
     k = _rope((y @ wk.T).view(s, -1, d), positions, config.rope_base)                   # (s, kv', d)
     v = (y @ wv.T).view(s, -1, d)                                                        # (s, kv', d)
+    keys = positions
+    if context is not None and context.world_size > 1:
+        k, v = context.all_gather(k, dim=0), context.all_gather(v, dim=0)               # (s * cp, kv', d)
+        keys = torch.arange(k.shape[0])
     group = config.heads // config.kv_heads
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)          # (s, heads', d)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5                              # (heads', s, s)
-    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)          # (keys, heads', d)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5                              # (heads', s, keys)
+    causal = keys[None, :] > positions[:, None]                                          # (s, keys)
     probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, v).reshape(s, -1)                         # (s, heads' * d)
     return out @ wo.T                                                                    # (s, h)
@@ -156,14 +162,27 @@ def shard_params(params: dict[str, torch.Tensor], config: Config, rank: int, tp:
     return out
 
 
-def tp_loss(comm: Communicator, ids: torch.Tensor, shards: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+def tp_loss(comm: Communicator, ids: torch.Tensor, shards: dict[str, torch.Tensor], config: Config,
+            context: Communicator | None = None) -> torch.Tensor:
     """:func:`loss` with tensor + sequence + vocabulary parallelism over ``comm`` (module docstring);
     ``ids`` ``(s + 1,)`` whole on every rank, ``shards`` this rank's :func:`shard_params`. The result
-    is the same on every rank. Collective over ``comm`` in forward and backward."""
+    is the same on every rank of ``comm``. Collective over ``comm`` in forward and backward.
+
+    With a ``context`` group of ``cp`` ranks (context parallelism), context rank ``c`` takes tokens
+    ``[c s/cp, (c+1) s/cp)`` of the inputs (no load balancing) and returns its chunk's part of the
+    loss, ``sum(token losses) / s``: the parts of the ``cp`` ranks add up to :func:`loss`."""
     inputs, targets = ids[:-1], ids[1:]
+    positions = torch.arange(inputs.shape[0])
+    cp = 1 if context is None else context.world_size
+    if cp > 1:
+        if inputs.shape[0] % cp:
+            raise ValueError(f"llama.tp_loss: sequence length={inputs.shape[0]} is not divisible by the "
+                             f"context-parallel size {cp}")
+        chunk = inputs.shape[0] // cp
+        mine = slice(context.rank * chunk, (context.rank + 1) * chunk)
+        inputs, targets, positions = inputs[mine], targets[mine], positions[mine]
     s, tp = inputs.shape[0], comm.world_size
     _check(config, tp, s, "llama.tp_loss")
-    positions = torch.arange(s)
     start, _ = vocab_range(config.vocab, comm.rank, tp)
     local = inputs - start
     mine = (local >= 0) & (local < config.vocab // tp)
@@ -172,11 +191,12 @@ def tp_loss(comm: Communicator, ids: torch.Tensor, shards: dict[str, torch.Tenso
     for layer in range(config.layers):
         norm1, wq, wk, wv, wo, norm2, gate, up, down = (shards[n] for n in _names(layer))
         y = comm.all_gather(_rms_norm(x, norm1, config.eps), dim=0)                      # (s, h)
-        x = x + comm.reduce_scatter(_attention(y, wq, wk, wv, wo, config, positions), dim=0)  # (s/t, h)
+        x = x + comm.reduce_scatter(_attention(y, wq, wk, wv, wo, config, positions, context), dim=0)
         y = comm.all_gather(_rms_norm(x, norm2, config.eps), dim=0)                      # (s, h)
         x = x + comm.reduce_scatter(_mlp(y, gate, up, down), dim=0)                      # (s/t, h)
     y = comm.all_gather(_rms_norm(x, shards["final_norm"], config.eps), dim=0)           # (s, h)
-    return vocab_parallel_cross_entropy(comm, y @ shards["output"].T, targets).mean()    # logits (s, V/t)
+    token_losses = vocab_parallel_cross_entropy(comm, y @ shards["output"].T, targets)  # logits (s, V/t)
+    return token_losses.sum() / (s * cp)
 
 
 def assemble_grads(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
