@@ -46,3 +46,22 @@ def test_corpus_is_learnable_and_deterministic():
     assert torch.equal(a, b) and a.shape == (64, 17) and int(a.max()) < CONFIG.vocab
     pairs = {(x, y) for row in a.tolist() for x, y in zip(row, row[1:])}
     assert len(pairs) <= 4 * CONFIG.vocab                                     # at most 4 successors a token
+
+
+def test_data_context_tensor_mesh_equals_one_device():
+    data = lt.corpus(CONFIG, sequences=8, length=17)
+    params = llama.init_params(CONFIG)
+    reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=3, global_batch=2)
+    outs = simcomm.World(8).run(lt.train, data, params, CONFIG, tp=2, cp=2, steps=3, global_batch=2)
+    for out in outs:
+        assert (out["losses"] - reference).abs().max() < 1e-12
+
+
+@pytest.mark.real
+def test_the_same_training_on_real_gloo_workers(gloo_cluster):
+    data = lt.corpus(CONFIG, sequences=8, length=17)
+    params = llama.init_params(CONFIG)
+    reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=4, global_batch=4)
+    outs = gloo_cluster(4).run(lt.train, data, params, CONFIG, tp=2, steps=4, global_batch=4)
+    for out in outs:
+        assert (out["losses"] - reference).abs().max() < 1e-12

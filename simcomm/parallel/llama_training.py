@@ -1,4 +1,4 @@
-"""Training the small Llama on a 2-D mesh (data x tensor parallel) against one device, step by step.
+"""Training the small Llama on a data x context x tensor mesh against one device, step by step.
 
 The corpus (:func:`corpus`) is generated: sequences of a seeded first-order
 Markov chain over the vocabulary, so there is something to learn and the loss
@@ -65,30 +65,36 @@ def _clip_coefficient(norm_sq: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor], config: llama.Config, *,
-          tp: int, steps: int, global_batch: int, lr: float = 1e-2, max_norm: float = 1.0, seed: int = 0) -> dict:
-    """``steps`` steps on ``comm.world_size = dp * tp`` ranks (module docstring); returns the global
+          tp: int, steps: int, global_batch: int, cp: int = 1, lr: float = 1e-2, max_norm: float = 1.0,
+          seed: int = 0) -> dict:
+    """``steps`` steps on ``comm.world_size = dp * cp * tp`` ranks (module docstring; rank
+    ``= (d * cp + c) * tp + t``; with ``cp > 1`` each sequence is split over the context group and
+    the gradients are summed over the ``dp * cp`` ranks of a tensor rank). Returns the global
     ``losses`` per step (float64, the same on every rank) and this rank's final ``shards``.
     Collective over the world; blocks."""
-    if comm.world_size % tp:
+    if comm.world_size % (tp * cp):
         raise ValueError(f"llama_training.train: rank {comm.rank}: world size {comm.world_size} is not "
-                         f"divisible by tp={tp}")
-    dp = comm.world_size // tp
-    d, t = divmod(comm.rank, tp)
-    tensor = comm.subgroup([[dd * tp + tt for tt in range(tp)] for dd in range(dp)])
-    data_group = comm.subgroup([[dd * tp + tt for dd in range(dp)] for tt in range(tp)])
+                         f"divisible by tp * cp = {tp} * {cp}")
+    dp = comm.world_size // (tp * cp)
+    d, t = comm.rank // (tp * cp), comm.rank % tp
+    rank_of = lambda dd, cc, tt: (dd * cp + cc) * tp + tt   # noqa: E731
+    tensor = comm.subgroup([[rank_of(dd, cc, tt) for tt in range(tp)] for dd in range(dp) for cc in range(cp)])
+    context = comm.subgroup([[rank_of(dd, cc, tt) for cc in range(cp)] for dd in range(dp) for tt in range(tp)])
+    data_group = comm.subgroup([[rank_of(dd, cc, tt) for dd in range(dp) for cc in range(cp)] for tt in range(tp)])
     shards = {n: p.clone().requires_grad_() for n, p in llama.shard_params(params, config, t, tp).items()}
     optimizer = torch.optim.Adam(shards.values(), lr=lr)
     losses = []
     for indices in batches(data, steps, global_batch, dp, d, seed):
         optimizer.zero_grad()
-        local = sum(llama.tp_loss(tensor, data[i], shards, config) for i in indices.tolist()) / global_batch
+        local = sum(llama.tp_loss(tensor, data[i], shards, config, context if cp > 1 else None)
+                    for i in indices.tolist()) / global_batch
         local.backward()
         losses.append(data_group.all_reduce(local.detach()))
         norm_sq = torch.zeros((), dtype=torch.float64)
         replicated_sq = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
             for name, p in shards.items():
-                p.grad = data_group.all_reduce(p.grad)                       # summed over the batch shards
+                p.grad = data_group.all_reduce(p.grad)                       # over batch and context shards
                 if name.split(".")[-1] in llama.REPLICATED:
                     p.grad = tensor.all_reduce(p.grad)                       # and over the sequence shards
                     replicated_sq = replicated_sq + p.grad.double().pow(2).sum()
