@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from ..communicator import Communicator
 from .vocab import vocab_parallel_cross_entropy, vocab_range
 
-__all__ = ["Config", "init_params", "loss", "logits", "shard_params", "tp_loss", "assemble_grads", "REPLICATED"]
+__all__ = ["Config", "init_params", "loss", "logits", "shard_params", "tp_loss", "embed", "block", "head",
+           "layer_names", "assemble_grads", "REPLICATED"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class Config:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+
+def layer_names(layer: int) -> list[str]:
+    """The names of decoder layer ``layer``'s parameters."""
+    return _names(layer)
 
 
 def _names(layer: int) -> list[str]:
@@ -183,20 +189,41 @@ def tp_loss(comm: Communicator, ids: torch.Tensor, shards: dict[str, torch.Tenso
         inputs, targets, positions = inputs[mine], targets[mine], positions[mine]
     s, tp = inputs.shape[0], comm.world_size
     _check(config, tp, s, "llama.tp_loss")
+    x = embed(comm, inputs, shards, config)                                              # (s/t, h)
+    for layer in range(config.layers):
+        x = block(comm, x, shards, config, layer, positions, context)
+    return head(comm, x, targets, shards, config, s * cp)
+
+
+def embed(comm: Communicator, inputs: torch.Tensor, shards: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """The vocabulary-parallel embedding of ``inputs`` ``(s,)``, reduce-scattered into this rank's
+    sequence shard ``(s/t, h)``. Collective over the tensor group ``comm``."""
+    tp = comm.world_size
     start, _ = vocab_range(config.vocab, comm.rank, tp)
     local = inputs - start
     mine = (local >= 0) & (local < config.vocab // tp)
     partial = F.embedding(local.clamp(0, config.vocab // tp - 1), shards["embed"]) * mine.unsqueeze(-1)  # (s, h)
-    x = comm.reduce_scatter(partial, dim=0)                                              # (s/t, h) summed
-    for layer in range(config.layers):
-        norm1, wq, wk, wv, wo, norm2, gate, up, down = (shards[n] for n in _names(layer))
-        y = comm.all_gather(_rms_norm(x, norm1, config.eps), dim=0)                      # (s, h)
-        x = x + comm.reduce_scatter(_attention(y, wq, wk, wv, wo, config, positions, context), dim=0)
-        y = comm.all_gather(_rms_norm(x, norm2, config.eps), dim=0)                      # (s, h)
-        x = x + comm.reduce_scatter(_mlp(y, gate, up, down), dim=0)                      # (s/t, h)
+    return comm.reduce_scatter(partial, dim=0)                                           # (s/t, h) summed
+
+
+def block(comm: Communicator, x: torch.Tensor, shards: dict[str, torch.Tensor], config: Config, layer: int,
+          positions: torch.Tensor, context: Communicator | None = None) -> torch.Tensor:
+    """Decoder layer ``layer`` on the sequence shard ``x`` ``(s/t, h)`` of the tokens at ``positions``;
+    returns ``(s/t, h)``. Collective over ``comm`` (and ``context``)."""
+    norm1, wq, wk, wv, wo, norm2, gate, up, down = (shards[n] for n in _names(layer))
+    y = comm.all_gather(_rms_norm(x, norm1, config.eps), dim=0)                          # (s, h)
+    x = x + comm.reduce_scatter(_attention(y, wq, wk, wv, wo, config, positions, context), dim=0)
+    y = comm.all_gather(_rms_norm(x, norm2, config.eps), dim=0)                          # (s, h)
+    return x + comm.reduce_scatter(_mlp(y, gate, up, down), dim=0)                       # (s/t, h)
+
+
+def head(comm: Communicator, x: torch.Tensor, targets: torch.Tensor, shards: dict[str, torch.Tensor],
+         config: Config, denominator: int) -> torch.Tensor:
+    """Final norm, vocabulary-parallel output layer and cross-entropy of the shard ``x``:
+    ``sum(token losses) / denominator``, the same on every rank of ``comm``."""
     y = comm.all_gather(_rms_norm(x, shards["final_norm"], config.eps), dim=0)           # (s, h)
     token_losses = vocab_parallel_cross_entropy(comm, y @ shards["output"].T, targets)  # logits (s, V/t)
-    return token_losses.sum() / (s * cp)
+    return token_losses.sum() / denominator
 
 
 def assemble_grads(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
