@@ -24,6 +24,9 @@ communication; the test and lesson compare every step's loss.
 from __future__ import annotations
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.data import DistributedSampler
 
 from ..communicator import Communicator
@@ -66,12 +69,19 @@ def _clip_coefficient(norm_sq: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor], config: llama.Config, *,
           tp: int, steps: int, global_batch: int, cp: int = 1, lr: float = 1e-2, max_norm: float = 1.0,
-          seed: int = 0) -> dict:
+          seed: int = 0, first_step: int = 0, load: str | None = None, save: str | None = None) -> dict:
     """``steps`` steps on ``comm.world_size = dp * cp * tp`` ranks (module docstring; rank
     ``= (d * cp + c) * tp + t``; with ``cp > 1`` each sequence is split over the context group and
     the gradients are summed over the ``dp * cp`` ranks of a tensor rank). Returns the global
     ``losses`` per step (float64, the same on every rank) and this rank's final ``shards``.
-    Collective over the world; blocks."""
+    Collective over the world; blocks.
+
+    Checkpoints (``torch.distributed.checkpoint``): ``save`` writes the shards and Adam's state
+    after the last step as DTensors on the ``(dp, cp, tp)`` mesh; ``load`` reads such a checkpoint,
+    written on any layout, into this one before the first step (DCP reshards), and ``first_step``
+    says how many steps it holds, so the data continues where it stopped: the global batch of a
+    step does not depend on the layout (``DistributedSampler`` deals a global permutation out
+    round-robin)."""
     if comm.world_size % (tp * cp):
         raise ValueError(f"llama_training.train: rank {comm.rank}: world size {comm.world_size} is not "
                          f"divisible by tp * cp = {tp} * {cp}")
@@ -83,8 +93,11 @@ def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor
     data_group = comm.subgroup([[rank_of(dd, cc, tt) for dd in range(dp) for cc in range(cp)] for tt in range(tp)])
     shards = {n: p.clone().requires_grad_() for n, p in llama.shard_params(params, config, t, tp).items()}
     optimizer = torch.optim.Adam(shards.values(), lr=lr)
+    mesh = init_device_mesh("cpu", (dp, cp, tp)) if load or save else None
+    if load:
+        _load(load, mesh, shards, optimizer)
     losses = []
-    for indices in batches(data, steps, global_batch, dp, d, seed):
+    for indices in batches(data, first_step + steps, global_batch, dp, d, seed)[first_step:]:
         optimizer.zero_grad()
         local = sum(llama.tp_loss(tensor, data[i], shards, config, context if cp > 1 else None)
                     for i in indices.tolist()) / global_batch
@@ -105,7 +118,42 @@ def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor
             for p in shards.values():
                 p.grad.mul_(coefficient.to(p.grad.dtype))
         optimizer.step()
+    if save:
+        dcp.save(_state(mesh, shards, optimizer), checkpoint_id=save)
     return {"losses": torch.stack(losses).double(), "shards": {n: p.detach() for n, p in shards.items()}}
+
+
+def _placement(name: str) -> list:
+    kind = name.split(".")[-1]
+    dim = 1 if kind in ("wo", "w_down") else None if kind in llama.REPLICATED else 0
+    return [Replicate(), Replicate(), Replicate() if dim is None else Shard(dim)]
+
+
+def _state(mesh, shards: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict:
+    """The checkpoint's state dict: DTensors of the shards and of Adam's moments, and Adam's step."""
+    state = {}
+    for name, p in shards.items():
+        moments = optimizer.state[p]
+        for key, local in (("model", p.detach()), ("exp_avg", moments["exp_avg"]),
+                           ("exp_avg_sq", moments["exp_avg_sq"])):
+            state[f"{key}.{name}"] = DTensor.from_local(local, mesh, _placement(name), run_check=False)
+        state["step"] = moments["step"].clone()
+    return state
+
+
+def _load(path: str, mesh, shards: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    for p in shards.values():                      # Adam's state, to be overwritten by the checkpoint
+        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
+    state = _state(mesh, shards, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    with torch.no_grad():
+        for name, p in shards.items():
+            moments = optimizer.state[p]
+            p.copy_(state[f"model.{name}"].to_local())
+            moments["exp_avg"].copy_(state[f"exp_avg.{name}"].to_local())
+            moments["exp_avg_sq"].copy_(state[f"exp_avg_sq.{name}"].to_local())
+            moments["step"].copy_(state["step"])
 
 
 def reference_losses(data: torch.Tensor, params: dict[str, torch.Tensor], config: llama.Config, *, dp: int,
