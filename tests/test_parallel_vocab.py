@@ -49,7 +49,7 @@ def test_loss_and_gradients_equal_one_device(world_size):
 def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="vocab=10 is not divisible by the tensor-parallel size 4"):
         vocab_range(10, 0, 4)
-    x, table, target = _data()
+    _, table, target = _data()
     with pytest.raises(simcomm.RankError, match=r"ids must lie in \[0, 16\); got min 0, max 99"):
         simcomm.World(2).run(lambda comm: vocab_parallel_embedding(comm, torch.tensor([0, 99]), table[:8]))
     with pytest.raises(simcomm.RankError, match="logits must be"):

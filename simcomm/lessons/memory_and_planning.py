@@ -89,7 +89,7 @@ def check_model_state_bytes(fn: Callable[..., Any]) -> str:
     for gradients in mixed_precision.GRADIENTS:
         for stage in (0, 1, 2, 3):
             for psi, world_size in ((1000, 4), (6_000, 8)):
-                got, verdict = attempt(lambda: fn(stage, psi, world_size, gradients))
+                got, verdict = attempt(lambda s=stage, p=psi, n=world_size, g=gradients: fn(s, p, n, g))
                 if verdict is not None:
                     return verdict
                 if not isinstance(got, dict) or set(got) != set(labels):
@@ -130,7 +130,7 @@ def check_skip_step(fn: Callable[..., Any]) -> str:
     if not callable(fn):
         return not_yet(f"give a function fn(comm, grads); got {type(fn).__name__}")
     for bad_rank, value in ((None, 1.0), (2, float("inf")), (0, float("nan"))):
-        outs, verdict = attempt(lambda: World(4).run(_skip_program, fn, bad_rank, value),
+        outs, verdict = attempt(lambda bad=bad_rank, v=value: World(4).run(_skip_program, fn, bad, v),
                                 "every rank must call the same collectives")
         if verdict is not None:
             return verdict

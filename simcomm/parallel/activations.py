@@ -42,7 +42,6 @@ what the recomputation costs: full recomputation runs the forward twice,
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
