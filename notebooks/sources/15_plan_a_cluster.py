@@ -64,7 +64,7 @@ start = time.perf_counter()
 shape_world.run(cluster_step.step, layout, cluster_step.Block(hidden=4096, heads=32, seq=8192, micro_batches=2))
 print(f"{layout.world_size} shape-only ranks in {time.perf_counter() - start:.1f} s; rank 0 peaked at "
       f"{shape_world.memory.peak[0] / GiB:.2f} GiB")
-plan_figure(shape_world.trace, cluster("h100-ndr-cluster", layout.world_size))
+plan_figure(shape_world.trace, cluster("h100-ndr-cluster", layout.world_size)).update_layout(width=1000)
 
 # %% [markdown]
 # That is exact for the program traced, and costs seconds per 16 ranks on this machine: a
