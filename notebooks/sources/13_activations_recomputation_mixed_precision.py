@@ -1,0 +1,312 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,sources//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 13: Activations, recomputation and mixed precision
+#
+# **Goal:** measure, byte by byte on each rank, what a transformer layer keeps for its backward
+# pass, with and without recomputation, against the formula of Korthikanti et al. 2022; see what
+# recomputation costs on the modelled timeline; and train in mixed precision as frameworks do
+# (bf16 compute, fp32 master weights, Adam and gradient accumulation), with the bytes per rank
+# equal to `(2 + 2 + 12) psi` and its ZeRO-sharded forms, and the loss within a stated bf16
+# tolerance of the float64 run.
+#
+# Lessons 6 and 7 counted the *model states* (parameters, gradients, optimizer state). For large
+# models with long sequences the *activations* are larger: every tensor the forward pass saves
+# for the backward pass stays alive until the backward pass reaches it.
+
+# %%
+import torch
+from simcomm import World, configured_backend
+from simcomm.lessons import memory_and_planning as checks
+from simcomm.model.cost import modelled_timeline
+from simcomm.parallel import activations as act, mixed_precision as mp
+from simcomm.parallel.zero import MLP
+from simcomm.viz.memory import memory_figure
+from simcomm.viz.recompute import activation_curve, trade_figure
+
+tp = 4
+world = configured_backend(tp, memory=True)      # SIMCOMM_BACKEND: virtual ranks or real processes
+
+# %% [markdown]
+# ## 1. The layer, and what its backward pass needs
+#
+# A GPT layer: LayerNorm, QKV, attention with `a` heads, projection, dropout, residual; LayerNorm,
+# a `4h` MLP with GeLU, dropout, residual. For sequence length `s`, micro-batch `b`, hidden `h`,
+# 16-bit activations (2 bytes) and 1-byte dropout masks, Korthikanti et al. count per layer:
+#
+# | saved for backward | bytes |
+# |---|---|
+# | attention: QKV input, Q and K, softmax output, its dropout mask, the dropped-out probabilities and V, the projection input, the dropout mask after it | `11 sbh + 5 a s^2 b` |
+# | MLP: first input, GeLU input, second input, dropout mask | `19 sbh` |
+# | two LayerNorm inputs | `4 sbh` |
+# | **total** | **`sbh (34 + 5 a s / h)`** |
+#
+# With tensor parallelism over `t` ranks *and* sequence parallelism (Megatron: the LayerNorms
+# and dropouts run on a sequence shard; a sublayer's first linear all-gathers its input but keeps
+# only the shard for backward), every one of these is split: divide by `t`. *Selective*
+# recomputation drops the `5 a s^2 b` attention terms (the attention core is recomputed in
+# backward): `34 sbh / t`. *Full* recomputation keeps only the layer's input: `2 sbh / t`.
+#
+# `act.tp_layer` is that layer; first, is it the same function as on one device? In float64,
+# two layers on 4 ranks against `act.stack_loss` on one device, for each recomputation mode:
+
+# %% expect=["none: loss and all 24 gradients match one device", "selective: loss and all 24 gradients match one device", "full: loss and all 24 gradients match one device"]
+s, b, h, heads = 16, 2, 16, 4
+gen = torch.Generator().manual_seed(0)
+x, weights = torch.randn(s, b, h, dtype=torch.float64, generator=gen), torch.randn(s, b, h, dtype=torch.float64, generator=gen)
+stack = [act.make_layer(h, seed=i) for i in range(2)]
+leaves = [{name: p.clone().requires_grad_() for name, p in params.items()} for params in stack]
+reference = act.stack_loss(x, weights, leaves, heads)      # one device, no communication
+reference.backward()
+for mode in act.RECOMPUTE:
+    outs = world.run(act.activation_run, x, weights, stack, heads, mode, dtype=torch.float64)
+    grads = act.assemble_grads(outs, h)
+    assert abs(sum(o["loss"] for o in outs) - reference) < 1e-10
+    assert all((grads[i][n] - p.grad).abs().max() < 1e-10 for i, ps in enumerate(leaves) for n, p in ps.items())
+    print(f"{mode}: loss and all {sum(len(g) for g in grads)} gradients match one device")
+
+# %% [markdown]
+# ## 2. Activation bytes, measured per rank
+#
+# `act.measure` runs two bf16 layers on the 4 ranks for each size and mode with memory tracking
+# (`simcomm.memory`): the layers' forward runs under the label `"activations"` and marks
+# `"after forward"`. Divided by the layers, that is the bytes per layer and rank.
+#
+# Our layer follows the paper's accounting with one difference, which `act.expected_bytes`
+# adds: each LayerNorm also keeps its mean and reciprocal standard deviation for backward, `2 sb/t`
+# values of 2 bytes, so `8 sb / t` bytes per layer (the paper drops them as small). They go with
+# the layer under full recomputation. The causal mask is one `(s, s)` tensor for the whole run.
+
+# %% expect=["s=64 b=2 h=64 a=4      none: paper    110,592  + LN stats = 110,848  measured 110,848 B", "s=64 b=2 h=64 a=4 selective: paper     69,632  + LN stats =  69,888  measured  69,888 B", "s=64 b=2 h=64 a=4      full: paper      4,096  + LN stats =   4,096  measured   4,096 B", "s=128 b=1 h=64 a=8      none: paper    233,472  + LN stats = 233,728  measured 233,728 B", "s=128 b=1 h=64 a=8 selective: paper     69,632  + LN stats =  69,888  measured  69,888 B", "s=128 b=1 h=64 a=8      full: paper      4,096  + LN stats =   4,096  measured   4,096 B"]
+sizes = [(64, 2, 64, 4), (128, 1, 64, 8)]
+rows = act.measure(world, sizes)
+for row in rows:
+    assert all(m == row["expected"] for m in row["measured"]), row     # every rank, to the byte
+    (s_, b_, h_, a_) = row["size"]
+    print(f"s={s_} b={b_} h={h_} a={a_} {row['mode']:>9}: paper {row['formula']:>10,.0f}  + LN stats = "
+          f"{row['expected']:>7,.0f}  measured {row['measured'][0]:>7,.0f} B")
+
+# %% [markdown]
+# At `s = 128, a = 8, h = 64` the attention scores (`5 a s / h = 80`) outweigh everything else
+# (`34`): selective recomputation saves 70 % of the activations while recomputing only the
+# attention core. Full recomputation keeps 2 of the 34 + 80.
+#
+# Through one step (the last size; rank 0): the activations grow layer by layer in the forward
+# pass and are freed layer by layer as the backward pass reaches them.
+
+# %% tags=["nbval-ignore-output"]
+last = {row["mode"]: row["report"] for row in rows if row["size"] == sizes[-1]}
+activation_curve(last)
+
+# %% [markdown]
+# ## 3. What recomputation costs
+#
+# Backward costs about twice the forward. Full recomputation runs the forward again before each
+# layer's backward: `(1 + 1 + 2) / (1 + 2) = 4/3` of the compute. Selective recomputation redoes
+# only the attention core (`4 b s^2 h / t` flops of the layer's `24 s b h^2 / t + 4 b s^2 h / t`).
+# The layers declare their flops (`comm.compute`); the modelled timeline on an H100 node adds
+# them up (the trace of a run on virtual ranks):
+
+# %% expect=["      none: compute 1.000 x, activations 233,728 B per layer", " selective: compute 1.083 x, activations 69,888 B per layer", "      full: compute 1.333 x, activations 4,096 B per layer"]
+s, b, h, heads = sizes[-1]
+compute = {}
+for mode in act.RECOMPUTE:
+    sim = World(tp)
+    sim.run(act.activation_run, torch.zeros(s, b, h, dtype=torch.float64), torch.zeros(s, b, h, dtype=torch.float64),
+            [act.make_layer(h, seed=i) for i in range(2)], heads, mode)
+    compute[mode] = modelled_timeline(sim.trace, "h100-nvswitch").ranks[0].compute
+flops = act.layer_flops(s, b, h, tp)
+assert abs(compute["full"] / compute["none"] - 4 / 3) < 1e-12
+assert abs(compute["selective"] / compute["none"] - 1 - flops["attention"] / (3 * sum(flops.values()))) < 1e-12
+trade = [{"mode": row["mode"], "bytes": row["measured"][0], "compute": compute[row["mode"]] / compute["none"]}
+         for row in rows if row["size"] == sizes[-1]]
+for point in trade:
+    print(f"{point['mode']:>10}: compute {point['compute']:.3f} x, activations {point['bytes']:,.0f} B per layer")
+
+# %% tags=["nbval-ignore-output"]
+trade_figure(trade)
+
+# %% [markdown]
+# Selective recomputation is the bargain: 70 % of the memory for 8 % more compute at this size
+# (the attention core's share of a layer's flops is `s / (6h + s)`: it grows with `s`, but stays
+# small while `s` is well below `6h`). Flash attention goes further: it never stores the `s x s` scores at all.
+#
+# ## 4. Mixed precision as frameworks train
+#
+# `mp.train` trains a small MLP for 2 Adam steps, data parallel on 4 ranks, as Megatron and
+# picotron do: the forward and backward in **bf16** (2 bytes a parameter), an **fp32 master**
+# copy of the weights and Adam's two **fp32 moments** (12 bytes), and gradients either as
+# autograd makes them (bf16, 2 bytes: the ZeRO paper's `2 + 2 + 12 = 16 psi`) or accumulated over
+# micro-batches into an **fp32 `main_grad`** (4 bytes: `18 psi`; measured here with ZeRO-1, Megatron's distributed optimizer). ZeRO stage `k` shards the first
+# `k` of optimizer state, gradients, parameters. Measured at `"after step 2"` on every rank:
+
+# %% expect=["psi = 5,768 parameters on 4 ranks (bytes per parameter: params + grads + optimizer state)", "ZeRO-0, 16-bit gradients: 2.00 + 2.00 + 12.00 = 16.00", "ZeRO-1, 16-bit gradients: 2.00 + 2.00 + 3.00 = 7.00", "ZeRO-2, 16-bit gradients: 2.00 + 0.50 + 3.00 = 5.50", "ZeRO-3, 16-bit gradients: 0.50 + 0.50 + 3.00 = 4.00", "ZeRO-1, fp32 main_grad gradients: 2.00 + 4.00 + 3.00 = 9.00"]
+psi, labels = MLP().numel, ("parameters", "gradients", "optimizer_state")
+dp, runs, reports = world, {}, {}                 # the same 4 ranks, data parallel now
+print(f"psi = {psi:,} parameters on 4 ranks (bytes per parameter: params + grads + optimizer state)")
+for gradients, stages in (("16-bit", (0, 1, 2, 3)), ("fp32 main_grad", (1,))):   # Megatron's distributed optimizer
+    for stage in stages:
+        runs[stage, gradients] = dp.run(mp.train, stage, gradients=gradients, steps=2, micro_batches=2)
+        reports[f"ZeRO-{stage} {gradients}"] = dp.memory
+        expected = mp.expected_bytes(stage, psi, 4, gradients)
+        for snap in dp.memory.at("after step 2"):
+            assert {label: snap[label] for label in labels} == expected, (stage, gradients, snap)
+        parts = [expected[label] / psi for label in labels]
+        print(f"ZeRO-{stage}, {gradients} gradients: " + " + ".join(f"{p:.2f}" for p in parts) + f" = {sum(parts):.2f}")
+
+# %% tags=["nbval-ignore-output"]
+memory_figure({name: report for name, report in reports.items() if "16-bit" in name}, "after step 2",
+              title="bf16 mixed precision: bytes per rank after step 2, ZeRO stages 0-3")
+
+# %% [markdown]
+# Is bf16 training the same training? Not to the bit: bf16 keeps 8 significant bits, so every
+# matmul output is rounded to about `2^-8` relative. The oracle is the same training on one
+# device in float64 (`torch.optim.Adam`); the stated tolerance is a relative `2^-6` on each
+# step's loss. The fp32 `main_grad` keeps the sum of the micro-batches' gradients exact to fp32:
+
+# %% expect=["every run: each step's loss within 2^-6 of float64", "fp32 main_grad is closer to float64 than 16-bit gradients (ZeRO-1): True"]
+reference = mp.reference_losses(steps=2)                     # one device, float64
+error = {run: ((outs[0]["losses"] - reference).abs() / reference).max().item() for run, outs in runs.items()}
+assert all(e < mp.BF16_TOLERANCE for e in error.values()), error
+print("every run: each step's loss within 2^-6 of float64")
+closer = error[1, "fp32 main_grad"] <= error[1, "16-bit"]
+print(f"fp32 main_grad is closer to float64 than 16-bit gradients (ZeRO-1): {closer}")
+
+# %% tags=["nbval-ignore-output"]
+for (stage, gradients), e in error.items():
+    print(f"ZeRO-{stage} {gradients:>14}: largest relative loss error {e:.1e}")
+
+# %% [markdown]
+# ## 5. fp16 needs loss scaling
+#
+# fp16 has 5 exponent bits: values below `6e-8` flush to zero and above `65504` overflow to
+# infinity. Multiplying the loss by a *scale* before backward lifts small gradients out of the
+# underflow range; dividing them by it again before the update undoes it. Too large a scale
+# overflows: then every rank must skip the step (the overflow flag is all-reduced with MAX, so
+# the replicas stay identical) and halve the scale; after a few good steps it grows again. Here
+# the scale starts far too high, at `2^24`:
+
+# %% tags=["nbval-ignore-output"]
+outs = world.run(mp.train, 1, dtype=torch.float16, loss_scale=2.0 ** 24, growth_interval=2, steps=8)
+history = outs[0]["history"]
+for (step, scale, overflowed), loss in zip(history, outs[0]["losses"]):
+    print(f"step {step}: scale {scale:>12,.0f}, loss {loss:.4f}, "
+          + ("overflow: skipped, scale halved" if overflowed else "applied"))
+
+# %% [markdown]
+# The checks: every rank kept the same history, the first steps overflowed and were skipped
+# (the loss did not move), and each applied step matches the float64 run's next step:
+
+# %% expect=["the ranks agree; 3+ steps skipped before the scale fit; applied steps follow float64 within 1e-2"]
+assert all(out["history"] == history for out in outs)
+assert [over for _, _, over in history[:3]] == [True, True, True]
+reference, applied = mp.reference_losses(steps=8), 0
+for (_, _, overflowed), loss in zip(history, outs[0]["losses"]):
+    assert abs(loss - reference[applied]) / reference[applied] < 1e-2
+    applied += not overflowed
+print("the ranks agree; 3+ steps skipped before the scale fit; applied steps follow float64 within 1e-2")
+
+# %% [markdown]
+# bf16 has fp32's 8 exponent bits: nothing underflows that fp32 keeps, and it trains without loss
+# scaling. That is why large runs moved from fp16 to bf16.
+#
+# ## Exercise 1: predict the activation bytes
+#
+# For `s = 256, b = 1, h = 128, a = 8` on `t = 4` ranks, how many bytes per layer and rank does
+# this lesson's bf16 layer keep, for each recomputation mode? Work it out from the table of
+# section 1 and the LayerNorm statistics of section 2 (do not call `act.expected_bytes`).
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+prediction = {"none": ..., "selective": ..., "full": ...}      # bytes per layer and rank
+
+print(checks.check_activation_prediction(prediction, 256, 1, 128, 8, 4))
+
+# %% [markdown]
+# <details><summary>Solution (try first)</summary>
+#
+# `sbh = 32768` elements per layer input; divided by `t = 4`: none `sbh (34 + 5 a s / h) / t`
+# `= 8192 x 114 = 933,888`, plus the LayerNorm statistics `8 sb / t = 512`: **934,400**; selective
+# `34 x 8192 + 512 =` **279,040**; full `2 x 8192 =` **16,384** (the statistics are recomputed too).
+# `checks.solution_activation_prediction(256, 1, 128, 8, 4)` computes the same.
+#
+# </details>
+#
+# ## Exercise 2: write the model-state bytes
+#
+# Write `state_bytes(stage, psi, world_size, gradients)` returning the bytes per rank of
+# `"parameters"` (bf16), `"gradients"` (`"16-bit"` or `"fp32 main_grad"`) and `"optimizer_state"`
+# (fp32 master and Adam) under ZeRO `stage` 0-3, as measured in section 4.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def state_bytes(stage, psi, world_size, gradients):
+    raise NotImplementedError   # {"parameters": ..., "gradients": ..., "optimizer_state": ...}
+
+print(checks.check_model_state_bytes(state_bytes))
+
+# %% [markdown]
+# <details><summary>Solution (try first)</summary>
+#
+# ```python
+# def state_bytes(stage, psi, world_size, gradients):
+#     grad = 2 if gradients == "16-bit" else 4
+#     return {"parameters": 2 * psi / (world_size if stage >= 3 else 1),
+#             "gradients": grad * psi / (world_size if stage >= 2 else 1),
+#             "optimizer_state": 12 * psi / (world_size if stage >= 1 else 1)}
+# ```
+# (`checks.solution_model_state_bytes`; the tests check that the checker accepts it.)
+#
+# </details>
+#
+# ## Exercise 3: find the bug
+#
+# This decides whether an fp16 step is skipped. On one rank it is right; on many it breaks the
+# training. Run the checker to see how, then fix it.
+
+# %% expect=["Not yet: with an overflow on rank 2 only ranks [2] skip the step and the others update: the replicas' weights diverge", "Hint: combine the ranks' flags with a collective (all_reduce, MAX) before deciding"]
+def skip_step(comm, grads):
+    return not all(bool(torch.isfinite(g).all()) for g in grads)
+
+print(checks.check_skip_step(skip_step))
+
+# %% [markdown]
+# <details><summary>Solution (try first)</summary>
+#
+# Each rank looked at its own gradients only. Combine the flags first, so every rank decides alike:
+#
+# ```python
+# def skip_step(comm, grads):
+#     flag = torch.tensor([0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0])
+#     return bool(comm.all_reduce(flag, "max").item())
+# ```
+# (`checks.solution_skip_step`.)
+#
+# </details>
+
+# %%
+world.close()
+
+# %% [markdown]
+# ## Takeaway
+#
+# * Activations, not weights, fill memory at long sequences: `sbh (34 + 5 a s / h)` bytes per layer,
+#   and the `5 a s / h` attention term dominates once `s` exceeds `7h / a`. Measured per rank, our
+#   layer keeps exactly that plus `8 sb` bytes of LayerNorm statistics.
+# * Tensor + sequence parallelism divides all of it by `t`; selective recomputation removes the
+#   attention scores for a few percent more compute; full recomputation keeps the layer inputs only
+#   for a third more compute.
+# * Mixed precision keeps 16 (or, with fp32 gradient accumulation, 18) bytes per parameter; the fp32
+#   master weights and Adam states are 12 of them, which is why ZeRO-1 shards them first. The bf16 loss
+#   follows float64 within a relative `2^-6`; fp16 needs a loss scale and a skip that every rank agrees on.

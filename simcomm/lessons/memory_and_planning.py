@@ -1,0 +1,230 @@
+"""Exercise checkers of lessons 13 and 15 (activation memory, mixed precision, planning a cluster).
+
+Every checker takes what the learner wrote and *returns* one verdict
+(:mod:`simcomm.lessons.verdicts`): :data:`NOT_ANSWERED` for the untouched
+placeholder, ``Not yet: ...`` with a hint for a wrong, partial or malformed
+answer, ``Correct: ...`` for a right one. Programs a checker runs go to the
+simulator. Each exercise's solution is a function here too (``solution_*``),
+so the tests prove that the checker accepts it; the lessons show the solution
+in a collapsed Markdown block and never run it.
+"""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..parallel import activations, mixed_precision
+from ..parallel import planner as plan
+from ..sim.world import World
+from .verdicts import NOT_ANSWERED, attempt, is_placeholder, not_yet
+
+__all__ = ["check_activation_prediction", "solution_activation_prediction", "check_model_state_bytes",
+           "solution_model_state_bytes", "check_skip_step", "solution_skip_step", "buggy_skip_step",
+           "check_plan_choice", "solution_plan_choice", "check_sequence_doubling", "solution_sequence_doubling",
+           "check_out_of_memory_reason", "solution_out_of_memory_reason"]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return float(value)
+        return None
+    return float(value)
+
+
+# -- lesson 13 ---------------------------------------------------------------------------------
+
+def solution_activation_prediction(seq: int, batch: int, hidden: int, heads: int, tp: int) -> dict[str, float]:
+    """The bytes per layer and rank this lesson's layer stores, by recomputation mode."""
+    return {mode: activations.expected_bytes(seq, batch, hidden, heads, tp, mode) for mode in activations.RECOMPUTE}
+
+
+def check_activation_prediction(answer: Any, seq: int, batch: int, hidden: int, heads: int, tp: int) -> str:
+    """``answer``: ``{"none": bytes, "selective": bytes, "full": bytes}`` stored per layer and rank by
+    the lesson's bf16 layer at this size with tensor + sequence parallelism over ``tp`` ranks."""
+    if is_placeholder(answer):
+        return NOT_ANSWERED
+    if not isinstance(answer, dict):
+        return not_yet(f"give a dict {{'none': ..., 'selective': ..., 'full': ...}} of bytes; got "
+                       f"{type(answer).__name__}")
+    missing = [mode for mode in activations.RECOMPUTE if mode not in answer]
+    if missing:
+        return not_yet(f"the answer has no entry for {missing}", "one number of bytes per recomputation mode")
+    right = solution_activation_prediction(seq, batch, hidden, heads, tp)
+    for mode in activations.RECOMPUTE:
+        got = _number(answer[mode])
+        if got is None:
+            return not_yet(f"answer[{mode!r}] = {answer[mode]!r} is not a number of bytes")
+        if got == right[mode]:
+            continue
+        formula = activations.formula_bytes(seq, batch, hidden, heads, tp, mode)
+        if got == formula:
+            return not_yet(f"{mode}: {got:,.0f} is the paper's formula, not what this layer stores",
+                           "each LayerNorm also keeps its mean and rstd: 2 x (s b / t) values of 2 bytes")
+        if got in (right[mode] * tp, formula * tp):
+            return not_yet(f"{mode}: {got:,.0f} is what one device stores",
+                           f"with sequence parallelism every stored tensor is split over the t = {tp} ranks")
+        return not_yet(f"{mode}: {got:,.0f} bytes is not what the layer stores",
+                       "count what backward needs: s b h terms of 2 bytes, masks of 1 byte, the a s^2 b terms "
+                       "only without recomputation, only the input with full recomputation")
+    return "Correct: the bytes per layer and rank for all three recomputation modes."
+
+
+def solution_model_state_bytes(stage: int, psi: int, world_size: int, gradients: str) -> dict[str, float]:
+    """Bytes per rank of 16-bit parameters, gradients and fp32 optimizer state under ZeRO ``stage``."""
+    grad = 2 if gradients == "16-bit" else 4
+    return {"parameters": 2 * psi / (world_size if stage >= 3 else 1),
+            "gradients": grad * psi / (world_size if stage >= 2 else 1),
+            "optimizer_state": 12 * psi / (world_size if stage >= 1 else 1)}
+
+
+def check_model_state_bytes(fn: Callable[..., Any]) -> str:
+    """``fn(stage, psi, world_size, gradients)`` -> ``{"parameters", "gradients", "optimizer_state"}`` bytes."""
+    if not callable(fn):
+        return not_yet(f"give a function; got {type(fn).__name__}")
+    labels = ("parameters", "gradients", "optimizer_state")
+    for gradients in mixed_precision.GRADIENTS:
+        for stage in (0, 1, 2, 3):
+            for psi, world_size in ((1000, 4), (6_000, 8)):
+                got, verdict = attempt(lambda s=stage, p=psi, n=world_size, g=gradients: fn(s, p, n, g))
+                if verdict is not None:
+                    return verdict
+                if not isinstance(got, dict) or set(got) != set(labels):
+                    return not_yet(f"fn({stage}, {psi}, {world_size}, {gradients!r}) returned {got!r}",
+                                   f"return a dict with exactly the keys {list(labels)}")
+                right = mixed_precision.expected_bytes(stage, psi, world_size, gradients)
+                for label in labels:
+                    value = _number(got[label])
+                    if value is None or abs(value - right[label]) > 1e-9 * right[label]:
+                        return not_yet(f"stage {stage}, {gradients} gradients, psi={psi}, N={world_size}: "
+                                       f"{label} = {got[label]!r}, expected {right[label]:,.0f}",
+                                       "2 bytes per 16-bit parameter, 2 or 4 per gradient, 12 for master + Adam; "
+                                       "stage k shards the first k of optimizer state, gradients, parameters")
+    return "Correct: model-state bytes for ZeRO stages 0-3, 16-bit and fp32 main_grad gradients."
+
+
+def buggy_skip_step(comm, grads: list[torch.Tensor]) -> bool:
+    """Skip this step? (the version with the bug of exercise 3)"""
+    return not all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def solution_skip_step(comm, grads: list[torch.Tensor]) -> bool:
+    """Skip this step when any rank's gradients hold an inf or NaN: every rank decides alike."""
+    flag = torch.tensor([0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0])
+    return bool(comm.all_reduce(flag, "max").item())
+
+
+def _skip_program(comm, fn, bad_rank, value):
+    grads = [torch.ones(4, dtype=torch.float16), torch.ones(3, dtype=torch.float16)]
+    if comm.rank == bad_rank:
+        grads[1] = torch.tensor([1.0, value, 1.0], dtype=torch.float16)
+    return fn(comm, grads)
+
+
+def check_skip_step(fn: Callable[..., Any]) -> str:
+    """``fn(comm, grads)`` -> bool: skip the step, the same answer on every rank, when any rank's
+    fp16 gradients overflowed (inf or NaN)."""
+    if not callable(fn):
+        return not_yet(f"give a function fn(comm, grads); got {type(fn).__name__}")
+    for bad_rank, value in ((None, 1.0), (2, float("inf")), (0, float("nan"))):
+        outs, verdict = attempt(lambda bad=bad_rank, v=value: World(4).run(_skip_program, fn, bad, v),
+                                "every rank must call the same collectives")
+        if verdict is not None:
+            return verdict
+        if any(not isinstance(out, bool) for out in outs):
+            return not_yet(f"fn returned {outs!r}; return True (skip) or False on every rank")
+        want = bad_rank is not None
+        if len(set(outs)) > 1:
+            skip = [r for r, out in enumerate(outs) if out]
+            return not_yet(f"with an overflow on rank {bad_rank} only ranks {skip} skip the step and the "
+                           "others update: the replicas' weights diverge",
+                           "combine the ranks' flags with a collective (all_reduce, MAX) before deciding")
+        if outs[0] != want:
+            return not_yet(f"{'an overflow on rank ' + str(bad_rank) if want else 'no overflow'}: every rank "
+                           f"returned {outs[0]}, expected {want}")
+    return "Correct: every rank skips together when any rank overflowed, and only then."
+
+
+# -- lesson 15 ---------------------------------------------------------------------------------
+
+def solution_plan_choice(rows: list[dict], limit: float) -> tuple[int, int, int, int]:
+    """The fastest layout ``(tp, cp, pp, dp)`` of ``rows`` whose memory fits ``limit`` bytes."""
+    return plan.fastest_fitting(rows, limit)
+
+
+def _layout(answer: Any) -> tuple[int, ...] | None:
+    if not isinstance(answer, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                        for v in answer):
+        return None
+    return tuple(answer)
+
+
+def check_plan_choice(answer: Any, rows: list[dict], limit: float) -> str:
+    """``answer``: the ``(tp, cp, pp, dp)`` of ``rows`` (:func:`simcomm.parallel.planner.plan`) with the
+    shortest modelled step whose memory per GPU fits ``limit`` bytes."""
+    if is_placeholder(answer):
+        return NOT_ANSWERED
+    got = _layout(answer)
+    if got is None or len(got) != 4:
+        return not_yet(f"give the layout as a tuple (tp, cp, pp, dp) of four ints; got {answer!r}")
+    by_layout = {plan.key(row): row for row in rows}
+    if got not in by_layout:
+        return not_yet(f"{got} is not a layout of the table", "copy one (tp, cp, pp, dp) from the rows")
+    row = by_layout[got]
+    if row["total"] > limit:
+        return not_yet(f"{got} needs {row['total'] / 2**30:.1f} GiB per GPU, more than {limit / 2**30:.0f} GiB",
+                       "filter the rows by memory first")
+    if got != plan.fastest_fitting(rows, limit):
+        return not_yet(f"{got} fits, but a layout that fits has a shorter modelled step "
+                       f"(yours: {row['step_time']:.2f} s)", "among the rows that fit, take the smallest step_time")
+    return f"Correct: {got} is the fastest layout that fits {limit / 2**30:.0f} GiB per GPU."
+
+
+def solution_sequence_doubling(model: plan.Model, gpus: int, seq: int, limit: float, **kwargs: Any) -> str:
+    """The dimension (``"tp"``, ``"cp"``, ``"pp"`` or ``"dp"``) the best fitting layout grows when the
+    sequence doubles (the planner run at both lengths)."""
+    before = plan.fastest_fitting(plan.plan(model, gpus, seq=seq, **kwargs), limit)
+    after = plan.fastest_fitting(plan.plan(model, gpus, seq=2 * seq, **kwargs), limit)
+    grown = [name for name, a, b in zip(plan.DIMENSIONS, before, after) if b > a]
+    return grown[0] if grown else "none"
+
+
+def check_sequence_doubling(answer: Any, model: plan.Model, gpus: int, seq: int, limit: float,
+                            **kwargs: Any) -> str:
+    """``answer``: which of ``"tp"``, ``"cp"``, ``"pp"``, ``"dp"`` the planner's best layout grows when
+    ``seq`` doubles (``kwargs`` go to :func:`simcomm.parallel.planner.plan`)."""
+    if is_placeholder(answer):
+        return NOT_ANSWERED
+    if not isinstance(answer, str) or answer.strip().lower() not in plan.DIMENSIONS:
+        return not_yet(f"answer one of {list(plan.DIMENSIONS)}; got {answer!r}")
+    right = solution_sequence_doubling(model, gpus, seq, limit, **kwargs)
+    got = answer.strip().lower()
+    if got != right:
+        return not_yet(f"the best layout at seq {2 * seq} does not grow {got}",
+                       "activations grow with s (and the a s^2 terms with s^2): which dimension divides the "
+                       "sequence without multiplying the weight traffic? Run plan() at both lengths")
+    return f"Correct: at twice the sequence the best layout grows {right}."
+
+
+def solution_out_of_memory_reason(row: dict) -> str:
+    """The label that holds the most bytes of ``row`` (a planner row)."""
+    return max(plan.LABELS, key=lambda label: row[label])
+
+
+def check_out_of_memory_reason(answer: Any, row: dict, limit: float) -> str:
+    """``answer``: the memory label (``"parameters"``, ``"gradients"``, ``"optimizer_state"``,
+    ``"activations"``) that makes ``row`` overflow ``limit``: the largest one."""
+    if is_placeholder(answer):
+        return NOT_ANSWERED
+    if not isinstance(answer, str) or answer.strip() not in plan.LABELS:
+        return not_yet(f"answer one of {list(plan.LABELS)}; got {answer!r}")
+    got = answer.strip()
+    right = solution_out_of_memory_reason(row)
+    if got != right:
+        return not_yet(f"{got} holds {row[got] / 2**30:.1f} GiB of the {row['total'] / 2**30:.1f} GiB; "
+                       "another label holds more", "read the stacked bar of that layout: the tallest part")
+    return (f"Correct: {right} ({row[right] / 2**30:.1f} GiB) is what overflows "
+            f"{limit / 2**30:.0f} GiB in layout {plan.key(row)}.")

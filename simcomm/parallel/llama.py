@@ -1,0 +1,242 @@
+"""A small Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) and its tensor + sequence parallel form.
+
+:func:`loss` is the single-device reference: token ids ``(s,)`` in, the mean
+next-token cross-entropy out. :func:`tp_loss` is the same model on ``t`` ranks
+of a tensor group, Megatron-style:
+
+* the **embedding** and the **output layer** are vocabulary-parallel
+  (:mod:`simcomm.parallel.vocab`): the embedding's partial sums are
+  reduce-scattered straight into sequence shards, and the cross-entropy works
+  on the logits shard ``(s, V/t)``, never gathering the logits;
+* between the sublayers the residual stream is **sequence parallel**
+  ``(s/t, h)``: RMSNorm on the shard, an all-gather (backward: reduce-scatter)
+  into each sublayer, a reduce-scatter (backward: all-gather) out of it;
+* inside, attention heads and KV heads (grouped-query attention: ``heads /
+  kv_heads`` query heads share one KV head) and the SwiGLU hidden units are
+  split over the ranks (:func:`shard_params`).
+
+The loss is the same on every rank (replicated); each rank's gradients are
+those of its shards, and the replicated RMSNorm weights get the part of their
+gradient from this rank's sequence shard (:func:`assemble_grads` sums them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..communicator import Communicator
+from .vocab import vocab_parallel_cross_entropy, vocab_range
+
+__all__ = ["Config", "init_params", "loss", "logits", "shard_params", "tp_loss", "embed", "block", "head",
+           "layer_names", "assemble_grads", "REPLICATED"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Sizes of the model."""
+
+    vocab: int = 64
+    hidden: int = 32
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 64
+    layers: int = 2
+    rope_base: float = 10000.0
+    eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def layer_names(layer: int) -> list[str]:
+    """The names of decoder layer ``layer``'s parameters."""
+    return _names(layer)
+
+
+def _names(layer: int) -> list[str]:
+    return [f"{layer}.{n}" for n in ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")]
+
+
+#: parameter name endings every tensor-parallel rank holds whole
+REPLICATED = ("attn_norm", "mlp_norm", "final_norm")
+
+
+def init_params(config: Config, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """The parameters, from a generator of their own: ``embed`` ``(V, h)``, per layer the norms and
+    projections (``wq (h, h)``, ``wk, wv (kv_heads * d, h)``, ``wo (h, h)``, SwiGLU ``(ffn, h)``,
+    ``(h, ffn)``), ``final_norm`` and ``output`` ``(V, h)``."""
+    gen = torch.Generator().manual_seed(seed)
+    h, kv, f = config.hidden, config.kv_heads * config.head_dim, config.ffn
+
+    def randn(*shape, scale):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    params = {"embed": randn(config.vocab, h, scale=1.0)}
+    for layer in range(config.layers):
+        norm1, wq, wk, wv, wo, norm2, gate, up, down = _names(layer)
+        params.update({norm1: 1 + randn(h, scale=0.1), wq: randn(h, h, scale=h ** -0.5),
+                       wk: randn(kv, h, scale=h ** -0.5), wv: randn(kv, h, scale=h ** -0.5),
+                       wo: randn(h, h, scale=h ** -0.5), norm2: 1 + randn(h, scale=0.1),
+                       gate: randn(f, h, scale=h ** -0.5), up: randn(f, h, scale=h ** -0.5),
+                       down: randn(h, f, scale=f ** -0.5)})
+    params["final_norm"] = 1 + randn(h, scale=0.1)
+    params["output"] = randn(config.vocab, h, scale=h ** -0.5)
+    return params
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate pairs ``(x[..., 2i], x[..., 2i+1])`` of ``x`` ``(s, heads, d)`` by ``position * base^(-2i/d)``."""
+    d = x.shape[-1]
+    freqs = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)                   # (d/2,)
+    angle = positions.to(torch.float64)[:, None] * freqs[None, :]                        # (s, d/2)
+    cos, sin = angle.cos().to(x.dtype)[:, None, :], angle.sin().to(x.dtype)[:, None, :]  # (s, 1, d/2)
+    even, odd = x[..., 0::2], x[..., 1::2]                                               # (s, heads, d/2)
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)   # (s, heads, d)
+
+
+def _attention(y, wq, wk, wv, wo, config: Config, positions, context: Communicator | None = None):
+    """Causal grouped-query attention of ``y`` ``(s, h)`` (tokens at ``positions``) with this rank's
+    heads; ``(s, h)`` partial sums of the output projection. With a ``context`` group the keys and
+    values of every chunk of the sequence are all-gathered (backward: reduce-scatter), as the
+    Llama 3 paper's context parallelism does."""
+    s, d = y.shape[0], config.head_dim
+    q = _rope((y @ wq.T).view(s, -1, d), positions, config.rope_base)                   # (s, heads', d)
+    k = _rope((y @ wk.T).view(s, -1, d), positions, config.rope_base)                   # (s, kv', d)
+    v = (y @ wv.T).view(s, -1, d)                                                        # (s, kv', d)
+    keys = positions
+    if context is not None and context.world_size > 1:
+        k, v = context.all_gather(k, dim=0), context.all_gather(v, dim=0)               # (s * cp, kv', d)
+        keys = torch.arange(k.shape[0])
+    group = config.heads // config.kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)          # (keys, heads', d)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5                              # (heads', s, keys)
+    causal = keys[None, :] > positions[:, None]                                          # (s, keys)
+    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+    out = torch.einsum("hqk,khd->qhd", probs, v).reshape(s, -1)                         # (s, heads' * d)
+    return out @ wo.T                                                                    # (s, h)
+
+
+def _mlp(y, gate, up, down):
+    return (F.silu(y @ gate.T) * (y @ up.T)) @ down.T                                    # (s, h)
+
+
+def logits(ids: torch.Tensor, params: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """The single-device model: ids ``(s,)`` -> logits ``(s, V)``."""
+    positions = torch.arange(ids.shape[0])
+    x = F.embedding(ids, params["embed"])                                                # (s, h)
+    for layer in range(config.layers):
+        norm1, wq, wk, wv, wo, norm2, gate, up, down = (params[n] for n in _names(layer))
+        x = x + _attention(_rms_norm(x, norm1, config.eps), wq, wk, wv, wo, config, positions)
+        x = x + _mlp(_rms_norm(x, norm2, config.eps), gate, up, down)
+    return _rms_norm(x, params["final_norm"], config.eps) @ params["output"].T           # (s, V)
+
+
+def loss(ids: torch.Tensor, params: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """Mean cross-entropy of predicting ``ids[1:]`` from ``ids[:-1]`` (the reference)."""
+    return F.cross_entropy(logits(ids[:-1], params, config), ids[1:])
+
+
+def _check(config: Config, tp: int, seq: int, where: str) -> None:
+    for name, value in (("heads", config.heads), ("kv_heads", config.kv_heads), ("ffn", config.ffn),
+                        ("vocab", config.vocab), ("sequence length", seq)):
+        if value % tp:
+            raise ValueError(f"{where}: {name}={value} is not divisible by the tensor-parallel size {tp}")
+
+
+def shard_params(params: dict[str, torch.Tensor], config: Config, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shards (copies): vocabulary rows of ``embed`` and ``output``; query heads of
+    ``wq``, KV heads of ``wk``/``wv`` (rows), the matching columns of ``wo``; SwiGLU units (rows of
+    gate/up, columns of down); the norms whole."""
+    _check(config, tp, tp, "llama.shard_params")
+    out = {}
+    for name, p in params.items():
+        kind = name.split(".")[-1]
+        if kind in ("embed", "output", "wq", "wk", "wv", "w_gate", "w_up"):
+            out[name] = p.chunk(tp, 0)[rank]
+        elif kind in ("wo", "w_down"):
+            out[name] = p.chunk(tp, 1)[rank]
+        else:
+            out[name] = p
+        out[name] = out[name].clone()
+    return out
+
+
+def tp_loss(comm: Communicator, ids: torch.Tensor, shards: dict[str, torch.Tensor], config: Config,
+            context: Communicator | None = None) -> torch.Tensor:
+    """:func:`loss` with tensor + sequence + vocabulary parallelism over ``comm`` (module docstring);
+    ``ids`` ``(s + 1,)`` whole on every rank, ``shards`` this rank's :func:`shard_params`. The result
+    is the same on every rank of ``comm``. Collective over ``comm`` in forward and backward.
+
+    With a ``context`` group of ``cp`` ranks (context parallelism), context rank ``c`` takes tokens
+    ``[c s/cp, (c+1) s/cp)`` of the inputs (no load balancing) and returns its chunk's part of the
+    loss, ``sum(token losses) / s``: the parts of the ``cp`` ranks add up to :func:`loss`."""
+    inputs, targets = ids[:-1], ids[1:]
+    positions = torch.arange(inputs.shape[0])
+    cp = 1 if context is None else context.world_size
+    if cp > 1:
+        if inputs.shape[0] % cp:
+            raise ValueError(f"llama.tp_loss: sequence length={inputs.shape[0]} is not divisible by the "
+                             f"context-parallel size {cp}")
+        chunk = inputs.shape[0] // cp
+        mine = slice(context.rank * chunk, (context.rank + 1) * chunk)
+        inputs, targets, positions = inputs[mine], targets[mine], positions[mine]
+    s, tp = inputs.shape[0], comm.world_size
+    _check(config, tp, s, "llama.tp_loss")
+    x = embed(comm, inputs, shards, config)                                              # (s/t, h)
+    for layer in range(config.layers):
+        x = block(comm, x, shards, config, layer, positions, context)
+    return head(comm, x, targets, shards, config, s * cp)
+
+
+def embed(comm: Communicator, inputs: torch.Tensor, shards: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
+    """The vocabulary-parallel embedding of ``inputs`` ``(s,)``, reduce-scattered into this rank's
+    sequence shard ``(s/t, h)``. Collective over the tensor group ``comm``."""
+    tp = comm.world_size
+    start, _ = vocab_range(config.vocab, comm.rank, tp)
+    local = inputs - start
+    mine = (local >= 0) & (local < config.vocab // tp)
+    partial = F.embedding(local.clamp(0, config.vocab // tp - 1), shards["embed"]) * mine.unsqueeze(-1)  # (s, h)
+    return comm.reduce_scatter(partial, dim=0)                                           # (s/t, h) summed
+
+
+def block(comm: Communicator, x: torch.Tensor, shards: dict[str, torch.Tensor], config: Config, layer: int,
+          positions: torch.Tensor, context: Communicator | None = None) -> torch.Tensor:
+    """Decoder layer ``layer`` on the sequence shard ``x`` ``(s/t, h)`` of the tokens at ``positions``;
+    returns ``(s/t, h)``. Collective over ``comm`` (and ``context``)."""
+    norm1, wq, wk, wv, wo, norm2, gate, up, down = (shards[n] for n in _names(layer))
+    y = comm.all_gather(_rms_norm(x, norm1, config.eps), dim=0)                          # (s, h)
+    x = x + comm.reduce_scatter(_attention(y, wq, wk, wv, wo, config, positions, context), dim=0)
+    y = comm.all_gather(_rms_norm(x, norm2, config.eps), dim=0)                          # (s, h)
+    return x + comm.reduce_scatter(_mlp(y, gate, up, down), dim=0)                       # (s/t, h)
+
+
+def head(comm: Communicator, x: torch.Tensor, targets: torch.Tensor, shards: dict[str, torch.Tensor],
+         config: Config, denominator: int) -> torch.Tensor:
+    """Final norm, vocabulary-parallel output layer and cross-entropy of the shard ``x``:
+    ``sum(token losses) / denominator``, the same on every rank of ``comm``."""
+    y = comm.all_gather(_rms_norm(x, shards["final_norm"], config.eps), dim=0)           # (s, h)
+    token_losses = vocab_parallel_cross_entropy(comm, y @ shards["output"].T, targets)  # logits (s, V/t)
+    return token_losses.sum() / denominator
+
+
+def assemble_grads(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The full gradients from each rank's shard gradients (in rank order): shards concatenated
+    as :func:`shard_params` split them, the replicated norms' parts summed."""
+    full = {}
+    for name in grads[0]:
+        kind = name.split(".")[-1]
+        parts = [g[name] for g in grads]
+        if kind in REPLICATED:
+            full[name] = sum(parts)
+        elif kind in ("wo", "w_down"):
+            full[name] = torch.cat(parts, 1)
+        else:
+            full[name] = torch.cat(parts, 0)
+    return full
