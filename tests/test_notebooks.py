@@ -38,7 +38,6 @@ LESSONS = ("00_start_here", "01_collectives", "02_autograd_through_collectives",
            "10_expert_parallel", "11_debugging_distributed_programs", "12_a_transformer_in_3d",
            "13_activations_recomputation_mixed_precision", "15_plan_a_cluster")
 
-#: wall-clock budget of one lesson on one backend, kernel start included (seconds)
 
 
 def test_every_lesson_exists():
