@@ -45,7 +45,7 @@ def merge_right(o1, l1, o2, l2):
      "correct", ""),
 ])
 def test_check_lse_merge(answer, kind, hint):
-    verdict = sl.check_lse_merge(answer)
+    verdict = sl.check_lse_merge(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -66,7 +66,7 @@ def test_check_lse_merge_empty_block_rule():
     (..., "unanswered", ""),
 ])
 def test_check_zigzag_chunks(answer, kind, hint):
-    verdict = sl.check_zigzag_chunks(answer)
+    verdict = sl.check_zigzag_chunks(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -86,7 +86,7 @@ def splits_right(experts, num_experts, world_size):
     (not_implemented, "unanswered", ""),
 ])
 def test_check_split_sizes(answer, kind, hint):
-    verdict = sl.check_split_sizes(answer)
+    verdict = sl.check_split_sizes(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -97,7 +97,7 @@ def test_check_split_sizes(answer, kind, hint):
     (..., "unanswered", ""),
 ])
 def test_check_dropped(answer, kind, hint):
-    verdict = sl.check_dropped(answer)
+    verdict = sl.check_dropped(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -144,7 +144,7 @@ def exchange_swapped(comm, x):
     (crashes, "not yet", "KeyError"),
 ])
 def test_check_neighbour_exchange(answer, kind, hint):
-    verdict = sl.check_neighbour_exchange(answer)
+    verdict = sl.check_neighbour_exchange(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -166,7 +166,7 @@ def layernorm_step(all_reduce: bool, factor: float = 1.0):
     (not_implemented, "unanswered", ""),
 ])
 def test_check_sp_layernorm(answer, kind, hint):
-    verdict = sl.check_sp_layernorm(answer)
+    verdict = sl.check_sp_layernorm(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -179,7 +179,7 @@ def test_check_sp_layernorm(answer, kind, hint):
     (..., "unanswered", ""),
 ])
 def test_check_mesh_coords(answer, kind, hint):
-    verdict = sl.check_mesh_coords(answer)
+    verdict = sl.check_mesh_coords(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -198,7 +198,7 @@ ROWS = [{"tp": 1, "dp": 8, "pp": 1, "peak_bytes": 900, "NVLink node": 1e-5},
     (..., "unanswered", ""),
 ])
 def test_check_layout_choice(answer, kind, hint):
-    verdict = sl.check_layout_choice(answer, ROWS, 700, "NVLink node")
+    verdict = sl.check_layout_choice(answer, ROWS, 700, "NVLink node", show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 

@@ -63,7 +63,7 @@ def _placeholder(*args):
     (42, False, "must be a function"),
 ])
 def test_check_dp_step(step, correct, fragment):
-    verdict = tl.check_dp_step(step)
+    verdict = tl.check_dp_step(step, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
 
@@ -80,8 +80,8 @@ def test_check_accumulation_calls():
     numels = [p.numel() for p in dp.make_model().parameters()]
     buckets = len(dp.bucket_plan(numels, 8, tl.ACCUMULATION_EXERCISE["bucket_bytes"]))
     _verdicts_ok(tl.check_accumulation_calls(buckets), True)
-    assert "once per step" in tl.check_accumulation_calls(buckets * tl.ACCUMULATION_EXERCISE["microbatches"])
-    assert "per parameter" in tl.check_accumulation_calls(len(numels))
+    assert "once per step" in tl.check_accumulation_calls(buckets * tl.ACCUMULATION_EXERCISE["microbatches"], show_hint=True)
+    assert "per parameter" in tl.check_accumulation_calls(len(numels), show_hint=True)
     for malformed in ("two", 2.5, None, [2], True):
         _verdicts_ok(tl.check_accumulation_calls(malformed), False)
 
@@ -102,7 +102,7 @@ RIGHT = {"parameters": 2 * PSI / N, "gradients": 2 * PSI / N, "optimizer_state":
     ({**RIGHT, "optimizer_state": 1.0}, False, "off"),
 ])
 def test_check_zero3_bytes(answer, correct, fragment):
-    verdict = tl.check_zero3_bytes(answer)
+    verdict = tl.check_zero3_bytes(answer, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
 
@@ -132,7 +132,7 @@ def _whole(comm, grad):
     ("reduce_scatter", False, "must be a function"),
 ])
 def test_check_zero2_grads(fn, correct, fragment):
-    verdict = tl.check_zero2_grads(fn)
+    verdict = tl.check_zero2_grads(fn, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
 
@@ -161,7 +161,7 @@ def test_communication_volume_per_stage(stage):
     (None, False, "not a number"),
 ])
 def test_check_bubble(answer, correct, fragment):
-    verdict = tl.check_bubble(answer)
+    verdict = tl.check_bubble(answer, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
 
@@ -180,6 +180,6 @@ def _named(name):
     (lambda s, p: [], False, "raised TypeError"),
 ])
 def test_check_1f1b(fn, correct, fragment):
-    verdict = tl.check_1f1b(fn)
+    verdict = tl.check_1f1b(fn, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict

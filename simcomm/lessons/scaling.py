@@ -29,6 +29,7 @@ from ..parallel.expert import keep_mask
 from ..parallel.layout_choice import fastest_fitting
 from ..parallel.transformer3d import Layout, mesh_coords
 from ..sim.world import World
+from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import NOT_ANSWERED, attempt, is_correct, is_placeholder
 
 __all__ = ["NOT_ANSWERED", "is_correct", "check_lse_merge", "check_zigzag_chunks", "check_split_sizes",
@@ -61,6 +62,7 @@ def _blocks(seed: int, split: int, keys: int = 6):
     return block_attention(q, k[:, :split], v[:, :split]), block_attention(q, k[:, split:], v[:, split:]), whole
 
 
+@_hint_on_request
 def check_lse_merge(merge: Callable) -> str:
     """``merge(out1, lse1, out2, lse2) -> (out, lse)``: attention over two key blocks from each block's
     output ``(b, sq, h, d)`` and log-sum-exp ``(b, sq, h)``."""
@@ -104,6 +106,7 @@ def check_lse_merge(merge: Callable) -> str:
     return f"Correct: {cases} pairs of blocks merge to attention over both, and an empty block changes nothing."
 
 
+@_hint_on_request
 def check_zigzag_chunks(chunks: Callable) -> str:
     """``chunks(rank, world_size) -> [i, j]``: the two of the ``2P`` chunks rank holds in zig-zag sharding."""
     if is_placeholder(chunks):
@@ -141,6 +144,7 @@ def _routings() -> list[tuple[torch.Tensor, int, int]]:
     return cases
 
 
+@_hint_on_request
 def check_split_sizes(split_sizes: Callable) -> str:
     """``split_sizes(experts (T, k), num_experts, world_size) -> list``: rows this rank sends to each rank
     (``input_split_sizes``), experts sharded in contiguous blocks of ``E/P``."""
@@ -169,6 +173,7 @@ def check_split_sizes(split_sizes: Callable) -> str:
     return "Correct: split sizes for 4 routings, including a rank that receives nothing."
 
 
+@_hint_on_request
 def check_dropped(dropped: Callable) -> str:
     """``dropped(experts (T, k), num_experts, capacity) -> int``: assignments beyond each expert's capacity
     (the first ``capacity`` in token order are kept)."""
@@ -198,6 +203,7 @@ def _exchange_program(comm, exchange: Callable):
     return exchange(comm, x)
 
 
+@_hint_on_request
 def check_neighbour_exchange(exchange: Callable) -> str:
     """``exchange(comm, x) -> (from_left, from_right)``: every rank gets ``x`` of rank - 1 and rank + 1
     (cyclic), with blocking ``send``/``recv`` or any other calls, and no deadlock."""
@@ -241,6 +247,7 @@ def _layernorm_grads(x: torch.Tensor, probe: torch.Tensor, weight: torch.Tensor,
     return leaves[0].grad, leaves[1].grad
 
 
+@_hint_on_request
 def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
     """``step(comm, x_shard, weight, bias, probe_shard) -> (weight_grad, bias_grad)``: LayerNorm on this
     rank's sequence shard, loss ``sum(out * probe)``, gradients of the replicated weight and bias as
@@ -283,6 +290,7 @@ def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
 
 # -- lesson 12 ---------------------------------------------------------------------------------
 
+@_hint_on_request
 def check_mesh_coords(coords: Callable) -> str:
     """``coords(rank, tp, dp, pp) -> (stage, d, t)`` with tensor parallelism innermost."""
     if is_placeholder(coords):
@@ -302,6 +310,7 @@ def check_mesh_coords(coords: Callable) -> str:
     return "Correct: mesh coordinates for 5 layouts, every rank."
 
 
+@_hint_on_request
 def check_layout_choice(choice: Any, rows: list[dict], memory_limit: int, topology: str) -> str:
     """``choice``: the ``(tp, dp, pp)`` with the shortest ``topology`` step time whose peak memory per rank
     fits ``memory_limit`` bytes, read from ``rows`` (:func:`simcomm.parallel.layout_choice.layout_table`)."""

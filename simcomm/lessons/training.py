@@ -19,6 +19,7 @@ import torch
 from ..parallel import data as data_parallel
 from ..parallel import pipeline
 from ..sim.world import World
+from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import NOT_ANSWERED, is_correct, is_placeholder
 from .verdicts import attempt as _attempt
 from .verdicts import not_yet as _not_yet
@@ -61,6 +62,7 @@ def _dp_program(comm, step, x, y):
     return grads
 
 
+@_hint_on_request
 def check_dp_step(step: Any) -> str:
     """Lesson 06: ``step(comm, model, xs, ys)`` must leave in every ``p.grad`` the gradient of the mean
     loss over the *whole* batch (``xs, ys``: this rank's rows; ``data_parallel.sum_loss``)."""
@@ -97,6 +99,7 @@ def check_dp_step(step: Any) -> str:
                     "each rank's .grad only knows its own rows until the gradients are combined over ranks")
 
 
+@_hint_on_request
 def check_accumulation_calls(answer: Any) -> str:
     """Lesson 06 (predict): all-reduce calls per rank in one optimizer step of :data:`ACCUMULATION_EXERCISE`
     (bucketed, gradients accumulated locally over the microbatches) on the lesson's model."""
@@ -120,6 +123,7 @@ def check_accumulation_calls(answer: Any) -> str:
 
 # -- lesson 07 ----------------------------------------------------------------------------------
 
+@_hint_on_request
 def check_zero3_bytes(answer: Any) -> str:
     """Lesson 07 (predict): bytes per rank of each model state at ZeRO-3 for :data:`ZERO3_EXERCISE`,
     as ``{"parameters": .., "gradients": .., "optimizer_state": ..}`` (fp16 parameters and gradients,
@@ -156,6 +160,7 @@ def _zero2_program(comm, fn, grads):
     return out.detach().clone()
 
 
+@_hint_on_request
 def check_zero2_grads(fn: Any) -> str:
     """Lesson 07 (write it): ``fn(comm, grad)`` gets this rank's full local gradient (a flat vector whose
     length divides by the world size) and returns this rank's shard of the gradient *summed over ranks*:
@@ -189,6 +194,7 @@ def check_zero2_grads(fn: Any) -> str:
 
 # -- lesson 08 ----------------------------------------------------------------------------------
 
+@_hint_on_request
 def check_bubble(answer: Any) -> str:
     """Lesson 08 (predict): the bubble fraction of GPipe/1F1B for :data:`BUBBLE_EXERCISE`."""
     if is_placeholder(answer):
@@ -233,6 +239,7 @@ def schedule_makespan(plans, forward: float = 1.0, backward: float = 2.0) -> flo
     return max(clock)
 
 
+@_hint_on_request
 def check_1f1b(fn: Any) -> str:
     """Lesson 08 (write it): ``fn(stage, stages, microbatches)`` returns stage ``stage``'s list of actions
     ``("F", i)`` / ``("B", i)``; it must run without deadlock, hold at most ``min(stages - stage,
