@@ -53,12 +53,41 @@ def _placeholder(*args):
     raise NotImplementedError
 
 
+def _float32_cast(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad.float(), ReduceOp.AVG).double()
+
+
+def _max_all_reduce(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad, ReduceOp.MAX)
+
+
+def _rank0_only(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    if comm.rank == 0:
+        for p in model.parameters():
+            p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
+
+
+def _average_twice(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / (xs.shape[0] * comm.world_size)).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
+
+
 @pytest.mark.parametrize("step, correct, fragment", [
     (_avg_step, True, "whole batch"),
     (_scaled_step, True, "whole batch"),
     (_forgets_to_average, False, "4 x the reference"),
+    (_average_twice, False, "1/4 x the reference"),
     (_weights_only, False, "parameters [1, 3, 5]"),
     (_no_communication, False, "different gradients"),
+    (_float32_cast, False, "lower precision"),
+    (_max_all_reduce, False, "combined their gradients"),
+    (_rank0_only, False, "rank 0 waits in all_reduce"),
     (lambda comm: None, False, "raised TypeError"),
     (42, False, "must be a function"),
 ])
@@ -68,22 +97,79 @@ def test_check_dp_step(step, correct, fragment):
     assert fragment in verdict
 
 
+def test_the_untouched_buggy_step_gets_the_problem_first_and_the_fix_on_request():
+    first = tl.check_dp_step(_forgets_to_average)
+    assert "4 x the reference" in first and "Hint" not in first and "AVG" not in first, first
+    assert "show_hint=True" in first
+    second = tl.check_dp_step(_forgets_to_average, show_hint=True)
+    assert "Hint:" in second and "AVG" in second
+
+
+def _accumulate_right(comm, model, reducer, micro_batches, batch):
+    with reducer.no_sync():
+        for xm, ym in micro_batches[:-1]:
+            (dp.sum_loss(model, xm, ym) / batch).backward()
+    (dp.sum_loss(model, *micro_batches[-1]) / batch).backward()
+    reducer.finish()
+
+
+def _accumulate_without_no_sync(comm, model, reducer, micro_batches, batch):
+    for xm, ym in micro_batches:
+        (dp.sum_loss(model, xm, ym) / batch).backward()
+    reducer.finish()
+
+
+def _accumulate_everything_in_no_sync(comm, model, reducer, micro_batches, batch):
+    with reducer.no_sync():
+        for xm, ym in micro_batches:
+            (dp.sum_loss(model, xm, ym) / batch).backward()
+    reducer.finish()
+
+
+def _accumulate_mean_per_microbatch(comm, model, reducer, micro_batches, batch):
+    with reducer.no_sync():
+        for xm, ym in micro_batches[:-1]:
+            (dp.sum_loss(model, xm, ym) / xm.shape[0]).backward()
+    (dp.sum_loss(model, *micro_batches[-1]) / micro_batches[-1][0].shape[0]).backward()
+    reducer.finish()
+
+
+def _accumulate_then_all_reduce_by_hand(comm, model, reducer, micro_batches, batch):
+    with reducer.no_sync():
+        for xm, ym in micro_batches:
+            (dp.sum_loss(model, xm, ym) / batch).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad)
+
+
+def _sync_every_microbatch(comm, model, reducer, micro_batches, batch):
+    for xm, ym in micro_batches:
+        (dp.sum_loss(model, xm, ym) / batch).backward()
+        reducer.finish()
+
+
+@pytest.mark.parametrize("step, correct, fragment", [
+    (_accumulate_right, True, "3 all-reduces per step"),
+    (_accumulate_without_no_sync, False, "second backward synchronised"),
+    (_accumulate_everything_in_no_sync, False, "different gradients"),
+    (_accumulate_mean_per_microbatch, False, "16 x the reference"),
+    (_accumulate_then_all_reduce_by_hand, False, "issued 6 collectives"),
+    (_sync_every_microbatch, False, "issued 12 collectives"),
+    (lambda comm, model: None, False, "raised TypeError"),
+    ("step", False, "must be a function"),
+])
+def test_check_accumulation_step(step, correct, fragment):
+    verdict = tl.check_accumulation_step(step, show_hint=True)
+    _verdicts_ok(verdict, correct)
+    assert fragment in verdict, verdict
+
+
 def test_placeholders_say_not_answered():
-    for checker in (tl.check_dp_step, tl.check_zero2_grads, tl.check_1f1b):
+    for checker in (tl.check_dp_step, tl.check_accumulation_step, tl.check_zero2_grads, tl.check_1f1b):
         assert checker(...) == tl.NOT_ANSWERED
         assert checker(_placeholder) == tl.NOT_ANSWERED
-    for checker in (tl.check_accumulation_calls, tl.check_zero3_bytes, tl.check_bubble):
+    for checker in (tl.check_zero3_bytes, tl.check_bubble):
         assert checker(...) == tl.NOT_ANSWERED
-
-
-def test_check_accumulation_calls():
-    numels = [p.numel() for p in dp.make_model().parameters()]
-    buckets = len(dp.bucket_plan(numels, 8, tl.ACCUMULATION_EXERCISE["bucket_bytes"]))
-    _verdicts_ok(tl.check_accumulation_calls(buckets), True)
-    assert "once per step" in tl.check_accumulation_calls(buckets * tl.ACCUMULATION_EXERCISE["microbatches"], show_hint=True)
-    assert "per parameter" in tl.check_accumulation_calls(len(numels), show_hint=True)
-    for malformed in ("two", 2.5, None, [2], True):
-        _verdicts_ok(tl.check_accumulation_calls(malformed), False)
 
 
 # -- lesson 07 --------------------------------------------------------------------------------

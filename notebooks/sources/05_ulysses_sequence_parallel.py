@@ -183,18 +183,20 @@ def gqa_bytes(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):
 
 print(lessons.check_ulysses_gqa_bytes(gqa_bytes))
 
-
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: bytes per rank for 4 shapes and world sizes."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of the exercise.
-def gqa_bytes_solution(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):
-    per_head = batch * (seq // world_size) * head_dim * itemsize     # one head of a (b, s/P, h, d) shard
-    heads_moved = 2 * q_heads + 2 * kv_heads                          # q and the output; k and v
-    return heads_moved * per_head * (world_size - 1) / world_size     # each all-to-all keeps 1/P
-
-print(lessons.check_ulysses_gqa_bytes(gqa_bytes_solution))
+# %% [markdown] expect=["Correct: bytes per rank for 4 shapes and world sizes."] tags=["solution"]
+# <details><summary>Solution of the exercise (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of the exercise.
+# def gqa_bytes_solution(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):
+#     per_head = batch * (seq // world_size) * head_dim * itemsize     # one head of a (b, s/P, h, d) shard
+#     heads_moved = 2 * q_heads + 2 * kv_heads                          # q and the output; k and v
+#     return heads_moved * per_head * (world_size - 1) / world_size     # each all-to-all keeps 1/P
+#
+# print(lessons.check_ulysses_gqa_bytes(gqa_bytes_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

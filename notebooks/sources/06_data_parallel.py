@@ -195,19 +195,22 @@ def my_dp_step(comm, model, xs, ys):
 
 print(tl.check_dp_step(my_dp_step))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: every rank holds the whole batch's gradient (6 collectives per rank)."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-# The loss is each rank's mean, and SUM adds 4 means: 4 x the gradient. Average instead
-# (or divide the loss by comm.world_size and keep SUM).
-def dp_step_solution(comm, model, xs, ys):
-    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
-    for p in model.parameters():
-        p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
-
-print(tl.check_dp_step(dp_step_solution))
+# %% [markdown] expect=["Correct: every rank holds the whole batch's gradient (6 collectives per rank)."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# # The loss is each rank's mean, and SUM adds 4 means: 4 x the gradient. Average instead
+# # (or divide the loss by comm.world_size and keep SUM).
+# def dp_step_solution(comm, model, xs, ys):
+#     (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+#     for p in model.parameters():
+#         p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
+#
+# print(tl.check_dp_step(dp_step_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: predict the calls
@@ -222,12 +225,18 @@ calls_per_step = ...   # a whole number
 
 print(tl.check_accumulation_calls(calls_per_step))
 
-# %% expect=["Correct: 2 buckets, each all-reduced once per step, whatever the microbatches."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-# Backward order: 8 + 2048 + 256 + 65536 + 256 + 65536 values = 1 069 056 bytes >= 1 MiB closes
-# bucket 1; the rest (256 + 65536 + 256 + 8192 values) is bucket 2. Accumulation adds up the
-# microbatches' gradients locally and all-reduces each bucket once, at the end of the step.
-print(tl.check_accumulation_calls(len(dp.bucket_plan(numels, 8, 1 << 20))))
+# %% [markdown] expect=["Correct: 2 buckets, each all-reduced once per step, whatever the microbatches."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# # Backward order: 8 + 2048 + 256 + 65536 + 256 + 65536 values = 1 069 056 bytes >= 1 MiB closes
+# # bucket 1; the rest (256 + 65536 + 256 + 8192 values) is bucket 2. Accumulation adds up the
+# # microbatches' gradients locally and all-reduces each bucket once, at the end of the step.
+# print(tl.check_accumulation_calls(len(dp.bucket_plan(numels, 8, 1 << 20))))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

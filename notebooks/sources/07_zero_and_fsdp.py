@@ -184,12 +184,19 @@ zero3_bytes = {"parameters": ..., "gradients": ..., "optimizer_state": ...}
 
 print(tl.check_zero3_bytes(zero3_bytes))
 
-# %% expect=["Correct: (2 + 2 + 12) psi / 64 = 1.88 GB per rank, instead of 120 GB."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-# ZeRO-3 shards all three states: each is its bytes per parameter x psi / P.
-big_psi, gpus = 7.5e9, 64
-print(tl.check_zero3_bytes({"parameters": 2 * big_psi / gpus, "gradients": 2 * big_psi / gpus,
-                            "optimizer_state": 12 * big_psi / gpus}))
+
+# %% [markdown] expect=["Correct: (2 + 2 + 12) psi / 64 = 1.88 GB per rank, instead of 120 GB."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# # ZeRO-3 shards all three states: each is its bytes per parameter x psi / P.
+# big_psi, gpus = 7.5e9, 64
+# print(tl.check_zero3_bytes({"parameters": 2 * big_psi / gpus, "gradients": 2 * big_psi / gpus,
+#                             "optimizer_state": 12 * big_psi / gpus}))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: write ZeRO-2's gradient path
@@ -205,13 +212,19 @@ def my_gradient_shard(comm, grad):
 
 print(tl.check_zero2_grads(my_gradient_shard))
 
-# %% expect=["Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-# An all-reduce and then a slice is right but sends twice the bytes: reduce-scatter is the op.
-def gradient_shard_solution(comm, grad):
-    return comm.reduce_scatter(grad, dim=0)
-
-print(tl.check_zero2_grads(gradient_shard_solution))
+# %% [markdown] expect=["Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# # An all-reduce and then a slice is right but sends twice the bytes: reduce-scatter is the op.
+# def gradient_shard_solution(comm, grad):
+#     return comm.reduce_scatter(grad, dim=0)
+#
+# print(tl.check_zero2_grads(gradient_shard_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

@@ -188,10 +188,17 @@ bubble_fraction = ...
 
 print(tl.check_bubble(bubble_fraction))
 
-# %% expect=["Correct: (p-1)/(m+p-1) = 7/39 = 0.179 of the stages' time is idle."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-# The step takes m + p - 1 slots; each stage is busy in m of them.
-print(tl.check_bubble((8 - 1) / (32 + 8 - 1)))
+
+# %% [markdown] expect=["Correct: (p-1)/(m+p-1) = 7/39 = 0.179 of the stages' time is idle."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# # The step takes m + p - 1 slots; each stage is busy in m of them.
+# print(tl.check_bubble((8 - 1) / (32 + 8 - 1)))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: write the 1F1B schedule
@@ -207,17 +214,23 @@ def my_schedule(stage, stages, microbatches):
 
 print(tl.check_1f1b(my_schedule))
 
-# %% expect=["Correct: no deadlock, at most p - s microbatches held, and as fast as GPipe."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-# Warm up with the forwards the later stages need, then one forward one backward, then drain.
-def schedule_solution(stage, stages, microbatches):
-    warmup = min(stages - stage - 1, microbatches)
-    plan = [("F", i) for i in range(warmup)]
-    for i in range(microbatches - warmup):
-        plan += [("F", warmup + i), ("B", i)]
-    return plan + [("B", i) for i in range(microbatches - warmup, microbatches)]
-
-print(tl.check_1f1b(schedule_solution))
+# %% [markdown] expect=["Correct: no deadlock, at most p - s microbatches held, and as fast as GPipe."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# # Warm up with the forwards the later stages need, then one forward one backward, then drain.
+# def schedule_solution(stage, stages, microbatches):
+#     warmup = min(stages - stage - 1, microbatches)
+#     plan = [("F", i) for i in range(warmup)]
+#     for i in range(microbatches - warmup):
+#         plan += [("F", warmup + i), ("B", i)]
+#     return plan + [("B", i) for i in range(microbatches - warmup, microbatches)]
+#
+# print(tl.check_1f1b(schedule_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

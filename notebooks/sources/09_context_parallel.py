@@ -192,17 +192,20 @@ def merge(out1, lse1, out2, lse2):
 
 print(checks.check_lse_merge(merge))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: 3 pairs of blocks merge to attention over both, and an empty block changes nothing."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-def merge_solution(out1, lse1, out2, lse2):
-    lse = torch.logaddexp(lse1, lse2)                       # log(e^lse1 + e^lse2), safe with -inf
-    out = out1 * torch.exp(lse1 - lse)[..., None] + out2 * torch.exp(lse2 - lse)[..., None]
-    return out, lse
-
-print(checks.check_lse_merge(merge_solution))
+# %% [markdown] expect=["Correct: 3 pairs of blocks merge to attention over both, and an empty block changes nothing."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# def merge_solution(out1, lse1, out2, lse2):
+#     lse = torch.logaddexp(lse1, lse2)                       # log(e^lse1 + e^lse2), safe with -inf
+#     out = out1 * torch.exp(lse1 - lse)[..., None] + out2 * torch.exp(lse2 - lse)[..., None]
+#     return out, lse
+#
+# print(checks.check_lse_merge(merge_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: zig-zag chunks
@@ -216,15 +219,18 @@ def chunks(rank, world_size):
 
 print(checks.check_zigzag_chunks(chunks))
 
-# %% [markdown]
-# Solution:
-
-# %% expect=["Correct: zig-zag chunks for 1 to 8 ranks: each rank gets one chunk from the head and one from the tail."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-def chunks_solution(rank, world_size):
-    return [rank, 2 * world_size - 1 - rank]     # chunk r has r + 1 causal key chunks, 2P-1-r has 2P - r
-
-print(checks.check_zigzag_chunks(chunks_solution))
+# %% [markdown] expect=["Correct: zig-zag chunks for 1 to 8 ranks: each rank gets one chunk from the head and one from the tail."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# def chunks_solution(rank, world_size):
+#     return [rank, 2 * world_size - 1 - rank]     # chunk r has r + 1 causal key chunks, 2P-1-r has 2P - r
+#
+# print(checks.check_zigzag_chunks(chunks_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

@@ -179,16 +179,19 @@ def split_sizes(experts, num_experts, world_size):
 
 print(checks.check_split_sizes(split_sizes))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: split sizes for 4 routings, including a rank that receives nothing."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-def split_sizes_solution(experts, num_experts, world_size):
-    owner = experts.flatten() // (num_experts // world_size)          # the rank of each copy's expert
-    return torch.bincount(owner, minlength=world_size).tolist()
-
-print(checks.check_split_sizes(split_sizes_solution))
+# %% [markdown] expect=["Correct: split sizes for 4 routings, including a rank that receives nothing."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# def split_sizes_solution(experts, num_experts, world_size):
+#     owner = experts.flatten() // (num_experts // world_size)          # the rank of each copy's expert
+#     return torch.bincount(owner, minlength=world_size).tolist()
+#
+# print(checks.check_split_sizes(split_sizes_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: how many are dropped?
@@ -202,16 +205,19 @@ def dropped(experts, num_experts, capacity):
 
 print(checks.check_dropped(dropped))
 
-# %% [markdown]
-# Solution:
-
-# %% expect=["Correct: dropped assignments for 4 routings and capacities 0, 1, 2, 5."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-def dropped_solution(experts, num_experts, capacity):
-    per_expert = torch.bincount(experts.flatten(), minlength=num_experts)
-    return int((per_expert - capacity).clamp(min=0).sum())
-
-print(checks.check_dropped(dropped_solution))
+# %% [markdown] expect=["Correct: dropped assignments for 4 routings and capacities 0, 1, 2, 5."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# def dropped_solution(experts, num_experts, capacity):
+#     per_expert = torch.bincount(experts.flatten(), minlength=num_experts)
+#     return int((per_expert - capacity).clamp(min=0).sum())
+#
+# print(checks.check_dropped(dropped_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

@@ -296,26 +296,29 @@ def exchange(comm, x):
 
 print(checks.check_neighbour_exchange(exchange))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: the exchange finishes on 2 to 5 ranks and every rank gets both neighbours' tensors."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-def exchange_solution(comm, x):
-    left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
-    if comm.rank % 2 == 0:                            # even ranks send first ...
-        comm.send(x, right)
-        from_left = comm.recv(x.shape, x.dtype, left)
-        comm.send(x, left)
-        from_right = comm.recv(x.shape, x.dtype, right)
-    else:                                             # ... odd ranks receive first
-        from_left = comm.recv(x.shape, x.dtype, left)
-        comm.send(x, right)
-        from_right = comm.recv(x.shape, x.dtype, right)
-        comm.send(x, left)
-    return from_left, from_right
-
-print(checks.check_neighbour_exchange(exchange_solution))
+# %% [markdown] expect=["Correct: the exchange finishes on 2 to 5 ranks and every rank gets both neighbours' tensors."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# def exchange_solution(comm, x):
+#     left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
+#     if comm.rank % 2 == 0:                            # even ranks send first ...
+#         comm.send(x, right)
+#         from_left = comm.recv(x.shape, x.dtype, left)
+#         comm.send(x, left)
+#         from_right = comm.recv(x.shape, x.dtype, right)
+#     else:                                             # ... odd ranks receive first
+#         from_left = comm.recv(x.shape, x.dtype, left)
+#         comm.send(x, right)
+#         from_right = comm.recv(x.shape, x.dtype, right)
+#         comm.send(x, left)
+#     return from_left, from_right
+#
+# print(checks.check_neighbour_exchange(exchange_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # (With an odd number of ranks, the last even rank and rank 0 both send first to each other,
@@ -334,16 +337,19 @@ def step(comm, x, weight, bias, probe):
 
 print(checks.check_sp_layernorm(step))
 
-# %% [markdown]
-# Solution:
-
-# %% expect=["Correct: on 4 ranks every rank's LayerNorm weight and bias gradients equal the single-device ones."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-def step_solution(comm, x, weight, bias, probe):
-    (F.layer_norm(x, x.shape[-1:], weight, bias) * probe).sum().backward()
-    return comm.all_reduce(weight.grad), comm.all_reduce(bias.grad)     # sum over the sequence shards
-
-print(checks.check_sp_layernorm(step_solution))
+# %% [markdown] expect=["Correct: on 4 ranks every rank's LayerNorm weight and bias gradients equal the single-device ones."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# def step_solution(comm, x, weight, bias, probe):
+#     (F.layer_norm(x, x.shape[-1:], weight, bias) * probe).sum().backward()
+#     return comm.all_reduce(weight.grad), comm.all_reduce(bias.grad)     # sum over the sequence shards
+#
+# print(checks.check_sp_layernorm(step_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway
