@@ -7,10 +7,14 @@ executed by nbconvert on the simulator) feeds every test:
   lesson displayed plotly figures, at least one, and plotly.js exactly once;
 * the index links every page; lesson-to-lesson links point to pages;
 * in headless Chromium with every non-``file:`` request blocked, each page
-  draws all its figures, and lesson 03's ring animation plays.
+  draws all its figures, and lesson 03's ring animation plays;
+* the learner's edition (the default) shows no solution, neither its code nor its
+  checker's "Correct"; the instructor's edition (built for lesson 00) shows each
+  solution, marked, with its output.
 """
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -36,7 +40,7 @@ LESSONS = [nb.stem for nb in handout.lesson_notebooks(PREFIXES)]
 _BUILD = """
 import json, sys
 from simcomm import handout
-pages = handout.build_handout(sys.argv[1], sys.argv[2:])
+pages = handout.build_handout(sys.argv[2], sys.argv[3:], edition=sys.argv[1])
 print(json.dumps([[str(p.path), p.title, p.goal, p.figures] for p in pages]))
 """
 
@@ -46,13 +50,50 @@ def site(tmp_path_factory) -> tuple[Path, dict[str, handout.Page]]:
     """Built in a fresh process, as ``python -m simcomm.handout`` builds it (the kernels it starts
     then share nothing with this test process's threads and sockets)."""
     out = tmp_path_factory.mktemp("handout")
+    return out, _build(out, "learner", PREFIXES)
+
+
+def _build(out: Path, edition: str, prefixes: list[str]) -> dict[str, handout.Page]:
     env = {**os.environ, "SIMCOMM_BACKEND": "sim"}      # the kernels inherit it
-    done = subprocess.run([sys.executable, "-c", _BUILD, str(out), *PREFIXES], env=env, capture_output=True,
-                          text=True, timeout=480)
+    done = subprocess.run([sys.executable, "-c", _BUILD, edition, str(out), *prefixes], env=env,
+                          capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout + done.stderr
     pages = [handout.Page(Path(path), title, goal, figures)
              for path, title, goal, figures in json.loads(done.stdout.strip().splitlines()[-1])]
-    return out, {page.path.stem: page for page in pages}
+    return {page.path.stem: page for page in pages}
+
+
+def _solution_codes(name: str) -> list[str]:
+    import nbformat
+
+    nb = nbformat.read(handout.NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+    return [handout.solution_code(cell) for cell in nb.cells if handout.is_solution(cell)]
+
+
+def test_the_learners_edition_shows_no_solution(site):
+    out, pages = site
+    assert "Learner's edition" in (out / "index.html").read_text(encoding="utf-8")
+    for name, page in pages.items():
+        text = page.path.read_text(encoding="utf-8")
+        assert "Solution of" not in text and "Instructor" not in text, f"{name} shows a solution"
+        assert "Correct:" not in text, f"{name}: a checker said Correct on Run All"
+        for code in _solution_codes(name):
+            definition = next(line for line in code.splitlines() if not line.startswith("#"))
+            assert html.escape(definition) not in text and definition not in text, (name, definition)
+
+
+def test_the_instructors_edition_runs_every_solution_and_marks_it(tmp_path):
+    pages = _build(tmp_path, "instructor", ["00"])
+    assert "Instructor's edition" in (tmp_path / "index.html").read_text(encoding="utf-8")
+    text = pages["00_start_here"].path.read_text(encoding="utf-8")
+    solutions = _solution_codes("00_start_here")
+    assert text.count("Instructor's edition: the solution") == len(solutions) >= 1
+    assert text.count("Correct:") >= len(solutions), "every solution's checker said Correct"
+
+
+def test_an_unknown_edition_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="edition='teacher'"):
+        handout.build_handout(tmp_path, ["00"], edition="teacher")
 
 
 def test_every_lesson_has_a_page_with_all_its_figures(site):
