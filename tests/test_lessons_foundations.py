@@ -191,6 +191,12 @@ def test_check_all_gather_backward():
     assert lessons.check_all_gather_backward(_placeholder) == lessons.NOT_ANSWERED
     right = lambda comm, grad, dim: comm.reduce_scatter(grad, dim=dim)
     assert lessons.check_all_gather_backward(right).startswith("Correct")
+    assert "more per rank" not in lessons.check_all_gather_backward(right)
+    # the rule shared with lesson 07: right values pass here (no traffic budget is stated), and the
+    # verdict names the extra bytes of an all-reduce then a chunk
+    twice = lessons.check_all_gather_backward(
+        lambda comm, grad, dim: comm.all_reduce(grad).chunk(comm.world_size, dim=dim)[comm.rank])
+    assert twice.startswith("Correct") and "bytes more per rank than a reduce-scatter" in twice, twice
     _not_yet(lessons.check_all_gather_backward(lambda comm, grad, dim: comm.slice(grad, dim=dim, scale_grad=False)),
              "differs")
     _not_yet(lessons.check_all_gather_backward(lambda comm, grad, dim: grad), "shape")

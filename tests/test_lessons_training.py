@@ -1,6 +1,10 @@
 """Checkers of lessons 06-08: right answers pass; wrong, partial and malformed ones get a hint, never a
 traceback. Plus the numbers lesson 07 shows: ZeRO memory and communication volume against the formulas."""
+from fractions import Fraction
+
+import numpy as np
 import pytest
+import torch
 
 import simcomm
 from simcomm import ReduceOp
@@ -186,6 +190,10 @@ RIGHT = {"parameters": 2 * PSI / N, "gradients": 2 * PSI / N, "optimizer_state":
     ({**RIGHT, "optimizer_state": "lots"}, False, "numbers of bytes"),
     (16 * PSI / N, False, "must be a dict"),
     ({**RIGHT, "optimizer_state": 1.0}, False, "off"),
+    ({k: np.float64(v) for k, v in RIGHT.items()}, True, "GB per rank"),        # numbers of any numeric type
+    ({k: torch.tensor(v, dtype=torch.float64) for k, v in RIGHT.items()}, True, "GB per rank"),
+    ({k: np.int64(round(v)) for k, v in RIGHT.items()}, True, "GB per rank"),
+    ({**RIGHT, "parameters": torch.ones(2)}, False, "numbers of bytes"),
 ])
 def test_check_zero3_bytes(answer, correct, fragment):
     verdict = tl.check_zero3_bytes(answer, show_hint=True)
@@ -205,6 +213,11 @@ def _local_chunk(comm, grad):
     return grad.chunk(comm.world_size)[comm.rank]
 
 
+def _reduce_then_scatter(comm, grad):
+    total = comm.reduce(grad, dst=0)
+    return comm.scatter(total if comm.rank == 0 else None, src=0, dim=0)
+
+
 def _whole(comm, grad):
     return comm.all_reduce(grad)
 
@@ -212,6 +225,7 @@ def _whole(comm, grad):
 @pytest.mark.parametrize("fn, correct, fragment", [
     (_rs, True, "reduce-scatter"),
     (_ar_then_slice, False, "twice the data"),
+    (_reduce_then_scatter, False, "where a reduce-scatter sends"),      # rank 0 sends little, the others more
     (_local_chunk, False, "not summed"),
     (_whole, False, "shapes"),
     (lambda comm, grad: "shard", False, "not a tensor"),
@@ -245,6 +259,10 @@ def test_communication_volume_per_stage(stage):
     (100 * 7 / 39, False, "percentage"),
     (0.5, False, "not it"),
     (None, False, "not a number"),
+    (np.float64(7 / 39), True, "7/39"),
+    (torch.tensor(7 / 39), True, "7/39"),
+    (Fraction(7, 39), True, "7/39"),
+    (torch.tensor([7 / 39, 0.1]), False, "not a number"),
 ])
 def test_check_bubble(answer, correct, fragment):
     verdict = tl.check_bubble(answer, show_hint=True)
@@ -262,10 +280,18 @@ def _named(name):
     (_named("naive"), False, "time units"),
     (lambda s, p, m: [("B", i) for i in range(m)] + [("F", i) for i in range(m)], False, "before"),
     (lambda s, p, m: [("F", i) for i in range(m)], False, "exactly once"),
-    (lambda s, p, m: "F0 B0", False, "pair"),
+    (lambda s, p, m: "F0 B0", False, "is a pair"),
+    (lambda s, p, m: ["F0", "B0"], False, "'F0' is not ('F', i)"),                      # format errors get the
+    (lambda s, p, m: [("f", i) for i in range(m)], False, "('f', 0) is not ('F', i)"),    # format, not the algorithm
+    (lambda s, p, m: [("F", i) for i in range(m + 1)], False, "from 0 to"),
     (lambda s, p: [], False, "raised TypeError"),
 ])
 def test_check_1f1b(fn, correct, fragment):
     verdict = tl.check_1f1b(fn, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
+
+
+def test_a_format_error_gets_the_format_not_the_algorithm():
+    verdict = tl.check_1f1b(lambda s, p, m: ["F0"], show_hint=True)
+    assert "('F', 3)" in verdict and "warm up" not in verdict, verdict

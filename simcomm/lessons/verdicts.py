@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CollectiveMismatchError, DeadlockError, RankError
 
 __all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
-           "as_number", "Forbidden", "attempt"]
+           "as_number", "traffic_beyond_reduce_scatter", "Forbidden", "attempt"]
 
 #: what a checker returns while the exercise still holds its placeholder
 NOT_ANSWERED = "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."
@@ -78,6 +78,20 @@ def is_placeholder(answer: Any) -> bool:
         return True
     values = answer.values() if isinstance(answer, dict) else answer if isinstance(answer, (list, tuple)) else ()
     return any(value is ... for value in values)
+
+
+def traffic_beyond_reduce_scatter(trace: Any, rank: int, input_bytes: int, skip_first: int = 0) -> int:
+    """Bytes ``rank`` sent in ``trace``'s forward-phase calls (after its first ``skip_first`` calls) beyond
+    what a reduce-scatter of an ``input_bytes`` tensor sends, ``(P - 1) / P * input_bytes``; 0 if within.
+
+    The one rule of the checkers that look at traffic: the values are always judged; bytes beyond a
+    reduce-scatter's (an all-reduce then a chunk sends twice as much) reject an answer only where the
+    exercise states that budget (lesson 07's ZeRO-2 shard), and are named in the Correct verdict
+    elsewhere (lesson 02's all-gather backward). Every rank is counted: the caller takes the maximum."""
+    calls = [e for e in trace.events if e.rank == rank and e.op != "compute"][skip_first:]
+    sent = sum(sum(e.sent.values()) for e in calls if e.phase == "forward")
+    world_size = max((len(e.group) for e in calls), default=1)
+    return max(0, sent - (world_size - 1) * input_bytes // world_size)
 
 
 class Forbidden(Exception):
