@@ -207,7 +207,8 @@ print(lessons.check_ulysses_gqa_bytes(gqa_bytes))
 #   outputs and gradients, causal or not.
 # * The number of heads must be divisible by the world size; the communicator says so instead of
 #   hanging.
-# * Per rank, Ulysses sends `4 (P-1)/P` shards forward, independent of `P`; gathering K and V
+# * Per rank, Ulysses sends `4 (P-1)/P` shards forward: fewer than 4 at any `P`, almost independent
+#   of it; gathering K and V
 #   sends `2 (P-1)` shards, `P/2` times more. With GQA, `k` and `v` are smaller and so is their
 #   share: `(2 q_heads + 2 kv_heads) / (4 q_heads)` of the MHA bytes.
 

@@ -17,6 +17,7 @@ answer must fail at once, not after a real backend's timeout.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -243,7 +244,9 @@ def check_neighbour_exchange(exchange: Callable) -> str:
         try:
             outs = world.run(_exchange_program, exchange, timeout=EXCHANGE_TIMEOUT_S)
         except DeadlockError as error:
-            return _not_yet(f"it deadlocks on {world_size} ranks: {_first_line(error)}",
+            waits = re.findall(r"rank (\d+) waits in (\w+)", str(error))
+            blocked = ", ".join(f"rank {rank} in {op}" for rank, op in waits) or _first_line(error)
+            return _not_yet(f"it deadlocks on {world_size} ranks: every rank is blocked ({blocked})",
                             "a blocking send waits for its receiver: if every rank sends first, nobody receives. "
                             "Let even ranks send first and odd ranks receive first")
         except RunTimeoutError:
