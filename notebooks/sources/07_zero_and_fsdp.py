@@ -65,9 +65,14 @@ viz.memory_figure(world.memory, "after step 2", title="Plain data parallelism: e
 # * **ZeRO-1**: each rank updates only its `1/P` shard of the parameters, so Adam's moments exist
 #   for that shard only. Gradients: a **reduce-scatter** gives each rank the summed gradient of
 #   its shard; an **all-gather** of the updated shards gives every rank the whole model again.
-# * **ZeRO-2**: the same, and the full gradient is freed as soon as its shard is reduced.
-# * **ZeRO-3** (= FSDP): parameters are stored as shards too; each layer is **all-gathered just
-#   before it runs and freed after**, in forward and again in backward.
+# * **ZeRO-2**: the same, and the full gradient is freed as soon as its shard is reduced (here,
+#   after the whole backward; section 8 reduces each layer during backward, as DeepSpeed does).
+# * **ZeRO-3**: parameters are stored as shards too; each layer is **all-gathered just before it
+#   runs and freed after**, in forward and again in backward. The version here gets the second
+#   gather by *recomputing* each layer's forward in backward (`torch.utils.checkpoint`): it keeps no
+#   activations inside a layer and pays a second forward. FSDP (PyTorch's ZeRO-3) instead keeps the
+#   activations and re-gathers only the parameters, in a hook just before each layer's backward;
+#   section 8 builds that way too and compares the two.
 #
 # Every stage must take the same step as single-device Adam:
 
@@ -90,6 +95,13 @@ for stage in (1, 2, 3):
 
 # %% tags=["nbval-ignore-output"]
 viz.memory_figure(reports, "after step 2", title="Bytes per rank after step 2, by stage")
+
+# %% [markdown]
+# The bars are the **steady state** after each step, what the paper's table describes. The markers
+# are each rank's **peak** over the whole run, and there ZeRO-2 is only 4% below ZeRO-1: this ZeRO-2
+# reduce-scatters after the whole backward, so at its peak every full gradient exists, as in ZeRO-1.
+# Freeing the full gradient pays off at the peak only if each layer's gradient is reduced while
+# backward still runs (section 8).
 
 # %% expect=["every stage: measured bytes = the formula (within 1%)"]
 rows = []
@@ -120,9 +132,10 @@ print(", ".join(f"{name}: {sent / unit:.1f} psi" for name, sent in volume.items(
 # %% [markdown]
 # ## 5. The punchline: all-gather forward, reduce-scatter backward
 #
-# Lesson 2 showed that the backward of an all-gather is a reduce-scatter. ZeRO-3 never calls a
-# reduce-scatter for its gradients: it all-gathers each layer in forward, and autograd runs the
-# dual collective in backward, leaving each rank exactly the summed gradient of its shard.
+# Lesson 2 showed that the backward of an all-gather is a reduce-scatter. ZeRO-3's code never
+# calls a reduce-scatter itself: it all-gathers each layer in forward, and autograd runs the dual
+# collective in backward (a reduce-scatter of every layer's gradient, in the trace below), leaving
+# each rank exactly the summed gradient of its shard.
 
 # %% expect=["ZeRO-3, first step on rank 0: 3 all_gather forward, 3 all_gather (again, in backward), 3 reduce_scatter backward"]
 first = [e for e in zero3_trace.events if e.rank == 0][:9]
@@ -151,8 +164,8 @@ check = assert_close(outs, [fsdp.reference_forward(x, mlp)] * world_size, "outpu
 print("prefetching hides all but the first gather;", check)
 
 # %% tags=["nbval-ignore-output"]
-display(timelines[False])
-timelines[True]
+display(timelines[False].update_layout(title="ZeRO-3 forward, gathering each layer just in time (no prefetch)"))
+timelines[True].update_layout(title="ZeRO-3 forward with prefetch: the next layer's gather overlaps this layer")
 
 # %% [markdown]
 # ## 7. FSDP2: `fully_shard` on virtual ranks
@@ -171,6 +184,53 @@ fsdp_trace = world.trace
 calls = sorted({(e.op, e.phase) for e in fsdp_trace.events})
 print("FSDP2's calls:", calls or "not traced (real processes: FSDP2 talks to gloo directly)")
 viz.timeline_figure(fsdp_trace) if fsdp_trace.events else None
+
+# %% [markdown]
+# That timeline is **measured** on virtual ranks: a bar is the wall-clock time a rank's thread spent
+# in the call while the ranks took turns on the CPU (rank 0's all-gather lasts until the last rank
+# arrives; the last rank's is short). It shows the order of the calls, not what a network would
+# take; the modelled timelines of section 6 do that.
+#
+# ## 8. Two more ways: ZeRO-2 during backward, and ZeRO-3 as FSDP does it
+#
+# `zero.train(..., variant=...)` runs the same stages differently (`zero.VARIANTS`):
+#
+# * ZeRO-2 `"in_backward"`: a hook on each layer's parameters reduce-scatters its gradient the
+#   moment backward has produced it, and frees it: the whole model's full gradient never exists.
+# * ZeRO-3 `"fsdp"`: a saved-tensor hook keeps each layer's activations but not its gathered
+#   parameters, and re-gathers them when backward reaches the layer; the all-gather's backward
+#   reduce-scatters the gradient (FSDP's pre- and post-backward steps). No forward is recomputed.
+#
+# A deeper model (8 equal hidden layers) makes the peaks differ; all five take Adam's step:
+
+# %% expect=["ZeRO-1                 peak 324112 B, of which gradients 122912 B; backward-phase calls: 0 all_gather, 0 reduce_scatter", "ZeRO-2 after backward  peak 320792 B, of which gradients 135716 B; backward-phase calls: 0 all_gather, 0 reduce_scatter", "ZeRO-2 in backward     peak 244352 B, of which gradients  59276 B; backward-phase calls: 0 all_gather, 9 reduce_scatter", "ZeRO-3 checkpointing   peak 152680 B, of which gradients  43148 B; backward-phase calls: 0 all_gather, 9 reduce_scatter", "ZeRO-3 FSDP's way      peak 152680 B, of which gradients  43148 B; backward-phase calls: 8 all_gather, 9 reduce_scatter", "every way, fp32 against float64 Adam: matches the reference"]
+deep = zero.MLP((16,) + (64,) * 8 + (8,))
+ways = {"ZeRO-1": (1, None), "ZeRO-2 after backward": (2, "after_backward"), "ZeRO-2 in backward": (2, "in_backward"),
+        "ZeRO-3 checkpointing": (3, "checkpoint"), "ZeRO-3 FSDP's way": (3, "fsdp")}
+peaks, results = {}, []
+for name, (stage, variant) in ways.items():
+    outs = world.run(zero.train, stage, deep, steps=1, variant=variant)
+    results.append(fsdp.assemble(stage, outs, deep))
+    peaks[name], top = world.memory, world.memory.ranks[0]
+    backward = [e.op for e in world.trace.events if e.rank == 0 and e.phase == "backward"]
+    print(f"{name:22} peak {top.peak} B, of which gradients {top.peak_bytes.get('gradients', 0):>6} B; "
+          f"backward-phase calls: {backward.count('all_gather')} all_gather, {backward.count('reduce_scatter')} "
+          "reduce_scatter")
+assert all(torch.equal(a, b) for way in results for a, b in zip(way, results[0])), "every way: the same step"
+print(assert_close(results, [fsdp.adam_reference(deep, steps=1)] * len(ways),
+                   "every way, fp32 against float64 Adam", atol=1e-4))
+
+# %% [markdown]
+# Reducing each layer's gradient during backward takes ZeRO-2's peak from 321 kB to 244 kB: the
+# whole model's full gradient never exists. (Checkpointing's recomputed all-gathers run forward code,
+# so they are traced as forward calls: 18 forward all-gathers instead of FSDP's 9 + 8.) The two
+# ZeRO-3 ways peak alike here because 2 rows per rank make activations tiny (516 B); FSDP's way
+# keeps every layer's activations (memory grows with the batch), checkpointing recomputes them
+# (compute grows by a forward). FSDP's way also skips re-gathering the first layer: its input needs
+# no gradient, so backward never needs that weight. The peaks, by label:
+
+# %% tags=["nbval-ignore-output"]
+viz.memory_figure(peaks, "peak", title="Peak bytes per rank, deeper model: ZeRO-2 and ZeRO-3, two ways each")
 
 # %% [markdown]
 # ## Exercise 1: predict the memory
@@ -236,6 +296,9 @@ print(tl.check_zero2_grads(my_gradient_shard))
 #   hides the extra gathers behind compute.
 # * ZeRO-3's gradients come for free from lesson 2: the backward of an all-gather is a
 #   reduce-scatter.
+# * Peaks are not the steady state: ZeRO-2 lowers the peak only if it reduces each gradient during
+#   backward. ZeRO-3 gets its second gather by recomputing (checkpointing) or, as FSDP does, by
+#   re-gathering in backward while keeping the activations.
 
 # %%
 world.close()

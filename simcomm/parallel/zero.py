@@ -52,7 +52,7 @@ Two stages have a second way, ``variant=``, as the systems that ship them do:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import weakref
@@ -90,9 +90,13 @@ class MLP:
     def init(self, seed: int = 0) -> list[torch.Tensor]:
         """One flat fp32 vector per layer, uniform in ``+-1/sqrt(fan_in)``, from a generator of its own
         (the same values on every rank and backend, whatever the global random state)."""
+        return list(self.init_layers(seed))
+
+    def init_layers(self, seed: int = 0) -> Iterator[torch.Tensor]:
+        """:meth:`init`'s vectors one at a time (a sharded model never holds them all at once)."""
         generator = torch.Generator().manual_seed(seed)
-        return [(torch.rand(numel, generator=generator) * 2 - 1) / math.sqrt(fan_in)
-                for numel, fan_in in zip(self.layer_numels, self.sizes)]
+        for numel, fan_in in zip(self.layer_numels, self.sizes):
+            yield (torch.rand(numel, generator=generator) * 2 - 1) / math.sqrt(fan_in)
 
     def apply_layer(self, i: int, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """Layer ``i`` (and its tanh, except on the last layer) on ``x``, its parameters in ``flat``."""
@@ -303,10 +307,12 @@ def train(comm: Communicator, stage: int, mlp: MLP = MLP(), *, steps: int = 2, b
         batch = (x[rows].clone(), y[rows].clone(), batch_size)
         del x, y
     with memory.label("parameters"):
-        params = [torch.nn.functional.pad(p, (0, padded(p.numel(), world_size) - p.numel()))
-                  for p in mlp.init(seed)]
-        if stage == 3:
-            params = [shard(p, comm).clone() for p in params]
+        params = []
+        for layer in mlp.init_layers(seed):              # one full layer at a time: no init-time peak
+            full = torch.nn.functional.pad(layer, (0, padded(layer.numel(), world_size) - layer.numel()))
+            del layer
+            params.append(shard(full, comm).clone() if stage == 3 else full)
+            del full
     params = [p.requires_grad_() for p in params]
     opt = [Adam(p.numel() // world_size if stage in (1, 2) else p.numel(), lr) for p in params]
     grads: list[torch.Tensor | None] = [None] * len(params)
