@@ -212,8 +212,12 @@ print(checks.check_layout_choice(choice, rows, memory_limit, "InfiniBand cluster
 #   the tp group too for the weights that sequence parallelism replicates (LayerNorms, biases).
 # * Composed correctly, the 8-rank step gives the single-device loss and gradients, whatever
 #   the layout.
-# * Data parallelism is the fastest while the model fits; tensor parallelism buys memory with
-#   many latency-bound collectives and belongs inside a node; a pipeline halves weights and the
+# * At this lesson's size (32 tokens, a step of tens of microseconds) data parallelism is the
+#   fastest while the model fits, and tensor parallelism buys memory with many latency-bound
+#   collectives. That is a statement about latency: with thousands of tokens per rank its
+#   collectives become bandwidth-bound and run beside large matrix multiplications, and tensor
+#   parallelism inside a node is how large models train (Megatron-LM). Wherever it is used, it
+#   belongs inside a node; a pipeline halves weights and the
 #   gradient all-reduce but idles without enough micro-batches. The memory limit picks the
 #   candidates, the interconnect picks the winner.
 
