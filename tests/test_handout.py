@@ -8,6 +8,7 @@ executed by nbconvert on the simulator) feeds every test:
 * the index links every page; lesson-to-lesson links point to pages;
 * in headless Chromium with every non-``file:`` request blocked, each page
   draws all its figures, and lesson 03's ring animation plays;
+* at 1024 px (a projector) no figure is cut off: it fits the page or scrolls in its box;
 * the learner's edition (the default) shows no solution, neither its code nor its
   checker's "Correct"; the instructor's edition (built for lesson 00) shows each
   solution, marked, with its output.
@@ -121,6 +122,27 @@ def test_index_links_every_page_and_pages_link_each_other(site):
     assert 'href="01_collectives.html"' in pages["00_start_here"].path.read_text(encoding="utf-8")
 
 
+#: every figure whose right edge lies beyond the page and that no scrolling box around it can reach
+_CUT_OFF_FIGURES = """() => {
+  const page = document.documentElement.clientWidth;
+  const cut = [];
+  document.querySelectorAll('.js-plotly-plot').forEach((plot, index) => {
+    const right = plot.getBoundingClientRect().left + plot.scrollWidth;
+    if (right <= page + 1) return;
+    let box = plot.parentElement, scrolls = false;
+    while (box && box !== document.body) {
+      const style = getComputedStyle(box);
+      if (['auto', 'scroll'].includes(style.overflowX) && box.getBoundingClientRect().right <= page + 1) {
+        scrolls = true; break;
+      }
+      box = box.parentElement;
+    }
+    if (!scrolls) cut.push(index + ': ' + Math.round(right) + ' px wide on a ' + page + ' px page');
+  });
+  return cut;
+}"""
+
+
 @pytest.mark.browser
 @pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (apt-get install chromium)")
 def test_pages_draw_and_animate_offline_in_chromium(site):
@@ -151,6 +173,13 @@ def test_pages_draw_and_animate_offline_in_chromium(site):
                                        arg=[pages[name].figures])
                 drawn = page.locator(".js-plotly-plot g.cartesianlayer, .js-plotly-plot g.layer-above")
                 assert drawn.count() >= 1, f"{name}: no figure drew its axes"
+            page.set_viewport_size({"width": 1024, "height": 900})         # a projector
+            for name in LESSONS:
+                page.goto(pages[name].path.as_uri())
+                page.wait_for_function("([n]) => document.querySelectorAll('.js-plotly-plot').length >= n",
+                                       arg=[pages[name].figures])
+                cut = page.evaluate(_CUT_OFF_FIGURES)
+                assert not cut, f"{name} at 1024 px: figures cut off without a scrollbar: {cut}"
             page.goto(pages["03_ring_allreduce_and_cost"].path.as_uri())
             ring = page.locator(".js-plotly-plot:has(g.slider-container)").first
             ring.wait_for()
@@ -165,3 +194,33 @@ def test_pages_draw_and_animate_offline_in_chromium(site):
         finally:
             browser.close()
     assert all(not url.startswith("file:") for url in blocked)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (apt-get install chromium)")
+def test_the_1024_px_check_catches_a_wide_figure_unless_its_box_scrolls(tmp_path):
+    """The check above can fail: a 1500 px figure is cut off on its own and passes in the renderer's box."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+    from playwright.sync_api import sync_playwright
+
+    from simcomm.viz import render
+
+    fig = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]), layout=dict(width=1500, height=300))
+    bare = pio.to_html(fig, include_plotlyjs=False, full_html=False)
+    boxed = render.EmbeddedHtmlRenderer().to_mimebundle(fig.to_dict())["text/html"]
+    library = f"<script>{__import__('plotly.offline', fromlist=['x']).get_plotlyjs()}</script>"
+    results = {}
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1024, "height": 900})
+            for name, body in (("bare", bare), ("boxed", boxed)):
+                path = tmp_path / f"{name}.html"
+                path.write_text(f"<!DOCTYPE html><html><body>{library}{body}</body></html>", encoding="utf-8")
+                page.goto(path.as_uri())
+                page.wait_for_selector(".js-plotly-plot")
+                results[name] = page.evaluate(_CUT_OFF_FIGURES)
+        finally:
+            browser.close()
+    assert results["bare"] and not results["boxed"], results
