@@ -201,11 +201,11 @@ viz.timeline_figure(fsdp_trace) if fsdp_trace.events else None
 #   parameters, and re-gathers them when backward reaches the layer; the all-gather's backward
 #   reduce-scatters the gradient (FSDP's pre- and post-backward steps). No forward is recomputed.
 #
-# A deeper model (8 equal hidden layers) makes the peaks differ; all five take Adam's step:
+# A deeper model (8 equal hidden layers) makes the peaks differ; all four take Adam's step:
 
 # %% expect=["ZeRO-2 in backward: the peak is 24% below ZeRO-2 after backward's; at its peak it holds less than half a full gradient", "ZeRO-3: both ways 9 reduce-scatters in backward; FSDP's way re-gathers 8 layers in backward, checkpointing re-runs 9 forwards", "every way, fp32 against float64 Adam: matches the reference"]
 deep = zero.MLP((16,) + (64,) * 8 + (8,))
-ways = {"ZeRO-1": (1, None), "ZeRO-2 after backward": (2, "after_backward"), "ZeRO-2 in backward": (2, "in_backward"),
+ways = {"ZeRO-2 after backward": (2, "after_backward"), "ZeRO-2 in backward": (2, "in_backward"),
         "ZeRO-3 checkpointing": (3, "checkpoint"), "ZeRO-3 FSDP's way": (3, "fsdp")}
 peaks, calls, results = {}, {}, []
 for name, (stage, variant) in ways.items():
