@@ -1,7 +1,15 @@
 """A workshop handout: every lesson executed and written as a static web site.
 
-    python -m simcomm.handout OUT_DIR            # all lessons
+    python -m simcomm.handout OUT_DIR            # all lessons, the learner's edition
     python -m simcomm.handout OUT_DIR 03 04      # only lessons whose names start so
+    python -m simcomm.handout --edition instructor OUT_DIR   # with every solution, run and marked
+
+Two editions. The **learner** edition holds no solution: the lesson's
+solution cells (Markdown cells tagged ``solution``, each a collapsed
+``<details>`` block around one fenced ``python`` block, so that Run All in
+JupyterLab never executes them) are left out. The **instructor** edition
+turns each solution into a code cell, runs it where it stands, and marks it
+with a banner; its index page says which edition it is.
 
 writes ``OUT_DIR/index.html`` (each lesson's title and goal, linked) and one
 ``OUT_DIR/NN_name.html`` per lesson. Each page is the lesson run top to bottom
@@ -27,11 +35,20 @@ from pathlib import Path
 
 import nbformat
 
-__all__ = ["NOTEBOOK_DIR", "Page", "lesson_notebooks", "build_page", "build_handout", "main"]
+__all__ = ["NOTEBOOK_DIR", "EDITIONS", "SOLUTION_TAG", "Page", "is_solution", "solution_code",
+           "solutions_as_code", "without_solutions", "lesson_notebooks", "build_page", "build_handout", "main"]
 
 #: the lessons, as the repository holds them
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
+#: the handout's editions: without solutions, and with them run and marked
+EDITIONS = ("learner", "instructor")
+#: the tag of a lesson's solution cells
+SOLUTION_TAG = "solution"
+#: what marks a solution in the instructor's edition
+INSTRUCTOR_BANNER = "**Instructor's edition: the solution** (the learner's edition leaves it out)"
+
+_SOLUTION_BLOCK = re.compile(r"^```python\n(.*?)\n```$", re.S | re.M)
 _LESSON_LINK = re.compile(r'href="(\d\d_[A-Za-z0-9_]+)\.ipynb(#[^"]*)?"')
 _PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
@@ -44,6 +61,65 @@ class Page:
     title: str
     goal: str
     figures: int
+
+
+def _source(cell: dict) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else source
+
+
+def is_solution(cell: dict) -> bool:
+    """True for a lesson's solution cell (tagged :data:`SOLUTION_TAG`)."""
+    return SOLUTION_TAG in cell.get("metadata", {}).get("tags", [])
+
+
+def solution_code(cell: dict) -> str:
+    """The code of a solution cell: its one fenced ``python`` block. Raises ``ValueError`` naming the
+    cell's first line if it has none, or if the cell is a code cell (Run All would execute it)."""
+    source = _source(cell)
+    first = source.splitlines()[0] if source else ""
+    if cell.get("cell_type") != "markdown":
+        raise ValueError(f"handout.solution_code: the solution cell starting {first!r} is a "
+                         f"{cell.get('cell_type')} cell; make it Markdown so Run All does not execute it")
+    blocks = _SOLUTION_BLOCK.findall(source)
+    if len(blocks) != 1:
+        raise ValueError(f"handout.solution_code: the solution cell starting {first!r} holds {len(blocks)} "
+                         "```python blocks; it must hold exactly one")
+    return blocks[0]
+
+
+def solutions_as_code(cells: list[dict]) -> list[dict]:
+    """A copy of ``cells`` with every solution cell turned into a code cell holding its code (same
+    metadata, no outputs): what the tests and the instructor's edition run. The input is not modified."""
+    out = []
+    for cell in cells:
+        if is_solution(cell):
+            cell = {"cell_type": "code", "execution_count": None, "id": cell.get("id", "solution"),
+                    "metadata": dict(cell.get("metadata", {})), "outputs": [], "source": solution_code(cell)}
+        out.append(cell)
+    return out
+
+
+def without_solutions(cells: list[dict]) -> list[dict]:
+    """``cells`` without the solution cells (the learner's edition)."""
+    return [cell for cell in cells if not is_solution(cell)]
+
+
+def _edition(nb: nbformat.NotebookNode, edition: str) -> nbformat.NotebookNode:
+    if edition not in EDITIONS:
+        raise ValueError(f"handout: edition={edition!r}; use one of {list(EDITIONS)}")
+    if edition == "learner":
+        cells = without_solutions(nb.cells)
+    else:
+        cells = []
+        for cell in solutions_as_code(nb.cells):
+            if is_solution(cell):
+                cells.append(nbformat.v4.new_markdown_cell(INSTRUCTOR_BANNER))
+            cells.append(cell)
+    nb.cells = [nbformat.from_dict(cell) for cell in cells]
+    for index, cell in enumerate(nb.cells):
+        cell["id"] = f"cell-{index}"
+    return nb
 
 
 def lesson_notebooks(prefixes: list[str] | None = None, folder: Path = NOTEBOOK_DIR) -> list[Path]:
@@ -68,12 +144,13 @@ def _figure_count(nb: nbformat.NotebookNode) -> int:
                for output in cell.get("outputs", []) if _PLOTLY_MIME in output.get("data", {}))
 
 
-def build_page(notebook: Path, out_dir: Path, *, timeout: int = 600) -> Page:
-    """Execute ``notebook`` in a fresh kernel (working directory: its folder) and write its page."""
+def build_page(notebook: Path, out_dir: Path, *, edition: str = "learner", timeout: int = 600) -> Page:
+    """Execute ``notebook``'s ``edition`` in a fresh kernel (working directory: its folder) and write
+    its page."""
     from nbconvert import HTMLExporter
     from nbconvert.preprocessors import ExecutePreprocessor
 
-    nb = nbformat.read(notebook, as_version=4)
+    nb = _edition(nbformat.read(notebook, as_version=4), edition)
     ExecutePreprocessor(timeout=timeout, kernel_name="python3").preprocess(
         nb, {"metadata": {"path": str(notebook.parent)}})
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
@@ -84,7 +161,7 @@ def build_page(notebook: Path, out_dir: Path, *, timeout: int = 600) -> Page:
     return Page(path, title or notebook.stem, goal, _figure_count(nb))
 
 
-def _index(pages: list[Page]) -> str:
+def _index(pages: list[Page], edition: str) -> str:
     items = "\n".join(
         f'<li><a href="{page.path.name}">{html.escape(page.title)}</a>'
         f"<p>{html.escape(page.goal)}</p></li>" for page in pages)
@@ -92,22 +169,29 @@ def _index(pages: list[Page]) -> str:
             "<title>simcomm lessons</title><style>body{font:18px/1.5 sans-serif;max-width:50em;"
             "margin:2em auto;padding:0 1em}li{margin-bottom:1em}p{margin:.2em 0}</style></head>\n"
             "<body><h1>simcomm: differentiable collectives, lesson by lesson</h1>\n"
+            + ("<p><strong>Instructor's edition:</strong> every exercise's solution is shown and run, marked "
+               "as such. Give learners the learner's edition.</p>\n" if edition == "instructor" else
+               "<p>Learner's edition: the exercises' solutions are not included.</p>\n") +
             "<p>Every lesson below was run from top to bottom; its figures are interactive "
             "(hover, zoom, play) and need neither a kernel nor a network.</p>\n"
             f"<ol>\n{items}\n</ol></body></html>\n")
 
 
-def build_handout(out_dir: str | Path, prefixes: list[str] | None = None, *,
+def build_handout(out_dir: str | Path, prefixes: list[str] | None = None, *, edition: str = "learner",
                   folder: Path = NOTEBOOK_DIR, timeout: int = 600) -> list[Page]:
-    """Write ``index.html`` and one page per lesson into ``out_dir`` (created if missing).
+    """Write ``index.html`` and one page per lesson of ``edition`` (:data:`EDITIONS`) into ``out_dir``
+    (created if missing). Raises ``ValueError`` for an unknown edition.
 
     Raises the kernel's error (nbconvert's ``CellExecutionError``) if a lesson
     fails to run; pages written before it stay.
     """
+    if edition not in EDITIONS:
+        raise ValueError(f"handout: edition={edition!r}; use one of {list(EDITIONS)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pages = [build_page(notebook, out_dir, timeout=timeout) for notebook in lesson_notebooks(prefixes, folder)]
-    (out_dir / "index.html").write_text(_index(pages), encoding="utf-8")
+    pages = [build_page(notebook, out_dir, edition=edition, timeout=timeout)
+             for notebook in lesson_notebooks(prefixes, folder)]
+    (out_dir / "index.html").write_text(_index(pages, edition), encoding="utf-8")
     return pages
 
 
@@ -115,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simcomm.handout", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="folder to write index.html and the lesson pages into")
     parser.add_argument("lessons", nargs="*", help="only lessons whose names start so (e.g. 03)")
+    parser.add_argument("--edition", choices=EDITIONS, default="learner",
+                        help="learner: no solutions (the default); instructor: solutions run and marked")
     args = parser.parse_args(argv)
-    pages = build_handout(args.out_dir, args.lessons or None)
+    pages = build_handout(args.out_dir, args.lessons or None, edition=args.edition)
     for page in pages:
         sys.stdout.write(f"{page.path}: {page.figures} figures\n")
     sys.stdout.write(f"{args.out_dir / 'index.html'}\n")

@@ -7,10 +7,15 @@ executed by nbconvert on the simulator) feeds every test:
   lesson displayed plotly figures, at least one, and plotly.js exactly once;
 * the index links every page; lesson-to-lesson links point to pages;
 * in headless Chromium with every non-``file:`` request blocked, each page
-  draws all its figures, and lesson 03's ring animation plays.
+  draws all its figures, and lesson 03's ring animation plays;
+* at 1024 px (a projector) no figure is cut off: it fits the page or scrolls in its box;
+* the learner's edition (the default) shows no solution, neither its code nor its
+  checker's "Correct"; the instructor's edition (built for lesson 00) shows each
+  solution, marked, with its output.
 """
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -36,7 +41,7 @@ LESSONS = [nb.stem for nb in handout.lesson_notebooks(PREFIXES)]
 _BUILD = """
 import json, sys
 from simcomm import handout
-pages = handout.build_handout(sys.argv[1], sys.argv[2:])
+pages = handout.build_handout(sys.argv[2], sys.argv[3:], edition=sys.argv[1])
 print(json.dumps([[str(p.path), p.title, p.goal, p.figures] for p in pages]))
 """
 
@@ -46,13 +51,50 @@ def site(tmp_path_factory) -> tuple[Path, dict[str, handout.Page]]:
     """Built in a fresh process, as ``python -m simcomm.handout`` builds it (the kernels it starts
     then share nothing with this test process's threads and sockets)."""
     out = tmp_path_factory.mktemp("handout")
+    return out, _build(out, "learner", PREFIXES)
+
+
+def _build(out: Path, edition: str, prefixes: list[str]) -> dict[str, handout.Page]:
     env = {**os.environ, "SIMCOMM_BACKEND": "sim"}      # the kernels inherit it
-    done = subprocess.run([sys.executable, "-c", _BUILD, str(out), *PREFIXES], env=env, capture_output=True,
-                          text=True, timeout=480)
+    done = subprocess.run([sys.executable, "-c", _BUILD, edition, str(out), *prefixes], env=env,
+                          capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout + done.stderr
     pages = [handout.Page(Path(path), title, goal, figures)
              for path, title, goal, figures in json.loads(done.stdout.strip().splitlines()[-1])]
-    return out, {page.path.stem: page for page in pages}
+    return {page.path.stem: page for page in pages}
+
+
+def _solution_codes(name: str) -> list[str]:
+    import nbformat
+
+    nb = nbformat.read(handout.NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+    return [handout.solution_code(cell) for cell in nb.cells if handout.is_solution(cell)]
+
+
+def test_the_learners_edition_shows_no_solution(site):
+    out, pages = site
+    assert "Learner's edition" in (out / "index.html").read_text(encoding="utf-8")
+    for name, page in pages.items():
+        text = page.path.read_text(encoding="utf-8")
+        assert "Solution of" not in text and "Instructor" not in text, f"{name} shows a solution"
+        assert "Correct:" not in text, f"{name}: a checker said Correct on Run All"
+        for code in _solution_codes(name):
+            definition = next(line for line in code.splitlines() if not line.startswith("#"))
+            assert html.escape(definition) not in text and definition not in text, (name, definition)
+
+
+def test_the_instructors_edition_runs_every_solution_and_marks_it(tmp_path):
+    pages = _build(tmp_path, "instructor", ["00"])
+    assert "Instructor's edition" in (tmp_path / "index.html").read_text(encoding="utf-8")
+    text = pages["00_start_here"].path.read_text(encoding="utf-8")
+    solutions = _solution_codes("00_start_here")
+    assert text.count("Instructor's edition: the solution") == len(solutions) >= 1
+    assert text.count("Correct:") >= len(solutions), "every solution's checker said Correct"
+
+
+def test_an_unknown_edition_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="edition='teacher'"):
+        handout.build_handout(tmp_path, ["00"], edition="teacher")
 
 
 def test_every_lesson_has_a_page_with_all_its_figures(site):
@@ -78,6 +120,27 @@ def test_index_links_every_page_and_pages_link_each_other(site):
         assert f'href="{name}.html"' in index
         assert page.goal and page.title in index
     assert 'href="01_collectives.html"' in pages["00_start_here"].path.read_text(encoding="utf-8")
+
+
+#: every figure whose right edge lies beyond the page and that no scrolling box around it can reach
+_CUT_OFF_FIGURES = """() => {
+  const page = document.documentElement.clientWidth;
+  const cut = [];
+  document.querySelectorAll('.js-plotly-plot').forEach((plot, index) => {
+    const right = plot.getBoundingClientRect().left + plot.scrollWidth;
+    if (right <= page + 1) return;
+    let box = plot.parentElement, scrolls = false;
+    while (box && box !== document.body) {
+      const style = getComputedStyle(box);
+      if (['auto', 'scroll'].includes(style.overflowX) && box.getBoundingClientRect().right <= page + 1) {
+        scrolls = true; break;
+      }
+      box = box.parentElement;
+    }
+    if (!scrolls) cut.push(index + ': ' + Math.round(right) + ' px wide on a ' + page + ' px page');
+  });
+  return cut;
+}"""
 
 
 @pytest.mark.browser
@@ -110,6 +173,13 @@ def test_pages_draw_and_animate_offline_in_chromium(site):
                                        arg=[pages[name].figures])
                 drawn = page.locator(".js-plotly-plot g.cartesianlayer, .js-plotly-plot g.layer-above")
                 assert drawn.count() >= 1, f"{name}: no figure drew its axes"
+            page.set_viewport_size({"width": 1024, "height": 900})         # a projector
+            for name in LESSONS:
+                page.goto(pages[name].path.as_uri())
+                page.wait_for_function("([n]) => document.querySelectorAll('.js-plotly-plot').length >= n",
+                                       arg=[pages[name].figures])
+                cut = page.evaluate(_CUT_OFF_FIGURES)
+                assert not cut, f"{name} at 1024 px: figures cut off without a scrollbar: {cut}"
             page.goto(pages["03_ring_allreduce_and_cost"].path.as_uri())
             ring = page.locator(".js-plotly-plot:has(g.slider-container)").first
             ring.wait_for()
@@ -124,3 +194,33 @@ def test_pages_draw_and_animate_offline_in_chromium(site):
         finally:
             browser.close()
     assert all(not url.startswith("file:") for url in blocked)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (apt-get install chromium)")
+def test_the_1024_px_check_catches_a_wide_figure_unless_its_box_scrolls(tmp_path):
+    """The check above can fail: a 1500 px figure is cut off on its own and passes in the renderer's box."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+    from playwright.sync_api import sync_playwright
+
+    from simcomm.viz import render
+
+    fig = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]), layout=dict(width=1500, height=300))
+    bare = pio.to_html(fig, include_plotlyjs=False, full_html=False)
+    boxed = render.EmbeddedHtmlRenderer().to_mimebundle(fig.to_dict())["text/html"]
+    library = f"<script>{__import__('plotly.offline', fromlist=['x']).get_plotlyjs()}</script>"
+    results = {}
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1024, "height": 900})
+            for name, body in (("bare", bare), ("boxed", boxed)):
+                path = tmp_path / f"{name}.html"
+                path.write_text(f"<!DOCTYPE html><html><body>{library}{body}</body></html>", encoding="utf-8")
+                page.goto(path.as_uri())
+                page.wait_for_selector(".js-plotly-plot")
+                results[name] = page.evaluate(_CUT_OFF_FIGURES)
+        finally:
+            browser.close()
+    assert results["bare"] and not results["boxed"], results

@@ -116,7 +116,7 @@ CALLS = {"all_gather": {"dim": 0}, "gather": {"dst": 1}}
 
 
 def _shapes(predictions):
-    return lessons.check_shapes(predictions, world_size=2, shape=(2, 2), args=CALLS)
+    return lessons.check_shapes(predictions, world_size=2, shape=(2, 2), args=CALLS, show_hint=True)
 
 
 def test_check_shapes_right_placeholder():
@@ -139,7 +139,7 @@ def test_check_prediction():
     assert lessons.check_prediction(..., torch.tensor([1.0]), "x") == lessons.NOT_ANSWERED
     assert lessons.check_prediction([1], torch.tensor([1.0]), "x") == "Correct: x is [1]."
     assert lessons.check_prediction(1, torch.tensor([1.0]), "x") == "Correct: x is [1]."
-    _not_yet(lessons.check_prediction([2], torch.tensor([1.0]), "x", hint="think"), "x is not [2]", "Hint: think")
+    _not_yet(lessons.check_prediction([2], torch.tensor([1.0]), "x", hint="think", show_hint=True), "x is not [2]", "Hint: think")
     _not_yet(lessons.check_prediction([1, 2], torch.tensor([1.0]), "x"), "holds 1 number(s); you gave 2")  # partial
     _not_yet(lessons.check_prediction("one", torch.tensor([1.0]), "x"), "not a number")                      # malformed
     _not_yet(lessons.check_prediction([[1], [2, 3]], torch.tensor([1.0]), "x"), "not a number")
@@ -191,6 +191,12 @@ def test_check_all_gather_backward():
     assert lessons.check_all_gather_backward(_placeholder) == lessons.NOT_ANSWERED
     right = lambda comm, grad, dim: comm.reduce_scatter(grad, dim=dim)
     assert lessons.check_all_gather_backward(right).startswith("Correct")
+    assert "more per rank" not in lessons.check_all_gather_backward(right)
+    # the rule shared with lesson 07: right values pass here (no traffic budget is stated), and the
+    # verdict names the extra bytes of an all-reduce then a chunk
+    twice = lessons.check_all_gather_backward(
+        lambda comm, grad, dim: comm.all_reduce(grad).chunk(comm.world_size, dim=dim)[comm.rank])
+    assert twice.startswith("Correct") and "bytes more per rank than a reduce-scatter" in twice, twice
     _not_yet(lessons.check_all_gather_backward(lambda comm, grad, dim: comm.slice(grad, dim=dim, scale_grad=False)),
              "differs")
     _not_yet(lessons.check_all_gather_backward(lambda comm, grad, dim: grad), "shape")
@@ -222,7 +228,7 @@ def test_check_ring_all_gather():
     assert lessons.check_ring_all_gather(_ring_all_gather).startswith("Correct")
     _not_yet(lessons.check_ring_all_gather(lambda comm, x: comm.all_gather(x, dim=0)), "only send and recv")
     _not_yet(lessons.check_ring_all_gather(_ring_in_wrong_order), "wrong values or order")
-    _not_yet(lessons.check_ring_all_gather(_naive_sends), "deadlocked", "ring_exchange")
+    _not_yet(lessons.check_ring_all_gather(_naive_sends, show_hint=True), "deadlocked", "ring_exchange")
     _not_yet(lessons.check_ring_all_gather(lambda comm, x: x), "returned (3,)")                 # partial
     _not_yet(lessons.check_ring_all_gather(lambda comm, x: x.add_(1)), "input was modified")
 

@@ -2,6 +2,7 @@
 get 'Not yet:' with a hint; the placeholder gets NOT_ANSWERED; nothing raises."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,10 +43,12 @@ def merge_right(o1, l1, o2, l2):
     (lambda o1, l1, o2, l2: (merge_right(o1, l1, o2, l2)[0], torch.maximum(l1, l2)), "not yet", "output is right"),
     (lambda o1, l1, o2, l2: (o1, l1), "not yet", "both differ"),
     (lambda o1, l1, o2, l2: (merge_right(o1, l1, o2, l2)[0], (l1.exp() + l2.exp()).log() + 0 * l1.exp().isinf()),
-     "correct", ""),
+     "not yet", "overflows float32"),                                    # right for small logits only
+    (lambda o1, l1, o2, l2: (lambda lse: (o1 * (l1.exp() / lse.exp())[..., None] + o2 * (l2.exp() / lse.exp())[..., None],
+                                          lse))(torch.log(torch.exp(l1) + torch.exp(l2))), "not yet", "overflows"),
 ])
 def test_check_lse_merge(answer, kind, hint):
-    verdict = sl.check_lse_merge(answer)
+    verdict = sl.check_lse_merge(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -59,6 +62,8 @@ def test_check_lse_merge_empty_block_rule():
 
 @pytest.mark.parametrize("answer, kind, hint", [
     (lambda r, p: [r, 2 * p - 1 - r], "correct", ""),
+    (lambda r, p: [p - 1 - r, p + r], "correct", ""),                      # balanced too: judged by the work
+    (lambda r, p: torch.tensor([r, 2 * p - 1 - r]), "correct", ""),
     (lambda r, p: [2 * r, 2 * r + 1], "not yet", "head"),                 # contiguous pairs: unbalanced
     (lambda r, p: [r, r + p], "not yet", "head"),                          # every chunk held, still unbalanced
     (lambda r, p: [r, r], "not yet", "exactly one rank"),                  # partial: chunks missing
@@ -66,7 +71,7 @@ def test_check_lse_merge_empty_block_rule():
     (..., "unanswered", ""),
 ])
 def test_check_zigzag_chunks(answer, kind, hint):
-    verdict = sl.check_zigzag_chunks(answer)
+    verdict = sl.check_zigzag_chunks(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -80,24 +85,29 @@ def splits_right(experts, num_experts, world_size):
     (splits_right, "correct", ""),
     (lambda e, n, p: torch.bincount(e.flatten(), minlength=n).tolist(), "not yet", "one entry per expert"),  # partial
     (lambda e, n, p: torch.bincount(e[:, 0] // (n // p), minlength=p).tolist(), "not yet", "add up to"),    # top-1 only
-    (lambda e, n, p: torch.bincount(e.flatten() % p, minlength=p).tolist(), "not yet", "Rank r holds"),     # round robin
+    (lambda e, n, p: torch.bincount(e.flatten() % p, minlength=p).tolist(), "not yet", "rank r holds"),     # round robin
     (lambda e, n, p: "4, 4", "not yet", "list of"),                                                          # malformed
     (lambda e, n, p: torch.bincount(e.flatten() // (n // p), minlength=p), "correct", ""),                 # a tensor is fine
+    (lambda e, n, p: [np.int64(v) for v in splits_right(e, n, p)], "correct", ""),                           # numpy ints
+    (lambda e, n, p: np.array(splits_right(e, n, p)), "correct", ""),
     (not_implemented, "unanswered", ""),
 ])
 def test_check_split_sizes(answer, kind, hint):
-    verdict = sl.check_split_sizes(answer)
+    verdict = sl.check_split_sizes(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
 @pytest.mark.parametrize("answer, kind, hint", [
     (lambda e, n, c: int((torch.bincount(e.flatten(), minlength=n) - c).clamp(min=0).sum()), "correct", ""),
     (lambda e, n, c: int((torch.bincount(e.flatten(), minlength=n) - c).sum()), "not yet", "max(0"),      # partial
-    (lambda e, n, c: [0], "not yet", "as an int"),                                                          # malformed
+    (lambda e, n, c: [0], "not yet", "a whole number"),                                                     # malformed
+    (lambda e, n, c: "2", "not yet", "a whole number"),
+    (lambda e, n, c: np.int64((torch.bincount(e.flatten(), minlength=n) - c).clamp(min=0).sum()), "correct", ""),
+    (lambda e, n, c: (torch.bincount(e.flatten(), minlength=n) - c).clamp(min=0).sum(), "correct", ""),  # 0-d
     (..., "unanswered", ""),
 ])
 def test_check_dropped(answer, kind, hint):
-    verdict = sl.check_dropped(answer)
+    verdict = sl.check_dropped(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -124,7 +134,17 @@ def exchange_deadlocks(comm, x):
     return comm.recv(x.shape, x.dtype, left), x
 
 
-def exchange_swapped(comm, x):
+def exchange_blocking_swapped(comm, x):
+    from_left, from_right = exchange_right(comm, x)
+    return from_right, from_left
+
+
+def exchange_forever(comm, x):
+    while True:
+        comm.barrier()
+
+
+def exchange_non_blocking(comm, x):
     handles = comm.batch_isend_irecv([
         __import__("simcomm").P2POp("isend", x, (comm.rank + 1) % comm.world_size),
         __import__("simcomm").P2POp("isend", x, (comm.rank - 1) % comm.world_size),
@@ -138,13 +158,18 @@ def exchange_swapped(comm, x):
 @pytest.mark.parametrize("answer, kind, hint", [
     (exchange_right, "correct", ""),
     (exchange_deadlocks, "not yet", "deadlocks"),
-    (exchange_swapped, "not yet", "expected rank"),
+    (exchange_non_blocking, "not yet", "blocking send and recv only"),
+    (exchange_blocking_swapped, "not yet", "expected rank"),
+    (lambda comm, x: tuple(comm.all_gather(x[None], dim=0)[[(comm.rank - 1) % comm.world_size,
+                                                            (comm.rank + 1) % comm.world_size]]),
+     "not yet", "['all_gather']"),
+    (exchange_forever, "not yet", "still running after"),
     (lambda comm, x: x, "not yet", "return a pair"),
     (not_implemented, "unanswered", ""),
     (crashes, "not yet", "KeyError"),
 ])
 def test_check_neighbour_exchange(answer, kind, hint):
-    verdict = sl.check_neighbour_exchange(answer)
+    verdict = sl.check_neighbour_exchange(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -160,13 +185,15 @@ def layernorm_step(all_reduce: bool, factor: float = 1.0):
     (layernorm_step(True), "correct", ""),
     (layernorm_step(False), "not yet", "all-reduce it"),          # the bug of the lesson
     (layernorm_step(True, 4.0), "not yet", "4 times too large"),
+    (lambda comm, x, w, b, p: tuple(comm.all_reduce(g, __import__("simcomm").ReduceOp.AVG) for g in (   # lesson 06's AVG
+        (F.layer_norm(x, (6,), w, b) * p).sum().backward() or (w.grad, b.grad))), "not yet", "1/4 of the single"),
     (lambda comm, x, w, b, p: (lambda g: (comm.all_reduce(g[0]), g[1]))(                  # partial: bias not summed
         (F.layer_norm(x, (6,), w, b) * p).sum().backward() or (w.grad, b.grad)), "not yet", "bias gradient is only"),
     (lambda comm, x, w, b, p: w, "not yet", "return (weight_grad, bias_grad)"),
     (not_implemented, "unanswered", ""),
 ])
 def test_check_sp_layernorm(answer, kind, hint):
-    verdict = sl.check_sp_layernorm(answer)
+    verdict = sl.check_sp_layernorm(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -179,7 +206,7 @@ def test_check_sp_layernorm(answer, kind, hint):
     (..., "unanswered", ""),
 ])
 def test_check_mesh_coords(answer, kind, hint):
-    verdict = sl.check_mesh_coords(answer)
+    verdict = sl.check_mesh_coords(answer, show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -198,7 +225,7 @@ ROWS = [{"tp": 1, "dp": 8, "pp": 1, "peak_bytes": 900, "NVLink node": 1e-5},
     (..., "unanswered", ""),
 ])
 def test_check_layout_choice(answer, kind, hint):
-    verdict = sl.check_layout_choice(answer, ROWS, 700, "NVLink node")
+    verdict = sl.check_layout_choice(answer, ROWS, 700, "NVLink node", show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
@@ -239,3 +266,13 @@ def test_assert_replicated_names_the_ranks_that_differ_and_passes_replicas():
         simcomm.World(2).run(mismatch)
     summary = error_summary(info.value)
     assert summary.startswith("CollectiveMismatchError: ") and "/" not in summary and " of mismatch" in summary
+
+
+def test_the_first_answer_names_the_problem_and_the_fix_comes_on_request():
+    """Lesson 11's untouched buggy exercises: what is wrong first, the fix only when asked for."""
+    first = sl.check_neighbour_exchange(exchange_deadlocks)
+    assert "deadlocks" in first and "even ranks" not in first and "show_hint=True" in first, first
+    assert "even ranks" in sl.check_neighbour_exchange(exchange_deadlocks, show_hint=True)
+    first = sl.check_sp_layernorm(layernorm_step(False))
+    assert "only its own shard" in first and "all-reduce" not in first, first
+    assert "all-reduce it" in sl.check_sp_layernorm(layernorm_step(False), show_hint=True)

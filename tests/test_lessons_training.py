@@ -1,6 +1,10 @@
 """Checkers of lessons 06-08: right answers pass; wrong, partial and malformed ones get a hint, never a
 traceback. Plus the numbers lesson 07 shows: ZeRO memory and communication volume against the formulas."""
+from fractions import Fraction
+
+import numpy as np
 import pytest
+import torch
 
 import simcomm
 from simcomm import ReduceOp
@@ -53,37 +57,123 @@ def _placeholder(*args):
     raise NotImplementedError
 
 
+def _float32_cast(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad.float(), ReduceOp.AVG).double()
+
+
+def _max_all_reduce(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad, ReduceOp.MAX)
+
+
+def _rank0_only(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    if comm.rank == 0:
+        for p in model.parameters():
+            p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
+
+
+def _average_twice(comm, model, xs, ys):
+    (dp.sum_loss(model, xs, ys) / (xs.shape[0] * comm.world_size)).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
+
+
 @pytest.mark.parametrize("step, correct, fragment", [
     (_avg_step, True, "whole batch"),
     (_scaled_step, True, "whole batch"),
     (_forgets_to_average, False, "4 x the reference"),
+    (_average_twice, False, "1/4 x the reference"),
     (_weights_only, False, "parameters [1, 3, 5]"),
     (_no_communication, False, "different gradients"),
+    (_float32_cast, False, "lower precision"),
+    (_max_all_reduce, False, "combined their gradients"),
+    (_rank0_only, False, "rank 0 waits in all_reduce"),
     (lambda comm: None, False, "raised TypeError"),
     (42, False, "must be a function"),
 ])
 def test_check_dp_step(step, correct, fragment):
-    verdict = tl.check_dp_step(step)
+    verdict = tl.check_dp_step(step, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
 
 
+def test_the_untouched_buggy_step_gets_the_problem_first_and_the_fix_on_request():
+    first = tl.check_dp_step(_forgets_to_average)
+    assert "4 x the reference" in first and "Hint" not in first and "AVG" not in first, first
+    assert "show_hint=True" in first
+    second = tl.check_dp_step(_forgets_to_average, show_hint=True)
+    assert "Hint:" in second and "AVG" in second
+
+
+def _accumulate_right(comm, model, reducer, micro_batches, batch):
+    with reducer.no_sync():
+        for xm, ym in micro_batches[:-1]:
+            (dp.sum_loss(model, xm, ym) / batch).backward()
+    (dp.sum_loss(model, *micro_batches[-1]) / batch).backward()
+    reducer.finish()
+
+
+def _accumulate_without_no_sync(comm, model, reducer, micro_batches, batch):
+    for xm, ym in micro_batches:
+        (dp.sum_loss(model, xm, ym) / batch).backward()
+    reducer.finish()
+
+
+def _accumulate_everything_in_no_sync(comm, model, reducer, micro_batches, batch):
+    with reducer.no_sync():
+        for xm, ym in micro_batches:
+            (dp.sum_loss(model, xm, ym) / batch).backward()
+    reducer.finish()
+
+
+def _accumulate_mean_per_microbatch(comm, model, reducer, micro_batches, batch):
+    with reducer.no_sync():
+        for xm, ym in micro_batches[:-1]:
+            (dp.sum_loss(model, xm, ym) / xm.shape[0]).backward()
+    (dp.sum_loss(model, *micro_batches[-1]) / micro_batches[-1][0].shape[0]).backward()
+    reducer.finish()
+
+
+def _accumulate_then_all_reduce_by_hand(comm, model, reducer, micro_batches, batch):
+    with reducer.no_sync():
+        for xm, ym in micro_batches:
+            (dp.sum_loss(model, xm, ym) / batch).backward()
+    for p in model.parameters():
+        p.grad = comm.all_reduce(p.grad)
+
+
+def _sync_every_microbatch(comm, model, reducer, micro_batches, batch):
+    for xm, ym in micro_batches:
+        (dp.sum_loss(model, xm, ym) / batch).backward()
+        reducer.finish()
+
+
+@pytest.mark.parametrize("step, correct, fragment", [
+    (_accumulate_right, True, "3 all-reduces per step"),
+    (_accumulate_without_no_sync, False, "second backward synchronised"),
+    (_accumulate_everything_in_no_sync, False, "different gradients"),
+    (_accumulate_mean_per_microbatch, False, "16 x the reference"),
+    (_accumulate_then_all_reduce_by_hand, False, "issued 6 collectives"),
+    (_sync_every_microbatch, False, "issued 12 collectives"),
+    (lambda comm, model: None, False, "raised TypeError"),
+    ("step", False, "must be a function"),
+])
+def test_check_accumulation_step(step, correct, fragment):
+    verdict = tl.check_accumulation_step(step, show_hint=True)
+    _verdicts_ok(verdict, correct)
+    assert fragment in verdict, verdict
+
+
 def test_placeholders_say_not_answered():
-    for checker in (tl.check_dp_step, tl.check_zero2_grads, tl.check_1f1b):
+    for checker in (tl.check_dp_step, tl.check_accumulation_step, tl.check_zero2_grads, tl.check_1f1b):
         assert checker(...) == tl.NOT_ANSWERED
         assert checker(_placeholder) == tl.NOT_ANSWERED
-    for checker in (tl.check_accumulation_calls, tl.check_zero3_bytes, tl.check_bubble):
+    for checker in (tl.check_zero3_bytes, tl.check_bubble):
         assert checker(...) == tl.NOT_ANSWERED
-
-
-def test_check_accumulation_calls():
-    numels = [p.numel() for p in dp.make_model().parameters()]
-    buckets = len(dp.bucket_plan(numels, 8, tl.ACCUMULATION_EXERCISE["bucket_bytes"]))
-    _verdicts_ok(tl.check_accumulation_calls(buckets), True)
-    assert "once per step" in tl.check_accumulation_calls(buckets * tl.ACCUMULATION_EXERCISE["microbatches"])
-    assert "per parameter" in tl.check_accumulation_calls(len(numels))
-    for malformed in ("two", 2.5, None, [2], True):
-        _verdicts_ok(tl.check_accumulation_calls(malformed), False)
 
 
 # -- lesson 07 --------------------------------------------------------------------------------
@@ -100,9 +190,13 @@ RIGHT = {"parameters": 2 * PSI / N, "gradients": 2 * PSI / N, "optimizer_state":
     ({**RIGHT, "optimizer_state": "lots"}, False, "numbers of bytes"),
     (16 * PSI / N, False, "must be a dict"),
     ({**RIGHT, "optimizer_state": 1.0}, False, "off"),
+    ({k: np.float64(v) for k, v in RIGHT.items()}, True, "GB per rank"),        # numbers of any numeric type
+    ({k: torch.tensor(v, dtype=torch.float64) for k, v in RIGHT.items()}, True, "GB per rank"),
+    ({k: np.int64(round(v)) for k, v in RIGHT.items()}, True, "GB per rank"),
+    ({**RIGHT, "parameters": torch.ones(2)}, False, "numbers of bytes"),
 ])
 def test_check_zero3_bytes(answer, correct, fragment):
-    verdict = tl.check_zero3_bytes(answer)
+    verdict = tl.check_zero3_bytes(answer, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
 
@@ -119,6 +213,11 @@ def _local_chunk(comm, grad):
     return grad.chunk(comm.world_size)[comm.rank]
 
 
+def _reduce_then_scatter(comm, grad):
+    total = comm.reduce(grad, dst=0)
+    return comm.scatter(total if comm.rank == 0 else None, src=0, dim=0)
+
+
 def _whole(comm, grad):
     return comm.all_reduce(grad)
 
@@ -126,13 +225,14 @@ def _whole(comm, grad):
 @pytest.mark.parametrize("fn, correct, fragment", [
     (_rs, True, "reduce-scatter"),
     (_ar_then_slice, False, "twice the data"),
+    (_reduce_then_scatter, False, "where a reduce-scatter sends"),      # rank 0 sends little, the others more
     (_local_chunk, False, "not summed"),
     (_whole, False, "shapes"),
     (lambda comm, grad: "shard", False, "not a tensor"),
     ("reduce_scatter", False, "must be a function"),
 ])
 def test_check_zero2_grads(fn, correct, fragment):
-    verdict = tl.check_zero2_grads(fn)
+    verdict = tl.check_zero2_grads(fn, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
 
@@ -159,9 +259,13 @@ def test_communication_volume_per_stage(stage):
     (100 * 7 / 39, False, "percentage"),
     (0.5, False, "not it"),
     (None, False, "not a number"),
+    (np.float64(7 / 39), True, "7/39"),
+    (torch.tensor(7 / 39), True, "7/39"),
+    (Fraction(7, 39), True, "7/39"),
+    (torch.tensor([7 / 39, 0.1]), False, "not a number"),
 ])
 def test_check_bubble(answer, correct, fragment):
-    verdict = tl.check_bubble(answer)
+    verdict = tl.check_bubble(answer, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
 
@@ -176,10 +280,18 @@ def _named(name):
     (_named("naive"), False, "time units"),
     (lambda s, p, m: [("B", i) for i in range(m)] + [("F", i) for i in range(m)], False, "before"),
     (lambda s, p, m: [("F", i) for i in range(m)], False, "exactly once"),
-    (lambda s, p, m: "F0 B0", False, "pair"),
+    (lambda s, p, m: "F0 B0", False, "is a pair"),
+    (lambda s, p, m: ["F0", "B0"], False, "'F0' is not ('F', i)"),                      # format errors get the
+    (lambda s, p, m: [("f", i) for i in range(m)], False, "('f', 0) is not ('F', i)"),    # format, not the algorithm
+    (lambda s, p, m: [("F", i) for i in range(m + 1)], False, "from 0 to"),
     (lambda s, p: [], False, "raised TypeError"),
 ])
 def test_check_1f1b(fn, correct, fragment):
-    verdict = tl.check_1f1b(fn)
+    verdict = tl.check_1f1b(fn, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
+
+
+def test_a_format_error_gets_the_format_not_the_algorithm():
+    verdict = tl.check_1f1b(lambda s, p, m: ["F0"], show_hint=True)
+    assert "('F', 3)" in verdict and "warm up" not in verdict, verdict

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from simcomm import handout
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
@@ -78,19 +80,32 @@ def test_lesson_has_goal_exercise_solution_takeaway_and_short_cells(notebook: Pa
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
-def test_solutions_are_hidden_behind_a_harmless_first_line_and_test_no_checker(notebook: Path):
-    """JupyterLab shows a collapsed cell's first line: it must not give the answer away."""
+def test_solutions_do_not_run_on_run_all_and_open_on_request(notebook: Path):
+    """A solution is a Markdown cell: one collapsed ``<details>`` block around one ``python`` block whose
+    first line gives nothing away. Run All executes no solution (no code cell is tagged ``solution``);
+    the nbval runs below turn each one into code (``handout.solutions_as_code``) and check it says
+    Correct, on both backends."""
     cells = json.loads(notebook.read_text())["cells"]
-    solutions = [cell for cell in cells if "solution" in cell["metadata"].get("tags", [])]
-    if not solutions:   # solutions kept in collapsed Markdown <details> blocks, which never run
-        assert any(cell["cell_type"] == "markdown" and "<details>" in "".join(cell["source"]) for cell in cells)
-        return
+    solutions = [cell for cell in cells if handout.is_solution(cell)]
+    assert solutions
     for cell in solutions:
         source = "".join(cell["source"])
-        assert cell["metadata"].get("jupyter", {}).get("source_hidden") is True
-        assert source.splitlines()[0].startswith("# Solution"), source.splitlines()[0]
-        assert "expect_error" not in source, "tests of the checkers belong in tests/test_lessons_foundations.py"
+        assert cell["cell_type"] == "markdown", "Run All would execute a solution in a code cell"
+        assert source.startswith("<details><summary>") and source.rstrip().endswith("</details>"), source[:80]
+        code = handout.solution_code(cell)
+        assert code.splitlines()[0].startswith("# Solution"), code.splitlines()[0]
+        assert "Correct" not in source.split("```python")[0], "the summary line gives the answer away"
+        assert "expect_error" not in code, "tests of the checkers belong in tests/test_lessons_*.py"
         assert cell["metadata"].get("expect", [""])[-1].startswith("Correct"), "a solution's check says Correct"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_exercise_cells_print_no_hint_before_it_is_asked_for(notebook: Path):
+    """What Run All prints under an exercise is the checker's first answer: the problem, never the fix."""
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if cell["cell_type"] == "code" and not handout.is_solution(cell):
+            assert "show_hint=True" not in "".join(cell["source"]), "a cell asks for the hint on Run All"
+            assert not any("Hint:" in line for line in cell["metadata"].get("expect", []))
 
 
 SOURCES = NOTEBOOK_DIR / "sources"
@@ -122,8 +137,10 @@ def expected_outputs(notebook: Path) -> dict[int, str]:
 
 
 def with_expected_outputs(notebook: Path, folder: Path) -> tuple[Path, int]:
-    """Copy ``notebook`` into ``folder`` with its checked cells' expected text as stored output."""
+    """Copy ``notebook`` into ``folder``, its solutions turned into code cells where they stand, with its
+    checked cells' expected text as stored output."""
     nb = json.loads(notebook.read_text())
+    nb["cells"] = handout.solutions_as_code(nb["cells"])
     expected = expected_outputs(notebook)
     for index, cell in enumerate(nb["cells"]):
         if index in expected:

@@ -68,6 +68,35 @@ def test_bucketed_reducer_averages_and_issues_one_async_call_per_bucket(batch, b
     assert all(e.async_op for e in calls)
 
 
+@pytest.mark.parametrize("world_size, microbatches, bucket_bytes", [(1, 4, 600), (2, 4, 600), (4, 2, 0),
+                                                                    (4, 4, 1)])
+def test_no_sync_accumulates_the_whole_batch_gradient_and_communicates_once(batch, world_size, microbatches,
+                                                                            bucket_bytes):
+    x, y = batch
+    ref = dp.reference_grads(x, y, SMALL)
+    world = simcomm.World(world_size)
+    for grads in world.run(dp.accumulated_bucketed_grads, x, y, microbatches, bucket_bytes, SMALL):
+        assert _max_error(grads, ref) < 1e-12
+    numels = [p.numel() for p in dp.make_model(SMALL).parameters()]
+    calls = [e for e in world.trace.events if e.rank == 0 and e.op == "all_reduce"]
+    assert len(calls) == len(dp.bucket_plan(numels, 8, bucket_bytes))
+    assert {e.phase for e in calls} == {"backward"}
+
+
+def _accumulate_without_no_sync(comm, x, y):
+    model = dp.make_model(SMALL)
+    reducer = dp.BucketedReducer(comm, model, 600)
+    xs, ys = dp.rows(comm, x, y)
+    for xm, ym in zip(xs.chunk(2), ys.chunk(2)):
+        (dp.sum_loss(model, xm, ym) / x.shape[0]).backward()
+    reducer.finish()
+
+
+def test_a_second_synchronising_backward_before_finish_is_an_error(batch):
+    with pytest.raises(simcomm.RankError, match="no_sync"):
+        simcomm.World(2).run(_accumulate_without_no_sync, *batch)
+
+
 def test_buckets_hide_communication_behind_backward():
     """One bucket waits for the whole backward: all of it exposed. Buckets overlap: less exposed."""
     x, y = dp.make_data(16)

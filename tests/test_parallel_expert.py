@@ -113,3 +113,21 @@ def test_wrong_router_size_and_indivisible_experts_are_named_errors():
         shard_experts(params, 0, 2)
     with pytest.raises(ValueError, match="top_k=4"):
         moe(torch.zeros(2, 4, dtype=torch.float64), params, 4)
+
+
+def test_load_balancing_loss_is_one_when_uniform_and_e_when_collapsed():
+    from simcomm.parallel.expert import load_balancing_loss
+
+    x = torch.randn(12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    uniform = load_balancing_loss(x, torch.zeros(8, 4, dtype=torch.float64), torch.zeros(8, dtype=torch.float64), 2)
+    assert uniform.item() == pytest.approx(1.0, abs=1e-12)
+    bias = torch.zeros(8, dtype=torch.float64).index_fill(0, torch.tensor([0]), 60.0)
+    collapsed = load_balancing_loss(x, torch.zeros(8, 4, dtype=torch.float64), bias, 1)
+    assert collapsed.item() == pytest.approx(8.0, rel=1e-12)
+    router = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    loss = load_balancing_loss(x, router, torch.zeros(8, dtype=torch.float64), 2)
+    probs = torch.softmax(x @ router.T, dim=-1)                       # the formula written out, float64
+    counts = torch.bincount(probs.topk(2, dim=-1).indices.flatten(), minlength=8).double()
+    assert loss.item() == pytest.approx((8 * (counts / 24) * probs.mean(0)).sum().item(), rel=1e-12)
+    loss.backward()
+    assert router.grad is not None and router.grad.abs().sum() > 0

@@ -111,3 +111,58 @@ def test_bad_arguments_are_named():
     assert "batch_size=8" in str(info.value.__cause__) and "world size 3" in str(info.value.__cause__)
     with pytest.raises(ValueError, match="stage=5"):
         zero.step_stage(5)
+
+
+VARIANTS = [(stage, variant) for stage in (2, 3) for variant in zero.VARIANTS[stage][1:]]
+
+
+@pytest.mark.parametrize("stage, variant", VARIANTS)
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_each_variant_equals_single_device_adam(stage, variant, world_size):
+    outs = simcomm.World(world_size).run(zero.train, stage, MLP, steps=2, batch_size=BATCH, lr=LR, variant=variant)
+    for layer, (g, w) in enumerate(zip(assemble(stage, outs, MLP), reference(MLP, 2))):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"stage {stage} {variant}, world {world_size}, layer {layer}: {m}")
+
+
+def _ops(stage, variant):
+    world = simcomm.World(2)
+    world.run(zero.train, stage, MLP, steps=1, batch_size=BATCH, variant=variant)
+    return [(e.op, e.phase) for e in world.trace.events if e.rank == 0 and e.op != "compute"]
+
+
+def test_zero2_in_backward_reduce_scatters_each_layer_during_backward():
+    ops = _ops(2, "in_backward")
+    layers = len(MLP.layer_numels)
+    assert ops[:layers] == [("reduce_scatter", "backward")] * layers       # before any update's all-gather
+    assert ops[layers:] == [("all_gather", "forward")] * layers
+
+
+def test_fsdp_regathers_in_backward_and_keeps_activations_instead_of_recomputing():
+    layers = len(MLP.layer_numels)
+    fsdp_ops = _ops(3, "fsdp")
+    assert fsdp_ops[:layers] == [("all_gather", "forward")] * layers
+    backward = fsdp_ops[layers:]
+    assert {op for op in backward} == {("all_gather", "backward"), ("reduce_scatter", "backward")}
+    # every layer but the first is re-gathered (the first layer's weight is not needed: its input needs
+    # no gradient); the checkpointing way re-runs every layer's forward, gathering each one again
+    assert backward.count(("all_gather", "backward")) == layers - 1
+    assert _ops(3, "checkpoint").count(("all_gather", "forward")) == 2 * layers
+
+
+def test_zero2_in_backward_never_holds_the_whole_gradient():
+    deep = zero.MLP((16,) + (64,) * 8 + (8,))
+    peaks = {}
+    for variant in zero.VARIANTS[2]:
+        world = simcomm.World(4, memory=True)
+        world.run(zero.train, 2, deep, steps=1, batch_size=8, variant=variant)
+        peaks[variant] = world.memory.at("peak")[0]
+    full_gradient = deep.numel * 4
+    assert peaks["after_backward"]["gradients"] >= full_gradient
+    assert peaks["in_backward"].bytes.get("gradients", 0) < full_gradient / 2
+    assert peaks["in_backward"].total < 0.85 * peaks["after_backward"].total
+
+
+def test_an_unknown_variant_is_named():
+    with pytest.raises(ValueError, match="variant='fsdp' for stage 2"):
+        zero.step_stage(2, "fsdp")

@@ -32,6 +32,8 @@ def test_bundle_holds_the_plotly_mimetype_and_html_without_the_library():
     html = bundle["text/html"]
     assert "Plotly.newPlot(" in html and json.dumps([[1, 2], [3, 4]]).replace(" ", "") in html.replace(" ", "")
     assert "plotly.js v" not in html and "<script src=" not in html    # no library, no CDN, no MathJax
+    # a figure wider than the page scrolls inside its box (checked in Chromium at 1024 px in test_handout)
+    assert html.startswith(f'<div class="{render.SCROLL_CLASS}" style="max-width:100%;overflow-x:auto">')
 
 
 def test_not_in_a_kernel_here():

@@ -169,3 +169,11 @@ def test_errors():
         timeline_figure(simcomm.Trace())
     with pytest.raises(ValueError, match="timeline_figure: trace must be a simcomm.Trace, got list"):
         timeline_figure([])
+
+
+def test_durations_are_written_without_scientific_notation():
+    from simcomm.viz.timeline import _plain
+
+    assert _plain(9.06e-07) == "0" and _plain(0.0) == "0"
+    assert _plain(17.94) == "17.9" and _plain(0.0123) == "0.0123" and _plain(12345.6) == "12,346"
+    assert all("e" not in _plain(v) for v in (1e-9, 3e-3, 0.5, 999.9, 1e6))

@@ -183,15 +183,18 @@ def count_ranks(comm):
 print(lessons.check_count_ranks(count_ranks))
 
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: right on 1, 2, 3, 5 ranks."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-def count_ranks_solution(comm):
-    return comm.all_reduce(torch.ones(1, device=comm.device)).item()     # every rank adds 1
-
-print(lessons.check_count_ranks(count_ranks_solution))
+# %% [markdown] expect=["Correct: right on 1, 2, 3, 5 ranks."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# def count_ranks_solution(comm):
+#     return comm.all_reduce(torch.ones(1, device=comm.device)).item()     # every rank adds 1
+#
+# print(lessons.check_count_ranks(count_ranks_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: which programs deadlock?
@@ -227,15 +230,18 @@ def program_c(comm):
 my_deadlocks = ...
 print(lessons.check_deadlocks(my_deadlocks, {"A": program_a, "B": program_b, "C": program_c}))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: B deadlock(s) on 4 ranks."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-# A: even ranks send first and odd ranks receive first, so every send meets a waiting recv.
-# B: rank 0 waits in a barrier that ranks 1-3 never reach.
-# C: only ranks 0 and 1 talk, and rank 1 does receive.
-print(lessons.check_deadlocks({"B"}, {"A": program_a, "B": program_b, "C": program_c}))
+# %% [markdown] expect=["Correct: B deadlock(s) on 4 ranks."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# # A: even ranks send first and odd ranks receive first, so every send meets a waiting recv.
+# # B: rank 0 waits in a barrier that ranks 1-3 never reach.
+# # C: only ranks 0 and 1 talk, and rank 1 does receive.
+# print(lessons.check_deadlocks({"B"}, {"A": program_a, "B": program_b, "C": program_c}))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

@@ -188,14 +188,17 @@ my_shapes = {"all_reduce": ..., "all_gather": ..., "reduce_scatter": ...,
              "all_to_all": ..., "gather": ...}
 print(lessons.check_shapes(my_shapes, world_size=4, shape=(4, 8), args=calls))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: all 5 shapes."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-solution = {"all_reduce": (4, 8), "all_gather": (16, 8), "reduce_scatter": (4, 2),
-            "all_to_all": (16, 2), "gather": None}
-print(lessons.check_shapes(solution, world_size=4, shape=(4, 8), args=calls))
+# %% [markdown] expect=["Correct: all 5 shapes."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# solution = {"all_reduce": (4, 8), "all_gather": (16, 8), "reduce_scatter": (4, 2),
+#             "all_to_all": (16, 2), "gather": None}
+# print(lessons.check_shapes(solution, world_size=4, shape=(4, 8), args=calls))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: predict the values
@@ -215,18 +218,21 @@ print(lessons.check_prediction(my_all_reduce_min_rank_1,
                                world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
                                "all_reduce(op=MIN) on rank 1", hint="compare the ranks element by element"))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: reduce_scatter(op=MAX) on rank 3 is [33].", "Correct: all_reduce(op=MIN) on rank 1 is [0, 1, 2, 3]."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-# chunk 3 of the element-wise maximum: element 3, largest on the last rank
-print(lessons.check_prediction([10 * (world_size - 1) + 3],
-                               world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
-                               "reduce_scatter(op=MAX) on rank 3"))
-# the element-wise minimum is rank 0's tensor, on every rank
-print(lessons.check_prediction([0, 1, 2, 3], world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
-                               "all_reduce(op=MIN) on rank 1"))
+# %% [markdown] expect=["Correct: reduce_scatter(op=MAX) on rank 3 is [33].", "Correct: all_reduce(op=MIN) on rank 1 is [0, 1, 2, 3]."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# # chunk 3 of the element-wise maximum: element 3, largest on the last rank
+# print(lessons.check_prediction([10 * (world_size - 1) + 3],
+#                                world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
+#                                "reduce_scatter(op=MAX) on rank 3"))
+# # the element-wise minimum is rank 0's tensor, on every rank
+# print(lessons.check_prediction([0, 1, 2, 3], world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
+#                                "all_reduce(op=MIN) on rank 1"))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

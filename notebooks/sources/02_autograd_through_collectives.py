@@ -297,16 +297,18 @@ def my_all_gather_backward(comm, grad_out, dim):
 
 print(lessons.check_all_gather_backward(my_all_gather_backward))
 
-
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: your backward equals autograd's on every rank, for dim in (0, 1)."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of the exercise.
-def all_gather_backward(comm, grad_out, dim):
-    return comm.reduce_scatter(grad_out, dim=dim)   # sum over ranks, keep my chunk
-
-print(lessons.check_all_gather_backward(all_gather_backward))
+# %% [markdown] expect=["Correct: your backward equals autograd's on every rank, for dim in (0, 1)."] tags=["solution"]
+# <details><summary>Solution of the exercise (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of the exercise.
+# def all_gather_backward(comm, grad_out, dim):
+#     return comm.reduce_scatter(grad_out, dim=dim)   # sum over ranks, keep my chunk
+#
+# print(lessons.check_all_gather_backward(all_gather_backward))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

@@ -288,21 +288,24 @@ def my_ring_all_gather(comm, x):
 
 print(lessons.check_ring_all_gather(my_ring_all_gather))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: a ring all-gather on 2, 3, 4, 5 ranks, neighbours only."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of the exercise.
-def ring_all_gather_solution(comm, x):
-    n, rank = comm.world_size, comm.rank
-    shards = [None] * n
-    shards[rank] = x.clone()
-    for step in range(n - 1):
-        # pass on the shard received in the previous step (first: my own); receive my predecessor's
-        shards[(rank - 1 - step) % n] = lessons.ring_exchange(comm, shards[(rank - step) % n])
-    return torch.cat(shards)
-
-print(lessons.check_ring_all_gather(ring_all_gather_solution))
+# %% [markdown] expect=["Correct: a ring all-gather on 2, 3, 4, 5 ranks, neighbours only."] tags=["solution"]
+# <details><summary>Solution of the exercise (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of the exercise.
+# def ring_all_gather_solution(comm, x):
+#     n, rank = comm.world_size, comm.rank
+#     shards = [None] * n
+#     shards[rank] = x.clone()
+#     for step in range(n - 1):
+#         # pass on the shard received in the previous step (first: my own); receive my predecessor's
+#         shards[(rank - 1 - step) % n] = lessons.ring_exchange(comm, shards[(rank - step) % n])
+#     return torch.cat(shards)
+#
+# print(lessons.check_ring_all_gather(ring_all_gather_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

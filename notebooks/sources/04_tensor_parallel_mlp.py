@@ -213,20 +213,22 @@ def my_tp_mlp(comm, x, shards):
 
 print(lessons.check_tp_mlp(my_tp_mlp))
 
-
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: output and every gradient equal the single-device MLP on every rank."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of the exercise.
-# Bug 1: b2 is added on every rank before the sum, so the output holds world_size x b2.
-# Bug 2: no f (copy_to_group) where x enters, so each rank's x.grad misses the other shards' part.
-def tp_mlp_solution(comm, x, shards):
-    x = comm.copy_to_group(x)                                            # f
-    h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
-    return comm.reduce_from_group(h @ shards["w2"].T) + shards["b2"]     # g, then the bias once
-
-print(lessons.check_tp_mlp(tp_mlp_solution))
+# %% [markdown] expect=["Correct: output and every gradient equal the single-device MLP on every rank."] tags=["solution"]
+# <details><summary>Solution of the exercise (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of the exercise.
+# # Bug 1: b2 is added on every rank before the sum, so the output holds world_size x b2.
+# # Bug 2: no f (copy_to_group) where x enters, so each rank's x.grad misses the other shards' part.
+# def tp_mlp_solution(comm, x, shards):
+#     x = comm.copy_to_group(x)                                            # f
+#     h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
+#     return comm.reduce_from_group(h @ shards["w2"].T) + shards["b2"]     # g, then the bias once
+#
+# print(lessons.check_tp_mlp(tp_mlp_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

@@ -183,18 +183,20 @@ def gqa_bytes(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):
 
 print(lessons.check_ulysses_gqa_bytes(gqa_bytes))
 
-
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: bytes per rank for 4 shapes and world sizes."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of the exercise.
-def gqa_bytes_solution(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):
-    per_head = batch * (seq // world_size) * head_dim * itemsize     # one head of a (b, s/P, h, d) shard
-    heads_moved = 2 * q_heads + 2 * kv_heads                          # q and the output; k and v
-    return heads_moved * per_head * (world_size - 1) / world_size     # each all-to-all keeps 1/P
-
-print(lessons.check_ulysses_gqa_bytes(gqa_bytes_solution))
+# %% [markdown] expect=["Correct: bytes per rank for 4 shapes and world sizes."] tags=["solution"]
+# <details><summary>Solution of the exercise (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of the exercise.
+# def gqa_bytes_solution(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):
+#     per_head = batch * (seq // world_size) * head_dim * itemsize     # one head of a (b, s/P, h, d) shard
+#     heads_moved = 2 * q_heads + 2 * kv_heads                          # q and the output; k and v
+#     return heads_moved * per_head * (world_size - 1) / world_size     # each all-to-all keeps 1/P
+#
+# print(lessons.check_ulysses_gqa_bytes(gqa_bytes_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway
@@ -205,7 +207,8 @@ print(lessons.check_ulysses_gqa_bytes(gqa_bytes_solution))
 #   outputs and gradients, causal or not.
 # * The number of heads must be divisible by the world size; the communicator says so instead of
 #   hanging.
-# * Per rank, Ulysses sends `4 (P-1)/P` shards forward, independent of `P`; gathering K and V
+# * Per rank, Ulysses sends `4 (P-1)/P` shards forward: fewer than 4 at any `P`, almost independent
+#   of it; gathering K and V
 #   sends `2 (P-1)` shards, `P/2` times more. With GQA, `k` and `v` are smaller and so is their
 #   share: `(2 q_heads + 2 kv_heads) / (4 q_heads)` of the MHA bytes.
 

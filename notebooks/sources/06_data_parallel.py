@@ -69,8 +69,10 @@ print("one rank alone is off by more than 1e-3")
 # losses**. Make each rank's loss `sum over my rows / 16` (its mean divided by `P`): the 4 losses
 # then *add up* to the whole batch's mean, and a plain SUM all-reduce gives the right gradient
 # (`mode="scaled"`). Mixing the conventions, mean loss *and* SUM, adds 4 means: every gradient
-# comes out `P = 4` times too big (`mode="sum"`). It trains, just with a 4x learning rate:
-# a silent bug that only the comparison with one device catches.
+# comes out `P = 4` times too big (`mode="sum"`). It trains: with SGD it is a 4x learning rate;
+# with Adam, which divides by a running estimate of the gradient's size, a uniform factor nearly
+# cancels, and the bug shows up instead in gradient clipping (the threshold now cuts 4x sooner) and in
+# logged gradient norms. Either way it is silent: only the comparison with one device catches it.
 
 # %% expect=["loss / P with SUM: matches the reference", "mean loss with SUM = 4 x reference: matches the reference"]
 scaled = world.run(dp.dp_grads, x, y, "scaled")
@@ -84,8 +86,9 @@ assert max_error(summed, [reference] * world_size) > 1e-2, "the wrong factor of 
 #
 # When 4 rows do not fit in memory, each rank runs its rows as 4 microbatches of 1 row, calling
 # `backward()` after each: autograd *adds* into `.grad`, so after the last microbatch `.grad`
-# holds the gradient of the rank's whole share, with no communication in between (DDP's
-# `no_sync()`). Only then is each gradient all-reduced, once per step, not once per microbatch:
+# holds the gradient of the rank's whole share, with no communication in between. Only then is each
+# gradient all-reduced, once per step, not once per microbatch (exercise 2 does the same with the
+# buckets of section 4, the way DDP's `no_sync()` does):
 
 # %% expect=["accumulated over 4 microbatches: matches the reference", "10 all-reduces per rank for the step (one per parameter tensor, not 4 x 10)"]
 accumulated = world.run(dp.accumulation_grads, x, y, 4)
@@ -162,11 +165,20 @@ ddp_calls = [(e.op, e.phase, e.nbytes) for e in ddp_trace.events if e.rank == 0]
 print("DDP's calls on rank 0:", ddp_calls or "not traced (real processes: DDP talks to gloo directly)")
 
 # %% [markdown]
-# DDP broadcasts rank 0's parameters once when it wraps the model (so the replicas start equal),
-# then all-reduces its buckets during backward. Its first backward uses one bucket for a model
-# this small, like our `"one bucket"`. Side by side, measured timelines of the two programs (on
-# the simulator; DDP's calls are not in the trace on real processes): first the hand-written
-# buckets, then DDP.
+# When it wraps the model, DDP first checks that every replica has the same parameters: the
+# 8-byte `all_gather` (each rank's parameter count) and the 240-byte `broadcast` (rank 0's shapes)
+# that open its trace. Then it broadcasts rank 0's parameters (so the replicas start equal), and
+# all-reduces its buckets during backward. Its **first** backward uses one bucket whatever the
+# model's size (it does not know yet in which order backward produces the gradients); from the
+# second iteration on, it rebuilds the buckets of `bucket_cap_mb` (25 MiB) in the order it saw.
+# One iteration here, so one bucket, like our `"one bucket"`.
+#
+# Side by side, **measured** timelines of the two programs (on the simulator; DDP's calls are not in
+# the trace on real processes): first the hand-written buckets, then DDP. On virtual ranks a measured
+# bar is the wall-clock time a rank's thread spent inside the call, and the ranks take turns on the
+# CPU: rank 0's all-reduce lasts until the last rank arrives, rank 3's is short because it arrives
+# last. These bars show turn-taking in one process, not a network; how long the communication would
+# take on hardware is what the modelled timelines above show.
 
 # %% tags=["nbval-ignore-output"]
 world.run(dp.bucketed_grads, x, y, 1 << 20)
@@ -195,39 +207,69 @@ def my_dp_step(comm, model, xs, ys):
 
 print(tl.check_dp_step(my_dp_step))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: every rank holds the whole batch's gradient (6 collectives per rank)."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-# The loss is each rank's mean, and SUM adds 4 means: 4 x the gradient. Average instead
-# (or divide the loss by comm.world_size and keep SUM).
-def dp_step_solution(comm, model, xs, ys):
-    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
-    for p in model.parameters():
-        p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
-
-print(tl.check_dp_step(dp_step_solution))
-
-# %% [markdown]
-# ## Exercise 2: predict the calls
+# %% [markdown] expect=["Correct: every rank holds the whole batch's gradient (6 collectives per rank)."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
 #
-# Training the lesson's model (`numels` above, float64: 8 bytes per value) with `BucketedReducer`
-# and **1 MiB** buckets, each rank accumulates gradients over **4 microbatches** per optimizer
-# step. How many all-reduce calls does one rank issue per optimizer step? Work it out with pen and
-# paper (or `dp.bucket_plan`), then check.
+# ```python
+# # Solution of exercise 1.
+# # The loss is each rank's mean, and SUM adds 4 means: 4 x the gradient. Average instead
+# # (or divide the loss by comm.world_size and keep SUM).
+# def dp_step_solution(comm, model, xs, ys):
+#     (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+#     for p in model.parameters():
+#         p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
+#
+# print(tl.check_dp_step(dp_step_solution))
+# ```
+#
+# </details>
+
+# %% [markdown]
+# ## Exercise 2: accumulate with buckets (transfer)
+#
+# Section 3 accumulated without buckets; section 4 bucketed without accumulating. Put them
+# together, as DDP's `no_sync()` does. Write `my_accumulation_step(comm, model, reducer,
+# micro_batches, batch)`: `reducer` is a `dp.BucketedReducer` already hooked onto `model`,
+# `micro_batches` this rank's list of `(x, y)` pairs (4 of them), `batch` the whole batch's rows over
+# every rank. Each micro-batch's loss is `dp.sum_loss(model, x, y) / batch`. After your step, every
+# `p.grad` must hold the gradient of the whole batch's mean loss, and each bucket must have been
+# all-reduced **once** for the step, not once per micro-batch. Read `dp.BucketedReducer??` first:
+# `with reducer.no_sync():` makes a backward only accumulate, and `reducer.finish()` waits for the
+# buckets and writes them back. Below, the naive loop the reducer refuses.
+
+# %%
+def naive_accumulation_step(comm, model, reducer, micro_batches, batch):
+    for x_micro, y_micro in micro_batches:
+        (dp.sum_loss(model, x_micro, y_micro) / batch).backward()
+    reducer.finish()
+
+print(tl.check_accumulation_step(naive_accumulation_step))
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
-calls_per_step = ...   # a whole number
+def my_accumulation_step(comm, model, reducer, micro_batches, batch):
+    raise NotImplementedError   # your step
 
-print(tl.check_accumulation_calls(calls_per_step))
+print(tl.check_accumulation_step(my_accumulation_step))
 
-# %% expect=["Correct: 2 buckets, each all-reduced once per step, whatever the microbatches."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-# Backward order: 8 + 2048 + 256 + 65536 + 256 + 65536 values = 1 069 056 bytes >= 1 MiB closes
-# bucket 1; the rest (256 + 65536 + 256 + 8192 values) is bucket 2. Accumulation adds up the
-# microbatches' gradients locally and all-reduces each bucket once, at the end of the step.
-print(tl.check_accumulation_calls(len(dp.bucket_plan(numels, 8, 1 << 20))))
+# %% [markdown] expect=["Correct: the whole batch's gradient on every rank, with 3 all-reduces per step (one per bucket), whatever the 4 micro-batches."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# # Every backward but the last only adds into .grad; the last one, outside no_sync(), fires the
+# # bucket all-reduces of the accumulated gradients; finish() waits and writes them back.
+# def accumulation_step_solution(comm, model, reducer, micro_batches, batch):
+#     with reducer.no_sync():
+#         for x_micro, y_micro in micro_batches[:-1]:
+#             (dp.sum_loss(model, x_micro, y_micro) / batch).backward()
+#     x_micro, y_micro = micro_batches[-1]
+#     (dp.sum_loss(model, x_micro, y_micro) / batch).backward()
+#     reducer.finish()
+#
+# print(tl.check_accumulation_step(accumulation_step_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway
@@ -235,9 +277,11 @@ print(tl.check_accumulation_calls(len(dp.bucket_plan(numels, 8, 1 << 20))))
 # * Data parallelism: the same model on every rank, `1/P` of the batch each, and one all-reduce
 #   of the gradients. AVG of per-rank mean losses, or SUM of losses divided by `P`: the two
 #   conventions agree; mixing them scales the gradient by `P`, silently.
-# * Gradient accumulation communicates once per optimizer step, not once per microbatch.
+# * Gradient accumulation communicates once per optimizer step, not once per microbatch: with
+#   buckets, every backward but the last runs under `no_sync()`.
 # * Buckets issued from gradient hooks overlap the all-reduce with the rest of backward. Too big
-#   and nothing overlaps; too small and latency dominates. DDP is exactly this, with the same
+#   and nothing overlaps; too small and latency dominates. DDP does this (plus a parameter check and
+#   broadcast when it wraps the model, and buckets rebuilt after the first iteration), with the same
 #   gradients as one device.
 
 # %%

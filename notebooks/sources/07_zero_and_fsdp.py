@@ -65,9 +65,14 @@ viz.memory_figure(world.memory, "after step 2", title="Plain data parallelism: e
 # * **ZeRO-1**: each rank updates only its `1/P` shard of the parameters, so Adam's moments exist
 #   for that shard only. Gradients: a **reduce-scatter** gives each rank the summed gradient of
 #   its shard; an **all-gather** of the updated shards gives every rank the whole model again.
-# * **ZeRO-2**: the same, and the full gradient is freed as soon as its shard is reduced.
-# * **ZeRO-3** (= FSDP): parameters are stored as shards too; each layer is **all-gathered just
-#   before it runs and freed after**, in forward and again in backward.
+# * **ZeRO-2**: the same, and the full gradient is freed as soon as its shard is reduced (here,
+#   after the whole backward; section 8 reduces each layer during backward, as DeepSpeed does).
+# * **ZeRO-3**: parameters are stored as shards too; each layer is **all-gathered just before it
+#   runs and freed after**, in forward and again in backward. The version here gets the second
+#   gather by *recomputing* each layer's forward in backward (`torch.utils.checkpoint`): it keeps no
+#   activations inside a layer and pays a second forward. FSDP (PyTorch's ZeRO-3) instead keeps the
+#   activations and re-gathers only the parameters, in a hook just before each layer's backward;
+#   section 8 builds that way too and compares the two.
 #
 # Every stage must take the same step as single-device Adam:
 
@@ -90,6 +95,13 @@ for stage in (1, 2, 3):
 
 # %% tags=["nbval-ignore-output"]
 viz.memory_figure(reports, "after step 2", title="Bytes per rank after step 2, by stage")
+
+# %% [markdown]
+# The bars are the **steady state** after each step, what the paper's table describes. The markers
+# are each rank's **peak** over the whole run, and there ZeRO-2 is only 4% below ZeRO-1: this ZeRO-2
+# reduce-scatters after the whole backward, so at its peak every full gradient exists, as in ZeRO-1.
+# Freeing the full gradient pays off at the peak only if each layer's gradient is reduced while
+# backward still runs (section 8).
 
 # %% expect=["every stage: measured bytes = the formula (within 1%)"]
 rows = []
@@ -120,9 +132,10 @@ print(", ".join(f"{name}: {sent / unit:.1f} psi" for name, sent in volume.items(
 # %% [markdown]
 # ## 5. The punchline: all-gather forward, reduce-scatter backward
 #
-# Lesson 2 showed that the backward of an all-gather is a reduce-scatter. ZeRO-3 never calls a
-# reduce-scatter for its gradients: it all-gathers each layer in forward, and autograd runs the
-# dual collective in backward, leaving each rank exactly the summed gradient of its shard.
+# Lesson 2 showed that the backward of an all-gather is a reduce-scatter. ZeRO-3's code never
+# calls a reduce-scatter itself: it all-gathers each layer in forward, and autograd runs the dual
+# collective in backward (a reduce-scatter of every layer's gradient, in the trace below), leaving
+# each rank exactly the summed gradient of its shard.
 
 # %% expect=["ZeRO-3, first step on rank 0: 3 all_gather forward, 3 all_gather (again, in backward), 3 reduce_scatter backward"]
 first = [e for e in zero3_trace.events if e.rank == 0][:9]
@@ -151,8 +164,8 @@ check = assert_close(outs, [fsdp.reference_forward(x, mlp)] * world_size, "outpu
 print("prefetching hides all but the first gather;", check)
 
 # %% tags=["nbval-ignore-output"]
-display(timelines[False])
-timelines[True]
+display(timelines[False].update_layout(title="ZeRO-3 forward, gathering each layer just in time (no prefetch)"))
+timelines[True].update_layout(title="ZeRO-3 forward with prefetch: the next layer's gather overlaps this layer")
 
 # %% [markdown]
 # ## 7. FSDP2: `fully_shard` on virtual ranks
@@ -173,6 +186,65 @@ print("FSDP2's calls:", calls or "not traced (real processes: FSDP2 talks to glo
 viz.timeline_figure(fsdp_trace) if fsdp_trace.events else None
 
 # %% [markdown]
+# That timeline is **measured** on virtual ranks: a bar is the wall-clock time a rank's thread spent
+# in the call while the ranks took turns on the CPU (rank 0's all-gather lasts until the last rank
+# arrives; the last rank's is short). It shows the order of the calls, not what a network would
+# take; the modelled timelines of section 6 do that.
+#
+# ## 8. Two more ways: ZeRO-2 during backward, and ZeRO-3 as FSDP does it
+#
+# `zero.train(..., variant=...)` runs the same stages differently (`zero.VARIANTS`):
+#
+# * ZeRO-2 `"in_backward"`: a hook on each layer's parameters reduce-scatters its gradient the
+#   moment backward has produced it, and frees it: the whole model's full gradient never exists.
+# * ZeRO-3 `"fsdp"`: a saved-tensor hook keeps each layer's activations but not its gathered
+#   parameters, and re-gathers them when backward reaches the layer; the all-gather's backward
+#   reduce-scatters the gradient (FSDP's pre- and post-backward steps). No forward is recomputed.
+#
+# A deeper model (8 equal hidden layers) makes the peaks differ; all four take Adam's step:
+
+# %% expect=["ZeRO-2 in backward: the peak is 24% below ZeRO-2 after backward's; at its peak it holds less than half a full gradient", "ZeRO-3: both ways 9 reduce-scatters in backward; FSDP's way re-gathers 8 layers in backward, checkpointing re-runs 9 forwards", "every way, fp32 against float64 Adam: matches the reference"]
+deep = zero.MLP((16,) + (64,) * 8 + (8,))
+ways = {"ZeRO-2 after backward": (2, "after_backward"), "ZeRO-2 in backward": (2, "in_backward"),
+        "ZeRO-3 checkpointing": (3, "checkpoint"), "ZeRO-3 FSDP's way": (3, "fsdp")}
+peaks, calls, results = {}, {}, []
+for name, (stage, variant) in ways.items():
+    outs = world.run(zero.train, stage, deep, steps=1, variant=variant)
+    results.append(fsdp.assemble(stage, outs, deep))
+    peaks[name] = world.memory
+    calls[name] = [(e.op, e.phase) for e in world.trace.events if e.rank == 0 and e.op != "compute"]
+after, during = peaks["ZeRO-2 after backward"].ranks[0], peaks["ZeRO-2 in backward"].ranks[0]
+assert during.peak_bytes.get("gradients", 0) < 4 * deep.numel / 2 <= after.peak_bytes["gradients"]
+print(f"ZeRO-2 in backward: the peak is {1 - during.peak / after.peak:.0%} below ZeRO-2 after backward's; "
+      "at its peak it holds less than half a full gradient")
+fsdp_calls, checkpoint_calls = calls["ZeRO-3 FSDP's way"], calls["ZeRO-3 checkpointing"]
+assert fsdp_calls.count(("reduce_scatter", "backward")) == checkpoint_calls.count(("reduce_scatter", "backward")) == 9
+assert fsdp_calls.count(("all_gather", "backward")) == 8 and checkpoint_calls.count(("all_gather", "forward")) == 18
+print("ZeRO-3: both ways 9 reduce-scatters in backward; FSDP's way re-gathers 8 layers in backward, "
+      "checkpointing re-runs 9 forwards")
+assert all(torch.equal(a, b) for way in results for a, b in zip(way, results[0])), "every way: the same step"
+print(assert_close(results, [fsdp.adam_reference(deep, steps=1)] * len(ways),
+                   "every way, fp32 against float64 Adam", atol=1e-4))
+
+# %% tags=["nbval-ignore-output"]
+for name, report in peaks.items():
+    top = report.ranks[0]
+    print(f"{name:22} rank 0's peak {top.peak:>7,} B, of which gradients {top.peak_bytes.get('gradients', 0):>7,} B")
+
+# %% [markdown]
+# Reducing each layer's gradient during backward takes ZeRO-2's peak from about 321 kB to 244 kB (on
+# the simulator; the real backend's buffers add a few kB): the whole model's full gradient never
+# exists. (Checkpointing's recomputed all-gathers run forward code,
+# so they are traced as forward calls: 18 forward all-gathers instead of FSDP's 9 + 8.) The two
+# ZeRO-3 ways peak alike here because 2 rows per rank make activations tiny (516 B); FSDP's way
+# keeps every layer's activations (memory grows with the batch), checkpointing recomputes them
+# (compute grows by a forward). FSDP's way also skips re-gathering the first layer: its input needs
+# no gradient, so backward never needs that weight. The peaks, by label:
+
+# %% tags=["nbval-ignore-output"]
+viz.memory_figure(peaks, "peak", title="Peak bytes per rank, deeper model: ZeRO-2 and ZeRO-3, two ways each")
+
+# %% [markdown]
 # ## Exercise 1: predict the memory
 #
 # The ZeRO paper's example: a 7.5 billion parameter model, mixed-precision Adam (2-byte
@@ -184,12 +256,19 @@ zero3_bytes = {"parameters": ..., "gradients": ..., "optimizer_state": ...}
 
 print(tl.check_zero3_bytes(zero3_bytes))
 
-# %% expect=["Correct: (2 + 2 + 12) psi / 64 = 1.88 GB per rank, instead of 120 GB."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-# ZeRO-3 shards all three states: each is its bytes per parameter x psi / P.
-big_psi, gpus = 7.5e9, 64
-print(tl.check_zero3_bytes({"parameters": 2 * big_psi / gpus, "gradients": 2 * big_psi / gpus,
-                            "optimizer_state": 12 * big_psi / gpus}))
+
+# %% [markdown] expect=["Correct: (2 + 2 + 12) psi / 64 = 1.88 GB per rank, instead of 120 GB."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# # ZeRO-3 shards all three states: each is its bytes per parameter x psi / P.
+# big_psi, gpus = 7.5e9, 64
+# print(tl.check_zero3_bytes({"parameters": 2 * big_psi / gpus, "gradients": 2 * big_psi / gpus,
+#                             "optimizer_state": 12 * big_psi / gpus}))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: write ZeRO-2's gradient path
@@ -205,13 +284,19 @@ def my_gradient_shard(comm, grad):
 
 print(tl.check_zero2_grads(my_gradient_shard))
 
-# %% expect=["Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-# An all-reduce and then a slice is right but sends twice the bytes: reduce-scatter is the op.
-def gradient_shard_solution(comm, grad):
-    return comm.reduce_scatter(grad, dim=0)
-
-print(tl.check_zero2_grads(gradient_shard_solution))
+# %% [markdown] expect=["Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# # An all-reduce and then a slice is right but sends twice the bytes: reduce-scatter is the op.
+# def gradient_shard_solution(comm, grad):
+#     return comm.reduce_scatter(grad, dim=0)
+#
+# print(tl.check_zero2_grads(gradient_shard_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway
@@ -223,6 +308,9 @@ print(tl.check_zero2_grads(gradient_shard_solution))
 #   hides the extra gathers behind compute.
 # * ZeRO-3's gradients come for free from lesson 2: the backward of an all-gather is a
 #   reduce-scatter.
+# * Peaks are not the steady state: ZeRO-2 lowers the peak only if it reduces each gradient during
+#   backward. ZeRO-3 gets its second gather by recomputing (checkpointing) or, as FSDP does, by
+#   re-gathering in backward while keeping the activations.
 
 # %%
 world.close()

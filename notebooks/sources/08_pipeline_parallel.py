@@ -87,7 +87,11 @@ viz.pipeline_figure(chart, {name: pp.schedule(name, stages, 4) for name in pp.SC
 # %% [markdown]
 # The bubble fraction, measured from the chart (one minus the stages' compute time over
 # `stages x` the step's duration), next to the textbook formula: `(p-1)/(m+p-1)` for GPipe and
-# 1F1B, `(p-1)/p` for the naive schedule (one microbatch in flight, whatever `m`):
+# 1F1B, `(p-1)/p` for the naive schedule (one microbatch in flight, whatever `m`). This is the idle
+# share of the **total** time (GPipe's convention, used throughout this lesson). Megatron-LM
+# (Narayanan et al., 2021) and the Ultra-Scale Playbook quote the bubble relative to the **ideal**
+# compute time instead: `(p-1)/m`, and `(1/v)(p-1)/m` with `v` interleaved chunks per rank. Both
+# say the same thing; the first is at most 1, the second is the slowdown over no bubble:
 
 # %% expect=["naive: formula 0.750, measured within 0.01 of it", "gpipe: formula 0.273, measured within 0.01 of it", "1f1b: formula 0.273, measured within 0.01 of it"]
 measured = {name: pp.bubble(trace) for name, trace in traces.items()}
@@ -141,7 +145,9 @@ print("DeadlockError:", str(error).splitlines()[0])
 # rank 0 for the second chunk. Every fill and drain slot is now `1/v` as long, so the bubble
 # shrinks to `(p-1)/(v m + p - 1)`. This is the breadth-first order (all forwards through chunk 0,
 # then chunk 1, ...; `pp.interleaved_plan`); Megatron's interleaved 1F1B uses the same chunks in a
-# depth-first order to also bound the activations held. The price: twice as many messages.
+# depth-first order to also bound the activations held. The price: `v` times as many messages
+# (Narayanan et al., 2021): a microbatch now crosses `v p - 1` chunk boundaries instead of `p - 1`,
+# each a send and a receive of its activations forward and of their gradient backward.
 
 # %% expect=["interleaved, v = 2: loss and every chunk's gradients: matches the reference", "bubble: formula 0.158 (GPipe 0.273), measured within 0.01 of it"]
 chunks, deep = 2, (16,) + (64,) * 7 + (8,)                         # 8 layers: 2 chunks per rank
@@ -181,17 +187,25 @@ print(sorted({(e.op, e.phase) for e in world.trace.events}) or "not traced (real
 # ## Exercise 1: predict the bubble
 #
 # A pipeline of `p = 8` stages runs `m = 32` microbatches per step with 1F1B. What fraction of the
-# stages' time is idle? (A number between 0 and 1; a fraction like `3 / 11` is fine.)
+# stages' time is idle, as a share of the total time (the convention of section 2)? (A number
+# between 0 and 1; a fraction like `3 / 11` is fine.)
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 bubble_fraction = ...
 
 print(tl.check_bubble(bubble_fraction))
 
-# %% expect=["Correct: (p-1)/(m+p-1) = 7/39 = 0.179 of the stages' time is idle."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-# The step takes m + p - 1 slots; each stage is busy in m of them.
-print(tl.check_bubble((8 - 1) / (32 + 8 - 1)))
+
+# %% [markdown] expect=["Correct: (p-1)/(m+p-1) = 7/39 = 0.179 of the stages' time is idle."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# # The step takes m + p - 1 slots; each stage is busy in m of them.
+# print(tl.check_bubble((8 - 1) / (32 + 8 - 1)))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: write the 1F1B schedule
@@ -207,17 +221,23 @@ def my_schedule(stage, stages, microbatches):
 
 print(tl.check_1f1b(my_schedule))
 
-# %% expect=["Correct: no deadlock, at most p - s microbatches held, and as fast as GPipe."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-# Warm up with the forwards the later stages need, then one forward one backward, then drain.
-def schedule_solution(stage, stages, microbatches):
-    warmup = min(stages - stage - 1, microbatches)
-    plan = [("F", i) for i in range(warmup)]
-    for i in range(microbatches - warmup):
-        plan += [("F", warmup + i), ("B", i)]
-    return plan + [("B", i) for i in range(microbatches - warmup, microbatches)]
-
-print(tl.check_1f1b(schedule_solution))
+# %% [markdown] expect=["Correct: no deadlock, at most p - s microbatches held, and as fast as GPipe."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# # Warm up with the forwards the later stages need, then one forward one backward, then drain.
+# def schedule_solution(stage, stages, microbatches):
+#     warmup = min(stages - stage - 1, microbatches)
+#     plan = [("F", i) for i in range(warmup)]
+#     for i in range(microbatches - warmup):
+#         plan += [("F", warmup + i), ("B", i)]
+#     return plan + [("B", i) for i in range(microbatches - warmup, microbatches)]
+#
+# print(tl.check_1f1b(schedule_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

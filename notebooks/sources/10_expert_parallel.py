@@ -24,7 +24,11 @@
 #
 # An MoE layer has `E` small MLPs (*experts*) and a *router*: for each token a softmax over the
 # experts picks the top `k`, and the token's output is the sum of those experts' outputs weighed
-# by their probabilities (the *gates*). With expert parallelism, rank `r` holds `E/P` experts and
+# by their probabilities (the *gates*). This layer keeps the softmax over **all** `E` experts as the
+# gates, not renormalised over the `k` chosen (Switch Transformer's convention, kept for `k > 1`), so
+# a token's gates sum to at most 1; GShard renormalises its top-2 gates to sum to 1, and Mixtral
+# takes a softmax over the top-`k` logits only. The choice changes the output's scale, not the
+# communication this lesson is about. With expert parallelism, rank `r` holds `E/P` experts and
 # its own tokens; tokens go to wherever their experts live.
 
 # %%
@@ -34,7 +38,8 @@ from simcomm.model import cost
 from simcomm.lessons import foundations as lessons
 from simcomm.viz import scaling as figures
 from simcomm.lessons import scaling as checks
-from simcomm.parallel.expert import capacity, expert_parallel_moe, make_moe, moe, route, shard_experts
+from simcomm.parallel.expert import (capacity, expert_parallel_moe, load_balancing_loss, make_moe, moe, route,
+                                     shard_experts)
 
 world_size, num_experts, top_k, tokens, hidden, ffn = 4, 8, 2, 8, 8, 16
 world = simcomm.configured_backend(world_size)
@@ -111,7 +116,10 @@ figures.tokens_per_expert_figure([o[3]["per_expert"] for o in outs], title="toke
 #
 # Real MoE layers give every expert a fixed buffer, `capacity = ceil(factor * T * k / E)` token
 # copies per rank (`T` tokens). Copies beyond it are *dropped*: the token gets nothing from that
-# expert (the residual connection around the layer carries it on). The layer stays exact with
+# expert (the residual connection around the layer carries it on). The buffer is filled in token
+# order, then slot: token 0's second choice gets a place before token 1's first. (GShard fills
+# every token's first choice before any second choice, so that a full expert drops second choices
+# first; this layer keeps the simpler order, and the exercise uses it.) The layer stays exact with
 # respect to the same rule on one device:
 
 # %% expect=["capacity factor None: capacity -, dropped 0 of 64 token copies, matches the reference", "capacity factor 2: capacity 4, dropped 0 of 64 token copies, matches the reference", "capacity factor 1.25: capacity 3, dropped 5 of 64 token copies, matches the reference", "capacity factor 1: capacity 2, dropped 17 of 64 token copies, matches the reference", "capacity factor 0.5: capacity 1, dropped 35 of 64 token copies, matches the reference"]
@@ -128,8 +136,8 @@ for factor in (None, 2.0, 1.25, 1.0, 0.5):
 # %% [markdown]
 # ## 4. An imbalanced router: bytes and time
 #
-# Push the router towards expert 0 (a bias of 2 on its logit), as an untrained or collapsing
-# router does. Rank 0, which holds experts 0 and 1, now receives far more rows than the others.
+# Push the router towards expert 0 (a bias of 2 on its logit), as a collapsing router does
+# (an untrained router with random weights is roughly balanced: the first line below). Rank 0, which holds experts 0 and 1, now receives far more rows than the others.
 # The all-to-all takes as long as its busiest rank needs. Measured on the simulator's trace,
 # with more tokens and a wider hidden size (512 tokens per rank, hidden 1024, float32) and the
 # cost model of an H100 node:
@@ -164,9 +172,20 @@ figures.tokens_per_expert_figure([s["per_expert"] for s in runs["expert 0 favour
 # The favoured expert's rank receives twice its share, and the all-to-all waits for it: dispatch
 # and combine take 1.4 times as long (their latency part does not grow), and that rank also
 # computes twice the expert work while the others wait.
-# A capacity factor bounds both, at the price of dropped tokens; production routers add a
-# load-balancing loss so that the router learns to spread tokens.
-#
+# A capacity factor bounds both, at the price of dropped tokens. Production routers also add a
+# **load-balancing loss** to the training loss, so that the router learns to spread tokens:
+# Switch Transformer's `E * sum_e f_e P_e` (`f_e`: the share of assignments expert `e` gets,
+# `P_e`: its mean router probability), 1 when routing is uniform, `E` when it collapses onto one
+# expert, times a small coefficient (0.01 in Switch). Its gradient flows through `P_e` and lowers
+# the favoured expert's probability:
+
+# %% expect=["load-balancing loss, balanced: 1.00", "load-balancing loss, expert 0 favoured: 1.84"]
+for label, bias in (("balanced", 0.0), ("expert 0 favoured", 2.0)):
+    logit_bias = torch.zeros(num_experts, dtype=torch.float64).index_fill(0, torch.tensor([0]), bias)
+    aux = load_balancing_loss(xb.double(), big["router"].double(), logit_bias, top_k)
+    print(f"load-balancing loss, {label}: {aux.item():.2f}")
+
+# %% [markdown]
 # ## Exercise 1: split sizes of a routing
 #
 # Write `split_sizes(experts, num_experts, world_size)`: for a routing `experts` of shape
@@ -179,16 +198,19 @@ def split_sizes(experts, num_experts, world_size):
 
 print(checks.check_split_sizes(split_sizes))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: split sizes for 4 routings, including a rank that receives nothing."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-def split_sizes_solution(experts, num_experts, world_size):
-    owner = experts.flatten() // (num_experts // world_size)          # the rank of each copy's expert
-    return torch.bincount(owner, minlength=world_size).tolist()
-
-print(checks.check_split_sizes(split_sizes_solution))
+# %% [markdown] expect=["Correct: split sizes for 4 routings, including a rank that receives nothing."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# def split_sizes_solution(experts, num_experts, world_size):
+#     owner = experts.flatten() // (num_experts // world_size)          # the rank of each copy's expert
+#     return torch.bincount(owner, minlength=world_size).tolist()
+#
+# print(checks.check_split_sizes(split_sizes_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: how many are dropped?
@@ -202,16 +224,19 @@ def dropped(experts, num_experts, capacity):
 
 print(checks.check_dropped(dropped))
 
-# %% [markdown]
-# Solution:
-
-# %% expect=["Correct: dropped assignments for 4 routings and capacities 0, 1, 2, 5."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-def dropped_solution(experts, num_experts, capacity):
-    per_expert = torch.bincount(experts.flatten(), minlength=num_experts)
-    return int((per_expert - capacity).clamp(min=0).sum())
-
-print(checks.check_dropped(dropped_solution))
+# %% [markdown] expect=["Correct: dropped assignments for 4 routings and capacities 0, 1, 2, 5."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# def dropped_solution(experts, num_experts, capacity):
+#     per_expert = torch.bincount(experts.flatten(), minlength=num_experts)
+#     return int((per_expert - capacity).clamp(min=0).sum())
+#
+# print(checks.check_dropped(dropped_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

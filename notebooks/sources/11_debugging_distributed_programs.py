@@ -84,9 +84,13 @@ fails(gather_batches)
 # %% [markdown]
 # ## 3. Both neighbours send first
 #
-# Every rank sends to its right neighbour, then receives from its left. A blocking send may
-# wait until the receiver takes the data (NCCL always does; gloo and MPI do for large
-# messages), so every rank waits in `send` and nobody reaches `recv`:
+# Every rank sends to its right neighbour, then receives from its left. A blocking send waits
+# until the receiver takes the data: gloo's `dist.send` does at every size (measured with 16 B,
+# 4 MB and 200 MB: when both ranks send first, both time out), as the simulator's `send` does.
+# NCCL's send is "blocking for the GPU" (NCCL's documentation): the host call returns, but the
+# GPU stream stalls until the peer's matching receive runs, and the next collective on that
+# stream waits behind it. MPI's `MPI_Send` may return early for small messages (buffered), which
+# hides the bug until the messages grow. Here every rank waits in `send` and nobody reaches `recv`:
 
 # %% expect=["DeadlockError: every rank that has not finished is blocked, so none can make progress:", "  ranks [0-3] (4 ranks) wait in send (float32 (2,)), each to rank r+1 (mod 4), at line 3 of shift_right"]
 def shift_right(comm):
@@ -116,8 +120,9 @@ print(lessons.per_rank(world.run(shift_right_fixed)))
 # The tensor-parallel MLP of lesson 4 with a plain differentiable `all_reduce`: every rank
 # ends with the same output and computes the same loss. The backward of the all-reduce then
 # sums four identical gradients. No error, no hang, just gradients 4 times too large, which a
-# learning rate tuned on one GPU turns into a divergence days later. The check against one
-# device finds it:
+# learning rate tuned on one GPU can turn into a divergence with SGD. (Adam divides by a
+# running estimate of the gradient's size, so a uniform factor nearly cancels there; it shows up in
+# gradient clipping and logged gradient norms instead.) The check against one device finds it:
 
 # %% expect=["conjugate=False: w1.grad is 4 x the single-device gradient", "conjugate=True: w1.grad: matches the reference"]
 params, x = make_mlp(4, 8, seed=0), torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -209,8 +214,12 @@ print("fixed: initial weights replicated on every rank")
 #
 # Unmodified `torch.distributed` code runs on virtual ranks too. Here DDP averages the
 # gradients in its backward pass, and rank 0 alone all-reduces the loss to log it, exactly
-# bug 1. The simulator names the two different all-reduces (the loss, 1 element, against
-# DDP's gradient bucket, 10 elements) and the lines that issued them:
+# bug 1. The simulator names the two different all-reduces (the loss, against DDP's gradient
+# bucket, 10 elements) and the lines that issued them. It is collective step 3 because wrapping
+# the model in DDP already made three collectives on every rank (steps 0 to 2: an all-gather and a
+# broadcast that check the replicas' parameter shapes, and the broadcast of rank 0's parameters;
+# lesson 06). The loss is a 0-d tensor; the simulator's torch.distributed backend reports it with
+# shape `(1,)`, the one-element buffer it sends:
 
 # %% expect=["CollectiveMismatchError: ranks of group [0, 1, 2, 3] disagree at collective step 3:", "  ranks [1-3] called all_reduce(shape=(10,), dtype=float32, op=sum) at line 6 of ddp_step", "  rank 0 called all_reduce(shape=(1,), dtype=float32, op=sum) at line 5 of ddp_step", "every rank of a group must call the same collectives in the same order with matching shapes, dtypes and arguments"]
 def ddp_step(comm, log_on_every_rank):
@@ -282,10 +291,12 @@ for line in result.stdout.splitlines():
 # ## Exercise 1: fix the neighbour exchange
 #
 # Every rank must receive `x` from both neighbours (`(rank - 1) % P` and `(rank + 1) % P`)
-# using *blocking* `comm.send` / `comm.recv` only. The version below deadlocks. Fix it so that
-# it works on 2 to 5 ranks.
+# using *blocking* `comm.send` / `comm.recv` only (the checker rejects collectives and the
+# non-blocking `isend` / `irecv` / `batch_isend_irecv` of section 3's fix). The version below
+# deadlocks. Fix it so that it works on 2 to 5 ranks. Stuck? Call the checker again with
+# `show_hint=True`.
 
-# %% expect=["Not yet: it deadlocks on 2 ranks (every rank that has not finished is blocked, so none can make progress). Let even ranks send first and odd ranks receive first (or use batch_isend_irecv)."]
+# %% expect=["Not yet: it deadlocks on 2 ranks: every rank is blocked (rank 0 in send, rank 1 in send)", "(Stuck? Run the same check again with show_hint=True for a hint.)"]
 def exchange(comm, x):
     left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
     comm.send(x, right)
@@ -296,26 +307,29 @@ def exchange(comm, x):
 
 print(checks.check_neighbour_exchange(exchange))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: the exchange finishes on 2 to 5 ranks and every rank gets both neighbours' tensors."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-def exchange_solution(comm, x):
-    left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
-    if comm.rank % 2 == 0:                            # even ranks send first ...
-        comm.send(x, right)
-        from_left = comm.recv(x.shape, x.dtype, left)
-        comm.send(x, left)
-        from_right = comm.recv(x.shape, x.dtype, right)
-    else:                                             # ... odd ranks receive first
-        from_left = comm.recv(x.shape, x.dtype, left)
-        comm.send(x, right)
-        from_right = comm.recv(x.shape, x.dtype, right)
-        comm.send(x, left)
-    return from_left, from_right
-
-print(checks.check_neighbour_exchange(exchange_solution))
+# %% [markdown] expect=["Correct: the exchange finishes on 2 to 5 ranks and every rank gets both neighbours' tensors."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# def exchange_solution(comm, x):
+#     left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
+#     if comm.rank % 2 == 0:                            # even ranks send first ...
+#         comm.send(x, right)
+#         from_left = comm.recv(x.shape, x.dtype, left)
+#         comm.send(x, left)
+#         from_right = comm.recv(x.shape, x.dtype, right)
+#     else:                                             # ... odd ranks receive first
+#         from_left = comm.recv(x.shape, x.dtype, left)
+#         comm.send(x, right)
+#         from_right = comm.recv(x.shape, x.dtype, right)
+#         comm.send(x, left)
+#     return from_left, from_right
+#
+# print(checks.check_neighbour_exchange(exchange_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # (With an odd number of ranks, the last even rank and rank 0 both send first to each other,
@@ -327,23 +341,26 @@ print(checks.check_neighbour_exchange(exchange_solution))
 # loss `sum(out * probe)`, backward, and return `(weight_grad, bias_grad)` equal on every rank
 # to the single-device LayerNorm's over the whole sequence.
 
-# %% expect=["Not yet: rank 0's weight gradient is only its own shard's share; the replicated LayerNorm weight needs the sum over the sequence shards: all-reduce it."]
+# %% expect=["Not yet: rank 0's weight gradient is only its own shard's share", "(Stuck? Run the same check again with show_hint=True for a hint.)"]
 def step(comm, x, weight, bias, probe):
     (F.layer_norm(x, x.shape[-1:], weight, bias) * probe).sum().backward()
     return weight.grad, bias.grad
 
 print(checks.check_sp_layernorm(step))
 
-# %% [markdown]
-# Solution:
-
-# %% expect=["Correct: on 4 ranks every rank's LayerNorm weight and bias gradients equal the single-device ones."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-def step_solution(comm, x, weight, bias, probe):
-    (F.layer_norm(x, x.shape[-1:], weight, bias) * probe).sum().backward()
-    return comm.all_reduce(weight.grad), comm.all_reduce(bias.grad)     # sum over the sequence shards
-
-print(checks.check_sp_layernorm(step_solution))
+# %% [markdown] expect=["Correct: on 4 ranks every rank's LayerNorm weight and bias gradients equal the single-device ones."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# def step_solution(comm, x, weight, bias, probe):
+#     (F.layer_norm(x, x.shape[-1:], weight, bias) * probe).sum().backward()
+#     return comm.all_reduce(weight.grad), comm.all_reduce(bias.grad)     # sum over the sequence shards
+#
+# print(checks.check_sp_layernorm(step_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway

@@ -164,15 +164,18 @@ def coords_of(rank, tp, dp, pp):
 
 print(checks.check_mesh_coords(coords_of))
 
-# %% [markdown]
-# Solution (expand the cell to see it; try first):
-
-# %% expect=["Correct: mesh coordinates for 5 layouts, every rank."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 1.
-def coords_solution(rank, tp, dp, pp):
-    return rank // (tp * dp), (rank // tp) % dp, rank % tp
-
-print(checks.check_mesh_coords(coords_solution))
+# %% [markdown] expect=["Correct: mesh coordinates for 5 layouts, every rank."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 1.
+# def coords_solution(rank, tp, dp, pp):
+#     return rank // (tp * dp), (rank // tp) % dp, rank % tp
+#
+# print(checks.check_mesh_coords(coords_solution))
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Exercise 2: choose a layout for a memory limit
@@ -187,16 +190,19 @@ choice = ...   # (tp, dp, pp)
 
 print(checks.check_layout_choice(choice, rows, memory_limit, "InfiniBand cluster"))
 
-# %% [markdown]
-# Solution:
-
-# %% expect=["Correct: the fastest layout that fits, on the InfiniBand cluster."] jupyter={"source_hidden": true} tags=["solution"]
-# Solution of exercise 2.
-fitting = [row for row in rows if row["peak_bytes"] <= memory_limit]
-best = min(fitting, key=lambda row: row["InfiniBand cluster"])
-choice_solution = (best["tp"], best["dp"], best["pp"])
-print(checks.check_layout_choice(choice_solution, rows, memory_limit, "InfiniBand cluster").split(":")[0]
-      + ": the fastest layout that fits, on the InfiniBand cluster.")
+# %% [markdown] expect=["Correct: the fastest layout that fits, on the InfiniBand cluster."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 2.
+# fitting = [row for row in rows if row["peak_bytes"] <= memory_limit]
+# best = min(fitting, key=lambda row: row["InfiniBand cluster"])
+# choice_solution = (best["tp"], best["dp"], best["pp"])
+# print(checks.check_layout_choice(choice_solution, rows, memory_limit, "InfiniBand cluster").split(":")[0]
+#       + ": the fastest layout that fits, on the InfiniBand cluster.")
+# ```
+#
+# </details>
 
 # %% [markdown]
 # ## Takeaway
@@ -206,8 +212,12 @@ print(checks.check_layout_choice(choice_solution, rows, memory_limit, "InfiniBan
 #   the tp group too for the weights that sequence parallelism replicates (LayerNorms, biases).
 # * Composed correctly, the 8-rank step gives the single-device loss and gradients, whatever
 #   the layout.
-# * Data parallelism is the fastest while the model fits; tensor parallelism buys memory with
-#   many latency-bound collectives and belongs inside a node; a pipeline halves weights and the
+# * At this lesson's size (32 tokens, a step of tens of microseconds) data parallelism is the
+#   fastest while the model fits, and tensor parallelism buys memory with many latency-bound
+#   collectives. That is a statement about latency: with thousands of tokens per rank its
+#   collectives become bandwidth-bound and run beside large matrix multiplications, and tensor
+#   parallelism inside a node is how large models train (Megatron-LM). Wherever it is used, it
+#   belongs inside a node; a pipeline halves weights and the
 #   gradient all-reduce but idles without enough micro-batches. The memory limit picks the
 #   candidates, the interconnect picks the winner.
 

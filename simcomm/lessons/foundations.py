@@ -23,6 +23,8 @@ backend's workers can import them.
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +34,8 @@ from ..errors import DeadlockError
 from ..parallel.ring import ring_exchange, ring_schedule
 from ..parallel.tensor import make_mlp, mlp, shard_mlp
 from ..sim.world import World
+from .verdicts import hint_on_request as _hint_on_request
+from .verdicts import traffic_beyond_reduce_scatter as _traffic_beyond_reduce_scatter
 from .verdicts import NOT_ANSWERED, is_correct
 from .verdicts import Forbidden as _Forbidden
 from .verdicts import attempt as _attempt
@@ -199,6 +203,7 @@ def _as_numbers(value: Any, what: str) -> tuple[torch.Tensor | None, str | None]
 
 # -- exercise checkers --------------------------------------------------------------------------
 
+@_hint_on_request
 def check_prediction(prediction: Any, actual: Any, what: str, hint: str | None = None) -> str:
     """Compare a learner's predicted value (a number, list or tensor) with the actual one.
 
@@ -237,6 +242,7 @@ def _count_ranks_program(comm, count_ranks: Callable):
     return count_ranks(_CommWithoutSize(comm))
 
 
+@_hint_on_request
 def check_count_ranks(count_ranks: Callable, *, world_sizes: Sequence[int] = (1, 2, 3, 5)) -> str:
     """Lesson 00: ``count_ranks(comm)`` must return the world size, found with an all-reduce.
 
@@ -271,6 +277,7 @@ def _outcome(program: Callable, world_size: int) -> str:
     return "finishes"
 
 
+@_hint_on_request
 def check_deadlocks(my_answer: Any, programs: dict[str, Callable], *, world_size: int = 4) -> str:
     """Lesson 00: ``my_answer`` names the programs (keys of ``programs``) that deadlock.
 
@@ -324,6 +331,7 @@ def _as_shape(value: Any) -> tuple[int, ...] | None | str:
     return "malformed"
 
 
+@_hint_on_request
 def check_shapes(predictions: Any, *, world_size: int, shape: tuple[int, ...], args: dict[str, dict]) -> str:
     """Lesson 01: compare predicted output shapes (on rank 0) with what each collective returns.
 
@@ -363,6 +371,7 @@ def _all_gather_grads(comm, mine: Callable, shape: tuple[int, ...], dim: int):
         return x.grad, mine(comm, grad_out, dim)
 
 
+@_hint_on_request
 def check_all_gather_backward(my_backward: Callable, *, world_size: int = 4,
                               shape: tuple[int, ...] = (2, 3), dims: Sequence[int] = (0, 1)) -> str:
     """Lesson 02: ``my_backward(comm, grad_out, dim)`` must return the gradient of an all-gather's input."""
@@ -381,7 +390,14 @@ def check_all_gather_backward(my_backward: Callable, *, world_size: int = 4,
                 return _not_yet(f"dim={dim}, rank {rank}: your gradient differs from autograd's by {error:.3g}",
                                 "every rank's output depends on this rank's input: whose gradients "
                                 "must be added up?")
-    return f"Correct: your backward equals autograd's on every rank, for dim in {tuple(dims)}."
+        extra = max(_traffic_beyond_reduce_scatter(world.trace, rank, world_size * math.prod(shape) * 8,
+                                                  skip_first=1) for rank in range(world_size))
+    verdict = f"Correct: your backward equals autograd's on every rank, for dim in {tuple(dims)}."
+    if extra:
+        verdict += (f" It moves {extra} bytes more per rank than a reduce-scatter: an all-reduce then a chunk "
+                    "sends every chunk to every rank (lesson 07 asks for the cheaper one).")
+    return verdict
+
 
 
 def _ring_all_gather_program(comm, mine: Callable, base: float):
@@ -391,6 +407,7 @@ def _ring_all_gather_program(comm, mine: Callable, base: float):
     return out, torch.equal(x, before)
 
 
+@_hint_on_request
 def check_ring_all_gather(my_all_gather: Callable, *, world_sizes: Sequence[int] = (2, 3, 4, 5)) -> str:
     """Lesson 03: ``my_all_gather(comm, x)`` must all-gather along dim 0 with the ring.
 
@@ -441,6 +458,7 @@ def _tp_mlp_grads(comm, layer: Callable, x: torch.Tensor, params: dict):
     return out.detach(), x.grad, {name: p.grad for name, p in shards.items()}
 
 
+@_hint_on_request
 def check_tp_mlp(layer: Callable, *, world_size: int = 4, batch: int = 3, hidden: int = 4, ffn: int = 8
                  ) -> str:
     """Lesson 04: ``layer(comm, x, shards)`` must be the tensor-parallel MLP for a replicated loss.
@@ -487,6 +505,7 @@ def _ulysses_gqa_forward(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return comm.all_to_all_4D(out, scatter_dim=1, gather_dim=2)                  # (b, s/P, hq, d)
 
 
+@_hint_on_request
 def check_ulysses_gqa_bytes(per_rank_bytes: Callable[..., float]) -> str:
     """Lesson 05: bytes one rank sends in the forward of Ulysses attention with grouped-query attention.
 

@@ -17,19 +17,22 @@ answer must fail at once, not after a real backend's timeout.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import DeadlockError, RankError, SimcommError
+from ..errors import DeadlockError, RankError, RunTimeoutError, SimcommError
 from ..parallel.context import block_attention, chunk_ids
 from ..parallel.expert import keep_mask
 from ..parallel.layout_choice import fastest_fitting
 from ..parallel.transformer3d import Layout, mesh_coords
 from ..sim.world import World
-from .verdicts import NOT_ANSWERED, attempt, is_correct, is_placeholder
+from .verdicts import hint_on_request as _hint_on_request
+from .verdicts import NOT_ANSWERED, as_number, attempt, is_correct, is_placeholder
+from .verdicts import not_yet as _not_yet
 
 __all__ = ["NOT_ANSWERED", "is_correct", "check_lse_merge", "check_zigzag_chunks", "check_split_sizes",
            "check_dropped", "check_neighbour_exchange", "check_sp_layernorm", "check_mesh_coords",
@@ -41,14 +44,20 @@ def _call(function: Callable, *args: Any) -> tuple[Any, str | None]:
     return attempt(lambda: function(*args))
 
 
+def _as_int(value: Any) -> int | None:
+    """One whole number of any numeric type (``int``, numpy integers, 0-d tensors, ``2.0``), else ``None``."""
+    number = as_number(value)
+    return int(number) if number is not None and math.isfinite(number) and number.is_integer() else None
+
+
 def _as_ints(value: Any) -> list[int] | None:
-    if isinstance(value, torch.Tensor):
+    """A list or tuple (or 1-d tensor or array) of whole numbers of any numeric type, else ``None``."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return None
-    return list(value)
+    ints = [_as_int(v) for v in value]
+    return None if any(v is None for v in ints) else ints
 
 
 # -- lesson 09 ---------------------------------------------------------------------------------
@@ -61,13 +70,14 @@ def _blocks(seed: int, split: int, keys: int = 6):
     return block_attention(q, k[:, :split], v[:, :split]), block_attention(q, k[:, split:], v[:, split:]), whole
 
 
+@_hint_on_request
 def check_lse_merge(merge: Callable) -> str:
     """``merge(out1, lse1, out2, lse2) -> (out, lse)``: attention over two key blocks from each block's
     output ``(b, sq, h, d)`` and log-sum-exp ``(b, sq, h)``."""
     if is_placeholder(merge):
         return NOT_ANSWERED
     if not callable(merge):
-        return "Not yet: merge must be a function merge(out1, lse1, out2, lse2) returning (out, lse)."
+        return _not_yet("merge must be a function merge(out1, lse1, out2, lse2) returning (out, lse)")
     cases = 0
     for seed, split in ((0, 2), (1, 5), (2, 1)):
         (out1, lse1), (out2, lse2), (out, lse) = _blocks(seed, split)
@@ -75,23 +85,38 @@ def check_lse_merge(merge: Callable) -> str:
         if verdict:
             return verdict
         if not isinstance(result, tuple) or len(result) != 2 or not all(isinstance(t, torch.Tensor) for t in result):
-            return ("Not yet: return a pair (out, lse) of tensors; the lse is needed to merge the next block "
-                    f"(got {type(result).__name__}).")
+            return _not_yet("return a pair (out, lse) of tensors; the lse is needed to merge the next block "
+                            f"(got {type(result).__name__})")
         got_out, got_lse = result
         if got_out.shape != out.shape or got_lse.shape != lse.shape:
-            return (f"Not yet: shapes {tuple(got_out.shape)} and {tuple(got_lse.shape)}; expected out "
-                    f"{tuple(out.shape)} and lse {tuple(lse.shape)} (the inputs' shapes).")
+            return _not_yet(f"shapes {tuple(got_out.shape)} and {tuple(got_lse.shape)}; expected out "
+                            f"{tuple(out.shape)} and lse {tuple(lse.shape)} (the inputs' shapes)")
         lse_ok = torch.allclose(got_lse, lse, atol=1e-10)
         out_ok = torch.allclose(got_out, out, atol=1e-10)
         if out_ok and not lse_ok:
-            return "Not yet: the output is right but the lse is not: it is log(exp(lse1) + exp(lse2))."
+            return _not_yet("the output is right but the lse is not",
+                            "the merged lse is log(exp(lse1) + exp(lse2)), computed without overflow")
         if lse_ok and not out_ok:
-            return ("Not yet: the lse is right but the output is not: weigh each block's output by "
-                    "exp(lse_i - lse), its share of the whole softmax denominator.")
+            return _not_yet("the lse is right but the output is not", "weigh each block's output by "
+                            "exp(lse_i - lse), its share of the whole softmax denominator")
         if not out_ok:
-            return ("Not yet: out and lse both differ from attention over both blocks. Each block's output is "
-                    "normalised by its own sum exp(lse_i); renormalise both to the common sum.")
+            return _not_yet("out and lse both differ from attention over both blocks", "each block's output is "
+                            "normalised by its own sum exp(lse_i); renormalise both to the common sum")
         cases += 1
+    (out1, lse1), (out2, lse2), (out, lse) = _blocks(4, 3)
+    shift = 100.0 - float(torch.maximum(lse1, lse2).max())       # logits this large: lse up to 100
+    large = [t.float() for t in (out1, lse1 + shift, out2, lse2 + shift)]
+    result, verdict = _call(merge, *large)
+    if verdict:
+        return verdict
+    if (not isinstance(result, tuple) or len(result) != 2 or not all(isinstance(t, torch.Tensor) for t in result)
+            or not torch.isfinite(result[0]).all() or not torch.isfinite(result[1]).all()
+            or not torch.allclose(result[0].double(), out, atol=1e-5)
+            or not torch.allclose(result[1].double(), lse + shift, atol=1e-4)):
+        return _not_yet("in float32 with large logits (lse up to 100) your merge is not finite or not right: "
+                        "exp(100) overflows float32 (its largest value is about exp(88.7))",
+                        "never exponentiate an lse itself: torch.logaddexp(lse1, lse2), or the larger lse plus "
+                        "log1p(exp(smaller - larger)), stays finite")
     (out2, lse2) = _blocks(3, 2)[1]
     empty = torch.full_like(lse2, float("-inf"))
     result, verdict = _call(merge, torch.zeros_like(out2), empty, out2, lse2)
@@ -99,11 +124,14 @@ def check_lse_merge(merge: Callable) -> str:
         return verdict
     if (not isinstance(result, tuple) or len(result) != 2 or not torch.allclose(result[0], out2, atol=1e-12)
             or not torch.allclose(result[1], lse2, atol=1e-12)):
-        return ("Not yet: merging with an empty block (out 0, lse -inf), the start of the ring, must give the "
-                "other block unchanged; torch.logaddexp handles -inf, lse1 + log1p(exp(lse2 - lse1)) gives nan.")
-    return f"Correct: {cases} pairs of blocks merge to attention over both, and an empty block changes nothing."
+        return _not_yet("merging with an empty block (out 0, lse -inf), the start of the ring, must give the "
+                        "other block unchanged", "torch.logaddexp handles -inf; lse1 + log1p(exp(lse2 - lse1)) "
+                        "gives nan when lse1 is -inf")
+    return (f"Correct: {cases} pairs of blocks merge to attention over both, large logits stay finite in float32, "
+            "and an empty block changes nothing.")
 
 
+@_hint_on_request
 def check_zigzag_chunks(chunks: Callable) -> str:
     """``chunks(rank, world_size) -> [i, j]``: the two of the ``2P`` chunks rank holds in zig-zag sharding."""
     if is_placeholder(chunks):
@@ -116,18 +144,20 @@ def check_zigzag_chunks(chunks: Callable) -> str:
                 return verdict
             ids = _as_ints(result)
             if ids is None or len(ids) != 2:
-                return f"Not yet: chunks({rank}, {world_size}) returned {result!r}; return a list of two chunk indices."
+                return _not_yet(f"chunks({rank}, {world_size}) returned {result!r}; return a list of two chunk "
+                                "indices (whole numbers)")
             held.append(sorted(ids))
         flat = sorted(i for ids in held for i in ids)
         if flat != list(range(2 * world_size)):
-            return (f"Not yet: with {world_size} ranks the chunks held are {held}; every one of the "
-                    f"{2 * world_size} chunks must be held by exactly one rank.")
-        expected = [sorted(chunk_ids(r, world_size, "zigzag")) for r in range(world_size)]
-        if held != expected:
-            work = [sum(1 for q in ids for k in range(2 * world_size) if k <= q) for ids in held]
-            return (f"Not yet: with {world_size} ranks your chunks give causal work (key chunks at or before "
-                    f"each query chunk) {work} per rank; pair a chunk from the head with one from the tail.")
-    return "Correct: zig-zag chunks for 1 to 8 ranks: each rank gets one chunk from the head and one from the tail."
+            return _not_yet(f"with {world_size} ranks the chunks held are {held}; every one of the "
+                            f"{2 * world_size} chunks must be held by exactly one rank")
+        work = [sum(q + 1 for q in ids) for ids in held]        # key chunks at or before each query chunk
+        if len(set(work)) != 1:
+            return _not_yet(f"with {world_size} ranks your chunks give causal work (key chunks at or before "
+                            f"each query chunk) {work} per rank: not balanced",
+                            "pair a chunk from the head with one from the tail")
+    return ("Correct: balanced chunks for 1 to 8 ranks: every rank does the same causal work, 2P + 1 "
+            "blocks (zig-zag: one chunk from the head, one from the tail).")
 
 
 # -- lesson 10 ---------------------------------------------------------------------------------
@@ -141,6 +171,7 @@ def _routings() -> list[tuple[torch.Tensor, int, int]]:
     return cases
 
 
+@_hint_on_request
 def check_split_sizes(split_sizes: Callable) -> str:
     """``split_sizes(experts (T, k), num_experts, world_size) -> list``: rows this rank sends to each rank
     (``input_split_sizes``), experts sharded in contiguous blocks of ``E/P``."""
@@ -154,21 +185,21 @@ def check_split_sizes(split_sizes: Callable) -> str:
         got = _as_ints(result)
         where = f"for experts {experts.tolist()} ({num_experts} experts on {world_size} ranks)"
         if got is None:
-            return f"Not yet: return a list of {world_size} ints {where}; got {result!r}."
+            return _not_yet(f"return a list of {world_size} whole numbers {where}; got {result!r}")
         if len(got) == num_experts and num_experts != world_size:
-            return (f"Not yet: {got} has one entry per expert {where}; all_to_all_single needs one per rank: "
-                    f"add up the counts of the experts each rank holds.")
+            return _not_yet(f"{got} has one entry per expert {where}; all_to_all_single needs one per rank",
+                            "add up the counts of the experts each rank holds")
         if len(got) != world_size:
-            return f"Not yet: {len(got)} entries {where}; input_split_sizes has one per rank ({world_size})."
+            return _not_yet(f"{len(got)} entries {where}; input_split_sizes has one per rank ({world_size})")
         if sum(got) != experts.numel():
-            return (f"Not yet: your sizes add up to {sum(got)} {where}, but {experts.numel()} rows are sent "
-                    f"(one per token per chosen expert).")
+            return _not_yet(f"your sizes add up to {sum(got)} {where}, but {experts.numel()} rows are sent "
+                            f"(one per token per chosen expert)")
         if got != expected:
-            return (f"Not yet: {got} {where}; expected {expected}. Rank r holds experts "
-                    f"r*E/P to (r+1)*E/P - 1.")
+            return _not_yet(f"{got} {where} is not it", "rank r holds experts r*E/P to (r+1)*E/P - 1")
     return "Correct: split sizes for 4 routings, including a rank that receives nothing."
 
 
+@_hint_on_request
 def check_dropped(dropped: Callable) -> str:
     """``dropped(experts (T, k), num_experts, capacity) -> int``: assignments beyond each expert's capacity
     (the first ``capacity`` in token order are kept)."""
@@ -179,15 +210,14 @@ def check_dropped(dropped: Callable) -> str:
             result, verdict = _call(dropped, experts.clone(), num_experts, limit)
             if verdict:
                 return verdict
-            if isinstance(result, torch.Tensor) and result.numel() == 1:
-                result = int(result.item())
-            if not isinstance(result, int) or isinstance(result, bool):
-                return f"Not yet: return the number of dropped assignments as an int; got {result!r}."
+            count = _as_int(result)
+            if count is None:
+                return _not_yet(f"return the number of dropped assignments, a whole number; got {result!r}")
             expected = int((~keep_mask(experts, num_experts, limit)).sum())
-            if result != expected:
+            if count != expected:
                 per_expert = torch.bincount(experts.flatten(), minlength=num_experts).tolist()
-                return (f"Not yet: {result} dropped for tokens per expert {per_expert} and capacity {limit}; "
-                        f"each expert drops max(0, count - capacity), summed over experts.")
+                return _not_yet(f"{count} dropped for tokens per expert {per_expert} and capacity {limit} is "
+                                "not it", "each expert drops max(0, count - capacity), summed over experts")
     return "Correct: dropped assignments for 4 routings and capacities 0, 1, 2, 5."
 
 
@@ -198,32 +228,57 @@ def _exchange_program(comm, exchange: Callable):
     return exchange(comm, x)
 
 
+#: how long lesson 11's exchange may run on the checker's virtual ranks (seconds)
+EXCHANGE_TIMEOUT_S = 10.0
+
+
+@_hint_on_request
 def check_neighbour_exchange(exchange: Callable) -> str:
     """``exchange(comm, x) -> (from_left, from_right)``: every rank gets ``x`` of rank - 1 and rank + 1
-    (cyclic), with blocking ``send``/``recv`` or any other calls, and no deadlock."""
+    (cyclic), with blocking ``send``/``recv`` only (``comm.send``/``comm.recv`` or ``dist.send``/``dist.recv``;
+    no collective, no ``isend``/``irecv``/``batch_isend_irecv``), and no deadlock."""
     if is_placeholder(exchange):
         return NOT_ANSWERED
     for world_size in (2, 3, 4, 5):
+        world = World(world_size)
         try:
-            outs = World(world_size).run(_exchange_program, exchange, timeout=30)
+            outs = world.run(_exchange_program, exchange, timeout=EXCHANGE_TIMEOUT_S)
         except DeadlockError as error:
-            return (f"Not yet: it deadlocks on {world_size} ranks ({str(error).splitlines()[0].rstrip(':')}). "
-                    "Let even ranks send first and odd ranks receive first (or use batch_isend_irecv).")
+            waits = re.findall(r"rank (\d+) waits in (\w+)", str(error))
+            blocked = ", ".join(f"rank {rank} in {op}" for rank, op in waits) or _first_line(error)
+            return _not_yet(f"it deadlocks on {world_size} ranks: every rank is blocked ({blocked})",
+                            "a blocking send waits for its receiver: if every rank sends first, nobody receives. "
+                            "Let even ranks send first and odd ranks receive first")
+        except RunTimeoutError:
+            return _not_yet(f"on {world_size} ranks the exchange was still running after {EXCHANGE_TIMEOUT_S:g} s "
+                            "(an endless loop?)", "each rank needs exactly two sends and two receives")
         except RankError as error:
             if isinstance(error.__cause__, NotImplementedError):
                 return NOT_ANSWERED
-            return f"Not yet: on {world_size} ranks " + str(error).splitlines()[0]
+            return _not_yet(f"on {world_size} ranks {_first_line(error)}")
         except SimcommError as error:
-            return f"Not yet: on {world_size} ranks " + str(error).splitlines()[0]
+            return _not_yet(f"on {world_size} ranks {_first_line(error)}")
+        used = sorted({f"{e.op} (non-blocking)" if e.async_op else e.op for e in world.trace.events
+                       if e.op != "compute" and (e.op not in ("send", "recv") or e.async_op)})
+        if used:
+            return _not_yet(f"the exercise allows blocking send and recv only; your exchange used {used}",
+                            "order the blocking sends and receives so that every send meets a receive")
         for rank, out in enumerate(outs):
             if not isinstance(out, tuple) or len(out) != 2 or not all(isinstance(t, torch.Tensor) for t in out):
-                return f"Not yet: return a pair (from_left, from_right) of tensors; rank {rank} returned {out!r}."
+                return _not_yet(f"return a pair (from_left, from_right) of tensors; rank {rank} returned {out!r}")
             left, right = (rank - 1) % world_size, (rank + 1) % world_size
             got = [t.flatten().tolist() for t in out]
             if got != [[float(left)] * 2, [float(right)] * 2]:
-                return (f"Not yet: on {world_size} ranks, rank {rank} got {got}; expected rank {left}'s x then "
-                        f"rank {right}'s x.")
+                return _not_yet(f"on {world_size} ranks, rank {rank} got {got}; expected rank {left}'s x then "
+                                f"rank {right}'s x")
     return "Correct: the exchange finishes on 2 to 5 ranks and every rank gets both neighbours' tensors."
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return lines[0].rstrip(":") + (f" ({lines[1]})" if lines[0].endswith(":") and len(lines) > 1 else "")
 
 
 def _layernorm_program(comm, step: Callable, x, weight, bias, probe):
@@ -241,6 +296,7 @@ def _layernorm_grads(x: torch.Tensor, probe: torch.Tensor, weight: torch.Tensor,
     return leaves[0].grad, leaves[1].grad
 
 
+@_hint_on_request
 def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
     """``step(comm, x_shard, weight, bias, probe_shard) -> (weight_grad, bias_grad)``: LayerNorm on this
     rank's sequence shard, loss ``sum(out * probe)``, gradients of the replicated weight and bias as
@@ -259,30 +315,39 @@ def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
     except RankError as error:
         if isinstance(error.__cause__, NotImplementedError):
             return NOT_ANSWERED
-        return "Not yet: " + str(error).splitlines()[0]
+        return _not_yet(_first_line(error))
     except SimcommError as error:
-        return "Not yet: " + str(error).splitlines()[0]
+        return _not_yet(_first_line(error))
     for rank, out in enumerate(outs):
         if (not isinstance(out, (tuple, list)) or len(out) != 2
                 or not all(isinstance(t, torch.Tensor) and t.shape == (6,) for t in out)):
-            return (f"Not yet: return (weight_grad, bias_grad), two tensors of shape (6,); rank {rank} "
-                    f"returned {out!r}.")
+            return _not_yet(f"return (weight_grad, bias_grad), two tensors of shape (6,); rank {rank} "
+                            f"returned {out!r}")
         for index, name in enumerate(("weight", "bias")):
             got, want = out[index].detach().double(), expected[index]
             if torch.allclose(got, want, atol=1e-10):
                 continue
             if torch.allclose(got, shares[rank][index], atol=1e-10):
-                return (f"Not yet: rank {rank}'s {name} gradient is only its own shard's share; the replicated "
-                        f"LayerNorm {name} needs the sum over the sequence shards: all-reduce it.")
+                return _not_yet(f"rank {rank}'s {name} gradient is only its own shard's share",
+                                f"the replicated LayerNorm {name} needs the sum over the sequence shards: "
+                                "all-reduce it")
             if torch.allclose(got, want * world_size, atol=1e-10):
-                return f"Not yet: rank {rank}'s {name} gradient is {world_size} times too large: summed twice?"
-            return f"Not yet: rank {rank}'s {name} gradient differs from the single-device LayerNorm's."
+                return _not_yet(f"rank {rank}'s {name} gradient is {world_size} times too large",
+                                "summed twice? one SUM all-reduce of the shards' gradients is the whole sum")
+            if torch.allclose(got, want / world_size, atol=1e-10):
+                return _not_yet(f"rank {rank}'s {name} gradient is 1/{world_size} of the single-device one: the "
+                                "shards' gradients were averaged, not summed",
+                                "lesson 06 averaged because each rank's loss was a mean over its rows; here the "
+                                "loss is a sum over the whole sequence, so its gradient is the SUM of the shards'")
+            return _not_yet(f"rank {rank}'s {name} gradient differs from the single-device LayerNorm's",
+                            "each rank's gradient of the replicated weight and bias covers only its shard")
     return (f"Correct: on {world_size} ranks every rank's LayerNorm weight and bias gradients equal the "
             f"single-device ones.")
 
 
 # -- lesson 12 ---------------------------------------------------------------------------------
 
+@_hint_on_request
 def check_mesh_coords(coords: Callable) -> str:
     """``coords(rank, tp, dp, pp) -> (stage, d, t)`` with tensor parallelism innermost."""
     if is_placeholder(coords):
@@ -294,14 +359,16 @@ def check_mesh_coords(coords: Callable) -> str:
                 return verdict
             got = _as_ints(result)
             if got is None or len(got) != 3:
-                return f"Not yet: coords({rank}, {', '.join(map(str, layout))}) returned {result!r}; return (stage, d, t)."
+                return _not_yet(f"coords({rank}, {', '.join(map(str, layout))}) returned {result!r}; return "
+                                "(stage, d, t), three whole numbers")
             expected = list(mesh_coords(rank, Layout(*layout)))
             if got != expected:
-                return (f"Not yet: rank {rank} with (tp, dp, pp) = {layout}: you said {tuple(got)}, expected "
-                        f"{tuple(expected)}. The tp ranks are neighbours (rank % tp), then dp, then the stage.")
+                return _not_yet(f"rank {rank} with (tp, dp, pp) = {layout}: {tuple(got)} is not its (stage, d, t)",
+                                "the tp ranks are neighbours (rank % tp), then dp, then the stage")
     return "Correct: mesh coordinates for 5 layouts, every rank."
 
 
+@_hint_on_request
 def check_layout_choice(choice: Any, rows: list[dict], memory_limit: int, topology: str) -> str:
     """``choice``: the ``(tp, dp, pp)`` with the shortest ``topology`` step time whose peak memory per rank
     fits ``memory_limit`` bytes, read from ``rows`` (:func:`simcomm.parallel.layout_choice.layout_table`)."""
@@ -309,16 +376,16 @@ def check_layout_choice(choice: Any, rows: list[dict], memory_limit: int, topolo
         return NOT_ANSWERED
     got = _as_ints(choice)
     if got is None or len(got) != 3:
-        return f"Not yet: give the layout as a tuple (tp, dp, pp) of three ints; got {choice!r}."
+        return _not_yet(f"give the layout as a tuple (tp, dp, pp) of three whole numbers; got {choice!r}")
     by_layout = {(row["tp"], row["dp"], row["pp"]): row for row in rows}
     if tuple(got) not in by_layout:
-        return f"Not yet: {tuple(got)} is not a layout of the table; pick one of {sorted(by_layout)}."
+        return _not_yet(f"{tuple(got)} is not a layout of the table; pick one of {sorted(by_layout)}")
     best = fastest_fitting(rows, memory_limit, topology)
     row = by_layout[tuple(got)]
     if row["peak_bytes"] > memory_limit:
-        return (f"Not yet: {tuple(got)} needs {row['peak_bytes']:,} bytes per rank, more than the limit "
-                f"{memory_limit:,}; shard more (larger tp or pp).")
+        return _not_yet(f"{tuple(got)} needs {row['peak_bytes']:,} bytes per rank, more than the limit "
+                        f"{memory_limit:,}", "shard more (larger tp or pp)")
     if tuple(got) != best:
-        return (f"Not yet: {tuple(got)} fits, but another layout that fits is faster on the {topology} "
-                f"({row[topology] * 1e6:.1f} us for yours); compare the step times of the rows that fit.")
+        return _not_yet(f"{tuple(got)} fits, but another layout that fits is faster on the {topology} "
+                        f"({row[topology] * 1e6:.1f} us for yours)", "compare the step times of the rows that fit")
     return f"Correct: {tuple(got)} is the fastest layout on the {topology} within {memory_limit:,} bytes per rank."

@@ -19,17 +19,18 @@ import torch
 from ..parallel import data as data_parallel
 from ..parallel import pipeline
 from ..sim.world import World
-from .verdicts import NOT_ANSWERED, is_correct, is_placeholder
+from .verdicts import hint_on_request as _hint_on_request
+from .verdicts import NOT_ANSWERED, as_number, is_correct, is_placeholder, traffic_beyond_reduce_scatter
 from .verdicts import attempt as _attempt
 from .verdicts import not_yet as _not_yet
 
-__all__ = ["NOT_ANSWERED", "is_correct", "check_dp_step", "check_accumulation_calls", "check_zero3_bytes",
+__all__ = ["NOT_ANSWERED", "is_correct", "check_dp_step", "check_accumulation_step", "check_zero3_bytes",
            "check_zero2_grads", "check_bubble", "check_1f1b", "schedule_makespan",
            "ACCUMULATION_EXERCISE", "ZERO3_EXERCISE", "BUBBLE_EXERCISE"]
 
 
-#: lesson 06's prediction: accumulation microbatches and bucket size of the exercise
-ACCUMULATION_EXERCISE = {"microbatches": 4, "bucket_bytes": 1 << 20}
+#: lesson 06's exercise 2: micro-batches per step and the reducer's bucket size (on the checkers' model)
+ACCUMULATION_EXERCISE = {"microbatches": 4, "bucket_bytes": 600}
 #: lesson 07's prediction: the ZeRO paper's 7.5B-parameter model on 64 GPUs, mixed-precision Adam (K = 12)
 ZERO3_EXERCISE = {"psi": 7_500_000_000, "world_size": 64, "K": 12}
 #: lesson 08's prediction
@@ -61,6 +62,7 @@ def _dp_program(comm, step, x, y):
     return grads
 
 
+@_hint_on_request
 def check_dp_step(step: Any) -> str:
     """Lesson 06: ``step(comm, model, xs, ys)`` must leave in every ``p.grad`` the gradient of the mean
     loss over the *whole* batch (``xs, ys``: this rank's rows; ``data_parallel.sum_loss``)."""
@@ -86,40 +88,93 @@ def check_dp_step(step: Any) -> str:
     errors = [(a - r).abs().max().item() for a, r in zip(outs[0], ref)]
     if max(errors) <= 1e-10:
         return f"Correct: every rank holds the whole batch's gradient ({reduces} collectives per rank)."
-    ratios = [(a.flatten() @ r.flatten() / (r.flatten() @ r.flatten())).item() for a, r in zip(outs[0], ref)]
-    if all(abs(q - _WORLD) < 1e-6 for q in ratios):
-        return _not_yet(f"every gradient is {_WORLD} x the reference (the world size)",
-                        "a SUM all-reduce of mean losses adds P means: average (ReduceOp.AVG), or divide "
-                        "the loss by the world size")
-    if all(abs(q - 1 / _WORLD) < 1e-6 for q in ratios):
-        return _not_yet(f"every gradient is 1/{_WORLD} of the reference", "you divided twice: AVG *and* loss / P")
-    return _not_yet(f"the gradients differ from the single-device reference by up to {max(errors):.3g}",
-                    "each rank's .grad only knows its own rows until the gradients are combined over ranks")
+    return _not_yet(*_dp_gradient_problem(outs[0], ref, reduces))
 
 
-def check_accumulation_calls(answer: Any) -> str:
-    """Lesson 06 (predict): all-reduce calls per rank in one optimizer step of :data:`ACCUMULATION_EXERCISE`
-    (bucketed, gradients accumulated locally over the microbatches) on the lesson's model."""
-    if is_placeholder(answer):
-        return NOT_ANSWERED
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not float(answer).is_integer():
-        return _not_yet(f"{answer!r} is not a whole number of calls")
-    numels = [p.numel() for p in data_parallel.make_model().parameters()]
-    buckets = len(data_parallel.bucket_plan(numels, 8, ACCUMULATION_EXERCISE["bucket_bytes"]))
-    microbatches = ACCUMULATION_EXERCISE["microbatches"]
-    if int(answer) == buckets:
-        return f"Correct: {buckets} buckets, each all-reduced once per step, whatever the microbatches."
-    if int(answer) == buckets * microbatches:
-        return _not_yet("that is one round of buckets per microbatch",
-                        "with accumulation the gradients are summed locally; communication happens once per step")
-    if int(answer) == len(numels):
-        return _not_yet("that is one call per parameter tensor", "a bucket holds several tensors: use bucket_plan")
-    return _not_yet(f"{int(answer)} is not it",
-                    "the buckets close in backward order as soon as they hold >= bucket_bytes (float64: 8 bytes)")
+def _dp_gradient_problem(got: list[torch.Tensor], ref: list[torch.Tensor], collectives: int) -> tuple[str, str]:
+    """``(problem, hint)`` for gradients that agree over the ranks but not with the reference."""
+    errors = [(a - r).abs().max().item() for a, r in zip(got, ref)]
+    relative = max(errors) / max(r.abs().max().item() for r in ref)
+    ratios = [(a.flatten() @ r.flatten() / (r.flatten() @ r.flatten())).item() for a, r in zip(got, ref)]
+    for factor in (_WORLD, _WORLD ** 2, 1 / _WORLD, 1 / _WORLD ** 2):
+        if all(abs(q - factor) < 1e-6 * max(1.0, factor) for q in ratios):
+            shown = f"{factor:g}" if factor >= 1 else f"1/{round(1 / factor)}"
+            hint = ("a SUM all-reduce of mean losses adds P means: average (ReduceOp.AVG), or divide the loss by "
+                    "the world size" if factor > 1 else "you divided more than once: AVG of mean losses is enough")
+            return f"every gradient is {shown} x the reference (the world size is {_WORLD})", hint
+    if relative < 1e-4:
+        return (f"the gradients are right only to {relative:.1e} (relative), not to float64's 1e-10: something "
+                "was computed or communicated in a lower precision", "keep the gradients in their own dtype "
+                "(float64) from backward through the all-reduce")
+    if not collectives:
+        return (f"no collective ran, yet the gradients differ from the reference by up to {max(errors):.3g}",
+                "each rank's .grad only knows its own rows until the gradients are combined over ranks")
+    return (f"the ranks combined their gradients ({collectives} collectives each), but the result is not the "
+            f"whole batch's gradient (off by up to {max(errors):.3g})",
+            "the whole batch's mean loss is the mean of the ranks' mean losses: which reduction makes a mean?")
+
+
+def _accumulation_program(comm, step, x, y, microbatches, bucket_bytes):
+    model = data_parallel.make_model(_SMALL)
+    reducer = data_parallel.BucketedReducer(comm, model, bucket_bytes)
+    xs, ys = data_parallel.rows(comm, x, y)
+    step(comm, model, reducer, list(zip(xs.chunk(microbatches), ys.chunk(microbatches))), x.shape[0])
+    grads = []
+    for index, p in enumerate(model.parameters()):
+        if p.grad is None:
+            raise ValueError(f"parameter {index} has no .grad after your step")
+        grads.append(p.grad.detach().clone())
+    return grads
+
+
+@_hint_on_request
+def check_accumulation_step(step: Any) -> str:
+    """Lesson 06 (write it): ``step(comm, model, reducer, micro_batches, batch)`` runs one optimizer
+    step's backward over this rank's ``micro_batches`` (a list of ``(x, y)`` pairs) with the
+    :class:`~simcomm.parallel.data.BucketedReducer` ``reducer``, each micro-batch's loss being
+    ``sum_loss / batch`` (``batch``: the whole batch's rows over all ranks). It must leave the whole
+    batch's gradient in every ``p.grad`` and all-reduce each bucket once per step (``reducer.no_sync()``
+    for every micro-batch but the last, then ``reducer.finish()``)."""
+    verdict = _callable(step, "the step")
+    if verdict:
+        return verdict
+    microbatches, bucket_bytes = ACCUMULATION_EXERCISE["microbatches"], ACCUMULATION_EXERCISE["bucket_bytes"]
+    x, y = data_parallel.make_data(8 * _WORLD, _SMALL, seed=6)
+    ref = data_parallel.reference_grads(x, y, _SMALL)
+    buckets = len(data_parallel.bucket_plan([p.numel() for p in data_parallel.make_model(_SMALL).parameters()],
+                                            8, bucket_bytes))
+    with World(_WORLD) as world:
+        outs, verdict = _attempt(lambda: world.run(_accumulation_program, step, x, y, microbatches, bucket_bytes))
+        if verdict:
+            if "second synchronising gradient" in verdict:
+                return _not_yet("a second backward synchronised before finish(): the reducer refuses to mix two "
+                                "backward passes' gradients in one bucket",
+                                "run every micro-batch's backward but the last inside `with reducer.no_sync():`")
+            return verdict
+        calls = [e for e in world.trace.events if e.rank == 0 and e.op != "compute"]
+    if any(len(g) != len(ref) for g in outs):
+        return _not_yet("the model lost or gained parameters")
+    if any(not torch.equal(a, b) for g in outs[1:] for a, b in zip(g, outs[0])):
+        return _not_yet("the ranks end with different gradients: the replicas would drift apart",
+                        "the last micro-batch's backward, outside no_sync(), starts the all-reduces; "
+                        "reducer.finish() writes their results into .grad")
+    reduces = [e for e in calls if e.op == "all_reduce"]
+    if len(calls) != buckets or len(reduces) != buckets:
+        ops = sorted({e.op for e in calls})
+        return _not_yet(f"rank 0 issued {len(calls)} collectives ({', '.join(ops)}) where "
+                        f"the reducer's {buckets} buckets need {buckets} all-reduces per step",
+                        "let the reducer communicate: one synchronising backward per step, no collectives of "
+                        "your own")
+    errors = [(a - r).abs().max().item() for a, r in zip(outs[0], ref)]
+    if max(errors) > 1e-10:
+        return _not_yet(*_dp_gradient_problem(outs[0], ref, len(calls)))
+    return (f"Correct: the whole batch's gradient on every rank, with {buckets} all-reduces per step "
+            f"(one per bucket), whatever the {microbatches} micro-batches.")
 
 
 # -- lesson 07 ----------------------------------------------------------------------------------
 
+@_hint_on_request
 def check_zero3_bytes(answer: Any) -> str:
     """Lesson 07 (predict): bytes per rank of each model state at ZeRO-3 for :data:`ZERO3_EXERCISE`,
     as ``{"parameters": .., "gradients": .., "optimizer_state": ..}`` (fp16 parameters and gradients,
@@ -132,9 +187,10 @@ def check_zero3_bytes(answer: Any) -> str:
     missing = [k for k in keys if k not in answer]
     if missing:
         return _not_yet(f"missing {missing}", "give all three model states")
-    bad = [k for k in keys if isinstance(answer[k], bool) or not isinstance(answer[k], (int, float))]
+    bad = [k for k in keys if as_number(answer[k]) is None]
     if bad:
         return _not_yet(f"{bad} must be numbers of bytes")
+    answer = {k: as_number(answer[k]) for k in keys}
     psi, n, k = ZERO3_EXERCISE["psi"], ZERO3_EXERCISE["world_size"], ZERO3_EXERCISE["K"]
     want = {"parameters": 2 * psi / n, "gradients": 2 * psi / n, "optimizer_state": k * psi / n}
     wrong = [key for key in keys if not math.isclose(answer[key], want[key], rel_tol=1e-3)]
@@ -156,6 +212,7 @@ def _zero2_program(comm, fn, grads):
     return out.detach().clone()
 
 
+@_hint_on_request
 def check_zero2_grads(fn: Any) -> str:
     """Lesson 07 (write it): ``fn(comm, grad)`` gets this rank's full local gradient (a flat vector whose
     length divides by the world size) and returns this rank's shard of the gradient *summed over ranks*:
@@ -171,7 +228,8 @@ def check_zero2_grads(fn: Any) -> str:
         outs, verdict = _attempt(lambda: world.run(_zero2_program, fn, grads))
         if verdict:
             return verdict
-        sent = sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)
+        extra = {rank: traffic_beyond_reduce_scatter(world.trace, rank, grads[0].numel() * 8)
+                 for rank in range(_WORLD)}
     if any(o.shape != w.shape for o, w in zip(outs, want)):
         shapes = sorted({tuple(o.shape) for o in outs})
         return _not_yet(f"rank outputs have shapes {shapes}, expected {tuple(want[0].shape)}",
@@ -180,25 +238,28 @@ def check_zero2_grads(fn: Any) -> str:
         if all((o - g.chunk(_WORLD)[r]).abs().max().item() < 1e-12 for r, (o, g) in enumerate(zip(outs, grads))):
             return _not_yet("each rank returned its own chunk, not summed over ranks", "the ranks must communicate")
         return _not_yet("the shards do not equal the summed gradient's chunks", "rank r keeps chunk r of the sum")
-    budget = (_WORLD - 1) / _WORLD * grads[0].numel() * 8
-    if sent > budget * 1.01:
-        return _not_yet(f"right values, but rank 0 sent {sent} bytes where a reduce-scatter sends {budget:.0f}",
-                        "an all-reduce then a slice moves twice the data: reduce_scatter does it in one")
+    budget = (_WORLD - 1) * grads[0].numel() * 8 // _WORLD
+    worst = max(extra, key=extra.get)
+    if extra[worst]:
+        return _not_yet(f"right values, but rank {worst} sent {budget + extra[worst]} bytes where a reduce-scatter "
+                        f"sends {budget} per rank", "an all-reduce then a slice moves twice the data, and a reduce "
+                        "to one rank then a scatter loads that rank's links: one collective does it at the "
+                        "minimum")
     return "Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."
 
 
 # -- lesson 08 ----------------------------------------------------------------------------------
 
+@_hint_on_request
 def check_bubble(answer: Any) -> str:
     """Lesson 08 (predict): the bubble fraction of GPipe/1F1B for :data:`BUBBLE_EXERCISE`."""
     if is_placeholder(answer):
         return NOT_ANSWERED
     if isinstance(answer, bool):
         return _not_yet("a fraction is a number, not True/False")
-    try:
-        value = float(answer)
-    except (TypeError, ValueError):
-        return _not_yet(f"{answer!r} is not a number", "give a fraction like 3/11 or a float")
+    value = as_number(answer)
+    if value is None:
+        return _not_yet(f"{answer!r} is not a number: give a fraction like Fraction(3, 11), 3/11 or a float")
     p, m = BUBBLE_EXERCISE["stages"], BUBBLE_EXERCISE["microbatches"]
     want = Fraction(p - 1, m + p - 1)
     if abs(value - float(want)) < 1e-3:
@@ -233,6 +294,20 @@ def schedule_makespan(plans, forward: float = 1.0, backward: float = 2.0) -> flo
     return max(clock)
 
 
+def _malformed_action(plans: list[list], microbatches: int) -> str | None:
+    """What is wrong with the first action that is not ``("F", i)`` / ``("B", i)`` with ``0 <= i < m``."""
+    for stage, plan in enumerate(plans):
+        for action in plan:
+            ok = (isinstance(action, (tuple, list)) and len(action) == 2 and action[0] in ("F", "B")
+                  and as_number(action[1]) is not None and float(as_number(action[1])).is_integer()
+                  and 0 <= as_number(action[1]) < microbatches)
+            if not ok:
+                return (f"stage {stage}'s action {action!r} is not ('F', i) or ('B', i) with a micro-batch "
+                        f"i from 0 to {microbatches - 1}")
+    return None
+
+
+@_hint_on_request
 def check_1f1b(fn: Any) -> str:
     """Lesson 08 (write it): ``fn(stage, stages, microbatches)`` returns stage ``stage``'s list of actions
     ``("F", i)`` / ``("B", i)``; it must run without deadlock, hold at most ``min(stages - stage,
@@ -245,6 +320,10 @@ def check_1f1b(fn: Any) -> str:
         if verdict:
             return verdict
         where = f"for {stages} stages and {microbatches} microbatches"
+        malformed = _malformed_action(plans, microbatches)
+        if malformed:
+            return _not_yet(f"{where}: {malformed}", "an action is a pair: ('F', 3) is the forward of micro-batch 3, "
+                            "('B', 3) its backward; a stage's plan is a list of them")
         problem = pipeline.check_schedule(plans, microbatches)
         if problem:
             return _not_yet(f"{where}: {problem}", "warm up with stages - stage - 1 forwards, then alternate "

@@ -5,20 +5,29 @@ learner wrote: :data:`NOT_ANSWERED` while the placeholder (``...``, or a
 function raising ``NotImplementedError``) is still there; ``"Not yet: ..."``
 and a hint for a wrong, partial or malformed answer (or code that raised,
 deadlocked or broke a rule of the exercise); ``"Correct ..."`` for a right
-one. The checker modules of the lessons (:mod:`simcomm.lessons.foundations`,
+one. A verdict states the problem only; the hint (how to fix it) is a second
+answer the learner asks for, by calling the checker again with
+``show_hint=True`` (:func:`hint_on_request`). The checker modules of the lessons (:mod:`simcomm.lessons.foundations`,
 :mod:`simcomm.lessons.training`, :mod:`simcomm.lessons.scaling`) share these.
 """
 from __future__ import annotations
 
+import functools
+import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CollectiveMismatchError, DeadlockError, RankError
 
-__all__ = ["NOT_ANSWERED", "is_correct", "not_yet", "is_placeholder", "Forbidden", "attempt"]
+__all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
+           "as_number", "traffic_beyond_reduce_scatter", "Forbidden", "attempt"]
 
 #: what a checker returns while the exercise still holds its placeholder
 NOT_ANSWERED = "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."
+
+
+#: what replaces the hint of a ``Not yet`` verdict until the learner asks for it
+HINT_OFFER = "(Stuck? Run the same check again with show_hint=True for a hint.)"
 
 
 def is_correct(verdict: str) -> bool:
@@ -31,6 +40,36 @@ def not_yet(problem: str, hint: str | None = None) -> str:
     return f"Not yet: {problem}" + (f"\nHint: {hint}" if hint else "")
 
 
+def hint_on_request(checker: Callable[..., str]) -> Callable[..., str]:
+    """Give ``checker`` a keyword ``show_hint=False``: its ``Not yet`` verdict then says only what is
+    wrong, and offers the hint (:data:`HINT_OFFER`); with ``show_hint=True`` it also gives the hint."""
+    @functools.wraps(checker)
+    def checked(*args: Any, show_hint: bool = False, **kwargs: Any) -> str:
+        verdict = checker(*args, **kwargs)
+        problem, marker, _ = verdict.partition("\nHint: ")
+        return verdict if show_hint or not marker else f"{problem}\n{HINT_OFFER}"
+    return checked
+
+
+def as_number(answer: Any) -> float | None:
+    """``answer`` as a float if it is one real number of any numeric type (``int``, ``float``,
+    ``Fraction``, numpy scalars, 0-d and one-element tensors or arrays); ``None`` otherwise
+    (``bool`` too: True/False is not a count)."""
+    if isinstance(answer, bool) or getattr(answer, "dtype", None) is not None and str(answer.dtype) == "bool":
+        return None
+    if isinstance(answer, numbers.Real):
+        return float(answer)
+    if hasattr(answer, "numel") and hasattr(answer, "item"):           # torch tensors
+        if answer.numel() != 1 or answer.is_complex():
+            return None
+        return float(answer.item())
+    if hasattr(answer, "size") and hasattr(answer, "item") and hasattr(answer, "dtype"):   # numpy arrays
+        if answer.size != 1 or answer.dtype.kind not in "iuf":
+            return None
+        return float(answer.item())
+    return None
+
+
 def is_placeholder(answer: Any) -> bool:
     """Not answered yet, the one rule every checker uses: the untouched ``...`` placeholder,
     alone or as a value of a dict, list or tuple. A checker answers it with
@@ -39,6 +78,20 @@ def is_placeholder(answer: Any) -> bool:
         return True
     values = answer.values() if isinstance(answer, dict) else answer if isinstance(answer, (list, tuple)) else ()
     return any(value is ... for value in values)
+
+
+def traffic_beyond_reduce_scatter(trace: Any, rank: int, input_bytes: int, skip_first: int = 0) -> int:
+    """Bytes ``rank`` sent in ``trace``'s forward-phase calls (after its first ``skip_first`` calls) beyond
+    what a reduce-scatter of an ``input_bytes`` tensor sends, ``(P - 1) / P * input_bytes``; 0 if within.
+
+    The one rule of the checkers that look at traffic: the values are always judged; bytes beyond a
+    reduce-scatter's (an all-reduce then a chunk sends twice as much) reject an answer only where the
+    exercise states that budget (lesson 07's ZeRO-2 shard), and are named in the Correct verdict
+    elsewhere (lesson 02's all-gather backward). Every rank is counted: the caller takes the maximum."""
+    calls = [e for e in trace.events if e.rank == rank and e.op != "compute"][skip_first:]
+    sent = sum(sum(e.sent.values()) for e in calls if e.phase == "forward")
+    world_size = max((len(e.group) for e in calls), default=1)
+    return max(0, sent - (world_size - 1) * input_bytes // world_size)
 
 
 class Forbidden(Exception):
@@ -70,10 +123,21 @@ def attempt(call: Callable[[], Any], deadlock_hint: str | None = None) -> tuple[
         if forbidden is not None:
             return None, not_yet(str(forbidden))
         if isinstance(error, DeadlockError):
-            return None, not_yet("the ranks deadlocked: " + str(error).splitlines()[0], deadlock_hint)
+            return None, not_yet("the ranks deadlocked: " + _summary(error), deadlock_hint)
         if isinstance(error, CollectiveMismatchError):
-            return None, not_yet("the ranks called different collectives: " + str(error).splitlines()[0])
+            return None, not_yet("the ranks called different collectives: " + _summary(error))
         where, cause = (f" on rank {error.rank}", error.__cause__ or error) if isinstance(error, RankError) \
             else ("", error)
-        first = str(cause).splitlines()[0] if str(cause) else ""
-        return None, not_yet(f"your code raised {type(cause).__name__}{where}: {first}")
+        return None, not_yet(f"your code raised {type(cause).__name__}{where}: {_summary(cause)}")
+
+
+def _summary(error: BaseException, most_lines: int = 8) -> str:
+    """The first line of an error's message, and the lines it announces (a first line ending in ':',
+    such as "ranks still running:" or "... none can make progress:", is followed by what it lists)."""
+    lines = [line.rstrip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    if not lines[0].endswith(":"):
+        return lines[0]
+    listed = lines[1:most_lines + 1] + (["  ..."] if len(lines) > most_lines + 1 else [])
+    return "\n".join([lines[0], *listed]) if listed else lines[0] + " (nothing listed)"

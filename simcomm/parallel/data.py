@@ -24,7 +24,8 @@ workers import them) and nothing prints.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -33,10 +34,10 @@ from .. import ReduceOp
 from ..communicator import Communicator
 from ..handles import Handle
 from ..model.cost import modelled_timeline
-from ..trace import Trace
+from ..trace import Trace, backward_phase
 
 __all__ = ["SIZES", "make_model", "make_data", "rows", "sum_loss", "reference_grads", "grads_of",
-           "dp_grads", "accumulation_grads", "bucket_plan", "BucketedReducer", "bucketed_grads",
+           "dp_grads", "accumulation_grads", "bucket_plan", "BucketedReducer", "bucketed_grads", "accumulated_bucketed_grads",
            "overlap_of", "ddp_grads", "BACKWARD_SECONDS_PER_PARAM", "PRESET"]
 
 #: layer widths of the lessons' MLP (Linear + tanh between layers)
@@ -159,10 +160,18 @@ class BucketedReducer:
     first declares that parameter's backward compute (``comm.compute``,
     ``seconds_per_param`` times its size), then marks it ready; when every
     parameter of a bucket is ready, the bucket's gradients are flattened into
-    one buffer and an ``all_reduce(..., async_op=True)`` is issued. After
-    ``loss.backward()``, :meth:`finish` waits on every handle and writes the
-    averaged gradients back into ``.grad`` (in place). Gradients must come
-    from a loss whose sum over ranks is the objective (SUM all-reduce).
+    one buffer and an ``all_reduce(..., async_op=True)`` is issued (traced as a
+    backward-phase call). After ``loss.backward()``, :meth:`finish` waits on
+    every handle and writes the summed gradients back into ``.grad`` (in
+    place). Gradients must come from a loss whose sum over ranks is the
+    objective (SUM all-reduce).
+
+    Gradient accumulation: run every micro-batch's backward but the last inside
+    ``with reducer.no_sync():`` (DDP's ``no_sync``). Autograd then only adds
+    into ``.grad`` and nothing is communicated; the last backward, outside the
+    block, all-reduces the accumulated gradients once per bucket. A second
+    synchronising backward before :meth:`finish` raises ``RuntimeError`` (as
+    DDP does): its buckets would mix two backward passes.
     """
 
     def __init__(self, comm: Communicator, model: nn.Module, bucket_bytes: int,
@@ -174,24 +183,47 @@ class BucketedReducer:
         self.ready = [0] * len(self.plan)
         self.handles: list[tuple[int, Handle]] = []
         self.seconds_per_param = seconds_per_param
+        self.sync = True
         for index, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, index=index: self._ready(index))
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside this block backward only accumulates into ``.grad`` (no collective is issued)."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
     def _ready(self, index: int) -> None:
         self.comm.compute(seconds=self.params[index].numel() * self.seconds_per_param)
+        if not self.sync:
+            return
         bucket = self.bucket_of[index]
+        if self.ready[bucket] == len(self.plan[bucket]):
+            raise RuntimeError(
+                f"BucketedReducer: parameter {index} on rank {self.comm.rank} got a second synchronising "
+                "gradient before finish(): call finish() after every synchronising backward, and run the "
+                "backward of every micro-batch but the last inside reducer.no_sync()")
         self.ready[bucket] += 1
         if self.ready[bucket] == len(self.plan[bucket]):
             flat = torch.cat([self.params[i].grad.reshape(-1) for i in self.plan[bucket]])   # (bucket numel,)
-            self.handles.append((bucket, self.comm.all_reduce(flat, async_op=True)))
+            with backward_phase():
+                self.handles.append((bucket, self.comm.all_reduce(flat, async_op=True)))
 
     def finish(self) -> None:
-        """Wait for every bucket; write the summed gradients into ``.grad``. Blocks."""
+        """Wait for every bucket; write the summed gradients into ``.grad``. Blocks.
+        Raises ``RuntimeError`` if a bucket was only partly ready (some parameter got no gradient)."""
+        partial = [b for b, count in enumerate(self.ready) if 0 < count < len(self.plan[b])]
         for bucket, handle in self.handles:
             flat = handle.wait()
             for i, piece in zip(self.plan[bucket], flat.split([self.params[i].numel() for i in self.plan[bucket]])):
                 self.params[i].grad.copy_(piece.view_as(self.params[i].grad))
         self.handles, self.ready = [], [0] * len(self.plan)
+        if partial:
+            raise RuntimeError(f"BucketedReducer.finish on rank {self.comm.rank}: buckets {partial} were only "
+                               "partly ready: some parameters got no gradient in the last backward")
 
 
 def bucketed_grads(comm: Communicator, x: torch.Tensor, y: torch.Tensor, bucket_bytes: int,
@@ -202,6 +234,27 @@ def bucketed_grads(comm: Communicator, x: torch.Tensor, y: torch.Tensor, bucket_
     xs, ys = rows(comm, x, y)
     comm.compute(seconds=sum(p.numel() for p in reducer.params) * reducer.seconds_per_param / 2)  # forward
     (sum_loss(model, xs, ys) / x.shape[0]).backward()
+    reducer.finish()
+    return grads_of(model)
+
+
+def accumulated_bucketed_grads(comm: Communicator, x: torch.Tensor, y: torch.Tensor, microbatches: int,
+                               bucket_bytes: int, sizes: Sequence[int] = SIZES) -> list[torch.Tensor]:
+    """Gradient accumulation with :class:`BucketedReducer`: this rank's rows in ``microbatches`` slices,
+    every backward but the last inside ``reducer.no_sync()``, each loss ``sum_loss / len(x)`` so that the
+    losses of all micro-batches and ranks add up to the whole batch's mean. Returns the synchronised
+    gradients (the whole batch's, on every rank). Collective; blocks."""
+    model = make_model(sizes)
+    reducer = BucketedReducer(comm, model, bucket_bytes)
+    xs, ys = rows(comm, x, y)
+    if xs.shape[0] % microbatches:
+        raise ValueError(f"accumulated_bucketed_grads: {xs.shape[0]} rows on rank {comm.rank} do not divide "
+                         f"into microbatches={microbatches}")
+    pieces = list(zip(xs.chunk(microbatches), ys.chunk(microbatches)))
+    with reducer.no_sync():
+        for xm, ym in pieces[:-1]:
+            (sum_loss(model, xm, ym) / x.shape[0]).backward()      # only adds into .grad
+    (sum_loss(model, *pieces[-1]) / x.shape[0]).backward()         # all-reduces the accumulated buckets
     reducer.finish()
     return grads_of(model)
 

@@ -4,10 +4,15 @@ Every rank holds its own tokens ``x (T, hidden)``, the whole router, and
 ``E/P`` of the ``E`` experts (rank ``r``: experts ``r*E/P ... (r+1)*E/P - 1``).
 One forward pass, :func:`expert_parallel_moe`:
 
-1. **route**: softmax of ``x @ router.T + bias``; each token picks its top-k
-   experts, weighted by their probabilities (the *gates*);
+1. **route**: softmax of ``x @ router.T + bias`` over all ``E`` experts; each
+   token picks its top-k experts, weighted by their probabilities (the
+   *gates*), which are not renormalised over the k chosen (Switch's top-1
+   convention kept for any k; GShard renormalises its top-2, Mixtral takes a
+   softmax of the top-k logits), so a token's gates sum to at most 1;
 2. **capacity**: an expert takes at most ``capacity`` of a rank's assignments
-   (``ceil(capacity_factor * T * k / E)``; the first ones in token order);
+   (``ceil(capacity_factor * T * k / E)``), filled in token order, then slot:
+   token 0's second choice is kept before token 1's first (GShard fills every
+   token's first choice before any second choice);
    the rest are *dropped*: they add nothing to the token's output;
 3. **exchange counts**: an even ``all_to_all_single`` of the per-expert
    counts tells every rank how many rows it will receive from each rank;
@@ -36,7 +41,7 @@ import torch.nn.functional as F
 from ..communicator import Communicator
 
 __all__ = ["make_moe", "route", "keep_mask", "capacity", "expert", "moe", "shard_experts",
-           "expert_parallel_moe", "tokens_per_expert"]
+           "expert_parallel_moe", "tokens_per_expert", "load_balancing_loss"]
 
 
 def make_moe(hidden: int, ffn: int, num_experts: int, *, seed: int = 0, dtype: torch.dtype = torch.float64
@@ -60,6 +65,19 @@ def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int
         raise ValueError(f"route: top_k={top_k} must be between 1 and the number of experts {num_experts}")
     probs = torch.softmax(x @ router.T + bias, dim=-1)          # (T, E)
     return probs.topk(top_k, dim=-1)
+
+
+def load_balancing_loss(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The Switch Transformer's auxiliary loss ``E * sum_e f_e * P_e`` (0-d): ``f_e`` the fraction of the
+    ``T * k`` assignments that go to expert ``e``, ``P_e`` the router's mean probability of ``e`` over the
+    ``T`` tokens. It is 1 when routing is uniform and ``E`` when every token goes to one expert; its
+    gradient (through ``P_e``; ``f_e`` is a count) pushes probability away from overloaded experts.
+    Production routers add it, times a small coefficient (0.01 in Switch), to the training loss."""
+    num_experts = router.shape[0]
+    probs = torch.softmax(x @ router.T + bias, dim=-1)                         # (T, E)
+    experts = probs.topk(top_k, dim=-1).indices                                # (T, k)
+    fraction = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype) / experts.numel()  # (E,)
+    return num_experts * (fraction * probs.mean(0)).sum()
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int | None:

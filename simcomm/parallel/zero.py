@@ -28,6 +28,23 @@ float64). The programs label their tensors (:mod:`simcomm.memory`) and mark
 parameters of stage 3 already freed: that is the *steady state* the table
 describes.
 
+Two stages have a second way, ``variant=``, as the systems that ship them do:
+
+* stage 2, ``"in_backward"``: a gradient hook reduce-scatters each layer's
+  gradient the moment backward has produced it and frees the full gradient
+  (DeepSpeed's ZeRO-2 with one bucket per layer), so the full gradient of the
+  whole model never exists at once. The default, ``"after_backward"``,
+  reduce-scatters after the whole backward: its *peak* holds every full
+  gradient, as stage 1 does.
+* stage 3, ``"fsdp"``: FSDP's way. Forward all-gathers each layer and frees
+  it after use; a saved-tensor hook keeps the layer's activations but not its
+  gathered parameters, and re-gathers them when backward reaches the layer
+  (FSDP's pre-backward all-gather); the all-gather's backward reduce-scatters
+  the gradient into the shard (FSDP's post-backward reduce-scatter). The
+  default, ``"checkpoint"``, recomputes each layer's forward in backward
+  (``torch.utils.checkpoint``): the same collectives, no activations kept
+  inside a layer, a second forward's compute.
+
 >>> world = simcomm.World(4, memory=True)
 >>> world.run(zero.train, stage=2, steps=2)
 >>> world.memory.at("after step 2")[0]["optimizer_state"]     # 8 * psi / 4 bytes
@@ -35,18 +52,24 @@ describes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from .. import memory
 from ..communicator import Communicator
+from ..trace import backward_phase
 
-__all__ = ["MLP", "Adam", "shard", "padded", "make_batch", "train", "step_stage", "STAGES", "expected_bytes"]
+__all__ = ["MLP", "Adam", "shard", "padded", "make_batch", "train", "step_stage", "STAGES", "VARIANTS",
+           "expected_bytes"]
 
 STAGES = (0, 1, 2, 3)
+#: each stage's ways to run, the default first
+VARIANTS = {0: ("plain",), 1: ("plain",), 2: ("after_backward", "in_backward"), 3: ("checkpoint", "fsdp")}
 
 
 @dataclass(frozen=True)
@@ -67,9 +90,13 @@ class MLP:
     def init(self, seed: int = 0) -> list[torch.Tensor]:
         """One flat fp32 vector per layer, uniform in ``+-1/sqrt(fan_in)``, from a generator of its own
         (the same values on every rank and backend, whatever the global random state)."""
+        return list(self.init_layers(seed))
+
+    def init_layers(self, seed: int = 0) -> Iterator[torch.Tensor]:
+        """:meth:`init`'s vectors one at a time (a sharded model never holds them all at once)."""
         generator = torch.Generator().manual_seed(seed)
-        return [(torch.rand(numel, generator=generator) * 2 - 1) / math.sqrt(fan_in)
-                for numel, fan_in in zip(self.layer_numels, self.sizes)]
+        for numel, fan_in in zip(self.layer_numels, self.sizes):
+            yield (torch.rand(numel, generator=generator) * 2 - 1) / math.sqrt(fan_in)
 
     def apply_layer(self, i: int, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """Layer ``i`` (and its tanh, except on the last layer) on ``x``, its parameters in ``flat``."""
@@ -192,28 +219,84 @@ def _step_stage3(comm, mlp, params, opt, grads, batch) -> None:
         adam.update(p.detach(), p.grad)                   # shard, gradient shard, moments: all 1/N
 
 
-_STEPS = {0: _step_stage0, 1: _step_stage1, 2: _step_stage2, 3: _step_stage3}
+def _step_stage2_in_backward(comm, mlp, params, opt, grads, batch) -> None:
+    def reduce_now(i: int) -> Callable:
+        def hook(p: torch.Tensor) -> None:               # layer i's gradient is final: reduce it now
+            with memory.label("gradients"), backward_phase():
+                grads[i] = comm.reduce_scatter(p.grad, dim=0)
+            p.grad = None                                 # freed before the next layer's gradient exists
+        return hook
+    hooks = [p.register_post_accumulate_grad_hook(reduce_now(i)) for i, p in enumerate(params)]
+    try:
+        _backward(mlp, batch, params.__getitem__)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for i, (p, adam) in enumerate(zip(params, opt)):
+        mine = shard(p.detach(), comm)
+        adam.update(mine, grads[i])
+        p.detach().copy_(comm.all_gather(mine, dim=0))
 
 
-def step_stage(stage: int) -> Callable:
-    """The one-step function of ``stage``: ``step(comm, mlp, params, opt, grads, batch)``."""
-    if stage not in _STEPS:
+def _step_stage3_fsdp(comm, mlp, params, opt, grads, batch) -> None:
+    alive: dict[int, tuple[int, weakref.ref]] = {}        # storage address -> (layer, gathered tensor)
+
+    def gathered(i: int) -> torch.Tensor:                 # forward: layer i, just before it runs
+        with memory.label("parameters"):
+            full = comm.all_gather(params[i], dim=0)      # backward: reduce-scatter into params[i].grad
+        alive[full.untyped_storage().data_ptr()] = (i, weakref.ref(full))
+        return full
+
+    def pack(saved: torch.Tensor):
+        layer, ref = alive.get(saved.untyped_storage().data_ptr(), (None, None))
+        if ref is None or ref() is None or ref().untyped_storage().data_ptr() != saved.untyped_storage().data_ptr():
+            return saved                                  # an activation: kept until backward
+        return layer, saved.size(), saved.stride(), saved.storage_offset()   # gathered parameters: not kept
+
+    def unpack(saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        layer, size, stride, offset = saved
+        with torch.no_grad(), backward_phase(), memory.label("parameters"):
+            full = comm.all_gather(params[layer].detach(), dim=0)            # pre-backward re-gather
+        return full.as_strided(size, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        _backward(mlp, batch, gathered)
+    for p, adam in zip(params, opt):
+        adam.update(p.detach(), p.grad)
+
+
+_STEPS = {(0, "plain"): _step_stage0, (1, "plain"): _step_stage1, (2, "after_backward"): _step_stage2,
+          (2, "in_backward"): _step_stage2_in_backward, (3, "checkpoint"): _step_stage3,
+          (3, "fsdp"): _step_stage3_fsdp}
+
+
+def step_stage(stage: int, variant: str | None = None) -> Callable:
+    """The one-step function of ``stage`` (and ``variant``, :data:`VARIANTS`; ``None``: the default):
+    ``step(comm, mlp, params, opt, grads, batch)``. Raises ``ValueError`` naming a stage or variant
+    that does not exist."""
+    if stage not in VARIANTS:
         raise ValueError(f"zero: stage={stage!r}; ZeRO stages are {list(STAGES)}")
-    return _STEPS[stage]
+    variant = VARIANTS[stage][0] if variant is None else variant
+    if variant not in VARIANTS[stage]:
+        raise ValueError(f"zero: variant={variant!r} for stage {stage}; use one of {list(VARIANTS[stage])}")
+    return _STEPS[(stage, variant)]
 
 
 def train(comm: Communicator, stage: int, mlp: MLP = MLP(), *, steps: int = 2, batch_size: int = 8,
-          lr: float = 1e-2, seed: int = 0) -> list[torch.Tensor]:
+          lr: float = 1e-2, seed: int = 0, variant: str | None = None) -> list[torch.Tensor]:
     """``steps`` Adam steps of ``mlp`` on the whole batch, data-parallel with ZeRO ``stage``.
 
     Rank ``r`` trains on rows ``r * batch_size / N ...`` of :func:`make_batch`
-    (``batch_size`` must divide by the world size). Marks ``"after step k"``
+    (``batch_size`` must divide by the world size); ``variant``: one of
+    ``VARIANTS[stage]`` (``None``: the default). Marks ``"after step k"``
     (:func:`simcomm.memory.mark`) after each step. Returns this rank's
     parameters, one flat fp32 vector per layer: the full padded vectors for
     stages 0-2, this rank's shards for stage 3 (``torch.cat`` over ranks and
     cut to each layer's size gives the model). Collective; blocks.
     """
-    step = step_stage(stage)
+    step = step_stage(stage, variant)
     world_size, rank = comm.world_size, comm.rank
     if batch_size % world_size:
         raise ValueError(f"zero.train: batch_size={batch_size} on rank {rank} is not divisible by "
@@ -224,10 +307,12 @@ def train(comm: Communicator, stage: int, mlp: MLP = MLP(), *, steps: int = 2, b
         batch = (x[rows].clone(), y[rows].clone(), batch_size)
         del x, y
     with memory.label("parameters"):
-        params = [torch.nn.functional.pad(p, (0, padded(p.numel(), world_size) - p.numel()))
-                  for p in mlp.init(seed)]
-        if stage == 3:
-            params = [shard(p, comm).clone() for p in params]
+        params = []
+        for layer in mlp.init_layers(seed):              # one full layer at a time: no init-time peak
+            full = torch.nn.functional.pad(layer, (0, padded(layer.numel(), world_size) - layer.numel()))
+            del layer
+            params.append(shard(full, comm).clone() if stage == 3 else full)
+            del full
     params = [p.requires_grad_() for p in params]
     opt = [Adam(p.numel() // world_size if stage in (1, 2) else p.numel(), lr) for p in params]
     grads: list[torch.Tensor | None] = [None] * len(params)

@@ -7,7 +7,8 @@ cannot represent it, so an exported lesson loses every figure. The
 
 * the plotly mimetype, which JupyterLab draws (interactive, as before);
 * a ``text/html`` form (a ``<div>`` and a ``Plotly.newPlot`` call) that an
-  HTML export keeps and a browser draws without a kernel. It carries no copy
+  HTML export keeps and a browser draws without a kernel, inside a box that
+  scrolls sideways when the figure is wider than the page (1024 px). It carries no copy
   of plotly.js: the library is written into the notebook *once*, by the
   renderer's activation before the first figure of a kernel session, so an
   exported lesson holds plotly.js once, not once per figure, and needs no
@@ -22,10 +23,12 @@ from __future__ import annotations
 import plotly.io as pio
 from plotly.io._base_renderers import MimetypeRenderer, PlotlyRenderer
 
-__all__ = ["RENDERER", "EmbeddedHtmlRenderer", "use_export_renderer", "in_kernel"]
+__all__ = ["RENDERER", "SCROLL_CLASS", "EmbeddedHtmlRenderer", "use_export_renderer", "in_kernel"]
 
 #: the name the renderer is registered under in ``plotly.io.renderers``
 RENDERER = "simcomm"
+#: the class of the scrolling box around each exported figure
+SCROLL_CLASS = "simcomm-figure"
 
 
 class EmbeddedHtmlRenderer(MimetypeRenderer):
@@ -42,7 +45,8 @@ class EmbeddedHtmlRenderer(MimetypeRenderer):
     def to_mimebundle(self, fig_dict: dict) -> dict:
         html = pio.to_html(fig_dict, include_plotlyjs=False, include_mathjax=False, full_html=False,
                            auto_play=False, validate=False)
-        return {"text/html": html}
+        # a figure wider than the page (a projector at 1024 px) scrolls instead of being cut off
+        return {"text/html": f'<div class="{SCROLL_CLASS}" style="max-width:100%;overflow-x:auto">{html}</div>'}
 
 
 class _CombinedRenderer(MimetypeRenderer):

@@ -160,9 +160,18 @@ def _split(timeline: Timeline, item: Placed) -> tuple[list, list]:
     return exposed, hidden
 
 
+def _plain(value: float) -> str:
+    """A duration in the figure's unit without scientific notation: 3 significant digits, ``0`` for
+    what would not show at that precision (a rounding remainder such as 9.06e-07), thousands
+    separated."""
+    if abs(value) < 5e-3:
+        return "0"
+    return f"{value:,.0f}" if abs(value) >= 999.5 else f"{value:.3g}"
+
+
 def _summary(summary, unit: str, scale: float) -> str:
     def fmt(seconds: float) -> str:
-        return f"{seconds * scale:.3g}"
+        return _plain(seconds * scale)
     text = (f"comm {fmt(summary.communication)} {unit}: <b>exposed {fmt(summary.exposed)}</b>, "
             f"hidden {fmt(summary.hidden)}")
     if summary.waiting > 0:
@@ -183,9 +192,9 @@ def _overall(timeline: Timeline, unit: str, scale: float) -> str:
     step = max(s.end for s in summaries)
     mean = lambda values: sum(values) / n  # noqa: E731
     exposed = [s.exposed for s in summaries]
-    return (f"all {n} ranks: step {step * scale:.4g} {unit}; communication per rank: exposed mean "
-            f"{mean(exposed) * scale:.3g} (max {max(exposed) * scale:.3g}), hidden mean "
-            f"{mean([s.hidden for s in summaries]) * scale:.3g} {unit}")
+    return (f"all {n} ranks: step {_plain(step * scale)} {unit}; communication per rank: exposed mean "
+            f"{_plain(mean(exposed) * scale)} (max {_plain(max(exposed) * scale)}), hidden mean "
+            f"{_plain(mean([s.hidden for s in summaries]) * scale)} {unit}")
 
 
 def _members(group: list[int]) -> str:
