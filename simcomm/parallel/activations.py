@@ -5,14 +5,14 @@ bytes a GPT layer keeps for its backward pass (16-bit activations, 1-byte
 dropout masks), for sequence length ``s``, micro-batch ``b``, hidden size
 ``h``, ``a`` attention heads and ``t`` tensor-parallel ranks:
 
-=====================================  ==========================  ==================
-recomputation                          stored per layer (bytes)    what is kept
-=====================================  ==========================  ==================
-none, no parallelism                   ``sbh (34 + 5 a s / h)``    every saved tensor
+=====================================  ============================  ===========================
+recomputation                          stored per layer (bytes)      what is kept
+=====================================  ============================  ===========================
+none, no parallelism                   ``sbh (34 + 5 a s / h)``      every saved tensor
 none, tensor + sequence parallel       ``sbh (34 + 5 a s / h) / t``  each rank its shard
-selective (attention core recomputed)  ``34 sbh / t``              all but the ``a s^2`` terms
-full (whole layer recomputed)          ``2 sbh / t``               the layer's input
-=====================================  ==========================  ==================
+selective (attention core recomputed)  ``34 sbh / t``                all but the ``a s^2`` terms
+full (whole layer recomputed)          ``2 sbh / t``                 the layer's input
+=====================================  ============================  ===========================
 
 :func:`layer` is that layer, written so that autograd saves exactly what the
 paper counts: LayerNorm inputs (``4sbh``), the QKV input (``2sbh``), Q, K, V
