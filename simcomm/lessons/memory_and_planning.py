@@ -100,6 +100,11 @@ def _skip_program(comm, fn, bad_rank, value):
     return fn(comm, grads)
 
 
+def _run_skip(fn, bad_rank, value):
+    with World(4) as world:
+        return world.run(_skip_program, fn, bad_rank, value)
+
+
 @hint_on_request
 def check_skip_step(fn: Callable[..., Any]) -> str:
     """``fn(comm, grads)`` -> bool: skip the step, the same answer on every rank, when any rank's
@@ -109,7 +114,7 @@ def check_skip_step(fn: Callable[..., Any]) -> str:
     if not callable(fn):
         return not_yet(f"give a function fn(comm, grads); got {type(fn).__name__}")
     for bad_rank, value in ((None, 1.0), (2, float("inf")), (0, float("nan"))):
-        outs, verdict = attempt(lambda bad=bad_rank, v=value: World(4).run(_skip_program, fn, bad, v),
+        outs, verdict = attempt(lambda bad=bad_rank, v=value: _run_skip(fn, bad, v),
                                 "every rank must call the same collectives")
         if verdict is not None:
             return verdict
