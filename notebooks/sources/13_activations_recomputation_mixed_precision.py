@@ -234,16 +234,25 @@ prediction = {"none": ..., "selective": ..., "full": ...}      # bytes per layer
 
 print(checks.check_activation_prediction(prediction, 256, 1, 128, 8, 4))
 
-# %% [markdown]
-# <details><summary>Solution (try first)</summary>
+# %% [markdown] expect=["Correct: the bytes per layer and rank for all three recomputation modes."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
 #
-# `sbh = 32768` elements per layer input; divided by `t = 4`: none `sbh (34 + 5 a s / h) / t`
-# `= 8192 x 114 = 933,888`, plus the LayerNorm statistics `8 sb / t = 512`: **934,400**; selective
-# `34 x 8192 + 512 =` **279,040**; full `2 x 8192 =` **16,384** (the statistics are recomputed too).
-# `checks.solution_activation_prediction(256, 1, 128, 8, 4)` computes the same.
+# ```python
+# # Solution of exercise 1.
+# # s b h = 32,768 elements per layer input; with sequence parallelism each rank keeps 1/t of every
+# # stored tensor: 8,192. none: 8,192 x (34 + 5 a s / h) = 8,192 x 114 = 933,888, plus the LayerNorm
+# # statistics 8 s b / t = 512 bytes; selective: 34 x 8,192 + 512; full: the input only, 2 x 8,192
+# # (the statistics are recomputed with the layer).
+# sbh_per_rank = 256 * 1 * 128 // 4
+# stats = 8 * 256 * 1 // 4
+# prediction_solution = {"none": sbh_per_rank * (34 + 5 * 8 * 256 // 128) + stats,
+#                        "selective": 34 * sbh_per_rank + stats, "full": 2 * sbh_per_rank}
+# print(checks.check_activation_prediction(prediction_solution, 256, 1, 128, 8, 4))
+# ```
 #
 # </details>
-#
+
+# %% [markdown]
 # ## Exercise 2: write the model-state bytes
 #
 # Write `state_bytes(stage, psi, world_size, gradients)` returning the bytes per rank of
@@ -256,42 +265,49 @@ def state_bytes(stage, psi, world_size, gradients):
 
 print(checks.check_model_state_bytes(state_bytes))
 
-# %% [markdown]
-# <details><summary>Solution (try first)</summary>
+# %% [markdown] expect=["Correct: model-state bytes for ZeRO stages 0-3, 16-bit and fp32 main_grad gradients."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
 #
 # ```python
-# def state_bytes(stage, psi, world_size, gradients):
+# # Solution of exercise 2.
+# # 2 bytes per bf16 parameter, 2 or 4 per gradient, 12 for the fp32 master and Adam's moments;
+# # ZeRO stage k shards the first k of optimizer state, gradients, parameters over the ranks.
+# def state_bytes_solution(stage, psi, world_size, gradients):
 #     grad = 2 if gradients == "16-bit" else 4
 #     return {"parameters": 2 * psi / (world_size if stage >= 3 else 1),
 #             "gradients": grad * psi / (world_size if stage >= 2 else 1),
 #             "optimizer_state": 12 * psi / (world_size if stage >= 1 else 1)}
+#
+# print(checks.check_model_state_bytes(state_bytes_solution))
 # ```
-# (`checks.solution_model_state_bytes`; the tests check that the checker accepts it.)
 #
 # </details>
-#
+
+# %% [markdown]
 # ## Exercise 3: find the bug
 #
 # This decides whether an fp16 step is skipped. On one rank it is right; on many it breaks the
 # training. Run the checker to see how, then fix it.
 
-# %% expect=["Not yet: with an overflow on rank 2 only ranks [2] skip the step and the others update: the replicas' weights diverge", "Hint: combine the ranks' flags with a collective (all_reduce, MAX) before deciding"]
+# %% expect=["Not yet: with an overflow on rank 2 only ranks [2] skip the step and the others update: the replicas' weights diverge", "(Stuck? Run the same check again with show_hint=True for a hint.)"]
 def skip_step(comm, grads):
     return not all(bool(torch.isfinite(g).all()) for g in grads)
 
 print(checks.check_skip_step(skip_step))
 
-# %% [markdown]
-# <details><summary>Solution (try first)</summary>
-#
-# Each rank looked at its own gradients only. Combine the flags first, so every rank decides alike:
+# %% [markdown] expect=["Correct: every rank skips together when any rank overflowed, and only then."] tags=["solution"]
+# <details><summary>Solution of exercise 3 (open it once you have tried)</summary>
 #
 # ```python
-# def skip_step(comm, grads):
+# # Solution of exercise 3.
+# # Each rank looked at its own gradients only. Combine the flags first (MAX: 1 if any rank
+# # overflowed), so every rank decides alike.
+# def skip_step_solution(comm, grads):
 #     flag = torch.tensor([0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0])
 #     return bool(comm.all_reduce(flag, "max").item())
+#
+# print(checks.check_skip_step(skip_step_solution))
 # ```
-# (`checks.solution_skip_step`.)
 #
 # </details>
 

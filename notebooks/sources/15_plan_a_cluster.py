@@ -186,17 +186,20 @@ choice = ...   # (tp, cp, pp, dp)
 
 print(checks.check_plan_choice(choice, rows70, LIMIT))
 
-# %% [markdown]
-# <details><summary>Solution (try first)</summary>
+# %% [markdown] expect=["Correct: (1, 16, 8, 8) is the fastest layout that fits 80 GiB per GPU."] tags=["solution"]
+# <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
 #
 # ```python
-# fitting = [row for row in rows70 if row["total"] <= LIMIT]
-# choice = planner.key(min(fitting, key=lambda row: row["step_time"]))
+# # Solution of exercise 1.
+# # Keep the rows whose memory per GPU fits, then take the one with the shortest modelled step.
+# fits_80 = [row for row in rows70 if row["total"] <= LIMIT]
+# choice_solution = planner.key(min(fits_80, key=lambda row: row["step_time"]))
+# print(checks.check_plan_choice(choice_solution, rows70, LIMIT))
 # ```
-# (`checks.solution_plan_choice(rows70, LIMIT)`.)
 #
 # </details>
-#
+
+# %% [markdown]
 # ## Exercise 2: the sequence doubles
 #
 # Llama 3 8B on 1024 GPUs, now with sequences of 16,384 tokens (the same number of sequences). Which
@@ -208,15 +211,21 @@ grows = ...   # "tp", "cp", "pp" or "dp"
 
 print(checks.check_sequence_doubling(grows, LLAMA3_8B, 1024, 8192, LIMIT, global_batch=1024))
 
-# %% [markdown]
-# <details><summary>Solution (try first)</summary>
+# %% [markdown] expect=["Correct: at twice the sequence the best layout grows cp."] tags=["solution"]
+# <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
 #
-# Activations grow with `s`; model states do not. Context parallelism divides the sequence (and so
-# the activations) at the price of one K/V all-gather per layer, while TP would also add collectives
-# on every sublayer and PP a bubble: **`"cp"`** grows (2 to 4).
+# ```python
+# # Solution of exercise 2.
+# # Activations grow with s; model states do not. Context parallelism divides the sequence (and so
+# # the activations) at the price of one K/V all-gather per layer, while TP would also add
+# # collectives on every sublayer and PP a bubble: cp grows (2 to 4).
+# grows_solution = "cp"
+# print(checks.check_sequence_doubling(grows_solution, LLAMA3_8B, 1024, 8192, LIMIT, global_batch=1024))
+# ```
 #
 # </details>
-#
+
+# %% [markdown]
 # ## Exercise 3: why does it not fit?
 #
 # Pure data parallelism of Llama 3 8B at sequence 8192 (`tp = cp = pp = 1`, `dp = 1024`) needs more
@@ -231,12 +240,17 @@ reason = ...   # "parameters", "gradients", "optimizer_state" or "activations"
 
 print(checks.check_out_of_memory_reason(reason, oom, LIMIT))
 
-# %% [markdown]
-# <details><summary>Solution (try first)</summary>
+# %% [markdown] expect=["Correct: activations (46.9 GiB) is what overflows 80 GiB in layout (1, 1, 1, 1024)."] tags=["solution"]
+# <details><summary>Solution of exercise 3 (open it once you have tried)</summary>
 #
-# **`"activations"`**: 32 layers of `2 sb (6h + 2h kv/a + 4 ffn)` bytes at `s = 8192`, plus the logits
-# (about 47 GiB), more than the fp32 gradients (30 GiB). Context parallelism 2 (or full recomputation)
-# brings it under 80 GiB; ZeRO would not, since the optimizer state is already sharded 1024 ways.
+# ```python
+# # Solution of exercise 3.
+# # 32 layers of 2 sb (6h + 2h kv/a + 4 ffn) bytes at s = 8192, plus the logits (about 47 GiB), more
+# # than the fp32 gradients (30 GiB). Context parallelism 2 (or full recomputation) brings it under
+# # 80 GiB; ZeRO would not, since the optimizer state is already sharded 1024 ways.
+# reason_solution = "activations"
+# print(checks.check_out_of_memory_reason(reason_solution, oom, LIMIT))
+# ```
 #
 # </details>
 

@@ -2,15 +2,16 @@
 
 Every checker takes what the learner wrote and *returns* one verdict
 (:mod:`simcomm.lessons.verdicts`): :data:`NOT_ANSWERED` for the untouched
-placeholder, ``Not yet: ...`` with a hint for a wrong, partial or malformed
-answer, ``Correct: ...`` for a right one. Programs a checker runs go to the
-simulator. Each exercise's solution is a function here too (``solution_*``),
-so the tests prove that the checker accepts it; the lessons show the solution
-in a collapsed Markdown block and never run it.
+placeholder, ``Not yet: ...`` for a wrong, partial or malformed answer,
+``Correct: ...`` for a right one. A ``Not yet`` verdict states the problem
+only; the hint comes with ``show_hint=True`` (every checker takes it). Programs
+a checker runs go to the simulator. The right answers are computed from the
+library (``activations.expected_bytes``, ``mixed_precision.expected_bytes``,
+the planner); the solutions live in the lessons, as collapsed Markdown cells
+that Run All does not execute.
 """
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -19,29 +20,20 @@ import torch
 from ..parallel import activations, mixed_precision
 from ..parallel import planner as plan
 from ..sim.world import World
-from .verdicts import NOT_ANSWERED, attempt, is_placeholder, not_yet
+from .verdicts import NOT_ANSWERED, as_number, attempt, hint_on_request, is_correct, is_placeholder, not_yet
 
-__all__ = ["check_activation_prediction", "solution_activation_prediction", "check_model_state_bytes",
-           "solution_model_state_bytes", "check_skip_step", "solution_skip_step", "buggy_skip_step",
-           "check_plan_choice", "solution_plan_choice", "check_sequence_doubling", "solution_sequence_doubling",
-           "check_out_of_memory_reason", "solution_out_of_memory_reason"]
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            return float(value)
-        return None
-    return float(value)
+__all__ = ["NOT_ANSWERED", "is_correct", "check_activation_prediction", "check_model_state_bytes",
+           "check_skip_step", "check_plan_choice", "check_sequence_doubling", "check_out_of_memory_reason"]
 
 
 # -- lesson 13 ---------------------------------------------------------------------------------
 
-def solution_activation_prediction(seq: int, batch: int, hidden: int, heads: int, tp: int) -> dict[str, float]:
+def _activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int) -> dict[str, float]:
     """The bytes per layer and rank this lesson's layer stores, by recomputation mode."""
     return {mode: activations.expected_bytes(seq, batch, hidden, heads, tp, mode) for mode in activations.RECOMPUTE}
 
 
+@hint_on_request
 def check_activation_prediction(answer: Any, seq: int, batch: int, hidden: int, heads: int, tp: int) -> str:
     """``answer``: ``{"none": bytes, "selective": bytes, "full": bytes}`` stored per layer and rank by
     the lesson's bf16 layer at this size with tensor + sequence parallelism over ``tp`` ranks."""
@@ -53,9 +45,9 @@ def check_activation_prediction(answer: Any, seq: int, batch: int, hidden: int, 
     missing = [mode for mode in activations.RECOMPUTE if mode not in answer]
     if missing:
         return not_yet(f"the answer has no entry for {missing}", "one number of bytes per recomputation mode")
-    right = solution_activation_prediction(seq, batch, hidden, heads, tp)
+    right = _activation_bytes(seq, batch, hidden, heads, tp)
     for mode in activations.RECOMPUTE:
-        got = _number(answer[mode])
+        got = as_number(answer[mode])
         if got is None:
             return not_yet(f"answer[{mode!r}] = {answer[mode]!r} is not a number of bytes")
         if got == right[mode]:
@@ -73,16 +65,11 @@ def check_activation_prediction(answer: Any, seq: int, batch: int, hidden: int, 
     return "Correct: the bytes per layer and rank for all three recomputation modes."
 
 
-def solution_model_state_bytes(stage: int, psi: int, world_size: int, gradients: str) -> dict[str, float]:
-    """Bytes per rank of 16-bit parameters, gradients and fp32 optimizer state under ZeRO ``stage``."""
-    grad = 2 if gradients == "16-bit" else 4
-    return {"parameters": 2 * psi / (world_size if stage >= 3 else 1),
-            "gradients": grad * psi / (world_size if stage >= 2 else 1),
-            "optimizer_state": 12 * psi / (world_size if stage >= 1 else 1)}
-
-
+@hint_on_request
 def check_model_state_bytes(fn: Callable[..., Any]) -> str:
     """``fn(stage, psi, world_size, gradients)`` -> ``{"parameters", "gradients", "optimizer_state"}`` bytes."""
+    if is_placeholder(fn):
+        return NOT_ANSWERED
     if not callable(fn):
         return not_yet(f"give a function; got {type(fn).__name__}")
     labels = ("parameters", "gradients", "optimizer_state")
@@ -97,24 +84,13 @@ def check_model_state_bytes(fn: Callable[..., Any]) -> str:
                                    f"return a dict with exactly the keys {list(labels)}")
                 right = mixed_precision.expected_bytes(stage, psi, world_size, gradients)
                 for label in labels:
-                    value = _number(got[label])
+                    value = as_number(got[label])
                     if value is None or abs(value - right[label]) > 1e-9 * right[label]:
                         return not_yet(f"stage {stage}, {gradients} gradients, psi={psi}, N={world_size}: "
                                        f"{label} = {got[label]!r}, expected {right[label]:,.0f}",
                                        "2 bytes per 16-bit parameter, 2 or 4 per gradient, 12 for master + Adam; "
                                        "stage k shards the first k of optimizer state, gradients, parameters")
     return "Correct: model-state bytes for ZeRO stages 0-3, 16-bit and fp32 main_grad gradients."
-
-
-def buggy_skip_step(comm, grads: list[torch.Tensor]) -> bool:
-    """Skip this step? (the version with the bug of exercise 3)"""
-    return not all(bool(torch.isfinite(g).all()) for g in grads)
-
-
-def solution_skip_step(comm, grads: list[torch.Tensor]) -> bool:
-    """Skip this step when any rank's gradients hold an inf or NaN: every rank decides alike."""
-    flag = torch.tensor([0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0])
-    return bool(comm.all_reduce(flag, "max").item())
 
 
 def _skip_program(comm, fn, bad_rank, value):
@@ -124,13 +100,21 @@ def _skip_program(comm, fn, bad_rank, value):
     return fn(comm, grads)
 
 
+def _run_skip(fn, bad_rank, value):
+    with World(4) as world:
+        return world.run(_skip_program, fn, bad_rank, value)
+
+
+@hint_on_request
 def check_skip_step(fn: Callable[..., Any]) -> str:
     """``fn(comm, grads)`` -> bool: skip the step, the same answer on every rank, when any rank's
     fp16 gradients overflowed (inf or NaN)."""
+    if is_placeholder(fn):
+        return NOT_ANSWERED
     if not callable(fn):
         return not_yet(f"give a function fn(comm, grads); got {type(fn).__name__}")
     for bad_rank, value in ((None, 1.0), (2, float("inf")), (0, float("nan"))):
-        outs, verdict = attempt(lambda bad=bad_rank, v=value: World(4).run(_skip_program, fn, bad, v),
+        outs, verdict = attempt(lambda bad=bad_rank, v=value: _run_skip(fn, bad, v),
                                 "every rank must call the same collectives")
         if verdict is not None:
             return verdict
@@ -150,11 +134,6 @@ def check_skip_step(fn: Callable[..., Any]) -> str:
 
 # -- lesson 15 ---------------------------------------------------------------------------------
 
-def solution_plan_choice(rows: list[dict], limit: float) -> tuple[int, int, int, int]:
-    """The fastest layout ``(tp, cp, pp, dp)`` of ``rows`` whose memory fits ``limit`` bytes."""
-    return plan.fastest_fitting(rows, limit)
-
-
 def _layout(answer: Any) -> tuple[int, ...] | None:
     if not isinstance(answer, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool)
                                                         for v in answer):
@@ -162,6 +141,7 @@ def _layout(answer: Any) -> tuple[int, ...] | None:
     return tuple(answer)
 
 
+@hint_on_request
 def check_plan_choice(answer: Any, rows: list[dict], limit: float) -> str:
     """``answer``: the ``(tp, cp, pp, dp)`` of ``rows`` (:func:`simcomm.parallel.planner.plan`) with the
     shortest modelled step whose memory per GPU fits ``limit`` bytes."""
@@ -183,7 +163,7 @@ def check_plan_choice(answer: Any, rows: list[dict], limit: float) -> str:
     return f"Correct: {got} is the fastest layout that fits {limit / 2**30:.0f} GiB per GPU."
 
 
-def solution_sequence_doubling(model: plan.Model, gpus: int, seq: int, limit: float, **kwargs: Any) -> str:
+def _grown_dimension(model: plan.Model, gpus: int, seq: int, limit: float, **kwargs: Any) -> str:
     """The dimension (``"tp"``, ``"cp"``, ``"pp"`` or ``"dp"``) the best fitting layout grows when the
     sequence doubles (the planner run at both lengths)."""
     before = plan.fastest_fitting(plan.plan(model, gpus, seq=seq, **kwargs), limit)
@@ -192,6 +172,7 @@ def solution_sequence_doubling(model: plan.Model, gpus: int, seq: int, limit: fl
     return grown[0] if grown else "none"
 
 
+@hint_on_request
 def check_sequence_doubling(answer: Any, model: plan.Model, gpus: int, seq: int, limit: float,
                             **kwargs: Any) -> str:
     """``answer``: which of ``"tp"``, ``"cp"``, ``"pp"``, ``"dp"`` the planner's best layout grows when
@@ -200,7 +181,7 @@ def check_sequence_doubling(answer: Any, model: plan.Model, gpus: int, seq: int,
         return NOT_ANSWERED
     if not isinstance(answer, str) or answer.strip().lower() not in plan.DIMENSIONS:
         return not_yet(f"answer one of {list(plan.DIMENSIONS)}; got {answer!r}")
-    right = solution_sequence_doubling(model, gpus, seq, limit, **kwargs)
+    right = _grown_dimension(model, gpus, seq, limit, **kwargs)
     got = answer.strip().lower()
     if got != right:
         return not_yet(f"the best layout at seq {2 * seq} does not grow {got}",
@@ -209,11 +190,12 @@ def check_sequence_doubling(answer: Any, model: plan.Model, gpus: int, seq: int,
     return f"Correct: at twice the sequence the best layout grows {right}."
 
 
-def solution_out_of_memory_reason(row: dict) -> str:
+def _largest_label(row: dict) -> str:
     """The label that holds the most bytes of ``row`` (a planner row)."""
     return max(plan.LABELS, key=lambda label: row[label])
 
 
+@hint_on_request
 def check_out_of_memory_reason(answer: Any, row: dict, limit: float) -> str:
     """``answer``: the memory label (``"parameters"``, ``"gradients"``, ``"optimizer_state"``,
     ``"activations"``) that makes ``row`` overflow ``limit``: the largest one."""
@@ -222,7 +204,7 @@ def check_out_of_memory_reason(answer: Any, row: dict, limit: float) -> str:
     if not isinstance(answer, str) or answer.strip() not in plan.LABELS:
         return not_yet(f"answer one of {list(plan.LABELS)}; got {answer!r}")
     got = answer.strip()
-    right = solution_out_of_memory_reason(row)
+    right = _largest_label(row)
     if got != right:
         return not_yet(f"{got} holds {row[got] / 2**30:.1f} GiB of the {row['total'] / 2**30:.1f} GiB; "
                        "another label holds more", "read the stacked bar of that layout: the tallest part")
