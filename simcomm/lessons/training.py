@@ -48,18 +48,23 @@ def _callable(fn: Any, name: str) -> str | None:
     return None
 
 
-# -- lesson 06 ----------------------------------------------------------------------------------
-
-def _dp_program(comm, step, x, y):
-    model = data_parallel.make_model(_SMALL)
-    xs, ys = data_parallel.rows(comm, x, y)
-    step(comm, model, xs, ys)
+def _grads_after_step(model) -> list:
+    """Copies of every parameter's ``.grad`` after a learner's step; a missing one is named."""
     grads = []
     for index, p in enumerate(model.parameters()):
         if p.grad is None:
             raise ValueError(f"parameter {index} has no .grad after your step")
         grads.append(p.grad.detach().clone())
     return grads
+
+
+# -- lesson 06 ----------------------------------------------------------------------------------
+
+def _dp_program(comm, step, x, y):
+    model = data_parallel.make_model(_SMALL)
+    xs, ys = data_parallel.rows(comm, x, y)
+    step(comm, model, xs, ys)
+    return _grads_after_step(model)
 
 
 @_hint_on_request
@@ -119,12 +124,7 @@ def _accumulation_program(comm, step, x, y, microbatches, bucket_bytes):
     reducer = data_parallel.BucketedReducer(comm, model, bucket_bytes)
     xs, ys = data_parallel.rows(comm, x, y)
     step(comm, model, reducer, list(zip(xs.chunk(microbatches), ys.chunk(microbatches))), x.shape[0])
-    grads = []
-    for index, p in enumerate(model.parameters()):
-        if p.grad is None:
-            raise ValueError(f"parameter {index} has no .grad after your step")
-        grads.append(p.grad.detach().clone())
-    return grads
+    return _grads_after_step(model)
 
 
 @_hint_on_request
