@@ -44,24 +44,7 @@ from .transport import Transport
 __all__ = ["Communicator"]
 
 
-class _NoGradContext:
-    """Stands in for autograd's ctx when no gradient can flow: what a rule stores on it
-    is never read (one instance serves every rank and call)."""
-
-    def save_for_backward(self, *tensors) -> None:
-        pass
-
-
-_NO_GRAD_CTX = _NoGradContext()
-
-
-def _apply(rule: type[torch.autograd.Function], transport: Transport, input_: torch.Tensor, *args):
-    """``rule.apply`` when a gradient can flow through ``input_``; else its forward alone,
-    which computes the same values without autograd's bookkeeping."""
-    if torch.is_grad_enabled() and (input_.requires_grad or any(
-            isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)):   # a PREMUL_SUM factor
-        return rule.apply(transport, input_, *args)
-    return rule.forward(_NO_GRAD_CTX, transport, input_, *args)
+_apply = rules.apply
 
 
 _TAKEN = object()
