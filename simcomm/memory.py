@@ -27,9 +27,10 @@ inputs made new storage: it is registered to the rank with the label active on
 the rank, and a weak reference to the storage subtracts it again when the
 storage is freed. Ops that write their output (``resize_``, ``out=``) update
 the size of a storage already counted. Storage made outside the dispatcher is
-not seen: tensors from ``torch.from_numpy``, from unpickling (a real worker's
-arguments), and a program's arguments on both backends; :func:`tag` counts such
-a tensor explicitly. Sparse tensors are not counted; meta tensors hold no bytes; fake tensors
+not seen: tensors from unpickling (a real worker's arguments) and a program's
+arguments on both backends; :func:`tag` counts such a tensor explicitly.
+(``torch.from_numpy`` goes through the dispatcher's ``lift_fresh`` like
+``torch.tensor(data)`` and is counted.) Sparse tensors are not counted; meta tensors hold no bytes; fake tensors
 (shape-only ranks, :mod:`simcomm.sim.shape`) count the bytes their storage would hold;
 a tensor subclass that wraps tensors (DTensor) counts the tensors it wraps. Resizing a storage object directly
 (``t.untyped_storage().resize_(0)``) is not seen either.
@@ -37,7 +38,9 @@ a tensor subclass that wraps tensors (DTensor) counts the tensors it wraps. Resi
 The simulator's transport calls :func:`untracked` around the collective math it
 runs for the whole group and :func:`received` on each rank's output, so the
 output is counted once, on the rank that gets it, under that rank's active
-label (``"communication"`` when none is active).
+label (``"communication"`` when none is active); a received message (``recv``,
+or an ``irecv`` once waited on) counts on the receiver, the sender keeping only
+its own tensor.
 
 Cost: every aten op on a tracked rank goes through one Python call, so
 tracking is off unless asked for (``World(n, memory=True)``);

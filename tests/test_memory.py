@@ -155,6 +155,47 @@ def test_a_received_message_counts_on_the_receiver_only():
     assert report[1].at("after").bytes == {"communication": 4000}
 
 
+@pytest.mark.parametrize("recv_first", [False, True])
+def test_a_nonblocking_message_counts_on_the_receiver_once_waited(recv_first):
+    """isend/irecv: the sender keeps its own tensor (its in-flight copy goes to the
+    receiver), the receiver holds what it received: 4000 B each, whichever is posted first."""
+    def program(comm):
+        if comm.rank == 0:
+            kept = torch.ones(1000)
+            if recv_first:
+                comm.barrier()                                  # rank 1's irecv is posted
+            handle = comm.isend(kept, 1)
+            if not recv_first:
+                comm.barrier()
+            handle.wait()
+        else:
+            if not recv_first:
+                comm.barrier()                                  # rank 0's isend is posted
+            handle = comm.irecv((1000,), torch.float32, 0)
+            if recv_first:
+                comm.barrier()
+            kept = handle.wait()
+        comm.barrier()
+        between = memory.current_bytes()
+        comm.barrier()
+        return between, kept.sum().item()
+
+    outs = simcomm.World(2, memory=True).run(program)
+    assert [between for between, _ in outs] == [4000, 4000]
+    assert [total for _, total in outs] == [1000.0, 1000.0]
+
+
+def test_storage_from_numpy_is_counted():
+    import numpy as np
+
+    def program(comm):
+        a = torch.from_numpy(np.ones(250, dtype=np.float32))
+        memory.mark("from_numpy")
+        return a.sum().item()
+
+    assert run(1, program)[0].at("from_numpy").bytes == {"other": 1000}
+
+
 def test_tag_of_another_ranks_storage_is_an_error():
     shared = {}
 

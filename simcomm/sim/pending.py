@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from .. import memory
 from ..trace import Record
 from . import shape as _shape
 from .rendezvous import Message, Slot, call_site, materialize
@@ -107,6 +108,7 @@ class PendingMessage:
         out = message.tensor if message.kind == "recv" else None
         if out is not None and transport.state.shape_only:
             out = _shape.own(out, transport.state.device)
+        out = memory.received(out)   # the message's bytes now count on this, the receiving, rank
         transport.waited(self, out)
         return out
 
