@@ -34,9 +34,10 @@ __all__ = ["Slot", "Message", "Group", "shared_entries", "copy_small_shared", "m
 def shared_entries(outputs: list, owner: int) -> list[bool]:
     """Which ranks must copy their output because another rank keeps the same tensor.
 
-    ``owner`` (the rank that computed the outputs) keeps the original of its own
-    entry; every other holder gets a copy (made by :func:`copy_small_shared` at once, or
-    by the holder itself on its own thread for large tensors).
+    Small shared outputs are copied by ``owner`` (the rank that computed them) at once
+    (:func:`copy_small_shared`), ``owner`` keeping the original of its own entry; a large
+    one is copied by each holder on its own thread, except the last to take it, which
+    gets the original (:func:`materialize`).
     """
     first: dict[int, int] = {}
     shared = [False] * len(outputs)
@@ -65,12 +66,20 @@ def copy_small_shared(slot: Slot) -> None:
 
 
 def materialize(slot: Slot, rank: int, state: RunState):
+    """This rank's output of a completed slot, counted on this rank (:func:`simcomm.memory.received`).
+
+    A tensor that other members of the slot still share is copied; the last member to
+    take it gets the original. So no rank is counted for a shared output another rank
+    has not taken yet (the count would depend on which rank the scheduler ran first),
+    as in the shape-only run, where every member builds its own output.
+    """
     out = slot.outputs[rank]
     # the slot keeps no reference to this rank's tensors or frames: they are freed when the program drops them
     slot.outputs[rank] = slot.inputs[rank] = slot.frames[rank] = None
     if state.shape_only:    # meta outputs become fake tensors of this rank's own mode
         return memory.received(_shape.own(out, state.device))
-    return memory.received(out.clone() if slot.shared[rank] else out)
+    still_shared = isinstance(out, torch.Tensor) and any(other is out for other in slot.outputs)
+    return memory.received(out.clone() if still_shared else out)
 
 
 def format_args(sig: tuple) -> str:
