@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 from .. import memory
 from ..trace import Record
 from . import shape as _shape
-from .rendezvous import Message, Slot, call_site, materialize
-from .scheduler import Aborted
+from .rendezvous import Message, Slot, call_site, failure, materialize
 from .waits import Wait
 
 if TYPE_CHECKING:
@@ -61,7 +60,9 @@ class PendingCollective:
         else:
             state.lock.release()
         if slot.failed:
-            raise Aborted
+            if slot.error is not None:       # waited on: the failure, not a forgotten handle
+                transport.waited(self, None)
+            raise failure(slot, transport.global_rank)
         out = materialize(slot, transport.rank, state)
         transport.waited(self, out)
         return out

@@ -14,6 +14,7 @@ share storage, as no two processes would.
 """
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -82,6 +83,22 @@ def materialize(slot: Slot, rank: int, state: RunState):
     return memory.received(out.clone() if still_shared else out)
 
 
+def failure(slot: Slot, rank: int) -> BaseException:
+    """What a member of a failed slot raises: when the collective's math raised an error
+    (on the member that computed it), a copy of that error, so that every member sees the
+    failed call as every real rank would; else (the run was aborted) ``Aborted``."""
+    from .scheduler import Aborted
+
+    error = slot.error
+    if error is None:
+        return Aborted()
+    mine = copy.copy(error)
+    mine.__traceback__ = mine.__cause__ = mine.__context__ = None
+    mine.__notes__ = list(getattr(error, "__notes__", ()))    # the copy's own list
+    mine.add_note(f"(raised on rank {rank} too: the collective {slot.op} failed for the whole group)")
+    return mine
+
+
 def format_args(sig: tuple) -> str:
     return ", ".join(f"{name}={str(value).removeprefix('torch.')}" for name, value in sig)
 
@@ -101,7 +118,7 @@ class Slot:
     """
 
     __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "failed",
-                 "moved")
+                 "error", "moved")
 
     def __init__(self, op: str, sig: tuple, world_size: int):
         self.op, self.sig = op, sig
@@ -112,6 +129,7 @@ class Slot:
         self.outputs: list | None = None
         self.shared: list[bool] = []
         self.failed = False
+        self.error: Exception | None = None   # what the collective's math raised, if it did
         self.moved = 0.0
 
 
