@@ -44,3 +44,32 @@ def test_an_uncaught_error_of_the_math_fails_the_run_naming_a_rank():
     with pytest.raises(RankError) as caught:
         simcomm.World(2).run(_complex_max)
     assert "rank" in str(caught.value)
+
+
+def test_a_handle_waited_on_from_a_helper_thread_fails_the_run_with_wrong_thread_error():
+    import threading
+
+    from simcomm.errors import WrongThreadError
+
+    def program(comm):
+        handle = comm.all_reduce(torch.ones(2), async_op=True)
+        seen = {}
+
+        def helper():
+            try:
+                handle.wait()
+            except BaseException as error:  # noqa: BLE001 - inspected below
+                seen["error"] = error
+
+        thread = threading.Thread(target=helper, name="my-helper")
+        thread.start()
+        thread.join(5)
+        assert not thread.is_alive(), "the helper thread hangs"
+        assert isinstance(seen.get("error"), WrongThreadError), seen
+        return handle.wait()
+
+    with pytest.raises(RankError) as caught:
+        simcomm.World(2).run(program)
+    assert isinstance(caught.value.__cause__, WrongThreadError), repr(caught.value.__cause__)
+    message = str(caught.value.__cause__)
+    assert "wait() on the handle of all_reduce" in message and "'my-helper'" in message and "rank 0" in message

@@ -391,6 +391,10 @@ class SimTransport(TransportBase):
         """Checks before a handle's ``wait()`` blocks; returns with the run's lock *held*."""
         state = self.state
         if threading.current_thread() is not self._thread:
+            if not state.closed and threading.current_thread() not in state.threads:
+                # a helper thread of a live run: fails the run with WrongThreadError, as a
+                # communicator call from it does
+                state.lock_for(self.global_rank, f"wait() on the handle of {pending.what}")
             raise SimcommError(
                 f"wait() on the handle of {pending.what} issued by rank {self.global_rank} at "
                 f"{pending.where}: called outside that rank's program (its run has ended, or "
