@@ -236,3 +236,30 @@ def test_second_derivatives_on_gloo_equal_the_simulators(gloo_cluster, name):
     for (g, h), (g_sim, h_sim) in zip(got, want, strict=True):
         torch.testing.assert_close(g, g_sim)
         torch.testing.assert_close(h, h_sim)
+
+
+def test_premul_sum_mixed_second_derivative_with_respect_to_a_tensor_factor():
+    """d/df_r of (g_r . v_r), g_r = d loss / d x_r = f_r * sum_s loss_s'(y): both through the
+    factor and through y = sum_s f_s x_s."""
+    xs, vs = _inputs((3,), seed=11)
+    factors = [0.5 + r for r in range(WORLD)]
+
+    def program(comm):
+        x = xs[comm.rank].clone().requires_grad_(True)
+        factor = torch.tensor([factors[comm.rank]], dtype=torch.float64, requires_grad=True)
+        y = comm.all_reduce(x, ReduceOp.PREMUL_SUM(factor))
+        (g,) = torch.autograd.grad(_loss(y, comm.rank), x, create_graph=True)
+        h_x, h_f = torch.autograd.grad((g * vs[comm.rank]).sum(), (x, factor))
+        return g.detach(), h_x, h_f
+
+    got = simcomm.World(WORLD).run(program)
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    fs = [torch.tensor([f], dtype=torch.float64, requires_grad=True) for f in factors]
+    y = sum(f * x for f, x in zip(fs, leaves))
+    total = sum(_loss(y, r) for r in range(WORLD))
+    gs = torch.autograd.grad(total, leaves, create_graph=True)
+    hs = torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, vs)), [*leaves, *fs])
+    for rank, (g, h_x, h_f) in enumerate(got):
+        torch.testing.assert_close(g, gs[rank].detach())
+        torch.testing.assert_close(h_x, hs[rank])
+        torch.testing.assert_close(h_f, hs[WORLD + rank])
