@@ -1,6 +1,8 @@
 """Errors no rank may miss on virtual ranks: the collective's math failing for the whole group."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -22,9 +24,11 @@ def _async_complex_max(comm):
     return comm.all_reduce(torch.ones(2, dtype=torch.complex64), "max", async_op=True).wait()
 
 
-@pytest.mark.parametrize("call, error", [(_complex_max, "NotImplementedError"),
-                                         (_scatter_with_another_dim, "ValueError"),
-                                         (_async_complex_max, "NotImplementedError")])
+# complex MAX: the math refuses it (NotImplementedError), or the dtype check of the backend
+# the run stands for refuses it first on every rank (ValueError): either way every rank sees it
+@pytest.mark.parametrize("call, error", [(_complex_max, ("NotImplementedError", "ValueError")),
+                                         (_scatter_with_another_dim, ("ValueError",)),
+                                         (_async_complex_max, ("NotImplementedError", "ValueError"))])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_sees_an_error_of_the_collectives_math(call, error, world_size):
     """gloo raises on every rank of a failed call; here too, whichever rank computed it."""
@@ -36,8 +40,10 @@ def test_every_rank_sees_an_error_of_the_collectives_math(call, error, world_siz
         return "no error", ""
 
     outs = simcomm.World(world_size).run(program)
-    assert [name for name, _ in outs] == [error] * world_size, outs
-    assert len({first_line for _, first_line in outs}) == 1, outs
+    names = {name for name, _ in outs}
+    assert len(names) == 1 and names <= set(error), outs
+    # the same error on every rank (a refusal before the math names each rank's own number)
+    assert len({re.sub(r"rank \d+", "rank N", first_line) for _, first_line in outs}) == 1, outs
 
 
 def test_an_uncaught_error_of_the_math_fails_the_run_naming_a_rank():
