@@ -52,6 +52,22 @@ that factor; with different factors only the form above is the adjoint. A
 factor given as a tensor that requires grad gets ``dL/df_r = sum(x_r * sum_s g_s)``.
 Reduce-scatter and reduce use the same factor after their all-gather /
 broadcast of the gradients.
+
+**Higher derivatives.** Every backward is itself differentiable: it calls its
+dual collective through that collective's Function (:func:`apply`), as
+``torch.distributed.nn.functional`` does, so ``torch.autograd.grad(...,
+create_graph=True)`` builds a graph that reaches the other ranks, and double
+backward, Hessian-vector products and gradient penalties are exact. Without
+``create_graph`` (grad mode off inside backward) the duals run as plain
+transport calls. PRODUCT's factor (the product of the other ranks' values) is
+then an all-gather of the inputs and a local product, so its own derivative
+is exact too; MAX/MIN's factor (which rank holds the extreme) is piecewise
+constant, its derivative zero. ``gather`` and ``scatter`` keep the ranks off
+the root in the graph with an empty tensor (the saved forward output, or the
+gathered gradient) so that they join the root's collectives in the double
+backward. As for the first derivative, every rank must run the double
+backward; a rank that skips it leaves the others waiting, which the simulator
+reports as a ``DeadlockError``.
 """
 from __future__ import annotations
 
@@ -69,6 +85,41 @@ from .transport import Transport
 _NONLINEAR = ("max", "min", "product")
 
 
+class _NoGradContext:
+    """Stands in for autograd's ctx when no gradient can flow: what a rule stores on it
+    is never read (one instance serves every rank and call)."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+
+_NO_GRAD_CTX = _NoGradContext()
+
+
+def apply(rule: type[torch.autograd.Function], transport: Transport, input_: torch.Tensor, *args: Any
+          ) -> Any:
+    """``rule.apply`` when a gradient can flow through ``input_`` (or a tensor argument, e.g.
+    a PREMUL_SUM factor); else its forward alone, which computes the same values without
+    autograd's bookkeeping. The public methods use it, and so does every backward for its
+    dual collective: inside a backward, grad mode is on exactly under ``create_graph=True``."""
+    if torch.is_grad_enabled() and (input_.requires_grad or any(
+            isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)):
+        return rule.apply(transport, input_, *args)
+    return rule.forward(_NO_GRAD_CTX, transport, input_, *args)
+
+
+def _others_product(transport: Transport, x: torch.Tensor) -> torch.Tensor:
+    """The product of the other ranks' ``x``, differentiable across ranks (for a
+    ``create_graph`` backward): an all-gather of the inputs, then a local product that
+    leaves this rank's own row out, so zeros need no special case."""
+    stacked = apply(_AllGather, transport, x.unsqueeze(0).contiguous(), 0)   # (world, *x.shape)
+    rank = transport.rank
+    return torch.cat([stacked[:rank], stacked[rank + 1:]]).prod(0)
+
+
 def _local_factor(transport: Transport, op: str, x: torch.Tensor, y_full: torch.Tensor | None,
                   like: torch.Tensor) -> torch.Tensor | float:
     """d(reduce_i x_i)/d x_this_rank, elementwise, for the rank's own input ``x``.
@@ -81,11 +132,14 @@ def _local_factor(transport: Transport, op: str, x: torch.Tensor, y_full: torch.
     if op == "avg":
         return 1.0 / transport.world_size
     if op in ("max", "min"):
+        x, y_full = x.detach(), y_full.detach()   # which rank holds the extreme: piecewise constant
         holds = (x == y_full).to(like.dtype)
         holders = transport.all_reduce(holds, "sum")  # how many ranks tie for the extreme
         # no holder only where the extreme is NaN: 0/0 gives NaN there, as the single-device amax does
         return holds / holders
     # product: the product of the *other* ranks' values, exact when some are zero
+    if torch.is_grad_enabled():     # a create_graph backward: its own derivative must reach the ranks
+        return _others_product(transport, x).to(like.dtype)
     is_zero = x == 0
     nonzero = torch.where(is_zero, torch.ones_like(x), x)
     prod_nonzero = transport.all_reduce(nonzero.contiguous(), "product")
@@ -155,8 +209,8 @@ def _through_reduction(ctx: Any, grad: torch.Tensor, full_result) -> torch.Tenso
         return grad
     if ctx.op == "avg":
         return grad / ctx.transport.world_size
-    if ctx.op == PREMUL_SUM:
-        return premultiply(grad, ctx.factor.detach() if isinstance(ctx.factor, torch.Tensor) else ctx.factor)
+    if ctx.op == PREMUL_SUM:   # a tensor factor keeps its graph under create_graph
+        return premultiply(grad, ctx.factor)
     x, y = ctx.saved_tensors
     y_full = full_result(y) if ctx.op != "product" else None
     return grad * _local_factor(ctx.transport, ctx.op, x, y_full, grad)
@@ -179,7 +233,7 @@ class _AllReduce(torch.autograd.Function):
 @_rule("all_reduce")
 def _all_reduce_backward(ctx: Any, grad: torch.Tensor):
     with backward_phase():
-        total = ctx.transport.all_reduce(grad.contiguous(), "sum")
+        total = apply(_AllReduce, ctx.transport, grad.contiguous(), "sum")
         factor_grad = _factor_grad(ctx, total)
         total = _through_reduction(ctx, total, lambda y: y)
     return None, total, None, factor_grad
@@ -199,7 +253,7 @@ class _AllGather(torch.autograd.Function):
 @_rule("all_gather")
 def _all_gather_backward(ctx: Any, grad: torch.Tensor):
     with backward_phase():
-        return None, ctx.transport.reduce_scatter(grad.contiguous(), ctx.dim, "sum"), None
+        return None, apply(_ReduceScatter, ctx.transport, grad.contiguous(), ctx.dim, "sum"), None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -220,7 +274,7 @@ class _ReduceScatter(torch.autograd.Function):
 def _reduce_scatter_backward(ctx: Any, grad: torch.Tensor):
     transport = ctx.transport
     with backward_phase():
-        full = transport.all_gather(grad.contiguous(), ctx.dim)
+        full = apply(_AllGather, transport, grad.contiguous(), ctx.dim)
         factor_grad = _factor_grad(ctx, full)
         full = _through_reduction(ctx, full, lambda y: transport.all_gather(y, ctx.dim))
     return None, full, None, None, factor_grad
@@ -242,7 +296,7 @@ class _Slice(torch.autograd.Function):
 @_rule("slice")
 def _slice_backward(ctx: Any, grad: torch.Tensor):
     with backward_phase():
-        full = ctx.transport.all_gather(grad.contiguous(), ctx.dim)
+        full = apply(_AllGather, ctx.transport, grad.contiguous(), ctx.dim)
     if ctx.scale_grad:
         full = full / ctx.transport.world_size
     return None, full, None, None
@@ -263,7 +317,7 @@ class _AllToAll(torch.autograd.Function):
 @_rule("all_to_all")
 def _all_to_all_backward(ctx: Any, grad: torch.Tensor):
     with backward_phase():
-        return None, ctx.transport.all_to_all(grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
+        return None, apply(_AllToAll, ctx.transport, grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
 
 
 class _Broadcast(torch.autograd.Function):
@@ -281,7 +335,7 @@ class _Broadcast(torch.autograd.Function):
 def _broadcast_backward(ctx: Any, grad: torch.Tensor):
     with backward_phase():
         # broadcast's dual: the reduce (sum) onto src; the other ranks get zeros
-        return None, ctx.transport.reduce(grad.contiguous(), ctx.src, "sum"), None
+        return None, apply(_Reduce, ctx.transport, grad.contiguous(), ctx.src, "sum"), None
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -300,7 +354,7 @@ class _CopyToGroup(torch.autograd.Function):
 @_rule("copy_to_group")
 def _copy_to_group_backward(ctx: Any, grad: torch.Tensor):
     with backward_phase():
-        return None, ctx.transport.all_reduce(grad.contiguous(), "sum")
+        return None, apply(_AllReduce, ctx.transport, grad.contiguous(), "sum")
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -340,7 +394,7 @@ class _Reduce(torch.autograd.Function):
 def _reduce_backward(ctx: Any, grad: torch.Tensor):
     transport = ctx.transport
     with backward_phase():
-        total = transport.broadcast(grad.contiguous(), ctx.dst)   # dst's grad, on every rank
+        total = apply(_Broadcast, transport, grad.contiguous(), ctx.dst)   # dst's grad, on every rank
         factor_grad = _factor_grad(ctx, total)
         total = _through_reduction(ctx, total, lambda y: transport.broadcast(y, ctx.dst))   # dst's result
     return None, total, None, None, factor_grad
@@ -363,6 +417,7 @@ class _Scatter(torch.autograd.Function):
                                                         requires_grad=requires_grad)
         # off src ``dim`` may be negative: name it as src does, for the backward's gather
         ctx.transport, ctx.src, ctx.dim = transport, src, dim % chunk.dim()
+        ctx.placeholder_shape = x.shape
         if not source_requires_grad:
             ctx.mark_non_differentiable(chunk)
         return chunk
@@ -374,8 +429,14 @@ class _Scatter(torch.autograd.Function):
 
 @_rule("scatter")
 def _scatter_backward(ctx: Any, grad: torch.Tensor):
+    transport = ctx.transport
     with backward_phase():
-        full = ctx.transport.gather(grad.contiguous(), ctx.src, ctx.dim)   # None off src
+        if not torch.is_grad_enabled():
+            full = transport.gather(grad.contiguous(), ctx.src, ctx.dim)   # None off src
+        else:   # create_graph: the gather as a Function; off src its empty output stays in the graph
+            gathered = apply(_Gather, transport, grad.contiguous(), ctx.src, ctx.dim)
+            full = gathered if transport.rank == ctx.src else \
+                torch.zeros(ctx.placeholder_shape, dtype=grad.dtype, device=grad.device) + gathered.sum()
     return None, full, None, None, None
 
 
@@ -389,6 +450,7 @@ class _Gather(torch.autograd.Function):
         out = transport.gather(x, dst, dim)
         if out is None:
             out = x.new_empty((*x.shape[:dim], 0, *x.shape[dim + 1:]))   # size 0 at dim
+            ctx.save_for_backward(out)   # a create_graph backward keeps this rank in the graph with it
         return out
 
     @staticmethod
@@ -399,9 +461,14 @@ class _Gather(torch.autograd.Function):
 @_rule("gather")
 def _gather_backward(ctx: Any, grad: torch.Tensor):
     transport = ctx.transport
+    is_dst = transport.rank == ctx.dst
     with backward_phase():
-        mine = grad.contiguous() if transport.rank == ctx.dst else None
-        chunk, _ = transport.scatter(mine, ctx.dst, ctx.dim)    # chunk r of dst's grad to rank r
+        if not torch.is_grad_enabled():
+            chunk, _ = transport.scatter(grad.contiguous() if is_dst else None, ctx.dst, ctx.dim)
+        else:   # create_graph: the scatter as a Function; off dst the saved empty output is its
+            # placeholder, so this rank's double backward runs this gather's scatter again
+            (placeholder,) = (grad.contiguous(),) if is_dst else ctx.saved_tensors
+            chunk = _Scatter.apply(transport, placeholder, ctx.dst, ctx.dim, is_dst and grad.requires_grad)
     return None, chunk, None, None
 
 
@@ -422,6 +489,6 @@ class _AllToAllSingle(torch.autograd.Function):
 def _all_to_all_single_backward(ctx: Any, grad: torch.Tensor):
     with backward_phase():
         # every row goes back where it came from: the two split lists swap roles
-        back = ctx.transport.all_to_all_single(grad.contiguous(), ctx.input_split_sizes,
-                                               ctx.output_split_sizes)
+        back = apply(_AllToAllSingle, ctx.transport, grad.contiguous(), ctx.input_split_sizes,
+                     ctx.output_split_sizes)
     return None, back, None, None

@@ -62,6 +62,45 @@ def check_split_sizes(op: str, splits: object, size: int | None, rank: int, arg:
     return values
 
 
+def check_even_split(op: str, tensor: torch.Tensor, world_size: int, rank: int, arg: str) -> int:
+    """A split list ``arg`` given as ``None`` splits dim 0 evenly: check that it can; return the
+    rows per rank."""
+    rows = tensor.shape[0]
+    if rows % world_size:
+        raise ValueError(
+            f"{op}: {arg}=None on rank {rank} splits dim 0 evenly over the {world_size} ranks, but "
+            f"dim 0 has size {rows} (shape {tuple(tensor.shape)}), not divisible by {world_size}; "
+            f"pass {arg} as a list of {world_size} ints summing to {rows}")
+    return rows // world_size
+
+
+def check_recv_spec(op: str, size: object, dtype: object, rank: int, size_arg: str = "size",
+                    dtype_arg: str = "dtype") -> tuple[tuple[int, ...], torch.dtype]:
+    """What a receive is told to expect: ``size`` a sequence (tuple, list, ``torch.Size``) of
+    non-negative ints, ``dtype`` a ``torch.dtype``; returns ``(tuple(size), dtype)``.
+    TypeError naming the op, the rank, the argument and the value otherwise."""
+    if isinstance(size, (str, bytes)) or not isinstance(size, Sequence):
+        hint = f", e.g. ({size},)" if isinstance(size, int) and not isinstance(size, bool) else ""
+        raise TypeError(f"{op}: {size_arg}={_short.repr(size)} on rank {rank} is a {type(size).__name__}; "
+                        f"it must be a sequence of ints (the shape to receive){hint}")
+    dims = []
+    for value in size:
+        try:
+            number = None if isinstance(value, (bool, float, str, bytes)) else operator.index(value)
+        except TypeError:
+            number = None
+        if number is None or number < 0:
+            raise TypeError(f"{op}: {size_arg}={_short.repr(size)} on rank {rank} contains {value!r} "
+                            f"({type(value).__name__}); every size must be a non-negative int")
+        dims.append(number)
+    if not isinstance(dtype, torch.dtype):
+        hint = f"; e.g. torch.{dtype}" if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None),
+                                                                              torch.dtype) else ""
+        raise TypeError(f"{op}: {dtype_arg}={_short.repr(dtype)} on rank {rank} is a {type(dtype).__name__}, "
+                        f"not a torch.dtype{hint}")
+    return tuple(dims), dtype
+
+
 def normalize_dim(op: str, tensor: torch.Tensor, dim: int, rank: int, arg: str = "dim") -> int:
     """Return ``dim`` as a non-negative index into ``tensor``'s dimensions."""
     ndim = tensor.dim()

@@ -30,9 +30,11 @@ from .checks import (
     check_4d,
     check_avg_dtype,
     check_divisible,
+    check_even_split,
     check_premul_factor,
     check_partition,
     check_peer,
+    check_recv_spec,
     check_split_sizes,
     check_tensor,
     normalize_dim,
@@ -44,24 +46,7 @@ from .transport import Transport
 __all__ = ["Communicator"]
 
 
-class _NoGradContext:
-    """Stands in for autograd's ctx when no gradient can flow: what a rule stores on it
-    is never read (one instance serves every rank and call)."""
-
-    def save_for_backward(self, *tensors) -> None:
-        pass
-
-
-_NO_GRAD_CTX = _NoGradContext()
-
-
-def _apply(rule: type[torch.autograd.Function], transport: Transport, input_: torch.Tensor, *args):
-    """``rule.apply`` when a gradient can flow through ``input_``; else its forward alone,
-    which computes the same values without autograd's bookkeeping."""
-    if torch.is_grad_enabled() and (input_.requires_grad or any(
-            isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)):   # a PREMUL_SUM factor
-        return rule.apply(transport, input_, *args)
-    return rule.forward(_NO_GRAD_CTX, transport, input_, *args)
+_apply = rules.apply
 
 
 _TAKEN = object()
@@ -399,14 +384,14 @@ class Communicator:
                              f"at least one dimension")
         rows = input_.shape[0]
         if input_split_sizes is None:
-            check_divisible(op, input_, 0, self.world_size, self.rank, "dim 0 (input_split_sizes=None)")
-            inputs_ = [rows // self.world_size] * self.world_size
+            inputs_ = [check_even_split(op, input_, self.world_size, self.rank, "input_split_sizes")
+                       ] * self.world_size
         else:
             inputs_ = check_split_sizes(op, input_split_sizes, rows, self.rank, "input_split_sizes",
                                         self.world_size)
         if output_split_sizes is None:
-            check_divisible(op, input_, 0, self.world_size, self.rank, "dim 0 (output_split_sizes=None)")
-            outputs = [rows // self.world_size] * self.world_size
+            outputs = [check_even_split(op, input_, self.world_size, self.rank, "output_split_sizes")
+                       ] * self.world_size
         else:
             outputs = check_split_sizes(op, output_split_sizes, None, self.rank, "output_split_sizes",
                                         self.world_size)
@@ -435,8 +420,10 @@ class Communicator:
              src: int | None = None, *, async_op: bool = False) -> torch.Tensor | Handle:
         """Receive a new tensor of ``size`` and ``dtype`` from rank ``src`` (default: the
         previous rank). Blocks; ``async_op=True`` is :meth:`irecv`."""
-        src = self._peer("recv", src, -1, "src")
-        return self.transport.recv(tuple(size), dtype, src, async_op=async_op)
+        op = "irecv" if async_op else "recv"
+        shape, dtype = check_recv_spec(op, size, dtype, self.rank)
+        src = self._peer(op, src, -1, "src")
+        return self.transport.recv(shape, dtype, src, async_op=async_op)
 
     def isend(self, tensor: torch.Tensor, dst: int | None = None) -> Handle:
         """Start sending ``tensor`` to rank ``dst`` (default: the next rank); does not block.
@@ -481,10 +468,12 @@ class Communicator:
                 checked.append(P2POp("isend", item.data.detach().contiguous(), peer))
             else:
                 spec = item.data
-                if (not isinstance(spec, tuple) or len(spec) != 2 or not isinstance(spec[1], torch.dtype)):
+                if not isinstance(spec, tuple) or len(spec) != 2:
                     raise ValueError(f"batch_isend_irecv: ops[{index}] on rank {self.rank} is an irecv "
                                      f"with data={spec!r}; it needs (size, dtype), e.g. ((2, 3), torch.float32)")
-                checked.append(P2POp("irecv", (tuple(spec[0]), spec[1]), peer))
+                shape, dtype = check_recv_spec(f"batch_isend_irecv (irecv, ops[{index}])", spec[0], spec[1],
+                                               self.rank, "data[0] (size)", "data[1] (dtype)")
+                checked.append(P2POp("irecv", (shape, dtype), peer))
         return self.transport.batch_isend_irecv(checked)
 
     def _peer(self, op: str, peer: int | None, default_step: int, arg: str) -> int:

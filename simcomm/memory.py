@@ -27,17 +27,23 @@ inputs made new storage: it is registered to the rank with the label active on
 the rank, and a weak reference to the storage subtracts it again when the
 storage is freed. Ops that write their output (``resize_``, ``out=``) update
 the size of a storage already counted. Storage made outside the dispatcher is
-not seen: tensors from ``torch.from_numpy``, from unpickling (a real worker's
-arguments), and a program's arguments on both backends; :func:`tag` counts such
-a tensor explicitly. Sparse tensors are not counted; meta tensors hold no bytes; fake tensors
+not seen: tensors from unpickling (a real worker's arguments) and a program's
+arguments on both backends; :func:`tag` counts such a tensor explicitly.
+(``torch.from_numpy`` goes through the dispatcher's ``lift_fresh`` like
+``torch.tensor(data)`` and is counted.) Sparse tensors are not counted; meta tensors hold no bytes; fake tensors
 (shape-only ranks, :mod:`simcomm.sim.shape`) count the bytes their storage would hold;
 a tensor subclass that wraps tensors (DTensor) counts the tensors it wraps. Resizing a storage object directly
-(``t.untyped_storage().resize_(0)``) is not seen either.
+(``t.untyped_storage().resize_(0)``, FSDP2's way to free and re-allocate unsharded
+parameters) bypasses the dispatcher; while any rank of the process is tracked,
+``torch.UntypedStorage.resize_`` is routed through a wrapper that makes the count
+follow the storage's new size (torch's own method is back once no rank is tracked).
 
 The simulator's transport calls :func:`untracked` around the collective math it
 runs for the whole group and :func:`received` on each rank's output, so the
 output is counted once, on the rank that gets it, under that rank's active
-label (``"communication"`` when none is active).
+label (``"communication"`` when none is active); a received message (``recv``,
+or an ``irecv`` once waited on) counts on the receiver, the sender keeping only
+its own tensor.
 
 Cost: every aten op on a tracked rank goes through one Python call, so
 tracking is off unless asked for (``World(n, memory=True)``);
@@ -189,6 +195,42 @@ def _see(tracker: _Tracker, tensor: torch.Tensor, kind: int, func) -> None:
             ref.tracker.sub(ref.label, ref.nbytes)
             ref.nbytes = storage.nbytes()
             ref.tracker.add(ref.label, ref.nbytes)
+
+
+_RESIZE_STORAGE = torch.UntypedStorage.resize_      # the C method; see _install_storage_resize
+
+
+def _resize_storage(storage: torch.UntypedStorage, size: int) -> Any:
+    """``UntypedStorage.resize_`` while some rank is tracked: the same call, then the counted
+    size follows the storage (FSDP2 frees and re-allocates unsharded parameters this way,
+    outside the dispatcher)."""
+    result = _RESIZE_STORAGE(storage, size)
+    _storage_resized(storage)
+    return result
+
+
+def _storage_resized(storage: torch.UntypedStorage) -> None:
+    ref = _storages.get(id(storage))
+    if ref is None:
+        tracker = _tracker()
+        if tracker is not None and not tracker.paused and storage.nbytes() and storage.device.type != "meta":
+            _register(storage, tracker, tracker.labels[-1] or DEFAULT_LABEL)   # grown from nothing here
+        return
+    with _lock:
+        nbytes = storage.nbytes()
+        if ref.nbytes != nbytes:
+            ref.tracker.sub(ref.label, ref.nbytes)
+            ref.nbytes = nbytes
+            ref.tracker.add(ref.label, nbytes)
+
+
+def _install_storage_resize(on: bool) -> None:
+    """Route ``UntypedStorage.resize_`` through :func:`_resize_storage` while any rank of this
+    process is tracked (``on``), and back to torch's own method when none is; under ``_lock``."""
+    if on:
+        torch.UntypedStorage.resize_ = _resize_storage
+    elif torch.UntypedStorage.__dict__.get("resize_") is _resize_storage:
+        del torch.UntypedStorage.resize_
 
 
 class _TrackingMode(TorchDispatchMode):
@@ -365,6 +407,8 @@ def track(rank: int, reports: list | None, device: torch.device | str | None = N
     global _active
     with _lock:
         _active += 1
+        if _active == 1:
+            _install_storage_resize(True)
     try:
         with _TrackingMode(tracker):
             yield
@@ -372,6 +416,8 @@ def track(rank: int, reports: list | None, device: torch.device | str | None = N
         _local.tracker = previous
         with _lock:
             _active -= 1
+            if _active == 0:
+                _install_storage_resize(False)
         with _lock:
             for key in [key for key, ref in _storages.items() if ref.tracker is tracker]:
                 del _storages[key]

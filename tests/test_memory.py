@@ -140,6 +140,28 @@ def test_collective_outputs_count_on_the_rank_that_receives_them():
         assert peak == max(moments), (rank, peak, moments)
 
 
+def test_a_large_shared_output_counts_only_on_the_ranks_that_took_it():
+    """All-gather outputs above the copy-at-once size: the last rank to arrive runs on
+    while the others have not taken theirs yet; it holds its own output only."""
+    import torch.distributed as dist
+
+    def program(comm):
+        out = torch.empty(comm.world_size * 65536)
+        dist.all_gather_into_tensor(out, torch.ones(65536))
+        memory.mark("gathered")
+        return None
+
+    for tensors in ("real", "shape"):
+        report = run_mode(2, program, tensors)
+        assert [s.bytes for s in report.at("gathered")] == [{"other": 2 * 65536 * F32}] * 2, tensors   # out
+
+
+def run_mode(world_size, program, tensors):
+    world = simcomm.World(world_size, memory=True, tensors=tensors)
+    world.run(program)
+    return world.memory
+
+
 def test_a_received_message_counts_on_the_receiver_only():
     def program(comm):
         if comm.rank == 0:
@@ -153,6 +175,134 @@ def test_a_received_message_counts_on_the_receiver_only():
     report = run(2, program)
     assert report[0].at("after").total == 0
     assert report[1].at("after").bytes == {"communication": 4000}
+
+
+@pytest.mark.parametrize("recv_first", [False, True])
+def test_a_nonblocking_message_counts_on_the_receiver_once_waited(recv_first):
+    """isend/irecv: the sender keeps its own tensor (its in-flight copy goes to the
+    receiver), the receiver holds what it received: 4000 B each, whichever is posted first."""
+    def program(comm):
+        if comm.rank == 0:
+            kept = torch.ones(1000)
+            if recv_first:
+                comm.barrier()                                  # rank 1's irecv is posted
+            handle = comm.isend(kept, 1)
+            if not recv_first:
+                comm.barrier()
+            handle.wait()
+        else:
+            if not recv_first:
+                comm.barrier()                                  # rank 0's isend is posted
+            handle = comm.irecv((1000,), torch.float32, 0)
+            if recv_first:
+                comm.barrier()
+            kept = handle.wait()
+        comm.barrier()
+        between = memory.current_bytes()
+        comm.barrier()
+        return between, kept.sum().item()
+
+    outs = simcomm.World(2, memory=True).run(program)
+    assert [between for between, _ in outs] == [4000, 4000]
+    assert [total for _, total in outs] == [1000.0, 1000.0]
+
+
+def test_storage_from_numpy_is_counted():
+    import numpy as np
+
+    def program(comm):
+        a = torch.from_numpy(np.ones(250, dtype=np.float32))
+        memory.mark("from_numpy")
+        return a.sum().item()
+
+    assert run(1, program)[0].at("from_numpy").bytes == {"other": 1000}
+
+
+def test_a_storage_resized_directly_is_counted_at_its_new_size():
+    def program(comm):
+        t = torch.ones(1000)
+        memory.mark("allocated")
+        t.untyped_storage().resize_(0)                  # FSDP2's free_storage
+        memory.mark("freed")
+        t.untyped_storage().resize_(4000)               # FSDP2's alloc_storage
+        memory.mark("reallocated")
+        return None
+
+    r0 = run(1, program)[0]
+    assert [r0.at(m).total for m in ("allocated", "freed", "reallocated")] == [4000, 0, 4000]
+    assert torch.UntypedStorage.__dict__.get("resize_") is None     # torch's own method again after the run
+
+
+LAYERS, WIDTH, BATCH = 4, 256, 8
+
+
+def fsdp2_adam_program(comm):
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    with memory.label("parameters"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    with memory.label("inputs"):
+        x = torch.randn(BATCH, WIDTH)
+    memory.mark("sharded")
+    with memory.label("activations"):
+        loss = model(x).pow(2).sum()
+    memory.mark("forward")
+    with memory.label("gradients"):
+        loss.backward()
+    memory.mark("backward")
+    with memory.label("optimizer_state"):
+        opt.step()
+    memory.mark("step")
+    # FSDP2's own bookkeeping: every parameter resharded, its unsharded storage freed
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+    states = [fsdp_param.sharded_state for layer in model
+              for fsdp_param in layer._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    unsharded = [fsdp_param._unsharded_param.untyped_storage().nbytes() for layer in model
+                 for fsdp_param in layer._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return states == [ShardedState.SHARDED] * LAYERS, unsharded, local
+
+
+@pytest.mark.parametrize("tensors", ["real", "shape"])
+def test_fsdp2_bytes_per_rank_follow_its_sharding(tensors):
+    """FSDP2 frees unsharded parameters with untyped_storage().resize_(0): after each phase a
+    rank holds its shard of the parameters, of the gradients and of Adam's two moments,
+    and no unsharded parameter; both modes count the same bytes."""
+    world_size = 4
+    world = simcomm.World(world_size, memory=True, tensors=tensors)
+    outs = world.run(fsdp2_adam_program)
+    layer_bytes = WIDTH * WIDTH * F32                     # psi: one unsharded layer
+    shard = LAYERS * layer_bytes // world_size             # this rank's shard of the model
+    activation = BATCH * WIDTH * F32
+    for rank, (resharded, unsharded, local) in enumerate(outs):
+        assert resharded and unsharded == [0] * LAYERS and local == shard
+        rank_memory = world.memory[rank]
+        params = rank_memory.at("sharded")["parameters"]
+        assert shard <= params <= shard + 64 * LAYERS      # FSDP2 keeps a few bytes of metadata per group
+        for mark in ("sharded", "forward", "backward", "step"):
+            assert rank_memory.at(mark)["parameters"] == params, mark
+        # forward: each layer's output is saved (3 as inputs of the next, 1 by pow), plus the loss
+        assert rank_memory.at("forward").bytes == {"parameters": params, "inputs": activation,
+                                                   "activations": LAYERS * activation + F32}
+        assert rank_memory.at("backward").bytes == {"parameters": params, "inputs": activation,
+                                                    "activations": F32, "gradients": shard}
+        assert rank_memory.at("step").bytes == {"parameters": params, "inputs": activation,
+                                                "activations": F32, "gradients": shard,
+                                                "optimizer_state": 2 * shard + LAYERS * F32}
+
+
+def test_fsdp2_memory_is_the_same_shape_only_and_real_valued():
+    real = simcomm.World(4, memory=True)
+    real.run(fsdp2_adam_program)
+    fake = simcomm.World(4, memory=True, tensors="shape")
+    fake.run(fsdp2_adam_program)
+    for mark in (*real.memory.marks, "peak"):
+        assert [s.bytes for s in fake.memory.at(mark)] == [s.bytes for s in real.memory.at(mark)], mark
+    assert fake.memory.peak == real.memory.peak
 
 
 def test_tag_of_another_ranks_storage_is_an_error():

@@ -77,15 +77,27 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(1) if tensor.dim() == 0 else tensor
 
 
-def _write(c10d_op: str, argument: str, out: torch.Tensor, value: torch.Tensor, rank: int) -> None:
-    """Copy ``value`` into c10d's output buffer ``out`` (same number of elements)."""
+def _write(c10d_op: str, argument: str, out: torch.Tensor, value: torch.Tensor, rank: int,
+           bumps: int = 0) -> None:
+    """Copy ``value`` into c10d's output buffer ``out`` (same number of elements).
+
+    The write is invisible to autograd, as a native backend's is: it goes through a
+    detached alias and leaves ``out``'s version counter where it was, then moves it
+    ``bumps`` times, as gloo's does for that op (measured: 0 for a buffer the backend
+    fills itself, e.g. all_reduce, broadcast, reduce, scatter, all_to_all_single, recv;
+    1 per tensor that gloo copies into with an aten op, e.g. the lists of all_gather,
+    gather and all_to_all, reduce_scatter_tensor's output; 2 for all_gather_into_tensor).
+    So a view or a saved tensor of the buffer taken before the call behaves as on gloo.
+    """
     if out.numel() != value.numel():
         raise ValueError(
             f"{c10d_op}: rank {rank}'s {argument} has {out.numel()} elements {tuple(out.shape)} "
             f"but the result has {value.numel()} {tuple(value.shape)}")
-    # through a detached alias the write is invisible to autograd, as a native backend's is
-    (out.detach() if out.requires_grad else out).copy_(
-        value if value.shape == out.shape else value.reshape(out.shape))
+    with torch.autograd._unsafe_preserve_version_counter(out):
+        (out.detach() if out.requires_grad else out).copy_(
+            value if value.shape == out.shape else value.reshape(out.shape))
+    for _ in range(bumps):
+        torch.autograd.graph.increment_version(out)
 
 
 def _check_numel(c10d_op: str, argument: str, tensor: torch.Tensor, expected: int, rank: int,
@@ -127,7 +139,7 @@ def all_gather_into_tensor(transport: SimTransport, outputs: Sequence[torch.Tens
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, gathered in zip(outputs, results, strict=True):
-            _write("all_gather_into_tensor", "output_tensor", output, gathered, transport.rank)
+            _write("all_gather_into_tensor", "output_tensor", output, gathered, transport.rank, bumps=2)
         return list(outputs)
 
     return Issued(calls, finish)
@@ -145,7 +157,7 @@ def all_gather_list(transport: SimTransport, output_lists: Sequence[Sequence[tor
         for outputs, gathered in zip(output_lists, results, strict=True):
             per_rank = gathered.reshape(transport.world_size, -1)  # (world, numel)
             for rank, output in enumerate(outputs):
-                _write("all_gather", f"tensor_list[{rank}]", output, per_rank[rank], transport.rank)
+                _write("all_gather", f"tensor_list[{rank}]", output, per_rank[rank], transport.rank, bumps=1)
             written.extend(outputs)
         return written
 
@@ -167,7 +179,7 @@ def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tenso
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, value in zip(outputs, results, strict=True):
-            _write("reduce_scatter_tensor", "output", output, value, transport.rank)
+            _write("reduce_scatter_tensor", "output", output, value, transport.rank, bumps=1)
         return list(outputs)
 
     return Issued(calls, finish)
@@ -185,7 +197,7 @@ def reduce_scatter_list(transport: SimTransport, outputs: Sequence[torch.Tensor]
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, value in zip(outputs, results, strict=True):
-            _write("reduce_scatter", "output", output, value, transport.rank)
+            _write("reduce_scatter", "output", output, value, transport.rank, bumps=1)
         return list(outputs)
 
     return Issued(calls, finish)
@@ -234,7 +246,7 @@ def gather(transport: SimTransport, output_lists: Sequence[Sequence[torch.Tensor
         for outputs, gathered in zip(output_lists, results, strict=True):
             per_rank = gathered.reshape(transport.world_size, -1)  # (world, numel)
             for rank, output in enumerate(outputs):
-                _write("gather", f"gather_list[{rank}]", output, per_rank[rank], transport.rank)
+                _write("gather", f"gather_list[{rank}]", output, per_rank[rank], transport.rank, bumps=1)
             written.extend(outputs)
         return written
 
@@ -324,7 +336,7 @@ def all_to_all_list(transport: SimTransport, outputs: Sequence[torch.Tensor],
     def finish(results: list) -> list[torch.Tensor]:
         single.finish(results)
         for output, piece in zip(outputs, flat_out.split(out_sizes), strict=True):
-            _write("all_to_all", "output_tensor_list", output, piece, transport.rank)
+            _write("all_to_all", "output_tensor_list", output, piece, transport.rank, bumps=1)
         return list(outputs)
 
     return Issued(single.calls, finish)

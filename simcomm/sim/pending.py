@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from .. import memory
 from ..trace import Record
 from . import shape as _shape
-from .rendezvous import Message, Slot, call_site, materialize
-from .scheduler import Aborted
+from .rendezvous import Message, Slot, call_site, failure, materialize
 from .waits import Wait
 
 if TYPE_CHECKING:
@@ -60,7 +60,9 @@ class PendingCollective:
         else:
             state.lock.release()
         if slot.failed:
-            raise Aborted
+            if slot.error is not None:       # waited on: the failure, not a forgotten handle
+                transport.waited(self, None)
+            raise failure(slot, transport.global_rank)
         out = materialize(slot, transport.rank, state)
         transport.waited(self, out)
         return out
@@ -107,6 +109,7 @@ class PendingMessage:
         out = message.tensor if message.kind == "recv" else None
         if out is not None and transport.state.shape_only:
             out = _shape.own(out, transport.state.device)
+        out = memory.received(out)   # the message's bytes now count on this, the receiving, rank
         transport.waited(self, out)
         return out
 

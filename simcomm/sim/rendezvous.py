@@ -14,6 +14,7 @@ share storage, as no two processes would.
 """
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -34,9 +35,10 @@ __all__ = ["Slot", "Message", "Group", "shared_entries", "copy_small_shared", "m
 def shared_entries(outputs: list, owner: int) -> list[bool]:
     """Which ranks must copy their output because another rank keeps the same tensor.
 
-    ``owner`` (the rank that computed the outputs) keeps the original of its own
-    entry; every other holder gets a copy (made by :func:`copy_small_shared` at once, or
-    by the holder itself on its own thread for large tensors).
+    Small shared outputs are copied by ``owner`` (the rank that computed them) at once
+    (:func:`copy_small_shared`), ``owner`` keeping the original of its own entry; a large
+    one is copied by each holder on its own thread, except the last to take it, which
+    gets the original (:func:`materialize`).
     """
     first: dict[int, int] = {}
     shared = [False] * len(outputs)
@@ -65,12 +67,36 @@ def copy_small_shared(slot: Slot) -> None:
 
 
 def materialize(slot: Slot, rank: int, state: RunState):
+    """This rank's output of a completed slot, counted on this rank (:func:`simcomm.memory.received`).
+
+    A tensor that other members of the slot still share is copied; the last member to
+    take it gets the original. So no rank is counted for a shared output another rank
+    has not taken yet (the count would depend on which rank the scheduler ran first),
+    as in the shape-only run, where every member builds its own output.
+    """
     out = slot.outputs[rank]
     # the slot keeps no reference to this rank's tensors or frames: they are freed when the program drops them
     slot.outputs[rank] = slot.inputs[rank] = slot.frames[rank] = None
     if state.shape_only:    # meta outputs become fake tensors of this rank's own mode
         return memory.received(_shape.own(out, state.device))
-    return memory.received(out.clone() if slot.shared[rank] else out)
+    still_shared = isinstance(out, torch.Tensor) and any(other is out for other in slot.outputs)
+    return memory.received(out.clone() if still_shared else out)
+
+
+def failure(slot: Slot, rank: int) -> BaseException:
+    """What a member of a failed slot raises: when the collective's math raised an error
+    (on the member that computed it), a copy of that error, so that every member sees the
+    failed call as every real rank would; else (the run was aborted) ``Aborted``."""
+    from .scheduler import Aborted
+
+    error = slot.error
+    if error is None:
+        return Aborted()
+    mine = copy.copy(error)
+    mine.__traceback__ = mine.__cause__ = mine.__context__ = None
+    mine.__notes__ = list(getattr(error, "__notes__", ()))    # the copy's own list
+    mine.add_note(f"(raised on rank {rank} too: the collective {slot.op} failed for the whole group)")
+    return mine
 
 
 def format_args(sig: tuple) -> str:
@@ -92,7 +118,7 @@ class Slot:
     """
 
     __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "failed",
-                 "moved")
+                 "error", "moved")
 
     def __init__(self, op: str, sig: tuple, world_size: int):
         self.op, self.sig = op, sig
@@ -103,6 +129,7 @@ class Slot:
         self.outputs: list | None = None
         self.shared: list[bool] = []
         self.failed = False
+        self.error: Exception | None = None   # what the collective's math raised, if it did
         self.moved = 0.0
 
 

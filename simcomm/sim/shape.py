@@ -36,7 +36,7 @@ process group (:class:`FunctionalCollectives`); ``DeviceMesh`` keeps real
 rank tensors (:func:`install_device_mesh_values`).
 
 **Unsupported.** An op that needs values (``.item()``, ``.tolist()``,
-``bool(t)``, ``torch.nonzero``, a data-dependent split) raises
+``bool(t)``, ``.numpy()``, ``torch.nonzero``, a data-dependent split) raises
 :class:`ShapeOnlyError` naming the op and the rank (:func:`data_dependent_error`).
 Such programs need the real-valued mode, or the value given as a Python
 number. So does ``dist.all_to_all_single`` with uneven split sizes (the
@@ -45,10 +45,15 @@ module's dtype in place (``Module.double()``) works only when torch can swap
 the fake parameters (it refuses when something holds a weak reference to
 them, depending on torch's state in the process); its refusal is a
 :class:`ShapeOnlyError` too: create the module with ``dtype=`` instead.
+``DistributedDataParallel`` does not run shape-only: its C++ code reads
+parameter and gradient data (the check of parameter shapes across ranks, the
+reducer's buckets); the error is a :class:`ShapeOnlyError` that says so and
+names FSDP2 and DTensor, which do run shape-only.
 """
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -234,6 +239,13 @@ def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | No
                 f"(World(..., tensors='shape')) does not have (e.g. .item(), .tolist(), bool(t), "
                 f"nonzero, or split sizes read from a tensor); run this program with tensors='real', "
                 f"or compute the value from shapes or Python numbers")
+        if isinstance(error, RuntimeError) and str(error).startswith(_NUMPY_REFUSAL):
+            return ShapeOnlyError(
+                f"rank {rank}: .numpy() needs tensor values, which a shape-only run "
+                f"(World(..., tensors='shape')) does not have; run this program with tensors='real', "
+                f"or keep the computation in torch (shapes and dtypes work)")
+        if isinstance(error, RuntimeError) and str(error).startswith(_NO_DATA):
+            return _no_data_error(error, rank)
         if isinstance(error, RuntimeError) and str(error).startswith("_apply(): Couldn't swap"):
             return ShapeOnlyError(
                 f"rank {rank}: {error}: torch cannot change the dtype or device of a module's fake "
@@ -242,6 +254,27 @@ def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | No
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+_NUMPY_REFUSAL = ".numpy() is not supported for tensor subclasses"
+_NO_DATA = "The tensor has a non-zero number of elements, but its data is not allocated yet"
+_DDP_FILE = "torch/nn/parallel/distributed.py"
+
+
+def _no_data_error(error: BaseException, rank: int) -> ShapeOnlyError:
+    """torch's C++ code read the storage of a fake tensor: name who did, and what to do."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if any(frame.filename.replace("\\", "/").endswith(_DDP_FILE) for frame in frames):
+        return ShapeOnlyError(
+            f"rank {rank}: DistributedDataParallel cannot run on shape-only ranks "
+            f"(World(..., tensors='shape')): its C++ code (the parameter check across ranks and the "
+            f"reducer's gradient buckets) reads tensor data, which fake tensors do not have; run it "
+            f"with tensors='real', or plan with FSDP2 (fully_shard) or DTensor, which run shape-only")
+    inside = [frame for frame in frames if "/torch/" in frame.filename.replace("\\", "/")]
+    where = f" (in {inside[-1].name}, {inside[-1].filename.rsplit('site-packages/', 1)[-1]})" if inside else ""
+    return ShapeOnlyError(
+        f"rank {rank}: torch's C++ code read the data of a tensor{where}, which a shape-only run "
+        f"(World(..., tensors='shape')) does not have; run this program with tensors='real'")
 
 
 # -- torch.distributed's own bookkeeping tensors ------------------------------------------------

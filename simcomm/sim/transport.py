@@ -15,7 +15,10 @@ rank arriving with another op or incompatible arguments than the ranks
 already waiting raises :class:`~simcomm.errors.CollectiveMismatchError`. A
 program that returns with a handle it never waited on raises
 :class:`~simcomm.handles.UnwaitedHandleError`, naming the rank and the line
-that issued it.
+that issued it. When the collective's math refuses the inputs (the last member
+computes it, e.g. MAX of complex tensors), every member raises a copy of that
+error, from the call or from its handle's ``wait()``, as every real rank's call
+would fail.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ from ..trace import Record, Recorder
 from ..transport import TransportBase
 from . import shape as _shape
 from .pending import Pending, PendingCollective, PendingMessage
-from .rendezvous import Group, Message, Slot, call_site, copy_small_shared, format_args, materialize, shared_entries
+from .rendezvous import (Group, Message, Slot, call_site, copy_small_shared, failure, format_args, materialize,
+                         shared_entries)
 from .scheduler import Aborted, RunState
 from .waits import Wait, p2p_detail
 
@@ -114,8 +118,10 @@ class SimTransport(TransportBase):
                     slot.outputs = compute(slot.inputs)
                     slot.shared = shared_entries(slot.outputs, owner=self.rank)
                     copy_small_shared(slot)
-        except BaseException:
+        except BaseException as error:
             slot.failed = True
+            if isinstance(error, Exception):   # the math refused these inputs: every member sees it
+                slot.error = error
             raise
         finally:
             slot.moved = time.perf_counter() - state.clock_zero
@@ -133,7 +139,7 @@ class SimTransport(TransportBase):
             slot.waiting.append(self.global_rank)
             state.release_and_wait(self.global_rank, Wait(op, frame, slot, self.group.ranks, step))
             if slot.failed:
-                raise Aborted
+                raise failure(slot, self.global_rank)
             return materialize(slot, self.rank, state)
         state.lock.release()
         self._complete(slot, step, compute)
@@ -385,6 +391,10 @@ class SimTransport(TransportBase):
         """Checks before a handle's ``wait()`` blocks; returns with the run's lock *held*."""
         state = self.state
         if threading.current_thread() is not self._thread:
+            if not state.closed and threading.current_thread() not in state.threads:
+                # a helper thread of a live run: fails the run with WrongThreadError, as a
+                # communicator call from it does
+                state.lock_for(self.global_rank, f"wait() on the handle of {pending.what}")
             raise SimcommError(
                 f"wait() on the handle of {pending.what} issued by rank {self.global_rank} at "
                 f"{pending.where}: called outside that rank's program (its run has ended, or "
