@@ -55,6 +55,7 @@ import copy
 import pickle
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ from simcomm.checks import check_splits
 from simcomm.errors import CollectiveMismatchError, DeadlockError
 from simcomm.handles import Handle
 from simcomm.reports import mismatch_message, program_location
+from simcomm.trace import current_phase, issued_as
 
 from .transport import GroupCache, issuing_deferred
 
@@ -600,6 +602,7 @@ class _Deferred:
             pending[id(self)] = what
         self._previous, self._issue, self._announce = list(previous), issue, announce
         self.issued = threading.Event()
+        self._issued_as = (current_phase(), time.perf_counter())   # traced as the program issued it
         self.handle = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="simcomm-checked-call", daemon=True)
@@ -611,7 +614,7 @@ class _Deferred:
                 earlier.issued.wait()
             with self._checker.own_client() as checker:
                 self._check(checker)
-            with issuing_deferred():
+            with issuing_deferred(), issued_as(*self._issued_as):
                 self.handle = self._issue()
         except BaseException as error:     # raised again by wait()
             self._error = error

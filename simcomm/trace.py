@@ -44,7 +44,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["TraceEvent", "Trace", "Record", "Recorder", "backward_phase", "current_phase", "peer_bytes"]
+__all__ = ["TraceEvent", "Trace", "Record", "Recorder", "backward_phase", "current_phase", "issued_as", "peer_bytes"]
 
 _local = threading.local()
 
@@ -63,6 +63,20 @@ def backward_phase() -> Iterator[None]:
         yield
     finally:
         _local.phase = previous
+
+
+@contextlib.contextmanager
+def issued_as(phase: str, at: float) -> Iterator[None]:
+    """Record the transport calls made inside this block as issued at ``at`` (a
+    ``time.perf_counter()`` value) in ``phase``: for a call another thread makes on behalf of
+    the program, after checking it (real's checked asynchronous calls), so its record keeps the
+    time and phase at which the program issued it."""
+    previous = getattr(_local, "issued", None)
+    _local.issued = (phase, at)
+    try:
+        yield
+    finally:
+        _local.issued = previous
 
 
 def peer_bytes(op: str, nbytes: int, ranks: tuple[int, ...], rank: int, root: int | None = None,
@@ -189,8 +203,11 @@ class Recorder:
     def begin(self, op: str, group: tuple[int, ...], rank: int, step: int, tensor, root: int | None,
               nbytes: int | None, args: dict | None, async_op: bool = False) -> Record:
         """A new record of a call starting (or issued) now; ``root`` is a global rank."""
-        phase = getattr(_local, "phase", "forward")
-        start = time.perf_counter() - self.clock_zero
+        issued = getattr(_local, "issued", None)
+        if issued is None:
+            phase, start = getattr(_local, "phase", "forward"), time.perf_counter() - self.clock_zero
+        else:
+            phase, start = issued[0], issued[1] - self.clock_zero
         if tensor is None:
             return Record(op, group, rank, step, phase, None, None, nbytes, start, root, args, async_op)
         return Record(op, group, rank, step, phase, tensor.shape, tensor.dtype, nbytes, start, root, args,

@@ -303,3 +303,19 @@ def test_every_extractor_has_the_signature_of_its_transport_primitive():
             continue
         expected = [p.name for p in inspect.signature(primitive).parameters.values()][1:]   # no self
         assert [p.name for p in inspect.signature(extractor).parameters.values()] == expected, name
+
+
+def test_a_checked_async_call_is_traced_when_and_where_the_program_issued_it(gloo_cluster):
+    """Checked mode issues an async collective from a thread of its own once the ranks agree; its
+    record still carries the program's issue time and phase, so the modelled overlap of bucketed
+    gradient all-reduces fired from backward hooks is the simulator's."""
+    from simcomm.parallel import data as dp
+
+    x, y = dp.make_data(32)
+    cluster = gloo_cluster(4)
+    cluster.run(dp.bucketed_grads, x, y, 1 << 20)
+    world = simcomm.World(4)
+    world.run(dp.bucketed_grads, x, y, 1 << 20)
+    assert {e.phase for e in cluster.trace.events if e.op == "all_reduce"} == {"backward"}
+    assert dp.overlap_of(cluster.trace) == pytest.approx(dp.overlap_of(world.trace))
+    assert dp.overlap_of(cluster.trace)["hidden"] > 0
