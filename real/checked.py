@@ -114,7 +114,8 @@ def _collective(op: str, *fields: tuple, shown: tuple = (), splits: tuple | None
 
 # -- the table: one function per primitive, with the primitive's signature --------------
 
-def _all_reduce(tensor, op, async_op=False):
+def _all_reduce(tensor, op, async_op=False, factor=None):
+    # PREMUL_SUM's factor is each rank's own (the ranks may differ): not compared
     return _collective("all_reduce", *_tensor(tensor), ("op", str(op)))
 
 
@@ -122,7 +123,7 @@ def _all_gather(tensor, dim, async_op=False):
     return _collective("all_gather", *_tensor(tensor), ("dim", dim))
 
 
-def _reduce_scatter(tensor, dim, op, async_op=False):
+def _reduce_scatter(tensor, dim, op, async_op=False, factor=None):
     return _collective("reduce_scatter", *_tensor(tensor), ("dim", dim), ("op", str(op)))
 
 
@@ -138,7 +139,7 @@ def _broadcast(tensor, src, async_op=False):
     return _collective("broadcast", *_tensor(tensor), ("src", src))
 
 
-def _reduce(tensor, dst, op, async_op=False):
+def _reduce(tensor, dst, op, async_op=False, factor=None):
     return _collective("reduce", *_tensor(tensor), ("dst", dst), ("op", str(op)))
 
 

@@ -228,7 +228,7 @@ def run_process_groups(transport) -> Iterator[RealProcessGroup]:
     transport.cache.begin_run()
     try:
         yield group
-        transport.cache.check_all_waited(dist.get_rank())   # the program returned normally
+        transport.cache.check_all_waited(transport.global_rank)   # the program returned normally (maybe after destroying the group)
     finally:
         for made in [pg for pg in world.pg_map if pg not in before and isinstance(pg, RealProcessGroup)]:
             _forget(world, made)
