@@ -620,7 +620,9 @@ class _Deferred:
         except BaseException as error:     # raised again by wait()
             self._error = error
         finally:
-            self._previous = []
+            # the call's arguments (a send's tensor) are the backend's now: this object, which the
+            # checker keeps as the channel's last issue, must not keep them alive
+            self._previous, self._issue, self._check = [], None, None
             self.issued.set()
 
     def join(self) -> None:
