@@ -371,16 +371,7 @@ def test_isend_irecv_between_two_ranks():
 
 
 def test_batch_isend_irecv_ring():
-    def program(comm):
-        rank, world = dist.get_rank(), dist.get_world_size()
-        received = torch.empty(4, 3, dtype=torch.float64)
-        ops = [dist.P2POp(dist.isend, progs.rank_input(rank), (rank + 1) % world),
-               dist.P2POp(dist.irecv, received, (rank - 1) % world)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return received
-
-    outs = simcomm.World(WORLD).run(program)
+    outs = simcomm.World(WORLD).run(progs.batch_isend_irecv_ring)
     for rank, got in enumerate(outs):
         torch.testing.assert_close(got, progs.rank_input((rank - 1) % WORLD))
 

@@ -175,17 +175,8 @@ def test_reduce_scatter_and_uneven_all_to_all_single_are_traced_as_themselves():
 # -- point to point ---------------------------------------------------------------------------
 
 def test_batch_isend_irecv_ring_is_traced_async_on_every_rank():
-    def program(comm):
-        rank, world = dist.get_rank(), dist.get_world_size()
-        received = torch.empty(4, 3, dtype=torch.float64)
-        ops = [dist.P2POp(dist.isend, progs.rank_input(rank), (rank + 1) % world),
-               dist.P2POp(dist.irecv, received, (rank - 1) % world)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return received
-
     world = simcomm.World(WORLD)
-    outs = world.run(program)
+    outs = world.run(progs.batch_isend_irecv_ring)
     for rank, got in enumerate(outs):
         torch.testing.assert_close(got, progs.rank_input((rank - 1) % WORLD), rtol=0, atol=0)
     for rank in range(WORLD):

@@ -406,3 +406,14 @@ def nn_functional_collective_reference(op: str, world: int = WORLD):
         outs = [torch.stack([xs[src][dst] for src in range(world)]) for dst in range(world)]
     sum((out * rank_input(70 + r, tuple(out.shape))).sum() for r, out in enumerate(outs)).backward()
     return [o.detach() for o in outs], [torch.zeros_like(x) if x.grad is None else x.grad for x in xs]
+
+
+def batch_isend_irecv_ring(comm):
+    """Each rank sends its input to the next rank and receives the previous one's, in one batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    received = torch.empty(4, 3, dtype=torch.float64)
+    ops = [dist.P2POp(dist.isend, rank_input(rank), (rank + 1) % world),
+           dist.P2POp(dist.irecv, received, (rank - 1) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
