@@ -54,7 +54,10 @@ def trade_figure(rows: Sequence[dict]) -> go.Figure:
                         text=[row["mode"]], textposition="top center", textfont=_FONT,
                         marker=dict(size=18, color=SERIES_COLOURS[index % len(SERIES_COLOURS)]),
                         hovertemplate="%{x:.3f} x compute, %{y:.1f} KiB per layer<extra></extra>")
-    fig.update_xaxes(title_text="compute of a step (x the step without recomputation)")
+    low, high = min(row["compute"] for row in rows), max(row["compute"] for row in rows)
+    pad = 0.1 * (high - low) or 0.05          # room for the end points' markers and labels
+    fig.update_xaxes(title_text="compute of a step (x the step without recomputation)",
+                     range=[low - pad, high + pad])
     fig.update_yaxes(title_text="activations per layer and rank (KiB)", rangemode="tozero")
     fig.update_layout(showlegend=False)
     return _style(fig, "Recomputation trades compute for activation memory")
