@@ -30,6 +30,7 @@ import json, resource, sys, time, torch
 torch.set_num_threads(1)
 import simcomm
 from simcomm.parallel import cluster_step as t3d
+from simcomm.parallel.mesh import Layout
 kind, ranks, tensors, layout, block, warm = json.loads(sys.argv[1])
 
 def dp_step(comm, hidden):
@@ -43,7 +44,7 @@ if "dtype" in block:
 if kind == "dp":
     program, args = dp_step, (1024,)
 else:
-    program, args = t3d.step, (t3d.Layout(*layout), t3d.Block(**block))
+    program, args = t3d.step, (Layout(**layout), t3d.Block(**block))
 world = simcomm.World(ranks, tensors=tensors)
 if warm:                     # imports and torch's caches warmed by one run first
     world.run(program, *args)
@@ -59,12 +60,13 @@ SMALL = {"hidden": 128, "heads": 4, "seq": 64, "dtype": "float32"}
 MEDIUM = {"hidden": 512, "heads": 8, "seq": 512, "dtype": "float32"}
 
 
-def measure(kind: str, ranks: int, tensors: str, layout=(1, 1, 1), block: dict | None = None,
+def measure(kind: str, ranks: int, tensors: str, layout: dict | None = None, block: dict | None = None,
             warm: bool = False, timeout: float = 900) -> dict:
     """One run in a fresh process (after a warm-up run of the same program if ``warm``):
-    seconds, trace events and peak resident bytes."""
+    seconds, trace events and peak resident bytes. ``layout``: the sizes of the 3-D step's
+    ``Layout`` by name (``{"tp": 2, "pp": 2, "dp": 4}``)."""
     out = subprocess.run([sys.executable, "-c", _CHILD,
-                          json.dumps([kind, ranks, tensors, layout, block or {}, warm])],
+                          json.dumps([kind, ranks, tensors, layout or {"dp": ranks}, block or {}, warm])],
                          check=True, capture_output=True, text=True, timeout=timeout)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     out("measurement                                      ranks  seconds  events  peak RSS\n")
     if "3d" in args.only:
         tp, pp, dp = args.layout
-        result = measure("3d", tp * pp * dp, "shape", args.layout, GPT2_MEDIUM)
+        result = measure("3d", tp * pp * dp, "shape", {"tp": tp, "pp": pp, "dp": dp}, GPT2_MEDIUM)
         out(f"3-D step {tp}x{pp}x{dp}, GPT-2-medium block, shape-only  {tp * pp * dp:5d}  "
             f"{result['seconds']:7.1f}  {result['events']:6d}  {result['peak_rss'] / 2**30:.2f} GiB\n")
     if "dp" in args.only:
@@ -91,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, block in (("hidden 128, seq 64", SMALL), ("hidden 512, seq 512", MEDIUM)):
             shape, real = [], []
             for _ in range(args.rounds):      # alternate the sides, each in a fresh process, warmed up
-                shape.append(measure("3d", 16, "shape", (2, 2, 4), block, warm=True)["seconds"])
-                real.append(measure("3d", 16, "real", (2, 2, 4), block, warm=True)["seconds"])
+                layout = {"tp": 2, "pp": 2, "dp": 4}
+                shape.append(measure("3d", 16, "shape", layout, block, warm=True)["seconds"])
+                real.append(measure("3d", 16, "real", layout, block, warm=True)["seconds"])
             out(f"3-D step 2x2x4 ({name}, fp32): shape-only {statistics.median(shape):.3f} s, real-valued "
                 f"{statistics.median(real):.3f} s (median of {args.rounds}, second run of each process); "
                 f"shape-only / real = {statistics.median(shape) / statistics.median(real):.2f}\n")

@@ -16,11 +16,12 @@ from render_gallery import render
 
 import simcomm
 from simcomm.parallel import cluster_step as t3d
+from simcomm.parallel.mesh import Layout
 from simcomm.viz.cluster_plan import cluster, link_table, plan_figure
 
 
 def plan():
-    layout = t3d.Layout(tp=8, pp=4, dp=32)                        # 1024 ranks
+    layout = Layout(pp=4, dp=32, tp=8)                            # 1024 ranks
     world = simcomm.World(layout.world_size, tensors="shape")     # fake tensors: shapes, no data
     world.run(t3d.step, layout, t3d.Block(layers=2, micro_batches=2))  # GPT-2-medium blocks, one step
     topology = cluster("h100-ndr-cluster", layout.world_size)     # the preset, grown to 128 nodes

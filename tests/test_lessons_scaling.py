@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from simcomm.lessons import scaling as sl
+from simcomm.parallel.mesh import Layout
 from simcomm.parallel.transformer3d import make_block
 
 
@@ -200,9 +201,11 @@ def test_check_sp_layernorm(answer, kind, hint):
 # -- 12 -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("answer, kind, hint", [
-    (lambda r, tp, dp, pp: (r // (tp * dp), (r // tp) % dp, r % tp), "correct", ""),
-    (lambda r, tp, dp, pp: (r // (tp * dp), r % dp, r // dp % tp), "not yet", "neighbours"),   # dp innermost
-    (lambda r, tp, dp, pp: (r // (tp * dp), r % tp), "not yet", "return (stage, d, t)"),
+    (lambda r, *, pp, dp, tp: (r // (tp * dp), (r // tp) % dp, r % tp), "correct", ""),
+    (lambda r, *, pp, dp, tp: (r // (tp * dp), r % dp, r // dp % tp), "not yet", "neighbours"),   # dp innermost
+    (lambda r, *, pp, dp, tp: (r % pp, (r // pp) % dp, r // (pp * dp)), "not yet", "neighbours"),  # pp innermost
+    (lambda r, *, pp, dp, tp: (r // (tp * dp), r % tp), "not yet", "return (stage, d, t)"),
+    (lambda r, tp, dp, pp: (r // (tp * dp), (r // tp) % dp, r % tp), "correct", ""),  # any order, by name
     (..., "unanswered", ""),
 ])
 def test_check_mesh_coords(answer, kind, hint):
@@ -217,11 +220,13 @@ ROWS = [{"tp": 1, "dp": 8, "pp": 1, "peak_bytes": 900, "NVLink node": 1e-5},
 
 
 @pytest.mark.parametrize("answer, kind, hint", [
-    ((1, 4, 2), "correct", ""),
-    ((1, 8, 1), "not yet", "more than the limit"),
-    ((2, 4, 1), "not yet", "another layout that fits is faster"),
-    ((8, 8, 8), "not yet", "not a layout of the table"),
-    ("1, 4, 2", "not yet", "tuple (tp, dp, pp)"),
+    (Layout(tp=1, dp=4, pp=2), "correct", ""),
+    (Layout(pp=2, dp=4), "correct", ""),                     # tp=1 left out: the same mesh of ranks
+    (Layout(tp=1, dp=8, pp=1), "not yet", "more than the limit"),
+    (Layout(tp=2, dp=4, pp=1), "not yet", "another layout that fits is faster"),
+    (Layout(tp=8, dp=8, pp=8), "not yet", "not a layout of the table"),
+    ((1, 4, 2), "not yet", "by name, as Layout(pp=..., dp=..., tp=...)"),   # a tuple's order is ambiguous
+    ("1, 4, 2", "not yet", "by name"),
     (..., "unanswered", ""),
 ])
 def test_check_layout_choice(answer, kind, hint):
@@ -236,10 +241,11 @@ def test_layout_table_rows_are_checked_and_fastest_fitting():
     rows = layout_table(x, w, make_block(8, 16), 4)
     assert {(r["tp"], r["dp"], r["pp"]) for r in rows} == {(1, 8, 1), (2, 4, 1), (4, 2, 1), (1, 4, 2), (2, 2, 2),
                                                           (4, 1, 2)} - {(1, 8, 1)}   # batch 4: dp <= 4
+    assert all(r["layout"] == Layout(pp=r["pp"], dp=r["dp"], tp=r["tp"]) for r in rows)
     assert all(r["max_error"] < 1e-10 and r["peak_bytes"] > 0 and all(r[t] > 0 for t in TOPOLOGIES) for r in rows)
     least = min(r["peak_bytes"] for r in rows)
     best = fastest_fitting(rows, least, "NVLink node")
-    assert [r for r in rows if (r["tp"], r["dp"], r["pp"]) == best][0]["peak_bytes"] == least
+    assert [r for r in rows if r["layout"] == best][0]["peak_bytes"] == least
     assert fastest_fitting(rows, least - 1, "NVLink node") is None
 
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import simcomm
-from simcomm.parallel.transformer3d import Layout, assemble_grads, block_step, layouts, make_block, mesh_coords
+from simcomm.parallel.mesh import Layout
+from simcomm.parallel.transformer3d import assemble_grads, block_step, layouts, make_block, shard_block
 
 HEADS = 4
 
@@ -37,7 +38,13 @@ def data(batch=4, seq=8, hidden=8, ffn=16, seed=0):
     return x, w, make_block(hidden, ffn, seed=seed)
 
 
+def L(tp, dp, pp):
+    """The test's shorthand, named at the one place it is spelled out."""
+    return Layout(pp=pp, dp=dp, tp=tp)
+
+
 def check(world_size, layout, batch=4, seq=8):
+    layout = L(*layout)
     x, w, params = data(batch=batch, seq=seq)
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
     expected = reference_loss(x, w, leaves)
@@ -52,7 +59,7 @@ def check(world_size, layout, batch=4, seq=8):
 
 
 def test_layouts_of_eight():
-    assert layouts(8) == [(1, 8, 1), (2, 4, 1), (4, 2, 1), (8, 1, 1), (1, 4, 2), (2, 2, 2), (4, 1, 2)]
+    assert layouts(8) == [L(1, 8, 1), L(2, 4, 1), L(4, 2, 1), L(8, 1, 1), L(1, 4, 2), L(2, 2, 2), L(4, 1, 2)]
 
 
 @pytest.mark.parametrize("layout", [(2, 4, 1), (4, 2, 1), (1, 8, 1), (2, 2, 2), (4, 1, 2), (1, 4, 2)])
@@ -66,10 +73,27 @@ def test_block_step_odd_world_sizes(world_size, layout):
     check(world_size, layout, batch=world_size if world_size > 1 else 2, seq=8)
 
 
-def test_mesh_coordinates_put_tensor_parallel_innermost():
-    layout = Layout(2, 2, 2)
-    assert [mesh_coords(r, layout) for r in range(8)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+def test_each_rank_holds_the_shards_of_its_mesh_coordinates():
+    layout = Layout(pp=2, dp=2, tp=2)
+    _, _, params = data()
+    for rank in range(8):
+        stage, _, t = layout.coordinates(rank)
+        shards = shard_block(params, layout, rank)
+        assert set(shards) == {"ln1_w", "ln1_b", "wq", "wk", "wv", "wo", "bo"} if stage == 0 else set(shards) == {
+            "ln2_w", "ln2_b", "w1", "b1", "w2", "b2"}
+        name = "wq" if stage == 0 else "w1"
+        assert torch.equal(shards[name], params[name].chunk(2, dim=0)[t])
+
+
+def test_a_layout_without_pp_or_with_a_tuple():
+    check(4, (2, 2, 1), batch=4)
+    x, w, params = data()
+    check_2d = simcomm.World(4).run(block_step, x, w, params, HEADS, Layout(dp=2, tp=2))    # no pp dim: 1 stage
+    assert [o["coords"] for o in check_2d] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    with pytest.raises(simcomm.RankError, match=r"block_step: layout=\(2, 2, 1\) must be a simcomm.parallel.mesh"):
+        simcomm.World(4).run(block_step, x, w, params, HEADS, (2, 2, 1))
+    with pytest.raises(simcomm.RankError, match="cp=2: this block has no context parallelism"):
+        simcomm.World(4).run(block_step, x, w, params, HEADS, Layout(cp=2, tp=2))
 
 
 def test_each_axis_issues_its_collectives_on_its_subgroup():
@@ -87,6 +111,6 @@ def test_each_axis_issues_its_collectives_on_its_subgroup():
 def test_a_layout_that_does_not_fit_is_a_named_error():
     x, w, params = data(batch=4, seq=8)
     with pytest.raises(simcomm.RankError, match=r"dp=8|tp\*dp\*pp = 4 is not the world size 8"):
-        simcomm.World(8).run(block_step, x, w, params, HEADS, (1, 8, 1))
+        simcomm.World(8).run(block_step, x, w, params, HEADS, L(1, 8, 1))
     with pytest.raises(simcomm.RankError, match="heads=4 is not divisible by tp=8"):
-        simcomm.World(8).run(block_step, x, w, params, HEADS, (8, 1, 1))
+        simcomm.World(8).run(block_step, x, w, params, HEADS, L(8, 1, 1))

@@ -8,6 +8,7 @@ import torch
 import real
 import simcomm
 from simcomm.parallel.context import unshard_sequence
+from simcomm.parallel.mesh import Layout
 from simcomm.parallel.transformer3d import assemble_grads, block_step
 from tests.test_parallel_context import _reference as attention_reference
 from tests.test_parallel_context import _ring_program, qkvw
@@ -50,10 +51,11 @@ def test_expert_parallel_moe_on_real_processes_with_an_empty_expert():
 
 def test_block_step_on_real_processes():
     x, w, params = data(batch=4)
-    outs = real.run(block_step, x, w, params, HEADS, (2, 1, 2), world_size=4)
+    layout = Layout(pp=2, dp=1, tp=2)
+    outs = real.run(block_step, x, w, params, HEADS, layout, world_size=4)
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
     expected = reference_loss(x, w, leaves)
     expected.backward()
     assert sum(o["loss"] for o in outs).item() == pytest.approx(expected.item(), abs=1e-11)
-    grads = assemble_grads(outs, (2, 1, 2))
+    grads = assemble_grads(outs, layout)
     assert all(torch.allclose(grads[n], leaves[n].grad, atol=1e-11) for n in leaves)

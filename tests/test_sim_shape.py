@@ -12,6 +12,7 @@ import simcomm
 import simcomm.sim.shape
 from simcomm.errors import CollectiveMismatchError, DeadlockError, RankError
 from simcomm.parallel import cluster_step as t3d
+from simcomm.parallel.mesh import Layout
 from simcomm.parallel import sequence as sequence_parallel
 from simcomm.parallel import tensor as tensor_parallel
 from simcomm.parallel import zero
@@ -71,7 +72,7 @@ def dtensor_program(comm):
 
 def _arguments(name: str, world_size: int) -> tuple:
     if name == "3d":
-        return (t3d.Layout(2, 2, world_size // 4), t3d.Block(hidden=32, heads=4, seq=8, micro_batches=2, layers=2,
+        return (Layout(tp=2, pp=2, dp=world_size // 4), t3d.Block(hidden=32, heads=4, seq=8, micro_batches=2, layers=2,
                                                           dtype=torch.float32))
     if name == "tp":
         return (tensor_parallel.make_mlp(8, 4 * world_size), torch.randn(5, 8, dtype=torch.float64))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from simcomm.parallel.layout_choice import TOPOLOGIES
+from simcomm.parallel.mesh import Layout
 from simcomm.parallel.transformer3d import make_block
 from simcomm.viz import scaling as figures
 
@@ -49,12 +50,12 @@ def test_text_is_at_least_14_px_and_survives_html_export(fig):
 def test_layout_explorer_runs_the_chosen_layout_and_redraws():
     gen = torch.Generator().manual_seed(0)
     x, w = (torch.randn(4, 8, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    explorer = figures.LayoutExplorer(x, w, make_block(8, 16), 4, [(2, 2, 1), (1, 4, 1), (2, 1, 2)],
-                                      TOPOLOGIES, layout=(2, 2, 1))
+    choices = [Layout(pp=1, dp=2, tp=2), Layout(pp=1, dp=4, tp=1), Layout(pp=2, dp=1, tp=2)]
+    explorer = figures.LayoutExplorer(x, w, make_block(8, 16), 4, choices, TOPOLOGIES, layout=choices[0])
     first = explorer.figure
     assert explorer.row["tp"] == 2 and explorer.row["max_error"] < 1e-10
     assert "tp=2 dp=2 pp=1" in first.layout.title.text and len(explorer.output.outputs) == 1
-    explorer.layout.value = (2, 1, 2)                       # as a learner picking from the dropdown
+    explorer.layout.value = choices[2]                      # as a learner picking from the dropdown
     assert explorer.figure is not first and "tp=2 dp=1 pp=2" in explorer.figure.layout.title.text
     explorer.topology.value = "InfiniBand cluster"
     assert "InfiniBand cluster" in explorer.figure.layout.title.text

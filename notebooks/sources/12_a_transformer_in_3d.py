@@ -34,7 +34,8 @@ from simcomm.lessons import foundations as lessons
 from simcomm.parallel import layout_choice
 from simcomm.viz import scaling as figures
 from simcomm.lessons import scaling as checks
-from simcomm.parallel.transformer3d import Layout, assemble_grads, block_step, loss, make_block, mesh_coords
+from simcomm.parallel.mesh import Layout
+from simcomm.parallel.transformer3d import assemble_grads, block_step, loss, make_block
 
 world_size, batch, seq, hidden, ffn, heads = 8, 8, 32, 128, 512, 8
 world = simcomm.configured_backend(world_size)
@@ -45,22 +46,18 @@ x, weights = (torch.randn(batch, seq, hidden, dtype=torch.float64, generator=gen
 # %% [markdown]
 # ## 1. Eight ranks on a 3-D mesh
 #
-# A layout `(tp, dp, pp)` with `tp * dp * pp = 8`. Tensor-parallel ranks are neighbours (they
-# talk the most, so they should share the fastest links), then data parallel, then the pipeline
-# stage: rank = `(stage * dp + d) * tp + t`. Each axis is a set of subgroups (`comm.subgroup`):
+# A `Layout(pp=..., dp=..., tp=...)` with `pp * dp * tp = 8`, each size by name. Tensor-parallel
+# ranks are neighbours (they talk the most, so they should share the fastest links), then data
+# parallel, then the pipeline stage: rank = `(stage * dp + d) * tp + t`, the row-major order in
+# which torch's `init_device_mesh` numbers a mesh of shape `(pp, dp, tp)`. Each axis is a set of
+# subgroups (`layout.groups(dim)`, the partition `comm.subgroup` takes):
 
 # %% expect=["rank 0: stage 0, d 0, t 0", "rank 1: stage 0, d 0, t 1", "rank 2: stage 0, d 1, t 0", "rank 3: stage 0, d 1, t 1", "rank 4: stage 1, d 0, t 0", "rank 5: stage 1, d 0, t 1", "rank 6: stage 1, d 1, t 0", "rank 7: stage 1, d 1, t 1", "tp groups [[0, 1], [2, 3], [4, 5], [6, 7]]; dp groups [[0, 2], [1, 3], [4, 6], [5, 7]]; stage pairs [[0, 4], [1, 5], [2, 6], [3, 7]]"]
-layout = Layout(tp=2, dp=2, pp=2)
-coords = [mesh_coords(rank, layout) for rank in range(world_size)]
-for rank, (stage, d, t) in enumerate(coords):
+layout = Layout(pp=2, dp=2, tp=2)
+for rank in range(world_size):
+    stage, d, t = layout.coordinates(rank)
     print(f"rank {rank}: stage {stage}, d {d}, t {t}")
-def groups(key):
-    found = {}
-    for rank, c in enumerate(coords):
-        found.setdefault(key(c), []).append(rank)
-    return sorted(found.values())
-print(f"tp groups {groups(lambda c: (c[0], c[1]))}; dp groups {groups(lambda c: (c[0], c[2]))}; "
-      f"stage pairs {groups(lambda c: (c[1], c[2]))}")
+print(f"tp groups {layout.groups('tp')}; dp groups {layout.groups('dp')}; stage pairs {layout.groups('pp')}")
 
 # %% [markdown]
 # ## 2. One step, equal to one device
@@ -72,22 +69,22 @@ print(f"tp groups {groups(lambda c: (c[0], c[1]))}; dp groups {groups(lambda c: 
 # replicated LayerNorm weights and output biases are all-reduced over the tp group (each rank
 # saw only its sequence shard), and every gradient over the dp group.
 
-# %% expect=["layout (2, 2, 2): loss and all 13 gradients match the single-device block"]
+# %% expect=["Layout(pp=2, dp=2, tp=2): loss and all 13 gradients match the single-device block"]
 leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
 reference = loss(x, weights, leaves, heads)
 reference.backward()
-outs = world.run(block_step, x, weights, params, heads, tuple(layout))
+outs = world.run(block_step, x, weights, params, heads, layout)
 lessons.assert_close(sum(o["loss"] for o in outs), reference.detach(), "loss", atol=1e-9)
 grads = assemble_grads(outs, layout)                     # the shards put back together
 lessons.assert_close(grads, {name: p.grad for name, p in leaves.items()}, "gradients", atol=1e-9)
-print(f"layout {tuple(layout)}: loss and all {len(grads)} gradients match the single-device block")
+print(f"{layout}: loss and all {len(grads)} gradients match the single-device block")
 
 # %% [markdown]
 # The collectives of one step, on rank 0 (the simulator's trace):
 
 # %% expect=["all_gather on (0, 1): forward 1, backward 1", "reduce_scatter on (0, 1): forward 1, backward 1", "send on (0, 1, 2, 3, 4, 5, 6, 7): forward 1, backward 0", "recv on (0, 1, 2, 3, 4, 5, 6, 7): forward 1, backward 0", "all_reduce on (0, 1): forward 1, backward 0", "all_reduce on (0, 2): forward 1, backward 0"]
 sim = simcomm.World(world_size)
-sim.run(block_step, x, weights, params, heads, tuple(layout))
+sim.run(block_step, x, weights, params, heads, layout)
 calls = {}
 for event in sim.trace.filter(rank=0).events:
     if event.op not in ("compute", "subgroup"):
@@ -121,13 +118,12 @@ figures.layout_figure(rows, list(layout_choice.TOPOLOGIES))
 # %% [markdown]
 # Which layout wins, and why:
 
-# %% expect=["fastest on the NVLink node: (1, 8, 1); on the InfiniBand cluster: (1, 8, 1)", "least memory per rank: (4, 2, 1)"]
+# %% expect=["fastest on the NVLink node: Layout(pp=1, dp=8, tp=1); on the InfiniBand cluster: Layout(pp=1, dp=8, tp=1)", "least memory per rank: Layout(pp=1, dp=2, tp=4)"]
 fastest = {name: min(rows, key=lambda row: row[name]) for name in layout_choice.TOPOLOGIES}
 least = min(rows, key=lambda row: row["peak_bytes"])
-key = lambda row: (row["tp"], row["dp"], row["pp"])
-print(f"fastest on the NVLink node: {key(fastest['NVLink node'])}; "
-      f"on the InfiniBand cluster: {key(fastest['InfiniBand cluster'])}")
-print(f"least memory per rank: {key(least)}")
+print(f"fastest on the NVLink node: {fastest['NVLink node']['layout']}; "
+      f"on the InfiniBand cluster: {fastest['InfiniBand cluster']['layout']}")
+print(f"least memory per rank: {least['layout']}")
 
 # %% [markdown]
 # * **Time.** At this size a step is tens of microseconds and every collective pays a fixed
@@ -147,19 +143,19 @@ print(f"least memory per rank: {key(least)}")
 # cell ran, which a static export keeps.
 
 # %% tags=["nbval-ignore-output"]
-explorer = figures.LayoutExplorer(x, weights, params, heads, [key(row) for row in rows],
-                                  layout_choice.TOPOLOGIES, layout=(2, 2, 2))
+explorer = figures.LayoutExplorer(x, weights, params, heads, [row["layout"] for row in rows],
+                                  layout_choice.TOPOLOGIES, layout=layout)
 display(explorer.panel)
 explorer.figure
 
 # %% [markdown]
 # ## Exercise 1: mesh coordinates
 #
-# Write `coords(rank, tp, dp, pp)` returning `(stage, d, t)` for the layout above (tensor
-# parallel innermost, then data parallel, then the pipeline stage).
+# Write `coords(rank, *, pp, dp, tp)` returning `(stage, d, t)` for the layout above (tensor
+# parallel innermost, then data parallel, then the pipeline stage); the sizes come by name.
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
-def coords_of(rank, tp, dp, pp):
+def coords_of(rank, *, pp, dp, tp):
     raise NotImplementedError   # (stage, d, t)
 
 print(checks.check_mesh_coords(coords_of))
@@ -169,7 +165,7 @@ print(checks.check_mesh_coords(coords_of))
 #
 # ```python
 # # Solution of exercise 1.
-# def coords_solution(rank, tp, dp, pp):
+# def coords_solution(rank, *, pp, dp, tp):
 #     return rank // (tp * dp), (rank // tp) % dp, rank % tp
 #
 # print(checks.check_mesh_coords(coords_solution))
@@ -186,7 +182,7 @@ print(checks.check_mesh_coords(coords_of))
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 memory_limit = sorted(row["peak_bytes"] for row in rows)[4] + 1     # five of the seven layouts fit
-choice = ...   # (tp, dp, pp)
+choice = ...   # Layout(pp=..., dp=..., tp=...), or a row's row["layout"]
 
 print(checks.check_layout_choice(choice, rows, memory_limit, "InfiniBand cluster"))
 
@@ -197,7 +193,7 @@ print(checks.check_layout_choice(choice, rows, memory_limit, "InfiniBand cluster
 # # Solution of exercise 2.
 # fitting = [row for row in rows if row["peak_bytes"] <= memory_limit]
 # best = min(fitting, key=lambda row: row["InfiniBand cluster"])
-# choice_solution = (best["tp"], best["dp"], best["pp"])
+# choice_solution = best["layout"]
 # print(checks.check_layout_choice(choice_solution, rows, memory_limit, "InfiniBand cluster").split(":")[0]
 #       + ": the fastest layout that fits, on the InfiniBand cluster.")
 # ```

@@ -30,6 +30,7 @@ import time
 from simcomm import World
 from simcomm.lessons import memory_and_planning as checks
 from simcomm.parallel import cluster_step, planner
+from simcomm.parallel.mesh import Layout
 from simcomm.parallel.planner import GiB, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
 from simcomm.viz.cluster_plan import cluster, plan_figure
 from simcomm.viz.planning import layout_memory_figure
@@ -58,7 +59,7 @@ for model, published in ((LLAMA3_8B, 8.0e9), (LLAMA3_70B, 70.6e9), (LLAMA3_405B,
 # `h = 4096`, 32 heads, `s = 8192`) on 16 ranks, read against an H100 InfiniBand cluster:
 
 # %% tags=["nbval-ignore-output"]
-layout = cluster_step.Layout(tp=4, pp=2, dp=2)
+layout = Layout(pp=2, dp=2, tp=4)                    # ranks (p * dp + d) * tp + t, as init_device_mesh
 shape_world = World(layout.world_size, tensors="shape", memory=True)
 start = time.perf_counter()
 shape_world.run(cluster_step.step, layout, cluster_step.Block(hidden=4096, heads=32, seq=8192, micro_batches=2))

@@ -28,7 +28,7 @@ from ..errors import DeadlockError, RankError, RunTimeoutError, SimcommError
 from ..parallel.context import block_attention, chunk_ids
 from ..parallel.expert import keep_mask
 from ..parallel.layout_choice import fastest_fitting
-from ..parallel.transformer3d import Layout, mesh_coords
+from ..parallel.mesh import Layout
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import NOT_ANSWERED, as_number, attempt, is_correct, is_placeholder
@@ -349,43 +349,52 @@ def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
 
 @_hint_on_request
 def check_mesh_coords(coords: Callable) -> str:
-    """``coords(rank, tp, dp, pp) -> (stage, d, t)`` with tensor parallelism innermost."""
+    """``coords(rank, pp=..., dp=..., tp=...) -> (stage, d, t)``: the coordinates of
+    :class:`simcomm.parallel.mesh.Layout` (pipeline outermost, tensor parallelism innermost)."""
     if is_placeholder(coords):
         return NOT_ANSWERED
-    for layout in ((2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 1, 4), (3, 2, 1)):
-        for rank in range(math.prod(layout)):
-            result, verdict = _call(coords, rank, *layout)
+    for sizes in (dict(pp=2, dp=2, tp=2), dict(pp=1, dp=2, tp=4), dict(pp=2, dp=4, tp=1), dict(pp=4, dp=1, tp=2),
+                  dict(pp=1, dp=2, tp=3)):
+        layout = Layout(**sizes)
+        named = ", ".join(f"{dim}={size}" for dim, size in sizes.items())
+        for rank in range(layout.world_size):
+            result, verdict = _call(lambda r: coords(r, **sizes), rank)
             if verdict:
                 return verdict
             got = _as_ints(result)
             if got is None or len(got) != 3:
-                return _not_yet(f"coords({rank}, {', '.join(map(str, layout))}) returned {result!r}; return "
+                return _not_yet(f"coords({rank}, {named}) returned {result!r}; return "
                                 "(stage, d, t), three whole numbers")
-            expected = list(mesh_coords(rank, Layout(*layout)))
+            expected = list(layout.coordinates(rank))
             if got != expected:
-                return _not_yet(f"rank {rank} with (tp, dp, pp) = {layout}: {tuple(got)} is not its (stage, d, t)",
+                return _not_yet(f"rank {rank} with {named}: {tuple(got)} is not its (stage, d, t)",
                                 "the tp ranks are neighbours (rank % tp), then dp, then the stage")
     return "Correct: mesh coordinates for 5 layouts, every rank."
 
 
 @_hint_on_request
 def check_layout_choice(choice: Any, rows: list[dict], memory_limit: int, topology: str) -> str:
-    """``choice``: the ``(tp, dp, pp)`` with the shortest ``topology`` step time whose peak memory per rank
-    fits ``memory_limit`` bytes, read from ``rows`` (:func:`simcomm.parallel.layout_choice.layout_table`)."""
+    """``choice``: the ``Layout(pp=, dp=, tp=)`` with the shortest ``topology`` step time whose peak memory
+    per rank fits ``memory_limit`` bytes, read from ``rows``
+    (:func:`simcomm.parallel.layout_choice.layout_table`)."""
     if is_placeholder(choice):
         return NOT_ANSWERED
-    got = _as_ints(choice)
-    if got is None or len(got) != 3:
-        return _not_yet(f"give the layout as a tuple (tp, dp, pp) of three whole numbers; got {choice!r}")
-    by_layout = {(row["tp"], row["dp"], row["pp"]): row for row in rows}
-    if tuple(got) not in by_layout:
-        return _not_yet(f"{tuple(got)} is not a layout of the table; pick one of {sorted(by_layout)}")
+    if not isinstance(choice, Layout) or choice.cp != 1:
+        return _not_yet(f"give the layout by name, as Layout(pp=..., dp=..., tp=...); got {choice!r}",
+                        "a row's own row['layout'] is one")
+    name = lambda pp, dp, tp: Layout(pp=pp, dp=dp, tp=tp)   # noqa: E731  one spelling for every message
+    by_layout = {(row["pp"], row["dp"], row["tp"]): row for row in rows}
+    got = (choice.pp, choice.dp, choice.tp)
+    if got not in by_layout:
+        return _not_yet(f"{name(*got)!r} is not a layout of the table; pick one of "
+                        f"{', '.join(repr(name(*key)) for key in sorted(by_layout))}")
     best = fastest_fitting(rows, memory_limit, topology)
-    row = by_layout[tuple(got)]
+    row = by_layout[got]
     if row["peak_bytes"] > memory_limit:
-        return _not_yet(f"{tuple(got)} needs {row['peak_bytes']:,} bytes per rank, more than the limit "
+        return _not_yet(f"{name(*got)!r} needs {row['peak_bytes']:,} bytes per rank, more than the limit "
                         f"{memory_limit:,}", "shard more (larger tp or pp)")
-    if tuple(got) != best:
-        return _not_yet(f"{tuple(got)} fits, but another layout that fits is faster on the {topology} "
+    if name(*got) != best:
+        return _not_yet(f"{name(*got)!r} fits, but another layout that fits is faster on the {topology} "
                         f"({row[topology] * 1e6:.1f} us for yours)", "compare the step times of the rows that fit")
-    return f"Correct: {tuple(got)} is the fastest layout on the {topology} within {memory_limit:,} bytes per rank."
+    return (f"Correct: {name(*got)!r} is the fastest layout on the {topology} within {memory_limit:,} bytes "
+            "per rank.")

@@ -10,6 +10,7 @@
 ``pipeline``       pipeline schedules (naive, GPipe, 1F1B, interleaved) and bubbles
 ``context``        ring attention and causal load balancing
 ``expert``         top-k mixture of experts over ranks
+``mesh``           the one Layout: named sizes, rank order, groups per dim
 ``transformer3d``  one transformer block in TP + SP x DP x PP
 ``layout_choice``  memory and modelled step time of every 3-D layout
 ``cluster_step``   a shape-only 3-D step for planning at scale

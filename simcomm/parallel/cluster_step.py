@@ -1,7 +1,8 @@
 """A 3-D parallel transformer training step: tensor x pipeline x data parallelism.
 
 ``step(comm, layout, block)`` is one SPMD training step of a stack of
-pre-norm transformer blocks on ``tp * pp * dp`` ranks:
+pre-norm transformer blocks on the ``pp * dp * tp`` ranks of a
+:class:`simcomm.parallel.mesh.Layout` ``Layout(pp=..., dp=..., tp=...)``:
 
 * **tensor parallel** (Megatron): inside each block, attention heads and the
   MLP's hidden units are split over the ``tp`` ranks of a tensor group; the
@@ -15,12 +16,20 @@ pre-norm transformer blocks on ``tp * pp * dp`` ranks:
   the block's last backward is done (it overlaps the backward of the blocks
   before it) and waited at the end.
 
-Ranks are numbered tensor-innermost: ``rank = (d * pp + p) * tp + t``, so a
-tensor group is ``tp`` consecutive ranks (one NVLink node for ``tp = 8``) and
-data-parallel peers are ``tp * pp`` apart. The program declares its compute
-(``comm.compute(flops=...)``) for the modelled timeline. Meant for shape-only
-runs (``World(n, tensors="shape")``) at cluster scale; with real tensors it
-runs too (small sizes).
+Ranks are numbered as the project's one mesh numbers them (``init_device_mesh``'s
+row-major order over ``("pp", "dp", "tp")``): ``rank = (p * dp + d) * tp + t``,
+so a tensor group is ``tp`` consecutive ranks (one NVLink node for ``tp = 8``),
+data-parallel peers are ``tp`` apart and pipeline peers ``dp * tp``. The
+program declares its compute (``comm.compute(flops=...)``) for the modelled
+timeline. Meant for shape-only runs (``World(n, tensors="shape")``) at cluster
+scale; with real tensors it runs too (small sizes).
+
+It models a different thing from :mod:`simcomm.parallel.transformer3d` (lesson
+12's block, checked against one device in float64, with sequence parallelism
+and a pipeline cut between the two sublayers): here whole blocks per stage,
+Megatron tensor parallelism without sequence parallelism, many micro-batches
+and overlapped data-parallel all-reduces, with random bf16 weights and no
+reference values; what it is for is the trace and the memory at scale.
 """
 from __future__ import annotations
 
@@ -30,27 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from ..communicator import Communicator
+from .mesh import Layout
 
-__all__ = ["Layout", "Block", "step", "groups"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How many ranks each dimension has; ``world_size = tp * pp * dp``."""
-
-    tp: int = 8
-    pp: int = 4
-    dp: int = 32
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """``(d, p, t)`` of a global rank."""
-        d, rest = divmod(rank, self.tp * self.pp)
-        p, t = divmod(rest, self.tp)
-        return d, p, t
+__all__ = ["Block", "step"]
 
 
 @dataclass(frozen=True)
@@ -64,17 +55,6 @@ class Block:
     micro_batches: int = 1
     layers: int = 1                # blocks per pipeline stage
     dtype: torch.dtype = torch.bfloat16
-
-
-def groups(layout: Layout) -> dict[str, list[list[int]]]:
-    """The partitions of the world into tensor, pipeline and data groups (global ranks)."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    rank = lambda d, p, t: (d * pp + p) * tp + t  # noqa: E731
-    return {
-        "tensor": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
-        "pipeline": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "data": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-    }
 
 
 def _parameters(block: Block, tp: int) -> dict[str, torch.Tensor]:
@@ -111,20 +91,26 @@ def _flops(block: Block, tp: int) -> float:
     return matmuls + attention
 
 
-def step(comm: Communicator, layout: Layout = Layout(), block: Block = Block()) -> dict[str, torch.Size]:
-    """One training step of the 3-D parallel stack (module docstring); returns this rank's
-    gradient shapes by parameter name. Collective over the whole world; blocks."""
+def step(comm: Communicator, layout: Layout, block: Block = Block()) -> dict[str, torch.Size]:
+    """One training step of the 3-D parallel stack (module docstring) on ``layout`` (a
+    :class:`~simcomm.parallel.mesh.Layout` of pp, dp and tp); returns this rank's gradient shapes by
+    parameter name. Collective over the whole world; blocks."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"cluster_step.step: rank {comm.rank}: layout={layout!r} must be a "
+                        "simcomm.parallel.mesh.Layout with its sizes by name, e.g. Layout(pp=4, dp=32, tp=8)")
+    if layout.cp != 1:
+        raise ValueError(f"cluster_step.step: rank {comm.rank}: layout {layout!r} has cp={layout.cp}; this "
+                         "step has no context parallelism")
     if comm.world_size != layout.world_size:
         raise ValueError(f"cluster_step.step: rank {comm.rank} runs on {comm.world_size} ranks but "
                          f"layout {layout} needs {layout.world_size}")
     if block.heads % layout.tp or block.hidden % block.heads:
         raise ValueError(f"cluster_step.step: heads={block.heads} must divide by tp={layout.tp} and "
                          f"hidden={block.hidden} by heads")
-    parts = groups(layout)
-    tensor = comm.subgroup(parts["tensor"])
-    pipeline = comm.subgroup(parts["pipeline"])
-    data = comm.subgroup(parts["data"])
-    _, stage, _ = layout.coordinates(comm.rank)
+    tensor = comm.subgroup(layout.groups("tp"))
+    pipeline = comm.subgroup(layout.groups("pp"))
+    data = comm.subgroup(layout.groups("dp"))
+    stage = layout.coordinate(comm.rank, "pp")
     first, last = stage == 0, stage == layout.pp - 1
     stack = [_parameters(block, layout.tp) for _ in range(block.layers)]
     shape = (block.micro_batch, block.seq, block.hidden)

@@ -1,4 +1,4 @@
-"""Choosing a 3-D layout: memory per rank and modelled step time for each ``(tp, dp, pp)``.
+"""Choosing a 3-D layout: memory per rank and modelled step time for each ``Layout(pp=, dp=, tp=)``.
 
 :func:`measure_layout` runs one training step of the transformer block
 (:func:`simcomm.parallel.transformer3d.block_step`) on virtual ranks with memory
@@ -25,7 +25,8 @@ import torch
 from ..model import cost
 from ..model.topology import Topology, get_topology
 from ..sim.world import World
-from .transformer3d import Layout, assemble_grads, block_step, layouts, loss
+from .mesh import Layout
+from .transformer3d import assemble_grads, block_step, layouts, loss
 
 __all__ = ["NVLINK_NODE", "IB_CLUSTER", "TOPOLOGIES", "step_time", "measure_layout", "layout_table",
            "fastest_fitting"]
@@ -49,25 +50,29 @@ def _max_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) 
 
 
 def measure_layout(x: torch.Tensor, weights: torch.Tensor, params: dict[str, torch.Tensor], heads: int,
-                   layout: tuple[int, int, int], *, atol: float = 1e-9) -> dict:
-    """One step of ``layout`` on virtual ranks: checked, with memory and modelled times.
+                   layout: Layout, *, atol: float = 1e-9) -> dict:
+    """One step of ``layout`` (a :class:`simcomm.parallel.mesh.Layout`) on virtual ranks: checked, with
+    memory and modelled times.
 
-    Returns ``{"tp", "dp", "pp", "peak_bytes", "<topology name>" (seconds) ...,
+    Returns ``{"layout", "tp", "dp", "pp", "peak_bytes", "<topology name>" (seconds) ...,
     "max_error", "trace"}``. Raises ``AssertionError`` when the loss or a
     gradient differs from the single-device block by more than ``atol``.
     """
-    layout = Layout(*layout)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"measure_layout: layout={layout!r} must be a simcomm.parallel.mesh.Layout with its "
+                        "sizes by name, e.g. Layout(pp=2, dp=2, tp=2)")
     world = World(layout.world_size, memory=True)
-    outs = world.run(block_step, x, weights, params, heads, tuple(layout))
+    outs = world.run(block_step, x, weights, params, heads, layout)
     leaves = {name: value.detach().clone().requires_grad_() for name, value in params.items()}
     expected = loss(x, weights, leaves, heads)
     expected.backward()
     error = max(_max_error(assemble_grads(outs, layout), {k: v.grad for k, v in leaves.items()}),
                 abs(sum(o["loss"] for o in outs).item() - expected.item()))
     if not error <= atol:
-        raise AssertionError(f"measure_layout: layout {tuple(layout)} differs from the single-device block "
+        raise AssertionError(f"measure_layout: layout {layout!r} differs from the single-device block "
                              f"by {error:.3g} (tolerance {atol:g})")
-    row = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "peak_bytes": max(world.memory.peak)}
+    row = {"layout": layout, "tp": layout.tp, "dp": layout.dp, "pp": layout.pp,
+           "peak_bytes": max(world.memory.peak)}
     for name, topology in TOPOLOGIES.items():
         row[name] = step_time(world.trace, topology)
     row["max_error"] = error
@@ -85,11 +90,11 @@ def layout_table(x: torch.Tensor, weights: torch.Tensor, params: dict[str, torch
     return [measure_layout(x, weights, params, heads, lay) for lay in fitting]
 
 
-def fastest_fitting(rows: list[dict], memory_limit: int, topology: str) -> tuple[int, int, int] | None:
-    """The ``(tp, dp, pp)`` with the shortest ``topology`` step time among rows whose peak bytes fit
-    ``memory_limit``; ``None`` when none fits."""
+def fastest_fitting(rows: list[dict], memory_limit: int, topology: str) -> Layout | None:
+    """The ``Layout(pp=, dp=, tp=)`` with the shortest ``topology`` step time among rows whose peak bytes
+    fit ``memory_limit``; ``None`` when none fits."""
     fitting = [row for row in rows if row["peak_bytes"] <= memory_limit]
     if not fitting:
         return None
     best = min(fitting, key=lambda row: row[topology])
-    return best["tp"], best["dp"], best["pp"]
+    return Layout(pp=best["pp"], dp=best["dp"], tp=best["tp"])

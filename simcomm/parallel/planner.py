@@ -1,9 +1,12 @@
 """Plan a cluster: memory per GPU and modelled step time of every 4-D layout of a GPU budget.
 
 For a Llama-style model (:class:`Model`; the Llama 3 shapes are given) on
-``gpus = tp * cp * pp * dp`` GPUs, ranks ordered tensor-innermost as in the
-Llama 3 paper (``[TP, CP, PP, DP]``: a tensor group is ``tp`` consecutive
-GPUs, inside one node when ``tp <= 8``), :func:`plan` returns one row per
+``gpus = tp * cp * pp * dp`` GPUs, ranks placed on the project's one mesh
+(:class:`simcomm.parallel.mesh.Layout`, :func:`mesh`: pipeline outermost,
+then data, context and tensor parallelism innermost, ``init_device_mesh``'s
+row-major order and torchtitan's; a tensor group is ``tp`` consecutive GPUs,
+inside one node when ``tp <= 8``; the Llama 3 paper orders the same
+innermost three but puts DP outside PP), :func:`plan` returns one row per
 layout with:
 
 * **memory per GPU by label**, on the pipeline stage that needs the most:
@@ -41,14 +44,16 @@ from typing import Any
 
 from ..model.cost import estimate
 from ..model.topology import Topology, get_topology
+from .mesh import Layout
 from .mixed_precision import expected_bytes
 
-__all__ = ["Model", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "DIMENSIONS", "LABELS", "layouts", "plan",
+__all__ = ["Model", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "DIMENSIONS", "LABELS", "layouts", "mesh", "plan",
            "memory_per_gpu", "step_time", "layer_activation_bytes", "fastest_fitting", "key", "sized", "GiB",
            "published_layouts"]
 
 GiB = 2 ** 30
-#: the four dimensions of a layout, innermost first
+#: the order of a layout tuple's sizes (innermost first, as the Llama 3 paper lists them); the ranks'
+#: order is the mesh's (:func:`mesh`)
 DIMENSIONS = ("tp", "cp", "pp", "dp")
 #: the memory labels of a row
 LABELS = ("parameters", "gradients", "optimizer_state", "activations")
@@ -85,6 +90,16 @@ LLAMA3_405B = Model("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_head
 def key(row: dict) -> tuple[int, int, int, int]:
     """``(tp, cp, pp, dp)`` of a row."""
     return tuple(row[name] for name in DIMENSIONS)
+
+
+def mesh(layout: tuple[int, int, int, int]) -> Layout:
+    """The :class:`~simcomm.parallel.mesh.Layout` of a ``(tp, cp, pp, dp)`` tuple (or a row's
+    :func:`key`): where each GPU of the plan sits and which GPUs form each group."""
+    if isinstance(layout, Layout):
+        return layout
+    if not isinstance(layout, tuple) or len(layout) != len(DIMENSIONS):
+        raise ValueError(f"planner.mesh: layout={layout!r} must be a (tp, cp, pp, dp) tuple")
+    return Layout(**dict(zip(DIMENSIONS, layout)))
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -175,20 +190,20 @@ def step_time(model: Model, layout: tuple[int, int, int, int], topology: Topolog
         flops *= 4 / 3
     compute = flops / (gpus * topology.compute_flops * efficiency)
     bubble = compute * (pp - 1) / m
-    stride = lambda step, count: [i * step for i in range(count)]   # noqa: E731  ranks of a group of rank 0
+    grid = mesh(layout)                                              # the groups of rank 0, on the mesh
     layers = -(-model.layers // pp)
     passes = 3 if recompute == "full" else 2                         # forward (again), backward
     tp_comm = cp_comm = 0.0
     if tp > 1:
         activation = 2 * seq * micro_batch * model.hidden // cp                   # (s/cp, b, h) bf16
-        one = (estimate("all_gather", activation, tp, topology, ranks=stride(1, tp)).time
-               + estimate("reduce_scatter", activation, tp, topology, ranks=stride(1, tp)).time)
+        one = (estimate("all_gather", activation, tp, topology, ranks=grid.group_of(0, "tp")).time
+               + estimate("reduce_scatter", activation, tp, topology, ranks=grid.group_of(0, "tp")).time)
         tp_comm = layers * m * 2 * passes * one                                    # 2 sublayers
     if cp > 1:
         kv = 2 * 2 * seq * micro_batch * (model.hidden * model.kv_heads // model.heads) // max(1, tp)
-        cp_comm = layers * m * passes * estimate("all_gather", kv, cp, topology, ranks=stride(tp, cp)).time
+        cp_comm = layers * m * passes * estimate("all_gather", kv, cp, topology, ranks=grid.group_of(0, "cp")).time
     psi = (layers * model.layer_parameters + model.vocab * model.hidden) / tp
-    shard_group = [c * tp + d * tp * cp * pp for d in range(dp) for c in range(cp)]
+    shard_group = grid.group_of(0, "dp", "cp")                                  # the ZeRO shards
     dp_comm = 0.0
     if dp * cp > 1:
         grad_bytes = int(4 * psi)                                                   # fp32 gradients

@@ -6,9 +6,11 @@ The block (pre-LayerNorm, causal attention, GELU MLP), on ``x (B, S, H)``::
     out = h + (gelu(LN2(h) @ w1.T + b1) @ w2.T + b2)
     loss = sum(out * weights)          # a sum over tokens: per-rank losses add up to it
 
-A layout ``(tp, dp, pp)`` with ``tp * dp * pp`` ranks puts them on a 3-D mesh,
-tensor-parallel ranks innermost: global rank ``(stage * dp + d) * tp + t``
-(:func:`mesh_coords`). Each axis is a subgroup of the world (``comm.subgroup``):
+A :class:`simcomm.parallel.mesh.Layout` ``Layout(pp=..., dp=..., tp=...)``
+puts the ``pp * dp * tp`` ranks on the project's one mesh (pipeline outermost,
+tensor-parallel ranks innermost, as ``init_device_mesh`` numbers them): global
+rank ``(stage * dp + d) * tp + t``, ``layout.coordinates(rank) == (stage, d, t)``.
+Each axis is a subgroup of the world (``comm.subgroup(layout.groups(dim))``):
 
 * **tensor parallel + Megatron sequence parallelism** (``tp``): the residual
   stream is sharded by sequence, ``(b, S/tp, H)``; LayerNorm runs on the
@@ -29,48 +31,45 @@ tensor-parallel ranks innermost: global rank ``(stage * dp + d) * tp + t``
 Each matmul is declared as ``comm.compute(flops=...)`` (backward as twice the
 forward), so :func:`simcomm.model.cost.modelled_timeline` gives a step time per
 topology. The single-device reference is :func:`block` / :func:`loss`.
+
+This is the *checked* 3-D block of lesson 12: one block, float64, sequence
+parallelism, pipeline stages at sublayer granularity, every value compared with
+the single-device block. :mod:`simcomm.parallel.cluster_step` models something
+else on the same mesh: a stack of whole blocks per stage, many micro-batches
+(GPipe) and data-parallel all-reduces overlapping the backward, with random
+bf16 weights and no reference, for shape-only runs at cluster scale.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from .. import memory
 from ..communicator import Communicator
+from .mesh import Layout
 
-__all__ = ["Layout", "layouts", "mesh_coords", "make_block", "block", "loss", "SHARDING", "shard_block",
+__all__ = ["layouts", "make_block", "block", "loss", "SHARDING", "shard_block",
            "block_step", "assemble_grads"]
 
 
-class Layout(NamedTuple):
-    """How many ranks go to tensor (and sequence), data and pipeline parallelism."""
-
-    tp: int
-    dp: int
-    pp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
-
-
 def layouts(world_size: int, max_pp: int = 2) -> list[Layout]:
-    """Every ``(tp, dp, pp)`` with ``tp * dp * pp == world_size`` and ``pp <= max_pp``."""
-    return [Layout(tp, world_size // (tp * pp), pp) for pp in range(1, max_pp + 1) if world_size % pp == 0
-            for tp in range(1, world_size // pp + 1) if (world_size // pp) % tp == 0]
+    """Every ``Layout(pp=..., dp=..., tp=...)`` with ``pp * dp * tp == world_size`` and ``pp <= max_pp``
+    (all three dims given, size 1 included), by ``pp``, then ``tp``."""
+    return [Layout(pp=pp, dp=world_size // (tp * pp), tp=tp) for pp in range(1, max_pp + 1)
+            if world_size % pp == 0 for tp in range(1, world_size // pp + 1) if (world_size // pp) % tp == 0]
 
 
-def mesh_coords(rank: int, layout: Layout) -> tuple[int, int, int]:
-    """``(stage, d, t)`` of a global rank: pipeline stage, data-parallel index, tensor-parallel index."""
-    tp, dp, _ = layout
-    return rank // (tp * dp), (rank // tp) % dp, rank % tp
+def _layout(layout: object, op: str) -> Layout:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{op}: layout={layout!r} must be a simcomm.parallel.mesh.Layout with its sizes by name, "
+                        "e.g. Layout(pp=2, dp=2, tp=2); a tuple's order is ambiguous")
+    return layout
 
 
-def _rank_of(stage: int, d: int, t: int, layout: Layout) -> int:
-    return (stage * layout.dp + d) * layout.tp + t
+def _stage_d_t(rank: int, layout: Layout) -> tuple[int, int, int]:
+    """``(stage, d, t)``: the pipeline, data and tensor coordinates of ``rank``."""
+    return tuple(layout.coordinate(rank, dim) for dim in ("pp", "dp", "tp"))
 
 
 def make_block(hidden: int, ffn: int, *, seed: int = 0, dtype: torch.dtype = torch.float64
@@ -131,6 +130,8 @@ def _check_layout(layout: Layout, world_size: int, batch: int, seq: int, heads: 
     problems = []
     if layout.world_size != world_size:
         problems.append(f"tp*dp*pp = {layout.world_size} is not the world size {world_size}")
+    if layout.cp != 1:
+        problems.append(f"cp={layout.cp}: this block has no context parallelism")
     if layout.pp not in (1, 2):
         problems.append(f"pp={layout.pp}: this block has 2 sublayers, so 1 or 2 stages")
     for name, size, by in (("batch", batch, layout.dp), ("seq", seq, layout.tp), ("heads", heads, layout.tp),
@@ -138,12 +139,13 @@ def _check_layout(layout: Layout, world_size: int, batch: int, seq: int, heads: 
         if size % by:
             problems.append(f"{name}={size} is not divisible by {'dp' if name == 'batch' else 'tp'}={by}")
     if problems:
-        raise ValueError(f"block_step: layout {tuple(layout)} does not fit: " + "; ".join(problems))
+        raise ValueError(f"block_step: layout {layout!r} does not fit: " + "; ".join(problems))
 
 
 def shard_block(params: dict[str, torch.Tensor], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
     """The leaf parameters global rank ``rank`` holds (its stage's, its tensor-parallel shard)."""
-    stage, _, t = mesh_coords(rank, layout)
+    layout = _layout(layout, "shard_block")
+    stage, _, t = _stage_d_t(rank, layout)
     shards = {}
     for name, (owner, dim) in SHARDING.items():
         if layout.pp == 2 and owner != stage:
@@ -184,32 +186,30 @@ def _sync(group: Communicator, grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def block_step(comm: Communicator, x: torch.Tensor, weights: torch.Tensor, params: dict[str, torch.Tensor],
-               heads: int, layout: tuple[int, int, int]) -> dict:
+               heads: int, layout: Layout) -> dict:
     """One training step's forward and backward of the block on this rank; gradients synchronised.
 
     ``x``, ``weights``: the full ``(B, S, H)`` input and loss weights (each rank
     takes its batch rows and sequence shard); ``params``: the full parameters
     (each rank clones its shards). Returns ``{"coords", "loss", "grads"}``:
-    this rank's ``(stage, d, t)``, its share of the loss (0 off the last
+    this rank's ``(stage, d, t)`` (``layout.coordinate`` along pp, dp, tp), its share of the loss (0 off the last
     stage) and the gradients of its shards after the tp and dp all-reduces.
     Collective over the whole group; inputs are not modified.
     """
-    layout = Layout(*layout)
+    layout = _layout(layout, "block_step")
     batch, seq, hidden = x.shape
     ffn = params["w1"].shape[0]
     _check_layout(layout, comm.world_size, batch, seq, heads, ffn)
-    stage, d, t = mesh_coords(comm.rank, layout)
-    tp = comm.subgroup([[_rank_of(s, dd, tt, layout) for tt in range(layout.tp)]
-                        for s in range(layout.pp) for dd in range(layout.dp)])
-    dp = comm.subgroup([[_rank_of(s, dd, tt, layout) for dd in range(layout.dp)]
-                        for s in range(layout.pp) for tt in range(layout.tp)])
+    stage, d, t = _stage_d_t(comm.rank, layout)
+    tp = comm.subgroup(layout.groups("tp"))
+    dp = comm.subgroup(layout.groups("dp"))
     with memory.label("parameters"):
         shards = shard_block(params, layout, comm.rank)
     b, s = batch // layout.dp, seq // layout.tp
     mine = (slice(d * b, (d + 1) * b), slice(t * s, (t + 1) * s))
     head_dim = hidden // heads
     fwd_attention, fwd_mlp = _attention_flops(b, seq, hidden, layout.tp), _mlp_flops(b, seq, hidden, ffn, layout.tp)
-    partner = _rank_of(1 - stage, d, t, layout)
+    partner = layout.rank(pp=1 - stage, dp=d, tp=t) if layout.pp == 2 else None   # the other stage
     result_loss = torch.zeros((), dtype=x.dtype, device=x.device)
     if layout.pp == 1 or stage == 0:
         h = _sharded_attention(tp, x[mine], shards, head_dim)                  # (b, S/tp, H)
@@ -239,19 +239,19 @@ def block_step(comm: Communicator, x: torch.Tensor, weights: torch.Tensor, param
     return {"coords": (stage, d, t), "loss": result_loss, "grads": grads}
 
 
-def assemble_grads(outs: list[dict], layout: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+def assemble_grads(outs: list[dict], layout: Layout) -> dict[str, torch.Tensor]:
     """Full gradients from every rank's :func:`block_step` result (the ``d = 0`` replicas).
 
     Raises ``AssertionError`` when replicas that must agree (the dp copies of a
     shard, the tp copies of a replicated parameter) differ.
     """
-    layout = Layout(*layout)
+    layout = _layout(layout, "assemble_grads")
     full = {}
     for name, (owner, dim) in SHARDING.items():
         stage = owner if layout.pp == 2 else 0
         pieces = []
         for t in range(layout.tp):
-            copies = [outs[_rank_of(stage, d, t, layout)]["grads"][name] for d in range(layout.dp)]
+            copies = [outs[layout.rank(pp=stage, dp=d, tp=t)]["grads"][name] for d in range(layout.dp)]
             if any(not torch.allclose(c, copies[0], rtol=0, atol=1e-12) for c in copies):
                 raise AssertionError(f"assemble_grads: the dp replicas of {name} (tp index {t}) differ")
             pieces.append(copies[0])

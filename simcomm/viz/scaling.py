@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..parallel.mesh import Layout
 from .style import BODY_FONT_PX, SERIES_COLOURS, TITLE_FONT_PX
 
 __all__ = ["FONT", "bars_per_rank", "tokens_per_expert_figure", "layout_figure", "LayoutExplorer"]
@@ -94,8 +95,8 @@ class LayoutExplorer:
     until a control changes), ``explorer.row`` its measurements.
     """
 
-    def __init__(self, x, weights, params, heads: int, layouts: Sequence[tuple[int, int, int]],
-                 topologies: dict, *, layout: tuple[int, int, int] | None = None):
+    def __init__(self, x, weights, params, heads: int, layouts: Sequence[Layout],
+                 topologies: dict, *, layout: Layout | None = None):
         import ipywidgets as widgets
 
         from ..parallel.layout_choice import measure_layout
@@ -104,8 +105,12 @@ class LayoutExplorer:
         self._measure, self._timeline = measure_layout, timeline_figure
         self._args = (x, weights, params, heads)
         self.topologies = dict(topologies)
-        options = [(f"tp={t} dp={d} pp={p}", (t, d, p)) for t, d, p in layouts]
-        self.layout = widgets.Dropdown(options=options, value=tuple(layout or layouts[0]), description="layout")
+        for given in (*layouts, layout):
+            if given is not None and not isinstance(given, Layout):
+                raise TypeError(f"LayoutExplorer: {given!r} is not a simcomm.parallel.mesh.Layout; name the "
+                                "sizes, e.g. Layout(pp=2, dp=2, tp=2)")
+        options = [(f"tp={lay.tp} dp={lay.dp} pp={lay.pp}", lay) for lay in layouts]
+        self.layout = widgets.Dropdown(options=options, value=layout or layouts[0], description="layout")
         self.topology = widgets.Dropdown(options=list(self.topologies), description="topology")
         self.output = widgets.Output()
         self.panel = widgets.VBox([widgets.HBox([self.layout, self.topology]), self.output])

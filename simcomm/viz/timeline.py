@@ -312,7 +312,7 @@ def timeline_figure(trace: Trace, modelled: bool = False, *, topology: str | Top
     (:func:`sample_ranks`), and says which; the modelled picture is still laid
     out for every rank, and its subtitle sums up all of them (step time,
     exposed and hidden communication, mean and max). ``groups`` (modelled only):
-    named partitions of the ranks, e.g. ``simcomm.parallel.cluster_step.groups(layout)``;
+    named partitions of the ranks, e.g. ``layout.partitions()`` of a :class:`simcomm.parallel.mesh.Layout`;
     the subtitle gives each partition's exposed communication per rank, on
     average over its groups and in its worst group.
     """
