@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["DIMS", "Layout"]
 
@@ -96,7 +99,7 @@ class Layout:
     def __repr__(self) -> str:
         return "Layout(" + ", ".join(f"{name}={size}" for name, size in self._sizes) + ")"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (_rebuild, (dict(self._sizes),))
 
     def __iter__(self):
@@ -216,7 +219,7 @@ class Layout:
         """``{dim: groups(dim)}`` for each of :attr:`dims` (e.g. the ``groups`` of a timeline figure)."""
         return {dim: self.groups(dim) for dim in self.dims}
 
-    def device_mesh(self, device_type: str = "cpu"):
+    def device_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """torch's ``init_device_mesh(device_type, self.shape, mesh_dim_names=self.dims)``: the same
         ranks in the same order. Collective (every rank calls it); needs torch.distributed initialised
         with ``world_size`` ranks (every rank of ``World.run`` or of a real worker is)."""
