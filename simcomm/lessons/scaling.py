@@ -358,7 +358,7 @@ def check_mesh_coords(coords: Callable) -> str:
         layout = Layout(**sizes)
         named = ", ".join(f"{dim}={size}" for dim, size in sizes.items())
         for rank in range(layout.world_size):
-            result, verdict = _call(lambda r: coords(r, **sizes), rank)
+            result, verdict = _call(lambda r, sizes=sizes: coords(r, **sizes), rank)
             if verdict:
                 return verdict
             got = _as_ints(result)

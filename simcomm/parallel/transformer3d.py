@@ -42,6 +42,7 @@ bf16 weights and no reference, for shape-only runs at cluster scale.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 
