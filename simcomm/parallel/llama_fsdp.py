@@ -1,0 +1,69 @@
+"""FSDP (ZeRO-3) for the small Llama's tensor-parallel shards, written with the communicator.
+
+Each rank of a *shard group* (the data-parallel ranks that FSDP shards over)
+keeps one flat piece of every parameter it would otherwise hold whole: the
+parameter (already a tensor-parallel shard) is flattened, padded with zeros to
+a multiple of the group size, and cut into equal pieces (:func:`piece`); Adam
+then runs on the pieces, so the optimizer state is sharded too.
+
+:func:`unshard` rebuilds the parameters for one forward: an ``all_gather`` of
+the pieces (dim 0), the padding cut off, the shape restored. The
+communicator's ``all_gather`` is differentiable and its backward is the
+reduce-scatter (sum) of the gradients: exactly FSDP's gradient reduce-scatter,
+so each piece's ``.grad`` arrives summed over the shard group. The padding's
+gradient is zero, so Adam leaves it zero.
+
+Call chain: ``unshard -> Communicator.all_gather`` (backward:
+``reduce_scatter``); :func:`gather_piece` is the same without autograd, for
+checkpoints.
+
+This is the mechanism of ``torch.distributed.fsdp.fully_shard`` (FSDP2:
+``Shard(0)`` pieces, all-gather before forward, reduce-scatter after
+backward) without its module hooks, so it composes with the hand-written
+tensor, context and pipeline parallelism of :mod:`simcomm.parallel.llama`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..communicator import Communicator
+
+__all__ = ["piece_numel", "piece", "unshard", "gather_piece"]
+
+
+def piece_numel(numel: int, shards: int) -> int:
+    """Elements per piece when ``numel`` elements are split over ``shards`` ranks (padded up)."""
+    if shards < 1:
+        raise ValueError(f"llama_fsdp.piece_numel: shards={shards} must be >= 1")
+    return -(-numel // shards)
+
+
+def piece(tensor: torch.Tensor, rank: int, shards: int) -> torch.Tensor:
+    """Piece ``rank`` of ``shards`` of ``tensor`` flattened and zero-padded (a copy, ``(piece_numel,)``)."""
+    if not 0 <= rank < shards:
+        raise ValueError(f"llama_fsdp.piece: rank={rank} is not in [0, {shards})")
+    per = piece_numel(tensor.numel(), shards)
+    flat = torch.nn.functional.pad(tensor.detach().flatten(), (0, per * shards - tensor.numel()))
+    return flat[rank * per:(rank + 1) * per].clone()
+
+
+def unshard(group: Communicator, pieces: dict[str, torch.Tensor],
+            shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """The whole parameters ``{name: (shape)}`` from this rank's ``pieces``: one differentiable
+    all-gather per parameter over ``group`` (backward: reduce-scatter of the gradients into the
+    pieces, summed over the group). Collective over ``group``, in the order of ``pieces``; blocks.
+    The pieces are not modified."""
+    out = {}
+    for name, flat in pieces.items():
+        shape = shapes[name]
+        gathered = group.all_gather(flat, dim=0) if group.world_size > 1 else flat   # (shards * piece,)
+        out[name] = gathered[:shape.numel()].view(shape)                            # padding cut off
+    return out
+
+
+def gather_piece(group: Communicator, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The whole tensor ``shape`` from every rank's piece ``flat``, without autograd. Collective over ``group``."""
+    with torch.no_grad():
+        flat = flat.detach().flatten()
+        gathered = group.all_gather(flat, dim=0) if group.world_size > 1 else flat
+        return gathered[:shape.numel()].view(shape).clone()
