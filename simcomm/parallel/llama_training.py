@@ -1,4 +1,4 @@
-"""Training the small Llama on a data x context x tensor mesh against one device, step by step.
+"""Training the small Llama on a data x pipeline x context x tensor mesh against one device, step by step.
 
 The corpus (:func:`corpus`) is generated: sequences of a seeded first-order
 Markov chain over the vocabulary, so there is something to learn and the loss
@@ -6,17 +6,30 @@ falls. Each data-parallel rank reads its share of each global batch through
 ``torch.utils.data.DistributedSampler`` (shuffled, the epoch set every pass);
 the tensor-parallel ranks of a data-parallel rank read the same sequences.
 
-One step on rank ``(d, t)`` (rank ``= d * tp + t``, tensor-innermost):
+The ranks form a 4-D mesh ``dp x pp x cp x tp`` (:class:`Layout`, row-major as
+``init_device_mesh`` numbers it, tensor innermost; the project's
+``simcomm.parallel.mesh`` is not used here). One step on rank ``(d, p, c, t)``:
 
-1. the loss of each of its sequences with :func:`simcomm.parallel.llama.tp_loss`,
-   averaged over the global batch (``1 / global_batch`` each), backward;
-2. gradients summed over the data-parallel group (all-reduce), and the
-   replicated RMSNorm weights' parts summed over the tensor group too;
-3. **global gradient-norm clipping**: the squared norms of the sharded
+1. its sequences are the micro-batches of a 1F1B pipeline over the ``pp``
+   stages (:func:`simcomm.parallel.llama_pipeline.stage_step`), each stage a
+   tensor + sequence + vocabulary parallel part of the model over the ``tp``
+   ranks, each sequence split over the ``cp`` context ranks; every loss
+   ``/ global_batch``; backward inside the schedule;
+2. gradients: under FSDP (``fsdp > 1``) the parameters are flat pieces over
+   the shard group, all-gathered before each micro-batch's forward, and the
+   all-gather's backward reduce-scatters the gradients into the pieces
+   (:mod:`simcomm.parallel.llama_fsdp`); then an all-reduce over the
+   replicate x context ranks (plain data parallelism: ``fsdp = 1``, all of
+   ``dp x cp``; HSDP: the replicate dim of the 2-D ``(replicate, shard)``
+   mesh); the replicated RMSNorm weights' parts are summed over the tensor
+   group too;
+3. **global gradient-norm clipping**: the squared norms of the tensor-sharded
    gradients all-reduced over the tensor group (the replicated ones counted
-   once), ``clip = min(1, max_norm / (norm + 1e-6))`` as
+   once), then over the shard group (FSDP pieces) and the pipeline stages;
+   ``clip = min(1, max_norm / (norm + 1e-6))`` as
    ``torch.nn.utils.clip_grad_norm_``;
-4. ``torch.optim.Adam`` on the shards (elementwise, so sharded Adam is Adam).
+4. ``torch.optim.Adam`` on what the rank holds (elementwise, so sharded Adam
+   is Adam, and under FSDP its state is sharded too).
 
 :func:`reference_losses` is the same training on one device without
 communication; the test and lesson compare every step's loss.
