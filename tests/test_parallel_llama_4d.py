@@ -49,6 +49,8 @@ def test_fsdp_hsdp_and_pipeline_training_equal_one_device(setup, world_size, kwa
         tensor_shards = llama.shard_params(params, CONFIG, 0, kwargs["tp"])
         assert outs[0]["held"] == sum(llama_fsdp.piece_numel(p.numel(), kwargs["fsdp"])
                                       for p in tensor_shards.values())
+    layout = lt.Layout(dp, kwargs.get("pp", 1), 1, kwargs["tp"], kwargs["fsdp"])
+    assert [out["held"] for out in outs] == [lt.held_numel(CONFIG, layout, rank) for rank in range(world_size)]
 
 
 def test_all_four_on_16_virtual_ranks_equal_one_device_and_final_shards_assemble(setup):

@@ -47,7 +47,7 @@ from torch.utils.data import DistributedSampler
 from ..communicator import Communicator
 from . import llama, llama_fsdp, llama_pipeline
 
-__all__ = ["Layout", "corpus", "batches", "train", "reference_losses"]
+__all__ = ["Layout", "corpus", "batches", "train", "held_numel", "reference_losses"]
 
 
 def corpus(config: llama.Config, sequences: int = 64, length: int = 17, seed: int = 0) -> torch.Tensor:
@@ -212,6 +212,21 @@ def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor
               for n, leaf in leaves.items()}
     return {"losses": torch.stack(losses).double(), "shards": shards, "coords": (d, p, c, t),
             "held": sum(leaf.numel() for leaf in leaves.values())}
+
+
+def held_numel(config: llama.Config, layout: Layout, rank: int) -> int:
+    """The parameter elements ``rank`` keeps between steps on ``layout``, from the sizes alone: its
+    stage's parameters (:func:`simcomm.parallel.llama_pipeline.stage_names`), each as its tensor
+    shard (the norms whole), each cut into ``fsdp`` pieces padded up
+    (:func:`simcomm.parallel.llama_fsdp.piece_numel`). Adam keeps two moments of each element."""
+    _, p, _, t = layout.coords(rank)
+    shapes = {name: param.shape for name, param in llama.init_params(config).items()}
+    total = 0
+    for name in llama_pipeline.stage_names(config, p, layout.pp):
+        numel = _prod(shapes[name])
+        numel //= 1 if name.split(".")[-1] in llama.REPLICATED else layout.tp
+        total += llama_fsdp.piece_numel(numel, layout.fsdp)
+    return total
 
 
 def _mesh(layout: Layout):
