@@ -13,9 +13,15 @@ reduce-scatter (sum) of the gradients: exactly FSDP's gradient reduce-scatter,
 so each piece's ``.grad`` arrives summed over the shard group. The padding's
 gradient is zero, so Adam leaves it zero.
 
-Call chain: ``unshard -> Communicator.all_gather`` (backward:
-``reduce_scatter``); :func:`gather_piece` is the same without autograd, for
-checkpoints.
+As FSDP2 does, the pieces of a stage's parameters are concatenated and
+gathered with one all-gather (the piece of parameter ``i`` is column block
+``i`` of the ``(shards, sum of piece sizes)`` result), so a step sends one
+gather per stage and micro-batch, not one per parameter;
+:func:`all_reduce_bucket` is the same bucketing for gradient all-reduces.
+
+Call chain: ``unshard -> torch.cat -> Communicator.all_gather`` (backward:
+``reduce_scatter``, then the split into the pieces); :func:`gather_piece` is
+the gather of one tensor without autograd, for checkpoints.
 
 This is the mechanism of ``torch.distributed.fsdp.fully_shard`` (FSDP2:
 ``Shard(0)`` pieces, all-gather before forward, reduce-scatter after
@@ -28,7 +34,7 @@ import torch
 
 from ..communicator import Communicator
 
-__all__ = ["piece_numel", "piece", "unshard", "gather_piece"]
+__all__ = ["piece_numel", "piece", "unshard", "all_reduce_bucket", "gather_piece"]
 
 
 def piece_numel(numel: int, shards: int) -> int:
@@ -49,16 +55,29 @@ def piece(tensor: torch.Tensor, rank: int, shards: int) -> torch.Tensor:
 
 def unshard(group: Communicator, pieces: dict[str, torch.Tensor],
             shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """The whole parameters ``{name: (shape)}`` from this rank's ``pieces``: one differentiable
-    all-gather per parameter over ``group`` (backward: reduce-scatter of the gradients into the
-    pieces, summed over the group). Collective over ``group``, in the order of ``pieces``; blocks.
-    The pieces are not modified."""
-    out = {}
-    for name, flat in pieces.items():
-        shape = shapes[name]
-        gathered = group.all_gather(flat, dim=0) if group.world_size > 1 else flat   # (shards * piece,)
-        out[name] = gathered[:shape.numel()].view(shape)                            # padding cut off
-    return out
+    """The whole parameters ``{name: (shape)}`` from this rank's ``pieces``, with **one**
+    differentiable all-gather over ``group`` of all the pieces concatenated (as FSDP2 gathers a
+    module's parameters); backward: one reduce-scatter of the gradients, summed over the group,
+    split back into the pieces' ``.grad``. Collective over ``group``; blocks. The pieces are not
+    modified."""
+    names = list(pieces)
+    if group.world_size == 1:
+        return {name: pieces[name].view(shapes[name]) for name in names}
+    sizes = [pieces[name].numel() for name in names]
+    gathered = group.all_gather(torch.cat([pieces[name] for name in names]), dim=0)    # (shards * sum(sizes),)
+    columns = gathered.view(group.world_size, -1).split(sizes, dim=1)                  # each (shards, piece)
+    return {name: column.reshape(-1)[:shapes[name].numel()].view(shapes[name])        # padding cut off
+            for name, column in zip(names, columns)}
+
+
+def all_reduce_bucket(group: Communicator, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``group.all_reduce`` (sum) of each of ``tensors`` with **one** all-reduce of them flattened and
+    concatenated (DDP's gradient bucket); new tensors, in the same order and shapes. Collective over
+    ``group``; blocks."""
+    if group.world_size == 1 or not tensors:
+        return list(tensors)
+    summed = group.all_reduce(torch.cat([t.reshape(-1) for t in tensors]))
+    return [part.view(t.shape) for part, t in zip(summed.split([t.numel() for t in tensors]), tensors)]
 
 
 def gather_piece(group: Communicator, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:

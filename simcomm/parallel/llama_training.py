@@ -189,17 +189,16 @@ def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor
         local = llama_pipeline.stage_step(pipe, tensor, [data[i] for i in indices.tolist()], stage, config,
                                           global_batch, context if cp > 1 else None)
         losses.append(pipe.all_reduce(data_context.all_reduce(local)))    # the last stage holds it
-        sharded_sq = torch.zeros((), dtype=torch.float64)
-        replicated_sq = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
-            for name, leaf in leaves.items():
-                if replicate.world_size > 1:
-                    leaf.grad = replicate.all_reduce(leaf.grad)             # over batch and context shards
-                if name.split(".")[-1] in llama.REPLICATED:
-                    leaf.grad = tensor.all_reduce(leaf.grad)                # and over the sequence shards
-                    replicated_sq = replicated_sq + leaf.grad.double().pow(2).sum()
-                else:
-                    sharded_sq = sharded_sq + leaf.grad.double().pow(2).sum()
+            names = list(leaves)
+            grads = dict(zip(names, llama_fsdp.all_reduce_bucket(replicate, [leaves[n].grad for n in names])))
+            norms = [n for n in names if n.split(".")[-1] in llama.REPLICATED]   # and over the sequence shards
+            grads.update(zip(norms, llama_fsdp.all_reduce_bucket(tensor, [grads[n] for n in norms])))
+            sharded_sq = sum((grads[n].double().pow(2).sum() for n in names if n not in norms),
+                             torch.zeros((), dtype=torch.float64))
+            replicated_sq = sum((grads[n].double().pow(2).sum() for n in norms), torch.zeros((), dtype=torch.float64))
+            for name in names:
+                leaves[name].grad = grads[name]
             norm_sq = tensor.all_reduce(sharded_sq) + replicated_sq         # every tensor shard once
             norm_sq = pipe.all_reduce(shard_group.all_reduce(norm_sq))      # every FSDP piece, every stage
             coefficient = _clip_coefficient(norm_sq, max_norm)
