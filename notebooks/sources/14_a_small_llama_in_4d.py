@@ -37,6 +37,7 @@ from simcomm.parallel import llama, llama_training as lt
 from simcomm.parallel.pipeline import schedule
 from simcomm.viz.loss_curves import loss_curves
 
+torch.set_num_threads(1)          # matrices of 32 x 64: one thread is fastest, and the cores are shared
 sim = backend_name() == "sim"
 # 16 virtual ranks; on real workers (gloo processes sharing this machine's 2 cores) 8 ranks, fewer steps
 layout = lt.Layout(dp=2, pp=2, cp=2, tp=2, fsdp=2) if sim else lt.Layout(dp=2, pp=2, cp=1, tp=2, fsdp=2)
