@@ -116,6 +116,17 @@ def test_the_4d_training_on_8_real_gloo_workers(gloo_cluster):
     assert _max_error(outs, reference) < TOLERANCE
 
 
+@pytest.mark.real
+@pytest.mark.slow
+def test_100_steps_of_the_4d_training_on_8_real_gloo_workers(gloo_cluster):
+    data = lt.corpus(CONFIG, sequences=32, length=17)
+    params = llama.init_params(CONFIG)
+    reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=100, global_batch=4)
+    outs = gloo_cluster(8, timeout=900).run(lt.train, data, params, CONFIG, tp=2, pp=2, fsdp=2, steps=100,
+                                            global_batch=4)
+    assert _max_error(outs, reference) < 1e-10
+
+
 def test_layout_numbers_ranks_as_init_device_mesh_and_rejects_bad_sizes():
     layout = lt.Layout(dp=2, pp=2, cp=2, tp=2, fsdp=2)
     grid = torch.arange(16).view(2, 2, 2, 2)                       # init_device_mesh's row-major order
