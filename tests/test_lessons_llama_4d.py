@@ -5,7 +5,9 @@ import torch
 
 from simcomm.lessons import llama_4d as checks
 from simcomm.lessons.verdicts import HINT_OFFER, NOT_ANSWERED
-from simcomm.parallel import llama, llama_pipeline as lp, llama_training as lt
+from simcomm.parallel import llama
+from simcomm.parallel import llama_pipeline as lp
+from simcomm.parallel import llama_training as lt
 
 CONFIG = llama.Config()
 LAYOUT = lt.Layout(dp=2, pp=2, cp=2, tp=2, fsdp=2)

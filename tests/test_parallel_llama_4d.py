@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import simcomm
-from simcomm.parallel import llama, llama_fsdp, llama_training as lt
+from simcomm.parallel import llama, llama_fsdp
+from simcomm.parallel import llama_training as lt
 
 CONFIG = llama.Config()
 TOLERANCE = 1e-12
@@ -72,7 +73,7 @@ def test_all_four_on_16_virtual_ranks_equal_one_device_and_final_shards_assemble
         optimizer.step()
     per_t = [{}, {}]
     for out in outs:
-        d, p, c, t = out["coords"]
+        d, _, c, t = out["coords"]
         if d == 0 and c == 0:
             per_t[t].update(out["shards"])
     trained = llama.assemble_grads(per_t)

@@ -101,7 +101,7 @@ print(f"{sum(p.numel() for p in params.values()):,} parameters; one device, floa
 # fire on `nn.Module` forward and backward and expect DTensor tensor parallelism; this model's
 # stages are functions of hand-sharded tensors driven by a hand-written 1F1B schedule. The
 # mechanism (`Shard(0)` pieces, one all-gather per group, a reduce-scatter in backward) is the
-# same, in 60 lines you can read (`simcomm/parallel/llama_fsdp.py`).
+# same, in one short file you can read (`simcomm/parallel/llama_fsdp.py`).
 #
 # A few steps of each on the world's ranks with `tp = 2`, against one device:
 
@@ -142,7 +142,7 @@ for stage, plan in enumerate(schedule("1f1b", 2, 2)):
 #
 # On 16 virtual ranks: `dp 2 x pp 2 x cp 2 x tp 2`, FSDP over the two data-parallel ranks. On real
 # workers the layout is `dp 2 x pp 2 x tp 2` (8 gloo processes) for 10 steps. The tolerance is
-# `1e-10` (float64 sums in a different order differ in the last bits, about `1e-15` here).
+# `1e-10` (float64 sums in a different order differ in the last bits: about `1e-14` after 100 steps here).
 # The checkpoint of the last step is written too (section 5):
 
 # %% expect=["every step's loss equals one device's within 1e-10"]
@@ -256,7 +256,7 @@ world.close()
 #   over the layers, context parallelism over the sequence, tensor + sequence + vocabulary
 #   parallelism inside each layer. Each is a few collectives; together they are still the same
 #   function, and the loss at every one of 100 steps equals one device's in float64 (within
-#   `1e-10`; in fact about `1e-15`).
+#   `1e-10`; in fact about `1e-14`).
 # * FSDP is an all-gather before use whose backward is the gradient reduce-scatter: each rank
 #   keeps `1/dp` of the parameters and of Adam's state. HSDP shards within a group and
 #   all-reduces across the replicas.

@@ -4,10 +4,11 @@ Stage ``p`` of ``pp`` holds decoder layers ``[p L/pp, (p+1) L/pp)``
 (:func:`stage_names`); the first stage also the embedding, the last the final
 norm and the output layer. Each sequence is one micro-batch; the stages run
 :func:`simcomm.parallel.pipeline.schedule`'s ``"1f1b"`` order. Between stages
-the sequence-parallel shard ``(s/t, h)`` goes from tensor rank ``t`` of one
-stage to tensor rank ``t`` of the next (``isend`` forward, the gradient back
-the same way; receives block), so the activations crossing a stage boundary
-are ``1/t`` of the sequence.
+the sequence-parallel shard ``(s/t, h)`` (``(s/(cp t), h)`` with a context
+group of ``cp`` ranks) goes from tensor rank ``t`` of one stage to tensor rank
+``t`` of the next (``isend`` forward, the gradient back the same way; receives
+block), so the activations crossing a stage boundary are ``1/t`` of the
+sequence (or of the context chunk).
 
 :func:`stage_step` is one step's forward and backward on one rank; the
 gradients accumulate in the stage's shards (``.grad``).

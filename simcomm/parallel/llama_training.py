@@ -179,14 +179,14 @@ def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor
     leaves = {n: llama_fsdp.piece(full[n], d % fsdp, fsdp).requires_grad_() if fsdp > 1
               else full[n].clone().requires_grad_() for n in names}
     optimizer = torch.optim.Adam(leaves.values(), lr=lr)
-    stage = (lambda: llama_fsdp.unshard(shard_group, leaves, shapes)) if fsdp > 1 else leaves
+    stage_params = (lambda: llama_fsdp.unshard(shard_group, leaves, shapes)) if fsdp > 1 else leaves
     mesh = _mesh(layout) if load or save else None
     if load:
         _load(load, mesh, leaves, optimizer, shapes, d % fsdp, fsdp)
     losses = []
     for indices in batches(data, first_step + steps, global_batch, layout.dp, d, seed)[first_step:]:
         optimizer.zero_grad()
-        local = llama_pipeline.stage_step(pipe, tensor, [data[i] for i in indices.tolist()], stage, config,
+        local = llama_pipeline.stage_step(pipe, tensor, [data[i] for i in indices.tolist()], stage_params, config,
                                           global_batch, context if cp > 1 else None)
         losses.append(pipe.all_reduce(data_context.all_reduce(local)))    # the last stage holds it
         with torch.no_grad():

@@ -48,10 +48,10 @@ def loss_curves(series: Mapping[str, Sequence[float] | torch.Tensor],
                         hovertemplate="step %{x}: loss %{y:.15f}<extra>" + name + "</extra>")
     subtitle = f"largest difference from {names[0]}: {largest:.1e}" if len(names) > 1 else ""
     fig.update_xaxes(title_text="step")
-    fig.update_yaxes(title_text="loss (mean cross-entropy of the global batch)")
+    fig.update_yaxes(title_text="loss of the global batch")
     heading = f"{title}<br>{subtitle}" if subtitle else title
     fig.update_layout(title=dict(text=heading, font=dict(size=TITLE_FONT_PX)),
                       font=_FONT, template="plotly_white", width=1000, height=520,
                       legend=dict(font=_FONT, orientation="h", yanchor="top", y=-0.18, x=0),
-                      margin=dict(l=90, r=30, t=90, b=150))
+                      margin=dict(l=90, r=30, t=100, b=130))
     return fig
