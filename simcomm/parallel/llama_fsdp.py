@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..communicator import Communicator
+from .zero import padded
 
 __all__ = ["piece_numel", "piece", "unshard", "all_reduce_bucket", "gather_piece"]
 
@@ -41,7 +42,7 @@ def piece_numel(numel: int, shards: int) -> int:
     """Elements per piece when ``numel`` elements are split over ``shards`` ranks (padded up)."""
     if shards < 1:
         raise ValueError(f"llama_fsdp.piece_numel: shards={shards} must be >= 1")
-    return -(-numel // shards)
+    return padded(numel, shards) // shards
 
 
 def piece(tensor: torch.Tensor, rank: int, shards: int) -> torch.Tensor:
@@ -49,8 +50,8 @@ def piece(tensor: torch.Tensor, rank: int, shards: int) -> torch.Tensor:
     if not 0 <= rank < shards:
         raise ValueError(f"llama_fsdp.piece: rank={rank} is not in [0, {shards})")
     per = piece_numel(tensor.numel(), shards)
-    flat = torch.nn.functional.pad(tensor.detach().flatten(), (0, per * shards - tensor.numel()))
-    return flat[rank * per:(rank + 1) * per].clone()
+    flat = torch.nn.functional.pad(tensor.detach().flatten(), (0, padded(tensor.numel(), shards) - tensor.numel()))
+    return flat[rank * per:(rank + 1) * per].clone()                                   # (padded / shards,)
 
 
 def unshard(group: Communicator, pieces: dict[str, torch.Tensor],

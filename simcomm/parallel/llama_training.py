@@ -6,9 +6,9 @@ falls. Each data-parallel rank reads its share of each global batch through
 ``torch.utils.data.DistributedSampler`` (shuffled, the epoch set every pass);
 the tensor-parallel ranks of a data-parallel rank read the same sequences.
 
-The ranks form a 4-D mesh ``dp x pp x cp x tp`` (:class:`Layout`, row-major as
-``init_device_mesh`` numbers it, tensor innermost; the project's
-``simcomm.parallel.mesh`` is not used here). One step on rank ``(d, p, c, t)``:
+The ranks form a 4-D mesh ``dp x pp x cp x tp`` (:class:`Layout`, this module's
+own mapping, row-major as ``init_device_mesh`` numbers a ``(dp, pp, cp, tp)``
+mesh, tensor innermost). One step on rank ``(d, p, c, t)``:
 
 1. its sequences are the micro-batches of a 1F1B pipeline over the ``pp``
    stages (:func:`simcomm.parallel.llama_pipeline.stage_step`), each stage a
