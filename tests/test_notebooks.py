@@ -38,7 +38,7 @@ LESSONS = ("00_start_here", "01_collectives", "02_autograd_through_collectives",
            "03_ring_allreduce_and_cost", "04_tensor_parallel_mlp", "05_ulysses_sequence_parallel",
            "06_data_parallel", "07_zero_and_fsdp", "08_pipeline_parallel", "09_context_parallel",
            "10_expert_parallel", "11_debugging_distributed_programs", "12_a_transformer_in_3d",
-           "13_activations_recomputation_mixed_precision", "15_plan_a_cluster")
+           "13_activations_recomputation_mixed_precision", "14_a_small_llama_in_4d", "15_plan_a_cluster")
 
 
 

@@ -30,7 +30,7 @@ from ..communicator import Communicator
 from .vocab import vocab_parallel_cross_entropy, vocab_range
 
 __all__ = ["Config", "init_params", "loss", "logits", "shard_params", "tp_loss", "embed", "block", "head",
-           "layer_names", "assemble_grads", "REPLICATED"]
+           "layer_names", "assemble_grads", "context_chunk", "REPLICATED"]
 
 
 @dataclass(frozen=True)
@@ -177,22 +177,32 @@ def tp_loss(comm: Communicator, ids: torch.Tensor, shards: dict[str, torch.Tenso
     With a ``context`` group of ``cp`` ranks (context parallelism), context rank ``c`` takes tokens
     ``[c s/cp, (c+1) s/cp)`` of the inputs (no load balancing) and returns its chunk's part of the
     loss, ``sum(token losses) / s``: the parts of the ``cp`` ranks add up to :func:`loss`."""
-    inputs, targets = ids[:-1], ids[1:]
-    positions = torch.arange(inputs.shape[0])
+    inputs, targets, positions = context_chunk(ids, context, "llama.tp_loss")
     cp = 1 if context is None else context.world_size
-    if cp > 1:
-        if inputs.shape[0] % cp:
-            raise ValueError(f"llama.tp_loss: sequence length={inputs.shape[0]} is not divisible by the "
-                             f"context-parallel size {cp}")
-        chunk = inputs.shape[0] // cp
-        mine = slice(context.rank * chunk, (context.rank + 1) * chunk)
-        inputs, targets, positions = inputs[mine], targets[mine], positions[mine]
     s, tp = inputs.shape[0], comm.world_size
     _check(config, tp, s, "llama.tp_loss")
     x = embed(comm, inputs, shards, config)                                              # (s/t, h)
     for layer in range(config.layers):
         x = block(comm, x, shards, config, layer, positions, context)
     return head(comm, x, targets, shards, config, s * cp)
+
+
+def context_chunk(ids: torch.Tensor, context: Communicator | None,
+                  where: str = "llama.context_chunk") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(inputs, targets, positions)`` of this context rank's chunk of the sequence ``ids`` ``(s + 1,)``:
+    context rank ``c`` of ``cp`` takes tokens ``[c s/cp, (c+1) s/cp)`` (the whole sequence without a
+    ``context`` group). No communication."""
+    inputs, targets = ids[:-1], ids[1:]
+    positions = torch.arange(inputs.shape[0])
+    cp = 1 if context is None else context.world_size
+    if cp > 1:
+        if inputs.shape[0] % cp:
+            raise ValueError(f"{where}: rank {context.rank}: sequence length={inputs.shape[0]} is not "
+                             f"divisible by the context-parallel size {cp}")
+        chunk = inputs.shape[0] // cp
+        mine = slice(context.rank * chunk, (context.rank + 1) * chunk)
+        inputs, targets, positions = inputs[mine], targets[mine], positions[mine]
+    return inputs, targets, positions
 
 
 def embed(comm: Communicator, inputs: torch.Tensor, shards: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
