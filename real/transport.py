@@ -23,8 +23,10 @@ all-reduces and keeps this rank's chunk.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from simcomm import dtypes
+from simcomm import dtypes, memory
 from simcomm.checks import check_splits, to_reduce_op
 from simcomm.collectives import on_the_wire
 from simcomm.handles import Handle, P2POp, UnwaitedHandleError
@@ -64,6 +66,26 @@ _DTYPES = tuple(dict.fromkeys(value for _, value in sorted(vars(torch).items(), 
                               if isinstance(value, torch.dtype)))
 
 #: phrases in the error a backend raises for an op or reduction it does not implement
+#: the longest a blocking call waits for the backend's worker to drop its references to the call's
+#: tensors (measured: microseconds; the bound keeps a backend that holds them longer from hanging)
+RELEASE_WAIT_S = 0.5
+
+
+def _communicating(call: Callable) -> Callable:
+    """A transport call whose output buffers count as the simulator counts a collective's output
+    (:func:`simcomm.memory.communicating`): under the program's label, else ``"communication"``."""
+    @functools.wraps(call)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        with memory.communicating():
+            return call(*args, **kwargs)
+    return counted
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    """How many tensors (the backend's too) hold ``storage``."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
 _UNSUPPORTED = ("not supported", "unsupported", "does not support", "cannot use", "not implemented")
 
 
@@ -218,7 +240,7 @@ class _DistWork:
         except BaseException:
             self.transport._cache.broken = True
             raise
-        out = self.result()
+        out = memory.received(self.result())
         record = self.record
         if record is not None:
             recorder = self.transport.recorder
@@ -304,6 +326,24 @@ class DistTransport(TransportBase):
         """Count this call in the books of :class:`GroupCache` (key: group, kind, global peer)."""
         return self._cache.calling((tuple(sorted(self.ranks)), kind, peer))
 
+    @contextlib.contextmanager
+    def _released(self, async_op: bool, *tensors: torch.Tensor | None) -> Iterator[None]:
+        """Around a blocking call that hands ``tensors`` to the backend: on exit, wait (at most
+        :data:`RELEASE_WAIT_S`) until the backend's worker thread has dropped its references to
+        them. gloo's worker holds each call's tensors until a moment after the call completes; a
+        tensor the program frees right after the call would otherwise die on that thread, later, and
+        the memory count (``Cluster(memory=True)``) would see it alive at the program's next
+        allocation where the simulator frees it at once. Only while this rank's memory is tracked."""
+        if async_op or memory.current_bytes() is None:
+            yield
+            return
+        storages = [t.untyped_storage() for t in tensors if t is not None]
+        before = [_use_count(storage) for storage in storages]
+        yield
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while any(_use_count(s) > b for s, b in zip(storages, before)) and time.monotonic() < deadline:
+            time.sleep(20e-6)
+
     def _local_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A private contiguous copy of ``tensor`` on this transport's device (the input stays untouched)."""
         return tensor.detach().to(self.device, copy=True).contiguous()
@@ -336,7 +376,7 @@ class DistTransport(TransportBase):
     def _done(self, record: Record | None, work: dist.Work | None, result: Callable[[], Any]) -> Any:
         """A blocking call (``work`` is ``None``) has completed: its output. An async one: a handle."""
         if work is None:
-            out = result()
+            out = memory.received(result())   # counted as the simulator counts a call's output
             self._end(record, out)
             return out
         return Handle(_DistWork(self, record, work, result))
@@ -355,24 +395,27 @@ class DistTransport(TransportBase):
             return dist.all_reduce(out, to_reduce_op("sum"), group=self.group, async_op=async_op), True
         return dist.all_reduce(out, to_reduce_op(reduction), group=self.group, async_op=async_op), False
 
+    @_communicating
     def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False, *,
                    factor: float | torch.Tensor | None = None) -> Any:
         self._check_avg("all_reduce", tensor, op)
         record = self._begin("all_reduce", self._next_step(), tensor, args={"op": op}, async_op=async_op)
         tensor, op = on_the_wire(tensor, op, factor)   # PREMUL_SUM (gloo has none): premultiplied, then SUM
         out = self._local_copy(tensor)
-        with self._calling():
+        with self._calling(), self._released(async_op, out):
             work, divide = self._all_reduce_into(out, op, async_op)
         return self._done(record, work, lambda: out.div_(self.world_size) if divide else out)
 
+    @_communicating
     def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False) -> Any:
         record = self._begin("all_gather", self._next_step(), tensor, args={"dim": dim}, async_op=async_op)
         moved = self._on_device(tensor.movedim(dim, 0), async_op)   # (d, *rest): dim first
         flat = moved.new_empty((self.world_size * moved.shape[0], *moved.shape[1:]))  # (P*d, *rest)
-        with self._calling():                                    # rank r's block at rows r*d:(r+1)*d
+        with self._calling(), self._released(async_op, flat, moved):   # rank r's block at rows r*d:(r+1)*d
             work = _all_gather_single(flat, moved, group=self.group, async_op=async_op)
         return self._done(record, work, lambda: flat.movedim(0, dim).contiguous())  # concat along dim
 
+    @_communicating
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False, *,
                        factor: float | torch.Tensor | None = None) -> Any:
         self._check_avg("reduce_scatter", tensor, op)
@@ -388,7 +431,7 @@ class DistTransport(TransportBase):
             works.append(_reduce_scatter_single(out, moved, to_reduce_op(op), group=self.group,
                                                 async_op=async_op))
 
-        with self._calling():
+        with self._calling(), self._released(async_op, out, moved):
             if self._native("reduce_scatter", op, native):
                 work, result = works[0], lambda: out.movedim(0, dim).contiguous()   # chunk r along dim
             else:
@@ -401,6 +444,7 @@ class DistTransport(TransportBase):
                     return chunk.movedim(0, dim).contiguous()    # chunk r along dim
         return self._done(record, work, result)
 
+    @_communicating
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False
                    ) -> Any:
         record = self._begin("all_to_all", self._next_step(), tensor,
@@ -408,7 +452,7 @@ class DistTransport(TransportBase):
         world = self.world_size
         moved = self._on_device(tensor.movedim(scatter_dim, 0), async_op)  # (S, *rest): chunk j to rank j
         received = torch.empty_like(moved)                       # (S, *rest): chunk i came from rank i
-        with self._calling():
+        with self._calling(), self._released(async_op, received, moved):
             work = dist.all_to_all_single(received, moved, group=self.group, async_op=async_op)
 
         def result() -> torch.Tensor:
@@ -419,21 +463,23 @@ class DistTransport(TransportBase):
             return pieces.flatten(gather_dim, gather_dim + 1).contiguous()  # (..., P*G, ...): rank order
         return self._done(record, work, result)
 
+    @_communicating
     def gather(self, tensor: torch.Tensor, dst: int, dim: int, async_op: bool = False) -> Any:
         record = self._begin("gather", self._next_step(), tensor, root=dst, args={"dst": dst, "dim": dim},
                              async_op=async_op)
         local = self._on_device(tensor, async_op)
         parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == dst else None
-        with self._calling():
+        with self._calling(), self._released(async_op, local, *(parts or [])):
             work = dist.gather(local, parts, dst=self.ranks[dst], group=self.group, async_op=async_op)
         # (.., P*d at dim, ..) on dst
         return self._done(record, work, lambda: torch.cat(parts, dim) if parts is not None else None)
 
+    @_communicating
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
         record = self._begin("broadcast", self._next_step(), tensor, root=src, args={"src": src},
                              async_op=async_op)
         out = self._local_copy(tensor)
-        with self._calling():
+        with self._calling(), self._released(async_op, out):
             work = dist.broadcast(out, src=self.ranks[src], group=self.group, async_op=async_op)
         return self._done(record, work, lambda: out)
 
@@ -471,17 +517,18 @@ class DistTransport(TransportBase):
         ``async_op``: an ``isend`` of a copy of ``tensor`` taken now."""
         record = self._p2p_begin("send", dst, tensor, async_op=async_op)
         data = self._on_device(tensor, async_op)
-        with self._calling("send", self.ranks[dst]):
+        with self._calling("send", self.ranks[dst]), self._released(async_op, data):
             if async_op:
                 work = dist.isend(data, dst=self.ranks[dst], group=self.group)
             else:
                 work = dist.send(data, dst=self.ranks[dst], group=self.group)
         return self._done(record, work, lambda: None)
 
+    @_communicating
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, async_op: bool = False) -> Any:
         out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         record = self._p2p_begin("recv", src, None, out.numel() * out.element_size(), async_op)
-        with self._calling("recv", self.ranks[src]):
+        with self._calling("recv", self.ranks[src]), self._released(async_op, out):
             if async_op:
                 work = dist.irecv(out, src=self.ranks[src], group=self.group)
             else:
@@ -520,6 +567,7 @@ class DistTransport(TransportBase):
 
     # -- rooted and uneven collectives --
 
+    @_communicating
     def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False, *,
                factor: float | torch.Tensor | None = None) -> Any:
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks
@@ -529,7 +577,7 @@ class DistTransport(TransportBase):
                              async_op=async_op)
         tensor, op = on_the_wire(tensor, op, factor)   # PREMUL_SUM (gloo has none): premultiplied, then SUM
         out = self._local_copy(tensor)
-        with self._calling():
+        with self._calling(), self._released(async_op, out):
             # AVG as SUM, then divide on dst: a reduce with AVG is not on every backend
             work = dist.reduce(out, dst=self.ranks[dst], op=to_reduce_op("sum" if op == "avg" else op),
                                group=self.group, async_op=async_op)
@@ -540,6 +588,7 @@ class DistTransport(TransportBase):
             return out.div_(self.world_size) if op == "avg" else out
         return self._done(record, work, result)
 
+    @_communicating
     def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
                 async_op: bool = False) -> Any:
         """``(chunk r of src's tensor along dim, whether src said requires_grad)``; ``tensor`` is
@@ -580,6 +629,7 @@ class DistTransport(TransportBase):
         args["dtype"] = str(out.dtype).removeprefix("torch.")
         return self._done(record, work, lambda: (out, bool(flag)))
 
+    @_communicating
     def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], async_op: bool = False) -> Any:
         """Uneven all-to-all along dim 0. The ranks first all-gather their split lists (and row
@@ -605,6 +655,6 @@ class DistTransport(TransportBase):
         check_splits("all_to_all_single", [entry[:world] for entry in table],
                      [entry[world:2 * world] for entry in table])
         out = local.new_empty((sum(outputs), *local.shape[1:]))    # (rows received, *rest)
-        with self._calling():
+        with self._calling(), self._released(async_op, out, local):
             work = dist.all_to_all_single(out, local, outputs, inputs_, group=self.group, async_op=async_op)
         return self._done(record, work, lambda: out)

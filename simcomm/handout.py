@@ -18,8 +18,10 @@ in a fresh kernel and exported by nbconvert; the figures are there because
 once per page, so every figure is interactive and the ring animation plays
 with no kernel and no network (the template's own CDN links, require.js and
 MathJax, are not needed by any figure). Links from one lesson to the next
-point to the pages. The ipywidgets explorer of lesson 01 needs a kernel and
-is not part of a static page.
+point to the pages. A widget needs a kernel: a page shows the static fallback a
+widget's display offers (``text/html``, e.g. lesson 06's bucket slider shows the
+figure of its default size), or a note saying the widget needs a running kernel
+(lesson 01's explorer); no page loads a widget manager from the network.
 
 The lessons run on the backend ``SIMCOMM_BACKEND`` names (the simulator when
 unset). Nothing is written outside ``OUT_DIR``.
@@ -36,7 +38,8 @@ from pathlib import Path
 import nbformat
 
 __all__ = ["NOTEBOOK_DIR", "EDITIONS", "SOLUTION_TAG", "Page", "is_solution", "solution_code",
-           "solutions_as_code", "without_solutions", "lesson_notebooks", "build_page", "build_handout", "main"]
+           "solutions_as_code", "without_solutions", "static_outputs", "WIDGET_NOTE", "lesson_notebooks", "build_page",
+           "build_handout", "main"]
 
 #: the lessons, as the repository holds them
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -51,6 +54,10 @@ INSTRUCTOR_BANNER = "**Instructor's edition: the solution** (the learner's editi
 _SOLUTION_BLOCK = re.compile(r"^```python\n(.*?)\n```$", re.S | re.M)
 _LESSON_LINK = re.compile(r'href="(\d\d_[A-Za-z0-9_]+)\.ipynb(#[^"]*)?"')
 _PLOTLY_MIME = "application/vnd.plotly.v1+json"
+_WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+#: what a page shows for a widget that offers no static fallback
+WIDGET_NOTE = ("<p><em>An interactive widget was here: it needs a running kernel. Open the lesson in "
+               "JupyterLab to use it.</em></p>")
 
 
 @dataclass(frozen=True)
@@ -139,9 +146,30 @@ def _title_and_goal(nb: nbformat.NotebookNode) -> tuple[str, str]:
     return title, " ".join(goal.group(1).split()) if goal else ""
 
 
+def static_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """``nb`` as a static page shows it (modified in place and returned): every widget output keeps
+    only its static fallback (``text/html``) if its display offered one, and is otherwise replaced by
+    :data:`WIDGET_NOTE`; the notebook's saved widget state is dropped, so the page neither needs a
+    widget manager nor loads one from the network."""
+    for cell in nb.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            data = output.get("data", {})
+            if _WIDGET_MIME not in data:
+                continue
+            del data[_WIDGET_MIME]
+            if "text/html" not in data:
+                data["text/html"] = WIDGET_NOTE
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
 def _figure_count(nb: nbformat.NotebookNode) -> int:
+    """Figures the page will draw: plotly outputs, and widget outputs whose static fallback draws one
+    (counted before :func:`static_outputs`)."""
+    def draws(data: dict) -> bool:
+        return _PLOTLY_MIME in data or _WIDGET_MIME in data and "Plotly.newPlot(" in data.get("text/html", "")
     return sum(1 for cell in nb.cells if cell.cell_type == "code"
-               for output in cell.get("outputs", []) if _PLOTLY_MIME in output.get("data", {}))
+               for output in cell.get("outputs", []) if draws(output.get("data", {})))
 
 
 def build_page(notebook: Path, out_dir: Path, *, edition: str = "learner", timeout: int = 600) -> Page:
@@ -153,12 +181,13 @@ def build_page(notebook: Path, out_dir: Path, *, edition: str = "learner", timeo
     nb = _edition(nbformat.read(notebook, as_version=4), edition)
     ExecutePreprocessor(timeout=timeout, kernel_name="python3").preprocess(
         nb, {"metadata": {"path": str(notebook.parent)}})
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    figures = _figure_count(nb)
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(static_outputs(nb))
     body = _LESSON_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(2) or ""}"', body)
     path = out_dir / f"{notebook.stem}.html"
     path.write_text(body, encoding="utf-8")
     title, goal = _title_and_goal(nb)
-    return Page(path, title or notebook.stem, goal, _figure_count(nb))
+    return Page(path, title or notebook.stem, goal, figures)
 
 
 def _index(pages: list[Page], edition: str) -> str:

@@ -67,7 +67,7 @@ from torch.utils._python_dispatch import (
 
 __all__ = [
     "LABELS", "DEFAULT_LABEL", "COMMUNICATION",
-    "label", "tag", "mark", "track", "received", "untracked", "current_bytes", "run_tracked",
+    "label", "communicating", "tag", "mark", "track", "received", "untracked", "current_bytes", "run_tracked",
     "Snapshot", "RankMemory", "MemoryReport",
 ]
 
@@ -282,6 +282,23 @@ def label(name: str) -> Iterator[None]:
         yield
         return
     tracker.labels.append(name)
+    try:
+        yield
+    finally:
+        tracker.labels.pop()
+
+
+@contextlib.contextmanager
+def communicating() -> Iterator[None]:
+    """Around a transport call that allocates its output on the calling rank (a real worker's
+    transport): storage created inside with no label active counts as :data:`COMMUNICATION`, the
+    label the simulator gives a collective's output (:func:`received`), from the moment it is made;
+    an active label stays in force. Does nothing on a rank that is not tracked."""
+    tracker = _tracker()
+    if tracker is None or tracker.labels[-1] is not None:
+        yield
+        return
+    tracker.labels.append(COMMUNICATION)
     try:
         yield
     finally:

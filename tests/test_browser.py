@@ -98,9 +98,11 @@ def _stop_jupyter(proc: subprocess.Popen) -> list[int]:
     return left
 
 
-#: user settings for the test's JupyterLab: start the notebook's kernel without asking; no news toast
+#: user settings for the test's JupyterLab: start the notebook's kernel without asking; no news toast;
+#: every cell laid out (no windowing), so that the width check sees every figure's real size
 _SETTINGS = {
-    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"autoStartDefaultKernel": True},
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"autoStartDefaultKernel": True,
+                                                                  "windowingMode": "none"},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
                                                                        "checkForUpdates": False},
 }
@@ -144,6 +146,43 @@ def serving_lesson(notebook: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
     finally:
         left = _stop_jupyter(proc)
         assert not left, f"processes left after stopping JupyterLab: {left}\n{log.read_text()[-2000:]}"
+
+
+#: JavaScript: the figures (``.js-plotly-plot``) cut off at the right edge without a scrollbar, and
+#: how many figures it looked at. The edge is the page's (an exported page) or, given a selector,
+#: that element's (JupyterLab's notebook panel); a figure wider than the edge passes only inside a
+#: box that scrolls sideways (overflow-x auto or scroll) and itself ends within the edge.
+CUT_OFF_FIGURES = """(boundary) => {
+  const edge = boundary ? document.querySelector(boundary) : null;
+  const limit = edge ? edge.getBoundingClientRect().right : document.documentElement.clientWidth;
+  const cut = [];
+  const plots = [...(edge || document).querySelectorAll('.js-plotly-plot')];
+  plots.forEach((plot, index) => {
+    const right = plot.getBoundingClientRect().left + plot.scrollWidth;
+    if (right <= limit + 1) return;
+    let box = plot.parentElement, scrolls = false;
+    while (box && box !== document.body && box !== edge) {
+      const style = getComputedStyle(box);
+      if (['auto', 'scroll'].includes(style.overflowX) && box.getBoundingClientRect().right <= limit + 1) {
+        scrolls = true; break;
+      }
+      box = box.parentElement;
+    }
+    if (!scrolls) cut.push(index + ': ' + Math.round(right) + ' px wide on a ' + Math.round(limit) + ' px page');
+  });
+  return {checked: plots.length, cut: cut};
+}"""
+
+
+def figures_cut_off_at_1024_px(page, *, expect_at_least: int = 1) -> list[str]:
+    """Resize ``page`` (JupyterLab, every cell run) to a projector's 1024 px and return the figures
+    of the notebook cut off without a scrollbar (:data:`CUT_OFF_FIGURES`); at least
+    ``expect_at_least`` figures must have been looked at, so the check cannot pass on an empty page."""
+    page.set_viewport_size({"width": 1024, "height": 900})
+    page.wait_for_timeout(1500)                          # JupyterLab and plotly lay out again
+    result = page.evaluate(CUT_OFF_FIGURES, ".jp-NotebookPanel .jp-Notebook")
+    assert result["checked"] >= expect_at_least, f"only {result['checked']} figures in the notebook"
+    return result["cut"]
 
 
 @pytest.fixture
@@ -221,6 +260,8 @@ def test_lesson_01_in_chromium(jupyterlab, tmp_path: Path):
             _wait_for_idle_kernel(base_url, token)
             explorer.scroll_into_view_if_needed()
             page.screenshot(path=str(screenshot))
+            cut = figures_cut_off_at_1024_px(page)
+            assert not cut, f"lesson 01 at 1024 px: figures cut off without a scrollbar: {cut}"
         except Exception:
             failure = tmp_path / "failure.png"
             page.screenshot(path=str(failure), full_page=True)

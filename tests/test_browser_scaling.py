@@ -4,7 +4,8 @@ The first test copies ``notebooks/12_a_transformer_in_3d.ipynb`` into a temporar
 starts JupyterLab there (the helpers and settings of ``tests/test_browser.py``), runs all
 cells in headless Chromium, waits for the layout explorer's figure of the default layout
 (tp=2 dp=2 pp=2), picks another layout in its dropdown and checks that the figure is redrawn
-for it. The second exports the lesson to static HTML (``nbconvert --execute``) and checks,
+for it, then that at 1024 px every figure fits the notebook's width or scrolls. The second
+exports the lesson to static HTML (``nbconvert --execute``) and checks,
 offline, that the default layout's figure is drawn without a kernel.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _wait_for_idle_kernel, serving_lesson
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _wait_for_idle_kernel, figures_cut_off_at_1024_px, serving_lesson
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "12_a_transformer_in_3d.ipynb"
@@ -64,6 +65,8 @@ def test_lesson_12_layout_widget_in_chromium(jupyterlab_12, tmp_path: Path):
             expect(title).to_contain_text("tp=1 dp=8 pp=1")
             _wait_for_idle_kernel(base_url, token)
             page.screenshot(path=str(tmp_path / "12_layout_widget.png"))
+            cut = figures_cut_off_at_1024_px(page, expect_at_least=3)
+            assert not cut, f"lesson 12 at 1024 px: figures cut off without a scrollbar: {cut}"
         except Exception:
             page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
             print(f"screenshot of the failure: {tmp_path / 'failure.png'}")

@@ -4,7 +4,8 @@ Uses the JupyterLab helpers of ``tests/test_browser.py`` (a server on a temporar
 notebook, its settings and runtime files in the temporary folder, stopped with SIGINT and checked
 to leave no process behind). Runs all cells, waits for the bucket slider and its timeline, moves
 the slider one step right (from 1 MiB buckets to one bucket) and checks that the timeline shown is
-redrawn with the one-bucket numbers. Saves a screenshot in the test's temporary folder.
+redrawn with the one-bucket numbers. Then, at a projector's 1024 px, every figure of the notebook
+fits its width or scrolls. Saves a screenshot in the test's temporary folder.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _wait_for_idle_kernel, serving_lesson
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _wait_for_idle_kernel, figures_cut_off_at_1024_px, serving_lesson
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "06_data_parallel.ipynb"
@@ -58,6 +59,8 @@ def test_lesson_06_bucket_slider_in_chromium(lab, tmp_path: Path):
             expect(box.locator(".js-plotly-plot").first).to_contain_text("exposed 31.8")
             _wait_for_idle_kernel(base_url, token)
             page.screenshot(path=str(screenshot))
+            cut = figures_cut_off_at_1024_px(page, expect_at_least=4)
+            assert not cut, f"lesson 06 at 1024 px: figures cut off without a scrollbar: {cut}"
         except Exception:
             failure = tmp_path / "failure.png"
             page.screenshot(path=str(failure), full_page=True)

@@ -416,3 +416,24 @@ def test_runs_after_pytorchs_threaded_process_group_replaced_the_state():
     assert all(torch.equal(t, torch.full((2,), 2.0)) for t in outs)
     assert all(torch.equal(t, torch.full((2,), 2.0)) for t in simcomm.World(2).run(program))
     assert_clean()
+
+
+def test_a_0d_tensor_keeps_its_shape_in_the_buffer_and_the_trace():
+    """A 0-d loss is reported as shape (), not the one-element buffer (1,), as gloo takes it."""
+    world = simcomm.World(progs.WORLD)
+    outs = world.run(progs.zero_d_program)
+    for got, want in zip(outs, progs.zero_d_reference(), strict=True):
+        for name in want:
+            assert got[name].shape == () and torch.equal(got[name], want[name]), name
+    shapes = {(e.op, e.shape) for e in world.trace.events}
+    assert shapes == {("all_reduce", ()), ("broadcast", ()), ("reduce", ())}, shapes
+
+
+def test_a_mismatch_report_names_a_0d_tensors_shape():
+    def log_loss_on_rank_0(comm):
+        if comm.rank == 0:
+            dist.all_reduce(torch.tensor(1.0))
+        dist.all_reduce(torch.ones(10))
+
+    with pytest.raises(CollectiveMismatchError, match=r"all_reduce\(shape=\(\), dtype=float32"):
+        simcomm.World(2).run(log_loss_on_rank_0)

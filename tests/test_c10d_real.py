@@ -105,3 +105,11 @@ def test_ddp_comm_hook_agrees_with_the_simulator(cluster):
     sim_outs = simcomm.World(WORLD).run(progs.ddp_program, hook="allreduce")
     _same(real_outs, sim_outs)
     _same(real_outs, [progs.data_parallel_reference()] * WORLD)
+
+
+def test_a_0d_tensor_on_gloo_is_what_the_simulator_gives_and_traced_as_shape_0d(cluster):
+    real_outs = cluster.run(progs.zero_d_program)
+    for got, want in zip(real_outs, progs.zero_d_reference(), strict=True):
+        for name in want:
+            assert got[name].shape == () and torch.equal(got[name], want[name]), name
+    assert {(e.op, e.shape) for e in cluster.trace.events} == {("all_reduce", ()), ("broadcast", ()), ("reduce", ())}

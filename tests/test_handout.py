@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from simcomm import handout
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, CUT_OFF_FIGURES
 
 pytestmark = pytest.mark.slow
 
@@ -122,25 +122,10 @@ def test_index_links_every_page_and_pages_link_each_other(site):
     assert 'href="01_collectives.html"' in pages["00_start_here"].path.read_text(encoding="utf-8")
 
 
-#: every figure whose right edge lies beyond the page and that no scrolling box around it can reach
-_CUT_OFF_FIGURES = """() => {
-  const page = document.documentElement.clientWidth;
-  const cut = [];
-  document.querySelectorAll('.js-plotly-plot').forEach((plot, index) => {
-    const right = plot.getBoundingClientRect().left + plot.scrollWidth;
-    if (right <= page + 1) return;
-    let box = plot.parentElement, scrolls = false;
-    while (box && box !== document.body) {
-      const style = getComputedStyle(box);
-      if (['auto', 'scroll'].includes(style.overflowX) && box.getBoundingClientRect().right <= page + 1) {
-        scrolls = true; break;
-      }
-      box = box.parentElement;
-    }
-    if (!scrolls) cut.push(index + ': ' + Math.round(right) + ' px wide on a ' + page + ' px page');
-  });
-  return cut;
-}"""
+def _cut_off(page) -> list[str]:
+    """Every figure whose right edge lies beyond the page and that no scrolling box around it can reach."""
+    return page.evaluate(CUT_OFF_FIGURES, None)["cut"]
+
 
 
 @pytest.mark.browser
@@ -178,7 +163,7 @@ def test_pages_draw_and_animate_offline_in_chromium(site):
                 page.goto(pages[name].path.as_uri())
                 page.wait_for_function("([n]) => document.querySelectorAll('.js-plotly-plot').length >= n",
                                        arg=[pages[name].figures])
-                cut = page.evaluate(_CUT_OFF_FIGURES)
+                cut = _cut_off(page)
                 assert not cut, f"{name} at 1024 px: figures cut off without a scrollbar: {cut}"
             page.goto(pages["03_ring_allreduce_and_cost"].path.as_uri())
             ring = page.locator(".js-plotly-plot:has(g.slider-container)").first
@@ -220,7 +205,83 @@ def test_the_1024_px_check_catches_a_wide_figure_unless_its_box_scrolls(tmp_path
                 path.write_text(f"<!DOCTYPE html><html><body>{library}{body}</body></html>", encoding="utf-8")
                 page.goto(path.as_uri())
                 page.wait_for_selector(".js-plotly-plot")
-                results[name] = page.evaluate(_CUT_OFF_FIGURES)
+                results[name] = _cut_off(page)
         finally:
             browser.close()
     assert results["bare"] and not results["boxed"], results
+
+
+def test_a_widget_shows_its_static_fallback_or_a_note_and_no_widget_state():
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    view = {"model_id": "m", "version_major": 2, "version_minor": 0}
+    nb.cells = [nbformat.v4.new_code_cell("slider", outputs=[nbformat.v4.new_output(
+                    "display_data", data={"text/plain": "VBox()", "application/vnd.jupyter.widget-view+json": view,
+                                          "text/html": "<div>fallback</div>"})]),
+                nbformat.v4.new_code_cell("explorer", outputs=[nbformat.v4.new_output(
+                    "display_data", data={"text/plain": "VBox()", "application/vnd.jupyter.widget-view+json": view})])]
+    out = handout.static_outputs(nb)
+    first, second = (cell.outputs[0].data for cell in out.cells)
+    assert first == {"text/plain": "VBox()", "text/html": "<div>fallback</div>"}
+    assert second == {"text/plain": "VBox()", "text/html": handout.WIDGET_NOTE}
+    assert "widgets" not in out.metadata
+
+
+_SLIDER_NOTEBOOK = [
+    "import plotly.graph_objects as go\nfrom simcomm import viz",
+    "figures = {size: go.Figure(go.Bar(x=[size], y=[len(size)]), layout=dict(title=f'buckets of {size}', width=1500))\n"
+    "           for size in ('1 MiB', 'one bucket')}",
+    "viz.bucket_slider(figures, default='1 MiB')",
+    "import ipywidgets\nipywidgets.IntSlider()",
+]
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (apt-get install chromium)")
+def test_an_exported_bucket_slider_draws_its_default_figure_offline_at_1024_px(tmp_path):
+    """Lesson 06's slider cell in a static page: the default size's figure is drawn with no kernel and
+    no network (plotly.js arrives with it: the slider is the page's first figure), fits or scrolls
+    at 1024 px; a widget without a fallback leaves a note; no widget manager is loaded."""
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    notebook = tmp_path / "slider.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in _SLIDER_NOTEBOOK]
+    nbformat.write(nb, notebook)
+    script = ("import json, sys\nfrom pathlib import Path\nfrom simcomm import handout\n"
+              "page = handout.build_page(Path(sys.argv[1]), Path(sys.argv[2]), timeout=120)\n"
+              "print(json.dumps(page.figures))")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "SIMCOMM_BACKEND": "sim",
+           "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    for attempt in (1, 2):      # nbclient, executing widgets, has now and then waited forever (PREFIXES)
+        try:
+            done = subprocess.run([sys.executable, "-c", script, str(notebook), str(tmp_path)], env=env,
+                                  cwd=root, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            if attempt == 2:
+                raise
+            continue
+        if done.returncode == 0 or attempt == 2 or "Timeout" not in done.stderr:
+            break
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == 1
+    text = (tmp_path / "slider.html").read_text(encoding="utf-8")
+    assert "widget-view+json" not in text and "widget-state+json" not in text
+    assert "bucket size: 1 MiB" in text and "An interactive widget was here" in text
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1024, "height": 900})
+            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+                       else route.abort())
+            page.goto((tmp_path / "slider.html").as_uri())
+            page.locator(".js-plotly-plot:has(g.g-gtitle:has-text('buckets of 1 MiB'))").first.wait_for(timeout=60_000)
+            assert page.locator(".js-plotly-plot").count() == 1
+            cut = _cut_off(page)
+        finally:
+            browser.close()
+    assert not cut, f"the slider's fallback at 1024 px is cut off without a scrollbar: {cut}"

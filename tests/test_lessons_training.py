@@ -218,14 +218,27 @@ def _reduce_then_scatter(comm, grad):
     return comm.scatter(total if comm.rank == 0 else None, src=0, dim=0)
 
 
+def _dist_reduce_then_scatter(comm, grad):
+    import torch.distributed as dist
+
+    total = grad.clone()
+    dist.reduce(total, dst=0)
+    shard = torch.empty(grad.numel() // comm.world_size, dtype=grad.dtype)
+    dist.scatter(shard, list(total.chunk(comm.world_size)) if comm.rank == 0 else None, src=0)
+    return shard
+
+
 def _whole(comm, grad):
     return comm.all_reduce(grad)
 
 
 @pytest.mark.parametrize("fn, correct, fragment", [
     (_rs, True, "reduce-scatter"),
-    (_ar_then_slice, False, "twice the data"),
-    (_reduce_then_scatter, False, "where a reduce-scatter sends"),      # rank 0 sends little, the others more
+    (_ar_then_slice, False, "ranks [0-3] each sent 576 B and received 576 B"),
+    # every rank counted: rank 0 sends only 288 B (the budget) but receives three whole tensors,
+    # and ranks 1-3 each send a whole tensor (384 B)
+    (_reduce_then_scatter, False, "rank 0 received 1152 B; ranks [1-3] each sent 384 B"),
+    (_dist_reduce_then_scatter, False, "rank 0 received 1152 B; ranks [1-3] each sent 384 B"),
     (_local_chunk, False, "not summed"),
     (_whole, False, "shapes"),
     (lambda comm, grad: "shard", False, "not a tensor"),
@@ -235,6 +248,19 @@ def test_check_zero2_grads(fn, correct, fragment):
     verdict = tl.check_zero2_grads(fn, show_hint=True)
     _verdicts_ok(verdict, correct)
     assert fragment in verdict
+
+
+def test_lessons_02_and_07_judge_traffic_by_one_rule():
+    """The same all-reduce-then-chunk pattern is rejected in both lessons, with the same hint."""
+    from simcomm.lessons import foundations
+    from simcomm.lessons.verdicts import TRAFFIC_RULE
+
+    in_07 = tl.check_zero2_grads(_ar_then_slice, show_hint=True)
+    in_02 = foundations.check_all_gather_backward(
+        lambda comm, grad, dim: comm.all_reduce(grad).chunk(comm.world_size, dim=dim)[comm.rank], show_hint=True)
+    for verdict in (in_07, in_02):
+        assert verdict.startswith("Not yet: right values, but more bytes than necessary"), verdict
+        assert verdict.endswith(f"Hint: {TRAFFIC_RULE}"), verdict
 
 
 MLP = zero.MLP((16, 64, 64, 8))   # every layer divides by 4: no padding

@@ -162,3 +162,17 @@ def test_bucket_slider_shows_the_chosen_figure_and_fonts_are_readable():
         viz.bucket_slider(figures, default="c")
     figure = viz.bucket_overlap_figure({"x": {"exposed": 1e-6, "hidden": 2e-6, "end": 4e-6}})
     assert figure.layout.font.size >= 14 and figure.layout.xaxis.tickfont.size >= 14
+
+
+def test_bucket_slider_offers_its_default_figure_as_a_static_fallback():
+    """A static page cannot run the slider: its display carries the default size's figure as HTML,
+    beside the widget view JupyterLab draws (the slider is then moved: the fallback stays the default)."""
+    import plotly.graph_objects as go
+    figures = {"a": go.Figure(layout=dict(title="figure a")), "b": go.Figure(layout=dict(title="figure b"))}
+    box = viz.bucket_slider(figures, default="b")
+    box.children[0].value = "a"
+    bundle = box._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    fallback = bundle["text/html"]
+    assert "figure b" in fallback and "figure a" not in fallback and "Plotly.newPlot(" in fallback
+    assert "bucket size: b" in fallback and "needs a running kernel" in fallback

@@ -55,6 +55,10 @@ def test_layout_explorer_runs_the_chosen_layout_and_redraws():
     first = explorer.figure
     assert explorer.row["tp"] == 2 and explorer.row["max_error"] < 1e-10
     assert "tp=2 dp=2 pp=1" in first.layout.title.text and len(explorer.output.outputs) == 1
+    # lesson 12: the retitled figure keeps the title at the top and the legend at the bottom (no overlap)
+    assert (first.layout.title.yref, first.layout.title.yanchor) == ("container", "top")
+    assert (first.layout.legend.yref, first.layout.legend.yanchor) == ("container", "bottom")
+    assert first.layout.margin.t >= 26 + 20 * first.layout.title.text.count("<br>") + 20
     explorer.layout.value = choices[2]                      # as a learner picking from the dropdown
     assert explorer.figure is not first and "tp=2 dp=1 pp=2" in explorer.figure.layout.title.text
     explorer.topology.value = "InfiniBand cluster"

@@ -161,7 +161,7 @@ def test_modelled_bars_of_a_world_run_use_the_cost_model_durations(trace):
     assert {t.name for t in fig.data} >= {"all_gather: exposed", "reduce_scatter: exposed",
                                           "all_reduce: exposed", "compute"}
     for t in fig.data:
-        assert min(t.base) >= 0
+        assert min(t.base if t.type == "bar" else t.x) >= 0
 
 
 def test_errors():
@@ -177,3 +177,53 @@ def test_durations_are_written_without_scientific_notation():
     assert _plain(9.06e-07) == "0" and _plain(0.0) == "0"
     assert _plain(17.94) == "17.9" and _plain(0.0123) == "0.0123" and _plain(12345.6) == "12,346"
     assert all("e" not in _plain(v) for v in (1e-9, 3e-3, 0.5, 999.9, 1e6))
+
+
+def _tiny_compute_trace(compute_seconds):
+    """2 ranks: a blocking 1 MiB all-reduce, then compute of ``compute_seconds``, then another."""
+    events = []
+    for rank in (0, 1):
+        events.append(_event("all_reduce", rank, 0.0))
+        events.append(_event("compute", rank, 1.0, group=(rank,), nbytes=0, args={"seconds": compute_seconds}))
+        events.append(TraceEvent(**{**vars(_event("all_reduce", rank, 2.0)), "step": 1}))
+    return Trace(events)
+
+
+def test_compute_too_short_for_a_bar_is_drawn_as_a_tick_over_the_waits():
+    """A compute block of 1 ns between two all-reduces: its bar is far below a pixel, so a tick marks it
+    on its compute row (09 and 12 looked as if their compute rows only waited)."""
+    fig = timeline_figure(_tiny_compute_trace(1e-9), modelled=True, topology="pcie-2gpu")
+    names = [t.name for t in fig.data]
+    assert names.index("compute lane waits") < names.index("compute") < names.index("compute (too short for a bar)")
+    ticks, = _rows(fig, "compute (too short for a bar)")
+    compute, = _rows(fig, "compute")
+    assert ticks.type == "scatter" and ticks.marker.symbol == "line-ns"
+    assert list(ticks.y) == list(compute.y) == ["rank 0 compute", "rank 1 compute"]
+    assert list(ticks.x) == pytest.approx([b + w / 2 for b, w in zip(compute.base, compute.x)])
+    assert list(ticks.customdata) == list(compute.customdata)              # the same hover: its own times
+    assert "a tick |: a compute block too short" in fig.layout.title.text
+    assert all(a.text.startswith("compute under 0.005 µs<br>comm ") for a in fig.layout.annotations)
+    _assert_projector_ready(fig)
+    wide = timeline_figure(_tiny_compute_trace(1e-3), modelled=True, topology="pcie-2gpu")
+    assert _rows(wide, "compute (too short for a bar)") == [] and "a tick" not in wide.layout.title.text
+    assert all(a.text.startswith("compute 1 ms<br>") or a.text.startswith("compute 1,000 µs<br>")
+               for a in wide.layout.annotations), [a.text for a in wide.layout.annotations]
+
+
+@pytest.mark.parametrize("ranks", [None, [0]])
+def test_the_title_sits_above_the_plot_and_the_legend_below_it(ranks):
+    """Title and legend cannot overlap, however many lines and rows: the title at the top of the
+    figure in a margin sized to its lines, the legend at the bottom in a margin sized to its rows."""
+    from simcomm.viz.timeline import _LEGEND_ROW_PX, _LINE_PX, _legend_rows
+
+    fig = timeline_figure(_tiny_compute_trace(1e-9), modelled=True, topology="pcie-2gpu", ranks=ranks,
+                          groups={"pairs": [[0, 1]]} if ranks else None)
+    layout = fig.layout
+    assert (layout.title.yref, layout.title.y, layout.title.yanchor) == ("container", 1.0, "top")
+    assert (layout.legend.yref, layout.legend.y, layout.legend.yanchor) == ("container", 0.0, "bottom")
+    lines = layout.title.text.count("<br>")
+    assert layout.margin.t >= 26 + _LINE_PX * lines + 20
+    rows = _legend_rows([t.name for t in fig.data], layout.legend.title.text,
+                        layout.width - layout.margin.l - layout.margin.r)
+    assert rows >= 2                                       # 5 entries do not fit one row of the plot's width
+    assert layout.margin.b >= 70 + _LEGEND_ROW_PX * rows   # below the x axis and its title

@@ -417,3 +417,22 @@ def batch_isend_irecv_ring(comm):
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return received
+
+
+def zero_d_program(comm) -> dict[str, torch.Tensor]:
+    """0-d tensors (a loss) through all_reduce, broadcast and reduce: each buffer keeps shape ()."""
+    rank = dist.get_rank()
+    value = lambda: torch.tensor(float(rank + 1), dtype=torch.float64)   # noqa: E731  (0-d)
+    summed, broadcast, reduced = value(), value(), value()
+    dist.all_reduce(summed)
+    dist.broadcast(broadcast, src=2)
+    dist.reduce(reduced, dst=1)
+    return {"all_reduce": summed, "broadcast": broadcast, "reduce": reduced}
+
+
+def zero_d_reference(world: int = WORLD) -> list[dict[str, torch.Tensor]]:
+    """One device: rank r holds r + 1; the sum, rank 2's value, the sum on rank 1 only."""
+    values = [torch.tensor(float(rank + 1), dtype=torch.float64) for rank in range(world)]
+    total = sum(values)
+    return [{"all_reduce": total, "broadcast": values[2], "reduce": total if rank == 1 else values[rank]}
+            for rank in range(world)]

@@ -290,6 +290,11 @@ print(f"largest relative error: {error:.1e}")
 # Given `grad_out`, the gradient arriving at the output of `all_gather(x, dim)`, return the
 # gradient of this rank's input `x`. One collective call does it. Replace the
 # `raise NotImplementedError` and run the check (it runs your function on 4 virtual ranks).
+#
+# The check judges the values first, then the bytes every rank sends and receives, by the rule
+# lesson 07 uses too: the backward of all-gather is a reduce-scatter, and it moves the fewest
+# bytes. An all-reduce followed by a chunk has the right values but moves about twice the bytes,
+# so it is not accepted.
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def my_all_gather_backward(comm, grad_out, dim):

@@ -276,7 +276,11 @@ print(tl.check_zero3_bytes(zero3_bytes))
 # After backward, each rank holds its full local gradient `grad` (a flat vector whose length
 # divides by the world size). Return this rank's shard (chunk `comm.rank`) of the gradient summed
 # over all ranks, moving no more bytes than necessary. The check runs it on 4 virtual ranks,
-# compares with the single-device sum and counts the bytes your code sends.
+# compares with the single-device sum and counts the bytes **every** rank sends and receives.
+# The rule is lesson 02's: right values first, then no rank may move more than a reduce-scatter
+# does. An all-reduce then a chunk moves about twice the bytes; a reduce to rank 0 then a scatter
+# keeps rank 0's sends low but has it receive three whole gradients while the others each send a
+# whole one.
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def my_gradient_shard(comm, grad):

@@ -218,10 +218,9 @@ print("fixed: initial weights replicated on every rank")
 # bucket, 10 elements) and the lines that issued them. It is collective step 3 because wrapping
 # the model in DDP already made three collectives on every rank (steps 0 to 2: an all-gather and a
 # broadcast that check the replicas' parameter shapes, and the broadcast of rank 0's parameters;
-# lesson 06). The loss is a 0-d tensor; the simulator's torch.distributed backend reports it with
-# shape `(1,)`, the one-element buffer it sends:
+# lesson 06). The loss is a 0-d tensor, reported with its own shape `()`, as gloo takes it:
 
-# %% expect=["CollectiveMismatchError: ranks of group [0, 1, 2, 3] disagree at collective step 3:", "  ranks [1-3] called all_reduce(shape=(10,), dtype=float32, op=sum) at line 6 of ddp_step", "  rank 0 called all_reduce(shape=(1,), dtype=float32, op=sum) at line 5 of ddp_step", "every rank of a group must call the same collectives in the same order with matching shapes, dtypes and arguments"]
+# %% expect=["CollectiveMismatchError: ranks of group [0, 1, 2, 3] disagree at collective step 3:", "  ranks [1-3] called all_reduce(shape=(10,), dtype=float32, op=sum) at line 6 of ddp_step", "  rank 0 called all_reduce(shape=(), dtype=float32, op=sum) at line 5 of ddp_step", "every rank of a group must call the same collectives in the same order with matching shapes, dtypes and arguments"]
 def ddp_step(comm, log_on_every_rank):
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
     loss = model(torch.ones(3, 4) * comm.rank).sum()

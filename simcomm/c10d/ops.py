@@ -69,11 +69,20 @@ def _reduction(c10d_op: str, opts, transport: SimTransport, tensors: Sequence[to
     return name, {"factor": factor}
 
 
-def _rows(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` detached and contiguous, with at least one dim (a 0-d tensor becomes ``(1,)``)."""
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached and contiguous, in its own shape: what the ops that reduce or copy a
+    tensor whole (all_reduce, broadcast, reduce) hand the transport, so the trace and a mismatch
+    report name the shape the program passed (``()`` for a 0-d loss, as gloo takes it)."""
     if tensor.requires_grad:
         tensor = tensor.detach()
-    tensor = tensor.contiguous()
+    return tensor.contiguous()
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as :func:`_own` gives it, with at least one dim (a 0-d tensor becomes ``(1,)``):
+    for the ops that concatenate or split along dim 0 (gathers, scatters, all_to_all) and for
+    point-to-point messages, which the simulator matches by shape."""
+    tensor = _own(tensor)
     return tensor.reshape(1) if tensor.dim() == 0 else tensor
 
 
@@ -118,7 +127,7 @@ def _one_per_rank(c10d_op: str, argument: str, tensors: Sequence, transport: Sim
 def all_reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.all_reduce`` (and its coalesced form): each tensor reduced in place."""
     name, factor = _reduction("all_reduce", opts, transport, tensors)
-    calls = [transport.all_reduce(_rows(tensor), name, async_op=async_op, **factor) for tensor in tensors]
+    calls = [transport.all_reduce(_own(tensor), name, async_op=async_op, **factor) for tensor in tensors]
 
     def finish(results: list) -> list[torch.Tensor]:
         for tensor, value in zip(tensors, results, strict=True):
@@ -205,7 +214,7 @@ def reduce_scatter_list(transport: SimTransport, outputs: Sequence[torch.Tensor]
 
 def broadcast(transport: SimTransport, tensors: list[torch.Tensor], root: int, async_op: bool) -> Issued:
     """``dist.broadcast``: every rank's tensor becomes the root's, in place."""
-    calls = [transport.broadcast(_rows(tensor), root, async_op=async_op) for tensor in tensors]
+    calls = [transport.broadcast(_own(tensor), root, async_op=async_op) for tensor in tensors]
 
     def finish(results: list) -> list[torch.Tensor]:
         if transport.rank != root:
@@ -220,7 +229,7 @@ def reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op:
     """``dist.reduce``: the root's tensor becomes the reduction; the others' stay as they are
     (traced as ``reduce``: every other rank sends its bytes to the root)."""
     (name, factor), root = _reduction("reduce", opts, transport, tensors), opts.rootRank
-    calls = [transport.reduce(_rows(tensor), root, name, async_op=async_op, **factor) for tensor in tensors]
+    calls = [transport.reduce(_own(tensor), root, name, async_op=async_op, **factor) for tensor in tensors]
 
     def finish(results: list) -> list[torch.Tensor]:
         if transport.rank == root:

@@ -35,7 +35,7 @@ from ..parallel.ring import ring_exchange, ring_schedule
 from ..parallel.tensor import make_mlp, mlp, shard_mlp
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
-from .verdicts import traffic_beyond_reduce_scatter as _traffic_beyond_reduce_scatter
+from .verdicts import reduce_scatter_traffic as _reduce_scatter_traffic
 from .verdicts import NOT_ANSWERED, is_correct
 from .verdicts import Forbidden as _Forbidden
 from .verdicts import attempt as _attempt
@@ -390,14 +390,11 @@ def check_all_gather_backward(my_backward: Callable, *, world_size: int = 4,
                 return _not_yet(f"dim={dim}, rank {rank}: your gradient differs from autograd's by {error:.3g}",
                                 "every rank's output depends on this rank's input: whose gradients "
                                 "must be added up?")
-        extra = max(_traffic_beyond_reduce_scatter(world.trace, rank, world_size * math.prod(shape) * 8,
-                                                  skip_first=1) for rank in range(world_size))
-    verdict = f"Correct: your backward equals autograd's on every rank, for dim in {tuple(dims)}."
-    if extra:
-        verdict += (f" It moves {extra} bytes more per rank than a reduce-scatter: an all-reduce then a chunk "
-                    "sends every chunk to every rank (lesson 07 asks for the cheaper one).")
-    return verdict
-
+        traffic = _reduce_scatter_traffic(world.trace, world_size, world_size * math.prod(shape) * 8,
+                                          skip_first=1)
+        if traffic:
+            return traffic
+    return f"Correct: your backward equals autograd's on every rank, for dim in {tuple(dims)}."
 
 
 def _ring_all_gather_program(comm, mine: Callable, base: float):

@@ -20,7 +20,7 @@ from ..parallel import data as data_parallel
 from ..parallel import pipeline
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
-from .verdicts import NOT_ANSWERED, as_number, is_correct, is_placeholder, traffic_beyond_reduce_scatter
+from .verdicts import NOT_ANSWERED, as_number, is_correct, is_placeholder, reduce_scatter_traffic
 from .verdicts import attempt as _attempt
 from .verdicts import not_yet as _not_yet
 
@@ -228,8 +228,7 @@ def check_zero2_grads(fn: Any) -> str:
         outs, verdict = _attempt(lambda: world.run(_zero2_program, fn, grads))
         if verdict:
             return verdict
-        extra = {rank: traffic_beyond_reduce_scatter(world.trace, rank, grads[0].numel() * 8)
-                 for rank in range(_WORLD)}
+        traffic = reduce_scatter_traffic(world.trace, _WORLD, grads[0].numel() * 8)
     if any(o.shape != w.shape for o, w in zip(outs, want)):
         shapes = sorted({tuple(o.shape) for o in outs})
         return _not_yet(f"rank outputs have shapes {shapes}, expected {tuple(want[0].shape)}",
@@ -238,13 +237,8 @@ def check_zero2_grads(fn: Any) -> str:
         if all((o - g.chunk(_WORLD)[r]).abs().max().item() < 1e-12 for r, (o, g) in enumerate(zip(outs, grads))):
             return _not_yet("each rank returned its own chunk, not summed over ranks", "the ranks must communicate")
         return _not_yet("the shards do not equal the summed gradient's chunks", "rank r keeps chunk r of the sum")
-    budget = (_WORLD - 1) * grads[0].numel() * 8 // _WORLD
-    worst = max(extra, key=extra.get)
-    if extra[worst]:
-        return _not_yet(f"right values, but rank {worst} sent {budget + extra[worst]} bytes where a reduce-scatter "
-                        f"sends {budget} per rank", "an all-reduce then a slice moves twice the data, and a reduce "
-                        "to one rank then a scatter loads that rank's links: one collective does it at the "
-                        "minimum")
+    if traffic:
+        return traffic
     return "Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."
 
 

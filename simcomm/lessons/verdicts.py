@@ -18,9 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CollectiveMismatchError, DeadlockError, RankError
+from ..reports import format_ranks
 
 __all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
-           "as_number", "traffic_beyond_reduce_scatter", "Forbidden", "attempt"]
+           "as_number", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
+           "Forbidden", "attempt"]
 
 #: what a checker returns while the exercise still holds its placeholder
 NOT_ANSWERED = "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."
@@ -80,18 +82,41 @@ def is_placeholder(answer: Any) -> bool:
     return any(value is ... for value in values)
 
 
-def traffic_beyond_reduce_scatter(trace: Any, rank: int, input_bytes: int, skip_first: int = 0) -> int:
-    """Bytes ``rank`` sent in ``trace``'s forward-phase calls (after its first ``skip_first`` calls) beyond
-    what a reduce-scatter of an ``input_bytes`` tensor sends, ``(P - 1) / P * input_bytes``; 0 if within.
+#: the one traffic rule, as the lessons state it (02's all-gather backward, 07's ZeRO-2 shard)
+TRAFFIC_RULE = ("the backward of all-gather is a reduce-scatter, and it moves the fewest bytes: an all-reduce "
+                "then a chunk has the right values but moves about twice the bytes, and a reduce to one rank "
+                "then a scatter loads that rank's links")
 
-    The one rule of the checkers that look at traffic: the values are always judged; bytes beyond a
-    reduce-scatter's (an all-reduce then a chunk sends twice as much) reject an answer only where the
-    exercise states that budget (lesson 07's ZeRO-2 shard), and are named in the Correct verdict
-    elsewhere (lesson 02's all-gather backward). Every rank is counted: the caller takes the maximum."""
+
+def rank_traffic(trace: Any, rank: int, skip_first: int = 0) -> tuple[int, int]:
+    """``(sent, received)``: the bytes ``rank`` sent and received in ``trace``'s forward-phase calls,
+    after its first ``skip_first`` calls (a checker's own set-up collectives)."""
     calls = [e for e in trace.events if e.rank == rank and e.op != "compute"][skip_first:]
-    sent = sum(sum(e.sent.values()) for e in calls if e.phase == "forward")
-    world_size = max((len(e.group) for e in calls), default=1)
-    return max(0, sent - (world_size - 1) * input_bytes // world_size)
+    forward = [e for e in calls if e.phase == "forward"]
+    return sum(sum(e.sent.values()) for e in forward), sum(sum(e.received.values()) for e in forward)
+
+
+def reduce_scatter_traffic(trace: Any, world_size: int, input_bytes: int, skip_first: int = 0) -> str | None:
+    """The one traffic rule of the checkers (:data:`TRAFFIC_RULE`): ``None`` when every rank of
+    ``trace`` sent and received no more than a reduce-scatter of ``input_bytes`` would,
+    ``(P - 1) / P * input_bytes`` each way; otherwise the ``Not yet`` verdict naming every rank over
+    that budget and how many bytes it moved. Every rank is counted: a reduce to rank 0 then a
+    scatter keeps rank 0's *sent* bytes within budget while it receives ``P - 1`` whole tensors and
+    the other ranks each send a whole one. Checkers judge the values first, then this."""
+    budget = (world_size - 1) * input_bytes // world_size
+    over: dict[str, list[int]] = {}           # what a rank moved beyond the budget -> those ranks
+    for rank in range(world_size):
+        sent, received = rank_traffic(trace, rank, skip_first)
+        moved = " and ".join(f"{word} {count} B" for word, count in (("sent", sent), ("received", received))
+                             if count > budget)
+        if moved:
+            over.setdefault(moved, []).append(rank)
+    if not over:
+        return None
+    named = "; ".join(f"rank {ranks[0]} {moved}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)} each {moved}"
+                      for moved, ranks in over.items())
+    return not_yet(f"right values, but more bytes than necessary: a reduce-scatter sends and receives {budget} B "
+                   f"per rank, and {named}", TRAFFIC_RULE)
 
 
 class Forbidden(Exception):

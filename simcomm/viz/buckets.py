@@ -5,11 +5,16 @@ communication of one rank split into *exposed* (the program waits for it) and
 *hidden* (it overlaps backward compute), with the step's modelled end as a
 marker. ``bucket_slider(figures, default)`` is an ipywidgets slider over the
 bucket sizes that shows the precomputed timeline figure of the chosen size
-(no program runs when it moves, so it works on either backend); the figures
-themselves are plain plotly, so a static export keeps whatever a cell displays.
+(no program runs when it moves, so it works on either backend). A slider needs
+a running kernel; its display also carries a static fallback, the default
+size's figure as HTML (``text/html``), which a static page shows where the
+widget cannot run (:mod:`simcomm.handout`'s pages; ``jupyter nbconvert`` of a
+notebook saved without widget state). JupyterLab shows the live slider.
 """
 from __future__ import annotations
 
+import functools
+import html
 from collections.abc import Mapping
 
 import plotly.graph_objects as go
@@ -40,7 +45,8 @@ def bucket_overlap_figure(rows: Mapping[str, Mapping[str, float]]) -> go.Figure:
 
 def bucket_slider(figures: Mapping[str, go.Figure], default: str | None = None):
     """An ipywidgets ``VBox``: a ``SelectionSlider`` over ``figures``' labels and an output area showing
-    the chosen figure (``default``: the first label)."""
+    the chosen figure (``default``: the first label). Displayed, it also offers ``default``'s figure
+    as ``text/html`` (its ``fallback_html``), for static pages where the slider cannot run."""
     import ipywidgets as widgets
     from IPython.display import display
 
@@ -51,6 +57,9 @@ def bucket_slider(figures: Mapping[str, go.Figure], default: str | None = None):
         default = labels[0]
     if default not in figures:
         raise ValueError(f"bucket_slider: default={default!r} is not one of {labels}")
+    # first, so that a renderer showing plotly.js once (simcomm.viz.render) writes it into the cell's
+    # own output, where the static page needs it, not into the slider's output area
+    fallback = _figure_html(figures[default])
     slider = widgets.SelectionSlider(options=labels, value=default, description="bucket size",
                                      continuous_update=False, style={"description_width": "initial"},
                                      layout=widgets.Layout(width="600px"))
@@ -63,4 +72,33 @@ def bucket_slider(figures: Mapping[str, go.Figure], default: str | None = None):
 
     slider.observe(show, names="value")
     show()
-    return widgets.VBox([slider, output])
+    box = _vbox_with_fallback()([slider, output])
+    box.fallback_html = (f'<p><em>bucket size: {html.escape(default)}. The slider needs a running kernel; '
+                         f'this is its figure for {html.escape(default)}.</em></p>' + fallback)
+    return box
+
+
+def _figure_html(figure: go.Figure) -> str:
+    """``figure`` as the notebook's renderer writes it for an HTML export (:mod:`simcomm.viz.render`;
+    displaying it there also writes plotly.js into the page if no figure did yet)."""
+    from .render import EmbeddedHtmlRenderer
+
+    bundle = figure._repr_mimebundle_()
+    return bundle.get("text/html") or EmbeddedHtmlRenderer().to_mimebundle(figure.to_dict())["text/html"]
+
+
+@functools.cache
+def _vbox_with_fallback() -> type:
+    """A ``VBox`` whose display adds its ``fallback_html`` as ``text/html`` beside the widget view."""
+    import ipywidgets as widgets
+
+    class VBoxWithFallback(widgets.VBox):
+        fallback_html = ""
+
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            if bundle is not None and self.fallback_html:
+                bundle = {**bundle, "text/html": self.fallback_html}
+            return bundle
+
+    return VBoxWithFallback

@@ -172,8 +172,11 @@ def _plain(value: float) -> str:
 def _summary(summary, unit: str, scale: float) -> str:
     def fmt(seconds: float) -> str:
         return _plain(seconds * scale)
-    text = (f"comm {fmt(summary.communication)} {unit}: <b>exposed {fmt(summary.exposed)}</b>, "
-            f"hidden {fmt(summary.hidden)}")
+    compute = fmt(summary.compute)
+    if compute == "0" and summary.compute > 0:
+        compute = "under 0.005"          # there is compute, too little for the unit's 3 digits
+    text = (f"compute {compute} {unit}<br>comm {fmt(summary.communication)} {unit}: "
+            f"<b>exposed {fmt(summary.exposed)}</b>, hidden {fmt(summary.hidden)}")
     if summary.waiting > 0:
         text += f"<br>waits {fmt(summary.waiting)} {unit} for peers"
     return text
@@ -221,6 +224,57 @@ def _group_lines(timeline: Timeline, groups: dict, unit: str, scale: float) -> l
     return lines
 
 
+#: a compute block narrower than this share of the time axis is also drawn as a tick (a bar of
+#: less than a pixel or two would leave the compute row looking as if it only waited)
+TICK_BELOW = 0.004
+#: line height of the title's headline and its subtitle lines, and of a legend row (px)
+_HEADLINE_PX, _LINE_PX, _LEGEND_ROW_PX = 26, 20, 26
+
+
+def _compute_ticks(items: list[tuple[str, float, float, str]], end: float, scale: float) -> dict | None:
+    """A marker trace: one vertical tick on its compute row for every compute block narrower than
+    :data:`TICK_BELOW` of the axis (``end`` seconds), hovering with the block's own times; ``None``
+    when every block is wide enough to see as its bar."""
+    narrow = [item for item in items if item[2] - item[1] < TICK_BELOW * end]
+    if not narrow:
+        return None
+    return dict(type="scatter", mode="markers", name="compute (too short for a bar)", legendgroup="compute ticks",
+                y=[row for row, _, _, _ in narrow], x=[(s + e) / 2 * scale for _, s, e, _ in narrow],
+                customdata=[h for *_, h in narrow], hovertemplate="%{customdata}<extra></extra>",
+                marker=dict(symbol="line-ns", size=24, line=dict(width=3, color="rgb(70, 70, 70)")))
+
+
+def _legend_rows(names: list[str], title: str, width: float) -> int:
+    """Rows a horizontal legend of ``names`` (after its ``title``) takes when plotly wraps it at
+    ``width`` px (the plot area's) at :data:`MIN_FONT_PX`: each entry its text at about 0.6 em a
+    character, plus the swatch (a generous estimate: a row too many only adds white space)."""
+    def entry(text: str) -> float:
+        return 0.6 * MIN_FONT_PX * len(text) + 50
+    rows, used = 1, entry(title)
+    for name in names:
+        if used + entry(name) > width:
+            rows, used = rows + 1, 0.0
+        used += entry(name)
+    return rows
+
+
+def _title_above_legend_below(layout: dict, title_text: str, names: list[str]) -> None:
+    """Lay out a modelled timeline so its title and legend never overlap, however many lines the
+    title and rows the legend have: the title at the top of the figure in a top margin sized to its
+    lines, the legend at the bottom in a bottom margin sized to its estimated rows (below the axis
+    title)."""
+    lines = title_text.count("<br>")
+    top = 20 + _HEADLINE_PX + _LINE_PX * lines + 20
+    legend_title = "op: exposed / hidden"
+    rows = _legend_rows(names, legend_title, layout["width"] - layout["margin"]["l"] - layout["margin"]["r"])
+    bottom = 70 + _LEGEND_ROW_PX * rows + 10
+    layout["title"].update(y=1.0, yref="container", yanchor="top", pad=dict(t=20))
+    layout["legend"].update(title=dict(text=legend_title, font=_FONT), orientation="h", x=0.0, xref="container",
+                            xanchor="left", y=0.0, yref="container", yanchor="bottom")
+    layout["height"] += top - layout["margin"]["t"] + bottom - layout["margin"]["b"]
+    layout["margin"].update(t=top, b=bottom)
+
+
 def _modelled_figure(trace: Trace, topology: str | Topology | None, ranks: list[int] | None,
                      groups: dict | None = None) -> go.Figure:
     timeline = modelled_timeline(trace, topology)
@@ -255,10 +309,13 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None, ranks: list[
              f"rank {stall.rank} waits for <b>{stall.event.op}</b> (step {stall.event.step})<br>"
              f"{stall.start * scale:.4g} to {stall.end * scale:.4g} {unit}"))
     traces = []
+    if ("waiting", "") in pieces:     # first, so the compute drawn over the same row stays on top
+        traces.append(_bar("compute lane waits", "waiting", pieces[("waiting", "")], _WAIT_COLOUR, ".", scale))
+    ticks = _compute_ticks(pieces.get(("compute", ""), []), end, scale)
     if ("compute", "") in pieces:
         traces.append(_bar("compute", "compute", pieces[("compute", "")], _COMPUTE_COLOUR, "", scale))
-    if ("waiting", "") in pieces:
-        traces.append(_bar("compute lane waits", "waiting", pieces[("waiting", "")], _WAIT_COLOUR, ".", scale))
+    if ticks is not None:
+        traces.append(ticks)
     for op in ops:
         for kind in ("exposed", "hidden"):
             if (op, kind) in pieces:
@@ -266,27 +323,20 @@ def _modelled_figure(trace: Trace, topology: str | Topology | None, ranks: list[
                                    _EXPOSED_PATTERN if kind == "exposed" else "", scale))
     drawn = ranks if ranks is not None else all_ranks
     rows = [row for rank in drawn for row in (compute_row(rank), comm_row(rank))]
-    title = _title("modelled timeline: per rank a compute row and a communication row (its own stream)",
-                   "cross-hatched: exposed (the program waits for it); plain: hidden under compute; "
-                   "dotted: the program waits" + _sampled(ranks, all_ranks)
-                   + (f"<br>{_overall(timeline, unit, scale)}" if ranks is not None else "")
-                   + "".join(f"<br>{line}" for line in _group_lines(timeline, groups or {}, unit, scale)))
+    subtitle = ("cross-hatched: exposed (the program waits for it); plain: hidden under compute; "
+                "dotted: the program waits"
+                + ("<br>a tick |: a compute block too short to show as a bar (hover for its times)" if ticks else "")
+                + _sampled(ranks, all_ranks)
+                + (f"<br>{_overall(timeline, unit, scale)}" if ranks is not None else "")
+                + "".join(f"<br>{line}" for line in _group_lines(timeline, groups or {}, unit, scale)))
+    title = _title("modelled timeline: per rank a compute row and a communication row (its own stream)", subtitle)
     layout = _layout(rows, unit, title, 40, right=330)
-    layout["legend"].update(title=dict(text="op: exposed / hidden", font=_FONT), orientation="h",
-                            x=0.0, xanchor="left", y=1.0, yanchor="bottom")
-    layout["height"] += 50
-    layout["margin"]["t"] += 50
+    _title_above_legend_below(layout, title["text"], [t["name"] for t in traces])
     layout["annotations"] = [
         dict(text=_summary(timeline.ranks[rank], unit, scale), x=1.01, xref="paper", xanchor="left",
              y=comm_row(rank), yref="y", showarrow=False, align="left", font=_FONT)
         for rank in drawn]
     figure = go.Figure(data=traces, layout=layout)
-    extra = 20 * ((ranks is not None) + len(groups or {}))
-    if extra:   # the longer subtitle starts at the top of the figure, above the legend
-        layout["height"] += extra + 30
-        layout["margin"]["t"] += extra + 30
-        layout["title"].update(y=1.0, yref="container", yanchor="top", pad=dict(t=30))
-        figure = go.Figure(data=traces, layout=layout)
     figure.layout.meta = {"timeline": {rank: vars(s) for rank, s in timeline.ranks.items() if rank in drawn}}
     return figure
 
