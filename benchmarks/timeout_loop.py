@@ -11,6 +11,9 @@ exits, and a fresh child goes on with the remaining runs.
 Reported: hangs (must be 0), late runs (error later than timeout + 1 s, must
 be 0), and the time from the timeout to the error (median, 99th percentile,
 maximum), in wall time, with the CPU time of the child processes beside it.
+A garbage collection of the whole heap stops every thread of the process
+(hundreds of milliseconds on a loaded machine); for a late run the longest
+collection during it is printed, so a late run can be told from a slow stop.
 
     python benchmarks/timeout_loop.py                 # 1000 runs
     python benchmarks/timeout_loop.py --runs 200 --world-size 16 --timeout 0.02
@@ -25,7 +28,7 @@ import subprocess
 import sys
 
 _CHILD = r"""
-import faulthandler, json, sys, time
+import faulthandler, gc, json, sys, time
 import torch
 torch.set_num_threads(1)
 from simcomm import World
@@ -38,8 +41,19 @@ def program(comm):
     while True:                       # never ends by itself: only the timeout stops it
         x = comm.all_reduce(x) / comm.world_size
 
+pauses = {"start": 0.0, "longest": 0.0}   # garbage collections stop every thread: reported apart
+
+def on_gc(phase, info):
+    now = time.monotonic()
+    if phase == "start":
+        pauses["start"] = now
+    else:
+        pauses["longest"] = max(pauses["longest"], now - pauses["start"])
+
+gc.callbacks.append(on_gc)
 world = World(world_size)
 for index in range(runs):
+    pauses["longest"] = 0.0
     faulthandler.dump_traceback_later(hang_s, exit=True)   # a hang: every stack, then exit 1
     start, cpu = time.monotonic(), time.process_time()
     try:
@@ -51,7 +65,7 @@ for index in range(runs):
         outcome = type(error).__name__
     faulthandler.cancel_dump_traceback_later()
     print(json.dumps({"wall": time.monotonic() - start, "cpu": time.process_time() - cpu,
-                      "outcome": outcome}), flush=True)
+                      "outcome": outcome, "gc": pauses["longest"]}), flush=True)
 """
 
 
@@ -91,9 +105,13 @@ def main() -> None:
         outcomes[record["outcome"]] = outcomes.get(record["outcome"], 0) + 1
     grace = 1.0
     late = sum(1 for value in late_s if value > grace)
+    late_gc = [record["gc"] for record in records if record["wall"] - options.timeout > grace]
     print(f"checkout {root}")
     print(f"runs {options.runs}  world_size {options.world_size}  timeout {options.timeout} s")
     print(f"hangs {hangs}  late (> timeout + {grace} s) {late}  outcomes {outcomes}")
+    if late_gc:
+        print(f"longest garbage collection (which stops every thread) in each late run, s: "
+              f"{', '.join(f'{pause:.3f}' for pause in late_gc)}")
     if late_s:
         cpu = [record["cpu"] for record in records]
         print(f"timeout -> error, wall s: median {_percentile(late_s, 0.5):.4f}  "
