@@ -44,7 +44,7 @@ from ..sim.transport import SimTransport
 from .store import RunStore
 
 __all__ = ["rank_process_group", "BACKEND_NAME", "install_init_join", "check_init_arguments",
-           "JOINABLE_BACKENDS"]
+           "JOINABLE_BACKENDS", "mesh_identity"]
 
 BACKEND_NAME = "simcomm"
 
@@ -261,7 +261,52 @@ def _install() -> None:
             register()
             _switch = _WorldSwitch(c10d._world)
             c10d._world = _switch
+        _install_mesh_identity()
     install_init_join()
+
+
+# -- each rank's DeviceMeshes are its own --------------------------------------------------------
+
+_mesh_identity_installed = False
+
+
+def mesh_identity(rank: int) -> int:
+    """What a ``DeviceMesh`` made on virtual rank ``rank`` holds in ``_thread_id``: negative,
+    so it is never a thread's id (PyTorch's threaded process group puts those there), and
+    below -1 (``hash(-1) == hash(-2)`` in CPython: ranks 0 and 1 would hash alike)."""
+    return -2 - rank
+
+
+def _install_mesh_identity() -> None:
+    """Make ``DeviceMesh`` objects of different virtual ranks unequal (and hash apart).
+
+    A mesh compares and hashes by its ranks, layout, device type, dim names and
+    ``_thread_id``, and torch sets ``_thread_id`` only when the default group's
+    backend is named "threaded". Process-wide caches keyed on meshes (DTensor's
+    sharding propagation, ``redistribute``'s transform infos and planners) would
+    otherwise hand one rank's rank-dependent answer (its shard's shape, its
+    coordinate) to every other rank. So every mesh made on a rank thread gets
+    that rank's :func:`mesh_identity` in ``_thread_id``, as one process per rank
+    keeps its caches to itself. Meshes made elsewhere are unchanged. Once per
+    process; called with ``_install_lock`` held.
+    """
+    global _mesh_identity_installed
+    if _mesh_identity_installed:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:   # noqa: N807 - DeviceMesh's own
+        original(self, *args, **kwargs)
+        context = getattr(_local, "rank", None)
+        if context is not None and getattr(self, "_thread_id", None) is None:
+            self._thread_id = mesh_identity(context.transport.global_rank)
+            self._hash = None   # computed lazily from _thread_id too
+
+    DeviceMesh.__init__ = __init__
+    _mesh_identity_installed = True
 
 
 # -- init_process_group inside a run ------------------------------------------------------------
