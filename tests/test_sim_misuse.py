@@ -16,6 +16,7 @@ import torch
 import simcomm
 from simcomm import RankError, RunTimeoutError
 from simcomm.errors import CommunicatorClosedError, SimcommError, WrongThreadError
+from simcomm.sim.scheduler import Aborted
 
 
 def rank_threads() -> list[threading.Thread]:
@@ -192,6 +193,48 @@ def test_ctrl_c_reaches_the_caller_promptly_and_names_the_thread_left_running():
     assert "could not be stopped" in notes and "rank 0 at" in notes
     assert simcomm.World(2).run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
     wait_for_stuck_threads()
+
+
+def test_timeout_ends_the_run_when_the_interrupt_lands_while_the_rank_holds_the_lock():
+    # The interrupt that stops the rank holding the turn may land anywhere, also just after
+    # its thread took the scheduler's lock (lock_for); that thread then unwinds holding the
+    # lock. This program does so on purpose: the run still ends with the timeout's error in
+    # time, and nothing is left running.
+    def program(comm):
+        if comm.rank == 0:
+            try:
+                while True:
+                    pass
+            except Aborted:
+                comm.transport.state.lock.acquire()   # taken, never released by the program
+                raise
+        comm.barrier()
+
+    outcome = call_bounded(lambda: simcomm.World(4).run(program, timeout=0.2), within=20.0)
+    assert isinstance(outcome.get("error"), RunTimeoutError), outcome
+    assert not getattr(outcome["error"], "__notes__", None), "every rank could be stopped"
+    assert simcomm.World(4).run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [4.0] * 4
+    assert rank_threads() == []
+
+
+@pytest.mark.slow
+def test_timeout_of_a_collective_loop_raises_every_time():
+    # 8 ranks in an endless all_reduce loop, stopped by the timeout over and over: every run
+    # raises RunTimeoutError and returns (the interrupt once landed inside the scheduler's
+    # lock and the run hung in about one run of 60). benchmarks/timeout_loop.py: 1000 runs.
+    def program(comm):
+        x = torch.ones(4)
+        while True:
+            x = comm.all_reduce(x) / comm.world_size
+
+    world = simcomm.World(8)
+    outcomes: dict[str, int] = {}
+    for _ in range(300):
+        outcome = call_bounded(lambda: world.run(program, timeout=0.01), within=20.0)
+        name = type(outcome.get("error")).__name__
+        outcomes[name] = outcomes.get(name, 0) + 1
+    assert outcomes == {"RunTimeoutError": 300}
+    assert rank_threads() == []
 
 
 def test_timeout_message_groups_ranks_that_never_started():

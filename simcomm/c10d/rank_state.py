@@ -41,9 +41,10 @@ from ..communicator import Communicator
 from ..sim.rendezvous import Group
 from ..sim.scheduler import RunState
 from ..sim.transport import SimTransport
+from .store import RunStore
 
 __all__ = ["rank_process_group", "BACKEND_NAME", "install_init_join", "check_init_arguments",
-           "JOINABLE_BACKENDS"]
+           "JOINABLE_BACKENDS", "mesh_identity"]
 
 BACKEND_NAME = "simcomm"
 
@@ -140,28 +141,14 @@ def _from_module_body(frame) -> bool:
     return False
 
 
-class _NoStore(dist.Store):
-    """The store of the default group. The "simcomm" backend needs none; a backend that
-    does (``dist.new_group(backend="gloo")``) would block in it where the simulator cannot
-    see, so every use raises instead."""
-
-    def _refuse(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"only the {BACKEND_NAME!r} backend runs on virtual ranks: a process group of "
-            f"another backend (e.g. new_group(backend='gloo')) cannot be created inside "
-            f"World.run")
-
-    set = get = add = wait = compare_set = check = delete_key = num_keys = _refuse
-    set_timeout = append = multi_get = multi_set = _refuse
-
-
 class _RunGroups:
     """The simulator groups behind one run's c10d groups, shared by the rank threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: RunState) -> None:
         self.lock = threading.Lock()
         self.groups: dict[tuple, Group] = {}
-        self.store = _NoStore()
+        #: the store of every c10d group of the run (c10d's store barrier uses it)
+        self.store = RunStore(state)
 
     def group(self, key: tuple, ranks: tuple[int, ...]) -> Group:
         with self.lock:
@@ -175,7 +162,7 @@ def _groups_of(state: RunState) -> _RunGroups:
     with _install_lock:
         groups = _run_groups.get(state)
         if groups is None:
-            groups = _run_groups[state] = _RunGroups()
+            groups = _run_groups[state] = _RunGroups(state)
         return groups
 
 
@@ -211,10 +198,16 @@ class _RankContext:
         # init_process_group also sets process-wide things (sys.excepthook with a rank
         # prefix, the module's _backend): keep them as they were for the rest of the process
         saved = (sys.excepthook, c10d._backend, c10d._default_pg_init_method)
+        store = _groups_of(self.state).store
+        # The run is the default group's rendezvous: every rank is in it from the start.
+        # So c10d's store barrier at the end of init (TORCH_DIST_INIT_BARRIER=1) passes at
+        # once, as on real processes that all called init_process_group, also on a rank
+        # whose peers create their group later or never (it is created on first use).
+        # c10d names the default group by its world's group count (_process_group_name).
+        store.set(f"{c10d.STORE_BASED_BARRIER_PREFIX}:{c10d._world.group_count}:last_worker", "1")
         try:
             _original_init_process_group(BACKEND_NAME, rank=self.transport.global_rank,
-                                         world_size=len(self.state.world.ranks),
-                                         store=_groups_of(self.state).store)
+                                         world_size=len(self.state.world.ranks), store=store)
         finally:
             sys.excepthook, c10d._backend, c10d._default_pg_init_method = saved
 
@@ -268,7 +261,52 @@ def _install() -> None:
             register()
             _switch = _WorldSwitch(c10d._world)
             c10d._world = _switch
+        _install_mesh_identity()
     install_init_join()
+
+
+# -- each rank's DeviceMeshes are its own --------------------------------------------------------
+
+_mesh_identity_installed = False
+
+
+def mesh_identity(rank: int) -> int:
+    """What a ``DeviceMesh`` made on virtual rank ``rank`` holds in ``_thread_id``: negative,
+    so it is never a thread's id (PyTorch's threaded process group puts those there), and
+    below -1 (``hash(-1) == hash(-2)`` in CPython: ranks 0 and 1 would hash alike)."""
+    return -2 - rank
+
+
+def _install_mesh_identity() -> None:
+    """Make ``DeviceMesh`` objects of different virtual ranks unequal (and hash apart).
+
+    A mesh compares and hashes by its ranks, layout, device type, dim names and
+    ``_thread_id``, and torch sets ``_thread_id`` only when the default group's
+    backend is named "threaded". Process-wide caches keyed on meshes (DTensor's
+    sharding propagation, ``redistribute``'s transform infos and planners) would
+    otherwise hand one rank's rank-dependent answer (its shard's shape, its
+    coordinate) to every other rank. So every mesh made on a rank thread gets
+    that rank's :func:`mesh_identity` in ``_thread_id``, as one process per rank
+    keeps its caches to itself. Meshes made elsewhere are unchanged. Once per
+    process; called with ``_install_lock`` held.
+    """
+    global _mesh_identity_installed
+    if _mesh_identity_installed:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:   # noqa: N807 - DeviceMesh's own
+        original(self, *args, **kwargs)
+        context = getattr(_local, "rank", None)
+        if context is not None and getattr(self, "_thread_id", None) is None:
+            self._thread_id = mesh_identity(context.transport.global_rank)
+            self._hash = None   # computed lazily from _thread_id too
+
+    DeviceMesh.__init__ = __init__
+    _mesh_identity_installed = True
 
 
 # -- init_process_group inside a run ------------------------------------------------------------

@@ -26,6 +26,15 @@ here and in :mod:`simcomm.sim.transport`:
 * ``lock_for`` and ``*_and_hold``: take the lock and return holding it;
 * ``release_and_wait`` and ``*_and_release``: called with it held, release it;
 * every other method takes it itself.
+
+It is a ``threading.RLock`` for one reason: it knows its owner. A timeout or
+Ctrl-C stops the rank holding the turn by raising :class:`Aborted` inside its
+thread (``World``'s ``_interrupt``), and that exception can land anywhere,
+also between taking the lock and the code that releases it. The rank thread
+then still owns the lock; when it ends it gives it back
+(:meth:`RunState.release_if_held`), and meanwhile its own unwinding
+(``rank_failed``, ``rank_finished``) re-enters it instead of waiting forever.
+No rank takes it twice on purpose.
 """
 from __future__ import annotations
 
@@ -75,7 +84,7 @@ class RunState:
     """
 
     def __init__(self, world_size: int, device: torch.device, trace: bool):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()   # knows its owner: see the module docstring
         self.world_size = world_size
         self.device = device
         self.waiters = [threading.Lock() for _ in range(world_size)]
@@ -148,9 +157,20 @@ class RunState:
             self.abort_locked(error)
 
     def close(self) -> None:
-        """The run has ended: any later use of its communicators raises at once."""
-        with self.lock:
-            self.closed = True
+        """The run has ended: any later use of its communicators raises at once.
+
+        Takes no lock (readers read the flag without it), so the caller never waits
+        here on a rank thread that is still unwinding."""
+        self.closed = True
+
+    def release_if_held(self) -> None:
+        """Called by a rank thread as it ends: give the lock back if this thread still
+        holds it (an :class:`Aborted` raised into it landed while it held the lock)."""
+        while True:
+            try:
+                self.lock.release()
+            except RuntimeError:   # not held by this thread: the usual case
+                return
 
     # -- the entry of every communication call --
 

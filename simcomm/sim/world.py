@@ -30,7 +30,8 @@ from .transport import SimTransport
 __all__ = ["World"]
 
 #: after an abort, how long (seconds) the rank that held the turn gets to stop: it is
-#: interrupted at once after a timeout or Ctrl-C, and again halfway. Still alive then, it
+#: interrupted after a timeout or Ctrl-C (unless it stops by itself, at its next communication
+#: call, within STOP_GRACE_S / 10), and again halfway. Still alive then, it
 #: is named in the error as "could not be stopped".
 STOP_GRACE_S = 1.0
 #: how long the ranks woken by an abort get to unwind (they do so by themselves, in
@@ -298,7 +299,10 @@ def _argument_name(args: tuple, kwargs: dict, index: int) -> str:
 def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
                results: list, reports: list | None, fake_mode=None) -> None:
     try:
-        _run_rank(state, rank, program, args, kwargs, results, reports, fake_mode)
+        try:
+            _run_rank(state, rank, program, args, kwargs, results, reports, fake_mode)
+        finally:
+            state.release_if_held()   # an interrupt that landed while this thread held the lock
     except Aborted:   # raised into this thread while it was already finishing
         pass
 
@@ -353,11 +357,26 @@ def _caused_by_abort(error: BaseException | None) -> bool:
 
 # -- ending a run ------------------------------------------------------------------------------
 
-def _interrupt(thread: threading.Thread) -> None:
-    """Raise ``Aborted`` inside ``thread`` at its next Python instruction (a thread in
-    ``time.sleep``, a lock wait or a C call gets it only when that call returns)."""
-    if thread.is_alive() and thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Aborted))
+def _interrupt(state: RunState, rank: int, deadline: float) -> None:
+    """Raise ``Aborted`` inside rank ``rank``'s thread at its next Python instruction (a
+    thread in ``time.sleep``, a lock wait or a C call gets it only when that call returns),
+    unless the rank has finished.
+
+    Decided under the run's lock, so no interrupt is sent to a thread past
+    ``rank_finished`` (it would land in its last lines or in ``threading``'s own).
+    The lock is waited for until ``deadline`` (``time.monotonic()``) at most: a
+    rank interrupted earlier may hold it while it unwinds, and then needs no
+    second interrupt.
+    """
+    if not state.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        return
+    try:
+        thread = state.threads[rank]
+        if rank not in state.finished and thread is not None and thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                       ctypes.py_object(Aborted))
+    finally:
+        state.lock.release()
 
 
 def _stop(threads: list[threading.Thread], state: RunState, *, interrupt_holders: bool) -> str:
@@ -365,20 +384,26 @@ def _stop(threads: list[threading.Thread], state: RunState, *, interrupt_holders
     stopped ("" when all ended).
 
     The rank that held the turn when the run was aborted from outside (timeout,
-    Ctrl-C) is interrupted at once, and any holder still alive halfway through
-    :data:`STOP_GRACE_S` again; holders get :data:`STOP_GRACE_S` in all. The
+    Ctrl-C) stops by itself at its next communication call; one still running
+    after a tenth of :data:`STOP_GRACE_S` is interrupted (an exception raised
+    into a thread may land anywhere, even in a callback that swallows it), and
+    any holder still alive halfway through :data:`STOP_GRACE_S` again; holders
+    get :data:`STOP_GRACE_S` in all. The
     ranks the abort woke unwind by themselves and get :data:`UNWIND_S` (a
     program that catches the abort and goes on could take longer).
     """
     start = time.monotonic()
-    holders = [threads[rank] for rank in state.turn_holders()]
+    holder_ranks = state.turn_holders()
+    holders = [threads[rank] for rank in holder_ranks]
     if interrupt_holders:
         for thread in holders:
-            _interrupt(thread)
+            thread.join(max(0.0, start + STOP_GRACE_S / 10 - time.monotonic()))
+        for rank in holder_ranks:
+            _interrupt(state, rank, start + STOP_GRACE_S / 4)
     for thread in holders:
         thread.join(max(0.0, start + STOP_GRACE_S / 2 - time.monotonic()))
-    for thread in holders:
-        _interrupt(thread)
+    for rank in holder_ranks:
+        _interrupt(state, rank, start + STOP_GRACE_S * 3 / 4)
     for thread in holders:
         thread.join(max(0.0, start + STOP_GRACE_S - time.monotonic()))
     for thread in threads:
