@@ -122,3 +122,90 @@ def test_pipeline_figure_fonts_are_readable(batch):
     figure = viz.pipeline_figure(world.trace, pp.schedule("gpipe", 2, 2))
     assert figure.layout.font.size >= 14
     assert all(t.textfont.size >= 14 for t in figure.data)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(4, 8), (4, 4), (2, 16), (3, 8)])
+def test_zero_bubble_equals_the_unsplit_model_and_measures_the_papers_bubble(batch, stages, microbatches):
+    """ZB-H1 (Qi et al. 2023): B and W split; loss and gradients exact; bubble (p-1)/(3m+p-1) measured."""
+    x, y = batch
+    sizes = (16,) + (64,) * (stages - 1) + (8,)
+    loss, ref = pp.reference(x, y, stages, sizes)
+    world = simcomm.World(stages)
+    outs = world.run(pp.pipeline_step, x, y, pp.ZERO_BUBBLE, microbatches, sizes)
+    assert abs(outs[-1]["loss"] - loss) < 1e-12
+    for stage, out in enumerate(outs):
+        assert max((a - b).abs().max().item() for a, b in zip(out["grads"], ref[stage], strict=True)) < 1e-12
+    formula = pp.bubble_formula(pp.ZERO_BUBBLE, stages, microbatches)
+    assert formula == pytest.approx((stages - 1) / (3 * microbatches + stages - 1))
+    measured = pp.bubble(world.trace)
+    assert formula - 1e-9 <= measured <= formula + 0.01
+    assert measured < pp.bubble_formula("1f1b", stages, microbatches) / 2
+
+
+def test_zero_bubble_with_two_layers_per_stage_splits_every_linear(batch):
+    x, y = batch
+    sizes = (16,) + (32,) * 7 + (8,)                      # 8 linears on 4 stages
+    loss, ref = pp.reference(x, y, 4, sizes)
+    outs = simcomm.World(4).run(pp.pipeline_step, x, y, "zb-h1", 8, sizes)
+    assert abs(outs[-1]["loss"] - loss) < 1e-12
+    for stage, out in enumerate(outs):
+        assert max((a - b).abs().max().item() for a, b in zip(out["grads"], ref[stage], strict=True)) < 1e-12
+
+
+@pytest.mark.parametrize("stages, microbatches", [(4, 8), (4, 4), (8, 32), (1, 3), (5, 5)])
+def test_zero_bubble_plan_is_valid_keeps_1f1bs_peak_and_fills_the_drain(stages, microbatches):
+    plans = pp.schedule("zb-h1", stages, microbatches)
+    assert pp.check_schedule(plans, microbatches) is None
+    assert [pp.held(plan) for plan in plans] == [min(stages, microbatches)] * stages
+    assert max(pp.held(plan) for plan in plans) == max(pp.held(plan) for plan in pp.schedule("1f1b", stages,
+                                                                                              microbatches))
+    # F = B = W = 1 time unit: 3m units of work per stage plus the (p-1)(tF + tB - tW) bubble
+    assert pp.makespan(plans) == 3 * microbatches + stages - 1
+    assert pp.makespan(pp.schedule("1f1b", stages, microbatches)) == 3 * (microbatches + stages - 1)
+
+
+def test_zero_bubble_checks_and_formula_errors():
+    assert "W 0 before B 0" in pp.check_schedule([[("F", 0), ("W", 0), ("B", 0)]], 1)
+    assert "F i, B i, W i exactly once" in pp.check_schedule([[("F", 0), ("B", 0), ("W", 0), ("W", 0)]], 1)
+    # W waits only for its own stage's B: delaying it to the end is valid
+    assert pp.check_schedule([[("F", 0), ("B", 0), ("W", 0)], [("F", 0), ("B", 0), ("W", 0)]], 1) is None
+    with pytest.raises(ValueError, match="needs microbatches >= stages"):
+        pp.bubble_formula("zb-h1", 4, 2)
+    with pytest.raises(ValueError, match="pipeline.makespan: stage 1 runs B 0 before F 0"):
+        pp.makespan([[("F", 0), ("B", 0)], [("B", 0), ("F", 0)]])
+    with pytest.raises(ValueError, match="deadlock: stage 0 waits forever"):
+        pp.makespan([[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]])
+
+
+def test_simulated_memory_per_stage_1f1b_below_gpipe_and_zero_bubble(batch):
+    """Simulated memory per stage: ZB-H1's bytes; GPipe > 1F1B on every stage, the last one included."""
+    x, y = batch
+    world = simcomm.World(4, memory=True)
+    got = {name: [o["activation_bytes"] for o in world.run(pp.pipeline_step, x, y, name, 8)]
+           for name in ("gpipe", "1f1b", "zb-h1")}
+    assert all(a < b for a, b in zip(got["1f1b"], got["gpipe"], strict=True))
+    assert all(a <= b for a, b in zip(got["1f1b"], got["zb-h1"], strict=True))   # ZB holds p on every stage
+
+
+@pytest.mark.real
+def test_activation_bytes_on_real_workers_against_the_simulator(batch):
+    """The same step on gloo workers: ZB-H1's bytes are the simulator's to the byte; elsewhere a real
+    worker holds at most what the simulator counts (gloo finishes a small isend once the bytes are on
+    the socket, the simulator once the receiver takes them, as NCCL does), and 1F1B holds less than
+    GPipe on every stage on both backends."""
+    import real
+
+    x, y = batch
+    world = simcomm.World(4, memory=True)
+    with real.Cluster(4, backend="gloo", memory=True, timeout=120) as cluster:
+        for name in ("gpipe", "1f1b", "zb-h1"):
+            sim = [o["activation_bytes"] for o in world.run(pp.pipeline_step, x, y, name, 8)]
+            got = [o["activation_bytes"] for o in cluster.run(pp.pipeline_step, x, y, name, 8)]
+            if name == "zb-h1":
+                assert got == sim
+            assert all(g <= s for g, s in zip(got, sim, strict=True)), (name, got, sim)
+            if name == "gpipe":
+                gpipe = (sim, got)
+            elif name == "1f1b":
+                assert all(a < b for a, b in zip(sim, gpipe[0], strict=True))
+                assert all(a < b for a, b in zip(got, gpipe[1], strict=True))

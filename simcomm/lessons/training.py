@@ -276,22 +276,8 @@ def check_bubble(answer: Any) -> str:
 
 def schedule_makespan(plans, forward: float = 1.0, backward: float = 2.0) -> float:
     """Finishing time of every stage's plan with blocking dependencies and no communication time
-    (the plans must pass :func:`simcomm.parallel.pipeline.check_schedule`)."""
-    stages = len(plans)
-    done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * stages
-    cursor = [0] * stages
-    while any(cursor[s] < len(plans[s]) for s in range(stages)):
-        for stage in range(stages):
-            while cursor[stage] < len(plans[stage]):
-                kind, i = plans[stage][cursor[stage]]
-                needs = ("F", i, stage - 1) if kind == "F" else ("B", i, stage + 1)
-                if 0 <= needs[2] < stages and needs not in done:
-                    break
-                start = max(clock[stage], done.get(needs, 0.0))
-                clock[stage] = done[(kind, i, stage)] = start + (forward if kind == "F" else backward)
-                cursor[stage] += 1
-    return max(clock)
+    (:func:`simcomm.parallel.pipeline.makespan`; the plans must pass its ``check_schedule``)."""
+    return pipeline.makespan(plans, forward, backward)
 
 
 def _malformed_action(plans: list[list], microbatches: int) -> str | None:
