@@ -78,7 +78,7 @@ def test_pipeline_figure_draws_every_action(batch):
     boxes = viz.pipeline.pipeline_boxes(world.trace, plans)
     assert len(boxes) == 4 * 8
     figure = viz.pipeline_figure(world.trace, plans)
-    assert sum(len(t.x) for t in figure.data) == 32
+    assert sum(len(t.x) for t in figure.data if t.meta == "boxes") == 32
     with pytest.raises(ValueError, match="compute events"):
         viz.pipeline_figure(world.trace, pp.schedule("1f1b", 4, 2))
 
@@ -121,7 +121,37 @@ def test_pipeline_figure_fonts_are_readable(batch):
     world.run(pp.pipeline_step, x, y, "gpipe", 2)
     figure = viz.pipeline_figure(world.trace, pp.schedule("gpipe", 2, 2))
     assert figure.layout.font.size >= 14
-    assert all(t.textfont.size >= 14 for t in figure.data)
+    assert all(t.textfont.size >= 14 for t in figure.data if t.meta == "boxes")
+    assert figure.layout.uniformtext.minsize >= 14 and figure.layout.uniformtext.mode == "hide"
+
+
+def _contrast(a: float, b: float) -> float:
+    return (max(a, b) + 0.05) / (min(a, b) + 0.05)
+
+
+def test_pipeline_figure_labels_contrast_legend_says_what_encodes_and_chunks_are_hatched(batch):
+    x, y = batch
+    world = simcomm.World(4)
+    world.run(pp.pipeline_step, x, y, "zb-h1", 4)
+    figure = viz.pipeline_figure(world.trace, pp.schedule("zb-h1", 4, 4))
+    boxes = next(t for t in figure.data if t.meta == "boxes")
+    for fill, ink in zip(boxes.marker.color, boxes.textfont.color, strict=True):
+        rgb = viz.pipeline.rgb_triple(fill)
+        text = 1.0 if ink == "white" else 0.0
+        assert _contrast(viz.pipeline.luminance(rgb), text) >= 4.5, (fill, ink)     # WCAG AA
+    legend = [t.name for t in figure.data if t.showlegend]
+    assert legend == [viz.pipeline.KINDS[k][0] for k in "FBW"]
+    assert "micro-batch" in figure.layout.legend.title.text
+    greys = {tuple(round(c) for c in viz.pipeline.blend("rgb(128, 128, 128)", amount))
+             for _, amount in viz.pipeline.KINDS.values()}
+    assert {viz.pipeline.rgb_triple(t.marker.color) for t in figure.data if t.showlegend} <= greys   # not a micro-batch's
+    # interleaved: the chunk of each box is its hatch, and the legend names it
+    world.run(pp.interleaved_step, *dp.make_data(16, (16,) + (32,) * 7 + (8,)), 4, 2, (16,) + (32,) * 7 + (8,))
+    figure = viz.pipeline_figure(world.trace, pp.interleaved_plan(4, 4, 2))
+    boxes = next(t for t in figure.data if t.meta == "boxes")
+    plan_chunks = [c for plan in pp.interleaved_plan(4, 4, 2) for _, _, c in plan]
+    assert list(boxes.marker.pattern.shape) == [viz.pipeline.CHUNK_PATTERNS[c] for c in plan_chunks]
+    assert [t.name for t in figure.data if t.showlegend][-2:] == ["chunk v0 (no hatch)", "chunk v1 (hatched /)"]
 
 
 @pytest.mark.parametrize("stages, microbatches", [(4, 8), (4, 4), (2, 16), (3, 8)])
