@@ -239,10 +239,8 @@ print(f"zb-h1 holds {max(zb_held)} microbatches on every stage (1F1B's peak, on 
 # the end, into what was 1F1B's drain; stage 0 runs each `W` right after its `B`.
 
 # %% tags=["nbval-ignore-output"]
-zb_chart = {}
-for name in ("1f1b", "zb-h1"):
-    world.run(pp.pipeline_step, x, y, name, 4)
-    zb_chart[name] = world.trace
+world.run(pp.pipeline_step, x, y, pp.ZERO_BUBBLE, 4)
+zb_chart = {"1f1b": chart["1f1b"], "zb-h1": world.trace}          # 1F1B's m = 4 trace from section 2
 viz.pipeline_figure(zb_chart, {name: pp.schedule(name, stages, 4) for name in zb_chart},
                     title="1F1B and ZB-H1, m = 4: light F, full-colour B, dark W; gaps = bubble")
 
