@@ -239,3 +239,26 @@ def test_activation_bytes_on_real_workers_against_the_simulator(batch):
             elif name == "1f1b":
                 assert all(a < b for a, b in zip(sim, gpipe[0], strict=True))
                 assert all(a < b for a, b in zip(got, gpipe[1], strict=True))
+
+
+@pytest.mark.parametrize("schedule_class", sorted(pp.TORCH_MULTISTAGE))
+def test_torch_zero_bubble_and_interleaved_schedules_equal_the_unsplit_model(schedule_class):
+    sizes = (16,) + (32,) * 7 + (8,)
+    x, y = dp.make_data(16, sizes, seed=8)
+    loss, ref = pp.reference(x, y, 8, sizes)
+    outs = simcomm.World(4).run(pp.torch_multistage_step, x, y, 8, 2, sizes, schedule_class)
+    assert sorted(k for out in outs for k in out["stage_ids"]) == list(range(8))
+    losses = [out["loss"] for out in outs if out["loss"] is not None]
+    assert len(losses) == 1 and abs(losses[0] - loss) < 1e-12
+    for out in outs:
+        for stage_id, grads in zip(out["stage_ids"], out["grads"], strict=True):
+            assert max((a - b).abs().max().item() for a, b in zip(grads, ref[stage_id], strict=True)) < 1e-12
+
+
+def test_torch_stage_ids_place_loops_and_the_v():
+    assert pp.torch_stage_ids("ScheduleInterleavedZeroBubble", 1, 4, 2) == [1, 5]
+    assert pp.torch_stage_ids("ScheduleZBVZeroBubble", 1, 4, 2) == [1, 6]
+    with pytest.raises(ValueError, match="places 2 chunks per rank"):
+        pp.torch_stage_ids("ScheduleZBVZeroBubble", 0, 4, 3)
+    with pytest.raises(ValueError, match="multi-stage schedules are"):
+        pp.torch_stage_ids("ScheduleGPipe", 0, 4, 2)

@@ -245,6 +245,22 @@ viz.pipeline_figure(zb_chart, {name: pp.schedule(name, stages, 4) for name in zb
                     title="1F1B and ZB-H1, m = 4: light F, full-colour B, dark W; gaps = bubble")
 
 # %% [markdown]
+# PyTorch ships zero-bubble schedules too, with two model chunks per rank:
+# `ScheduleInterleavedZeroBubble` (chunks `r` and `r + p`, as in section 5) and
+# `ScheduleZBVZeroBubble` (the paper's ZB-V: chunks `r` and `2p - 1 - r`, so the model runs down the
+# ranks and back up). Both split the backward into input and weight halves as ZB-H1 does. They run
+# unchanged on the virtual ranks (`pp.torch_multistage_step`) and give the unsplit 8-layer model's
+# loss and gradients:
+
+# %% expect=["torch ScheduleInterleavedZeroBubble: loss and every chunk's gradients: matches the reference", "torch ScheduleZBVZeroBubble: loss and every chunk's gradients: matches the reference"]
+for schedule_class in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"):
+    outs = world.run(pp.torch_multistage_step, xi, yi, microbatches, chunks, deep, schedule_class)
+    loss_got = next(out["loss"] for out in outs if out["loss"] is not None)
+    got = [loss_got] + [out["grads"][c] for out in outs for c in range(chunks)]
+    want = [loss_i] + [grads_i[k] for out in outs for k in out["stage_ids"]]
+    print(assert_close(got, want, f"torch {schedule_class}: loss and every chunk's gradients"))
+
+# %% [markdown]
 # ## Exercise 1: predict the bubble
 #
 # A pipeline of `p = 8` stages runs `m = 32` microbatches per step with 1F1B. What fraction of the

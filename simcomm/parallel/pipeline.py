@@ -54,7 +54,8 @@ from .data import make_model, sum_loss
 
 __all__ = ["SCHEDULES", "ZERO_BUBBLE", "ALL_SCHEDULES", "PIPE_SIZES", "FORWARD_SECONDS", "schedule", "check_schedule", "held", "makespan", "stage_layers",
            "pipeline_step", "torch_pipeline_step", "reference", "bubble", "bubble_formula", "interleaved_plan",
-           "interleaved_step", "interleaved_bubble_formula"]
+           "interleaved_step", "interleaved_bubble_formula", "TORCH_MULTISTAGE", "torch_stage_ids",
+           "torch_multistage_step"]
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 #: the zero-bubble schedule: 1F1B with each backward split into B (input gradient) and W (weight gradient)
@@ -471,3 +472,57 @@ def interleaved_step(comm: Communicator, x: torch.Tensor, y: torch.Tensor, micro
     for handle in sends:                     # waited at the end: a wait on the model's timeline never stalls a chunk
         handle.wait()
     return {"grads": [[p.grad.detach().clone() for p in chunk.parameters()] for chunk in layers], "loss": loss_total}
+
+
+# -- torch.distributed.pipelining with several stages per rank -----------------------------------------
+
+#: torch's schedules with several stages per rank, and how they place the stages (see :func:`torch_stage_ids`)
+TORCH_MULTISTAGE = {"ScheduleInterleaved1F1B": "loop", "ScheduleInterleavedZeroBubble": "loop",
+                    "ScheduleZBVZeroBubble": "v"}
+
+
+def torch_stage_ids(schedule_class: str, rank: int, stages: int, chunks: int) -> list[int]:
+    """The virtual stages rank ``rank`` holds: ``r, r + p, r + 2p, ...`` for the looped schedules,
+    ``r`` and ``2p - 1 - r`` for ZBV's V shape (two chunks: the model goes down the ranks and back up)."""
+    if schedule_class not in TORCH_MULTISTAGE:
+        raise ValueError(f"pipeline.torch_stage_ids: schedule_class={schedule_class!r}; multi-stage schedules "
+                         f"are {list(TORCH_MULTISTAGE)}")
+    if TORCH_MULTISTAGE[schedule_class] == "v":
+        if chunks != 2:
+            raise ValueError(f"pipeline.torch_stage_ids: {schedule_class} places 2 chunks per rank; got "
+                             f"chunks={chunks}")
+        return [rank, 2 * stages - 1 - rank]
+    return [rank + c * stages for c in range(chunks)]
+
+
+def torch_multistage_step(comm: Communicator, x: torch.Tensor, y: torch.Tensor, microbatches: int, chunks: int,
+                          sizes: Sequence[int], schedule_class: str = "ScheduleInterleavedZeroBubble") -> dict:
+    """One step of a ``torch.distributed.pipelining`` schedule with ``chunks`` stages per rank
+    (:data:`TORCH_MULTISTAGE`: interleaved 1F1B, and torch's zero-bubble schedules, which split each
+    backward into its input and weight halves as :data:`ZERO_BUBBLE` does) on the run's torch.distributed.
+    ``sizes`` must have ``stages * chunks`` layers; the loss is :func:`torch_pipeline_step`'s. Returns
+    ``{"stage_ids": the virtual stages of this rank, "grads": their parameter gradients, "loss": on the
+    rank holding the last stage (None elsewhere)}``. Collective."""
+    from torch.distributed import pipelining
+
+    stages, rank = comm.world_size, comm.rank
+    virtual = stages * chunks
+    ids = torch_stage_ids(schedule_class, rank, stages, chunks)
+    model = make_model(sizes)
+    modules = [stage_layers(model, virtual, k) for k in ids]
+    pipe_stages = [pipelining.PipelineStage(m, k, virtual, torch.device("cpu")) for m, k in zip(modules, ids)]
+    batch = x.shape[0]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).pow(2).sum() * (microbatches / batch)
+
+    runner = getattr(pipelining, schedule_class)(pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    losses: list[torch.Tensor] = []
+    inputs = (x,) if 0 in ids else ()
+    if virtual - 1 in ids:
+        runner.step(*inputs, target=y, losses=losses)
+    else:
+        runner.step(*inputs)
+    loss = sum(loss.detach() for loss in losses) / microbatches if losses else None
+    return {"stage_ids": ids, "grads": [[p.grad.detach().clone() for p in m.parameters()] for m in modules],
+            "loss": loss}
