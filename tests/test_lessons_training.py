@@ -350,3 +350,14 @@ def test_check_zero_bubble_accepts_zb_h1_and_numpy_microbatch_numbers():
         raise NotImplementedError
     assert tl.check_zero_bubble(placeholder) == tl.NOT_ANSWERED
     assert tl.check_zero_bubble(...) == tl.NOT_ANSWERED
+
+
+def test_check_1f1b_takes_numpy_microbatch_numbers_and_names_the_format_of_a_malformed_action():
+    import numpy as np
+
+    right = lambda s, p, m: [(k, np.int64(i)) for k, i in pp.schedule("1f1b", p, m)[s]]   # noqa: E731
+    assert tl.check_1f1b(right).startswith("Correct")
+    for malformed in (lambda s, p, m: ["F0"], lambda s, p, m: [("f", 0)]):
+        verdict = tl.check_1f1b(malformed, show_hint=True)
+        assert "is not ('F', i) or ('B', i)" in verdict and "an action is a pair" in verdict
+        assert "warm up" not in verdict                    # the format, not the algorithm
