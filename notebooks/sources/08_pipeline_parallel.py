@@ -220,9 +220,9 @@ print(assert_close(got, [loss_ref] + grads_ref, "zb-h1: loss and every stage's g
 
 # %% [markdown]
 # The paper's bubble for ZB-H1 is `(p-1)(tF + tB - tW)`, against 1F1B's `(p-1)(tF + tB + tW)`
-# (section 3.1; `tB` and `tW` are the two halves of the backward). With `tF = tB = tW` the step
-# takes `3m + p - 1` slots instead of `3(m + p - 1)`, so the idle share of the total time is
-# `(p-1)/(3m+p-1)`, a third of 1F1B's slots (for `m >= p`). Measured on the modelled timeline beside
+# (`tB` and `tW` are the two halves of the backward). With `tF = tB = tW` the step takes
+# `3m + p - 1` slots instead of `3(m + p - 1)`: a third of 1F1B's idle slots, and an idle share of
+# the total time of `(p-1)/(3m+p-1)` (for `m >= p`). Measured on the modelled timeline beside
 # GPipe and 1F1B, same `p = 4`, `m = 8`:
 
 # %% expect=["gpipe: formula 0.273, measured within 0.01 of it", "1f1b: formula 0.273, measured within 0.01 of it", "zb-h1: formula 0.111, measured within 0.01 of it", "zb-h1 holds 4 microbatches on every stage (1F1B's peak, on stage 0): [4, 4, 4, 4]"]

@@ -25,7 +25,8 @@ zb-h1      1F1B's F and B order; W ``i`` runs ``s`` Bs       ``min(p, m)``
 With forward time ``tf`` and backward ``tb`` per microbatch and stage, GPipe
 and 1F1B both take ``(m + p - 1)(tf + tb)``: the *bubble* (idle share of the
 stages' time) is ``(p-1)/(m+p-1)``; naive's is ``(p-1)/p``. ZB-H1 (Qi et al.,
-"Zero Bubble Pipeline Parallelism", 2023, arXiv:2401.10241, section 3.1) keeps
+"Zero Bubble Pipeline Parallelism", 2023, arXiv:2401.10241, its handcrafted
+schedule ZB-H1) keeps
 1F1B's peak memory (``p`` microbatches on stage 0) and shrinks the bubble from
 ``(p-1)(tF + tB + tW)`` to ``(p-1)(tF + tB - tW)``; with the backward split into
 ``tB = tW = tf`` that is ``(p-1)/(3m+p-1)`` of the time for ``m >= p``. :func:`bubble`
@@ -52,7 +53,8 @@ from ..model.cost import modelled_timeline
 from ..trace import Trace
 from .data import make_model, sum_loss
 
-__all__ = ["SCHEDULES", "ZERO_BUBBLE", "ALL_SCHEDULES", "PIPE_SIZES", "FORWARD_SECONDS", "schedule", "check_schedule", "held", "makespan", "stage_layers",
+__all__ = ["SCHEDULES", "ZERO_BUBBLE", "ALL_SCHEDULES", "PIPE_SIZES", "FORWARD_SECONDS", "schedule", "check_schedule",
+           "held", "makespan", "stage_layers",
            "pipeline_step", "torch_pipeline_step", "reference", "bubble", "bubble_formula", "interleaved_plan",
            "interleaved_step", "interleaved_bubble_formula", "TORCH_MULTISTAGE", "torch_stage_ids",
            "torch_multistage_step"]
@@ -367,7 +369,7 @@ def bubble(trace: Trace, preset: str = "h100-nvswitch") -> float:
 def bubble_formula(name: str, stages: int, microbatches: int) -> float:
     """The textbook bubble as a share of the total time: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
     ``(p-1)/p`` for naive, and for ZB-H1 ``(p-1)(tF+tB-tW) / (m(tF+tB+tW) + (p-1)(tF+tB-tW))``
-    (Qi et al. 2023, section 3.1) with this module's ``tF = tB = tW``: ``(p-1)/(3m+p-1)``. ZB-H1's
+    (Qi et al. 2023, ZB-H1) with this module's ``tF = tB = tW``: ``(p-1)/(3m+p-1)``. ZB-H1's
     formula needs ``m >= p`` (with fewer microbatches the Ws cannot fill the drain): ``ValueError``
     otherwise."""
     schedule(name, stages, microbatches)
