@@ -282,3 +282,39 @@ def test_the_first_answer_names_the_problem_and_the_fix_comes_on_request():
     first = sl.check_sp_layernorm(layernorm_step(False))
     assert "only its own shard" in first and "all-reduce" not in first, first
     assert "all-reduce it" in sl.check_sp_layernorm(layernorm_step(False), show_hint=True)
+
+
+def _aux_right(probs, experts):
+    num_experts = probs.shape[1]
+    share = torch.bincount(experts.flatten(), minlength=num_experts).double() / experts.numel()
+    return num_experts * (share * probs.mean(0)).sum()
+
+
+@pytest.mark.parametrize("answer, problem", [
+    (lambda p, e: _aux_right(p, e) / p.shape[1], "divided by E"),
+    (lambda p, e: _aux_right(p, e) * e.shape[1], "times the formula"),
+    (lambda p, e: _aux_right(p, e).item(), "plain number"),
+    (lambda p, e: _aux_right(p.detach(), e), "no gradient reaches probs"),
+    (lambda p, e: p.shape[1] * (p.mean(0) * p.mean(0)).sum(), "is not E * sum_e f_e * P_e"),   # soft f
+    (lambda p, e: p.shape[1] * (torch.bincount(e.flatten(), minlength=p.shape[1]).double() / e.numel() * p.mean(0)),
+     "shape"),
+    # the right value, but the gradient also flows through a differentiable stand-in for f_e
+    (lambda p, e: _aux_right(p, e) + (p.mean(0) - p.mean(0).detach()).pow(2).sum() * 0
+     + (p - p.detach()).sum() * 1.0, "gradient with respect to probs"),
+    (lambda p, e: "1.0", "return a 0-d tensor"),
+    (lambda p, e: 1 / 0, "ZeroDivisionError"),
+    (3, "must be a function"),
+])
+def test_check_aux_loss_rejects_wrong_partial_and_malformed_answers_with_a_hint(answer, problem):
+    verdict = sl.check_aux_loss(answer)
+    assert verdict.startswith("Not yet") and problem in verdict, verdict
+
+
+def test_check_aux_loss_accepts_the_formula_and_not_answered_placeholders():
+    assert sl.check_aux_loss(_aux_right).startswith("Correct")
+
+    def placeholder(probs, experts):
+        raise NotImplementedError
+    assert sl.check_aux_loss(placeholder) == sl.NOT_ANSWERED
+    assert sl.check_aux_loss(...) == sl.NOT_ANSWERED
+    assert "Hint" in sl.check_aux_loss(lambda p, e: _aux_right(p, e) / p.shape[1], show_hint=True)

@@ -321,3 +321,69 @@ def test_check_1f1b(fn, correct, fragment):
 def test_a_format_error_gets_the_format_not_the_algorithm():
     verdict = tl.check_1f1b(lambda s, p, m: ["F0"], show_hint=True)
     assert "('F', 3)" in verdict and "warm up" not in verdict, verdict
+
+
+def _zb_solution(stage, stages, microbatches):
+    return pp.schedule("zb-h1", stages, microbatches)[stage]
+
+
+def _unsplit_1f1b(stage, stages, microbatches):
+    return pp.schedule("1f1b", stages, microbatches)[stage]
+
+
+def _w_right_after_b(stage, stages, microbatches):           # valid, but the drain stays idle
+    plan = []
+    for kind, i in pp.schedule("1f1b", stages, microbatches)[stage]:
+        plan += [("F", i)] if kind == "F" else [("B", i), ("W", i)]
+    return plan
+
+
+def _all_w_at_the_end(stage, stages, microbatches):           # fast, but holds every micro-batch
+    plan = [a for a in pp.schedule("1f1b", stages, microbatches)[stage]]
+    return plan + [("W", i) for i in range(microbatches)]
+
+
+def _w_before_b(stage, stages, microbatches):
+    return [("W", i) if kind == "B" else (kind, i) for kind, i in _zb_solution(stage, stages, microbatches)
+            if kind != "W"] + [("B", i) for i in range(microbatches)]
+
+
+@pytest.mark.parametrize("answer, problem", [
+    (_unsplit_1f1b, "never runs a W"),
+    (_w_right_after_b, "ZB-H1 takes"),
+    (_all_w_at_the_end, "1F1B's peak"),
+    (_w_before_b, "before B"),
+    (lambda s, p, m: "F0 B0 W0", "is not ('F', i) or ('B', i) or ('W', i)"),
+    (lambda s, p, m: [("f", 0)], "is not ('F', i)"),
+    (lambda s, p, m: None, "raised TypeError"),
+    (42, "must be a function"),
+])
+def test_check_zero_bubble_rejects_wrong_partial_and_malformed_answers_with_a_hint(answer, problem):
+    verdict = tl.check_zero_bubble(answer)
+    assert verdict.startswith("Not yet") and problem in verdict, verdict
+    if "Hint" in tl.check_zero_bubble(answer, show_hint=True):
+        assert "Hint" not in verdict
+
+
+def test_check_zero_bubble_accepts_zb_h1_and_numpy_microbatch_numbers():
+    import numpy as np
+
+    assert tl.check_zero_bubble(_zb_solution).startswith("Correct")
+    assert tl.check_zero_bubble(lambda s, p, m: [(k, np.int64(i)) for k, i in _zb_solution(s, p, m)]).startswith(
+        "Correct")
+
+    def placeholder(stage, stages, microbatches):
+        raise NotImplementedError
+    assert tl.check_zero_bubble(placeholder) == tl.NOT_ANSWERED
+    assert tl.check_zero_bubble(...) == tl.NOT_ANSWERED
+
+
+def test_check_1f1b_takes_numpy_microbatch_numbers_and_names_the_format_of_a_malformed_action():
+    import numpy as np
+
+    right = lambda s, p, m: [(k, np.int64(i)) for k, i in pp.schedule("1f1b", p, m)[s]]   # noqa: E731
+    assert tl.check_1f1b(right).startswith("Correct")
+    for malformed in (lambda s, p, m: ["F0"], lambda s, p, m: [("f", 0)]):
+        verdict = tl.check_1f1b(malformed, show_hint=True)
+        assert "is not ('F', i) or ('B', i)" in verdict and "an action is a pair" in verdict
+        assert "warm up" not in verdict                    # the format, not the algorithm

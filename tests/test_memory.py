@@ -399,3 +399,28 @@ def test_wrapper_subclasses_count_what_they_wrap_and_meta_tensors_count_nothing(
 
     _, report = memory.run_tracked(0, program)
     assert [(name, total) for name, _, total, _ in report["marks"]] == [("made", 80), ("mul", 160), ("meta", 160)]
+
+
+def _isend_then_recv(comm):
+    """Rank 0 isends 1 KiB to rank 1, which has not posted its recv yet; bytes on each side."""
+    base = memory.current_bytes()
+    if comm.rank == 0:
+        tensor = torch.ones(128, dtype=torch.float64)
+        handle = comm.isend(tensor, 1)
+        del tensor
+        in_flight = memory.current_bytes() - base       # the send still holds its tensor (not a copy too)
+        comm.barrier()
+        comm.barrier()
+        delivered = memory.current_bytes() - base       # delivered: released before wait()
+        handle.wait()
+        return in_flight, delivered
+    comm.barrier()
+    got = comm.recv((128,), torch.float64, src=0)
+    comm.barrier()
+    return memory.current_bytes() - base, got.numel()
+
+
+def test_an_isend_holds_its_tensor_until_delivered_and_its_copy_counts_on_the_receiver():
+    outs = simcomm.World(2, memory=True).run(_isend_then_recv)
+    assert outs[0] == (1024, 0)
+    assert outs[1] == (1024, 128)

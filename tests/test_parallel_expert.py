@@ -25,6 +25,8 @@ def loop_moe(x, params, top_k, capacity_factor, groups):
             probs = torch.softmax(x[t] @ params["router"].T + params["bias"], -1)
             gates, ids = probs.topk(top_k)
             row = torch.zeros_like(x[t])
+            for w1, w2 in zip(params.get("shared_w1", ()), params.get("shared_w2", ())):   # every token
+                row = row + F.gelu(x[t] @ w1.T) @ w2.T
             for gate, e in zip(gates, ids.tolist()):
                 if taken[e] < cap:
                     taken[e] += 1
@@ -33,8 +35,8 @@ def loop_moe(x, params, top_k, capacity_factor, groups):
     return torch.stack(rows)
 
 
-def setup(world_size, experts_per_rank=2, tokens=6, hidden=4, ffn=6, seed=0):
-    params = make_moe(hidden, ffn, experts_per_rank * world_size, seed=seed)
+def setup(world_size, experts_per_rank=2, tokens=6, hidden=4, ffn=6, seed=0, shared_experts=0):
+    params = make_moe(hidden, ffn, experts_per_rank * world_size, seed=seed, shared_experts=shared_experts)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(world_size * tokens, hidden, generator=gen, dtype=torch.float64)
     w = torch.randn(world_size * tokens, hidden, generator=gen, dtype=torch.float64)
@@ -67,6 +69,9 @@ def _check(outs, expected):
         assert torch.allclose(sum(o[2][name] for o in outs), grads[name], atol=1e-12), name
     for name in ("w1", "w2"):                # sharded: concatenate the experts
         assert torch.allclose(torch.cat([o[2][name] for o in outs]), grads[name], atol=1e-12), name
+    for name in ("shared_w1", "shared_w2"):  # replicated on every rank: each rank's share from its tokens
+        if name in grads:
+            assert torch.allclose(sum(o[2][name] for o in outs), grads[name], atol=1e-12), name
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -131,3 +136,73 @@ def test_load_balancing_loss_is_one_when_uniform_and_e_when_collapsed():
     assert loss.item() == pytest.approx((8 * (counts / 24) * probs.mean(0)).sum().item(), rel=1e-12)
     loss.backward()
     assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("world_size, shared_experts", [(1, 1), (2, 1), (4, 1), (3, 2)])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_shared_experts_beside_routed_ones_equal_single_device(world_size, shared_experts, capacity_factor):
+    params, x, w = setup(world_size, seed=10 + world_size, shared_experts=shared_experts)
+    assert params["shared_w1"].shape == (shared_experts, 6, 4)
+    routed_only = {k: v for k, v in params.items() if not k.startswith("shared")}
+    assert torch.equal(make_moe(4, 6, 2 * world_size, seed=10 + world_size)["w2"], routed_only["w2"])
+    outs = simcomm.World(world_size).run(_program, x, w, params, 2, capacity_factor)
+    expected = _reference(x, w, params, 2, capacity_factor, world_size)
+    _check(outs, expected)
+    assert {"shared_w1", "shared_w2"} <= set(expected[2])
+    # the shared expert adds what the routed layer alone does not: every token's output changes
+    routed = torch.cat([o[0] for o in simcomm.World(world_size).run(_program, x, w, routed_only, 2,
+                                                                      capacity_factor)])
+    assert (torch.cat([o[0] for o in outs]) - routed).abs().amax(dim=1).min() > 1e-6
+
+
+def test_shared_expert_sends_nothing_more():
+    params, x, w = setup(2, shared_experts=1)
+    world = simcomm.World(2)
+    world.run(_program, x, w, params, 2, None)
+    with_shared = [(e.op, e.phase, sum(e.sent.values())) for e in world.trace.events if e.op != "compute"]
+    world.run(_program, x, w, {k: v for k, v in params.items() if not k.startswith("shared")}, 2, None)
+    assert with_shared == [(e.op, e.phase, sum(e.sent.values())) for e in world.trace.events if e.op != "compute"]
+
+
+def test_make_moe_rejects_a_negative_number_of_shared_experts():
+    with pytest.raises(ValueError, match="shared_experts=-1 must be >= 0"):
+        make_moe(4, 6, 4, shared_experts=-1)
+
+
+def _router_training_data(world_size=4, tokens=16, hidden=8, ffn=8, num_experts=8, favoured_bias=2.0):
+    from simcomm.parallel.expert import make_moe as make
+
+    params = make(hidden, ffn, num_experts, seed=0, shared_experts=1)
+    params["bias"][0] = favoured_bias
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(world_size * tokens, hidden, dtype=torch.float64, generator=gen)
+    return params, x, torch.randn(world_size * tokens, hidden, dtype=torch.float64, generator=gen)
+
+
+@pytest.mark.parametrize("aux_weight, capacity_factor", [(0.0, None), (1.0, None), (1.0, 1.25)])
+def test_router_training_equals_single_device_step_by_step(aux_weight, capacity_factor):
+    from simcomm.parallel.expert import train_router, train_router_reference
+
+    params, x, target = _router_training_data()
+    kwargs = dict(steps=6, lr=2.0, aux_weight=aux_weight, capacity_factor=capacity_factor)
+    outs = simcomm.World(4).run(train_router, x, target, params, 2, **kwargs)
+    ref = train_router_reference(x, target, params, 2, groups=4, **kwargs)
+    for out in outs:                                   # every rank holds the same router
+        assert out["per_expert"] == ref["per_expert"]
+        assert max(abs(a - b) for a, b in zip(out["aux"], ref["aux"], strict=True)) < 1e-12
+        assert torch.allclose(out["router"], ref["router"], atol=1e-12, rtol=0)
+        assert torch.allclose(out["bias"], ref["bias"], atol=1e-12, rtol=0)
+    assert not torch.equal(ref["router"], params["router"])
+
+
+def test_the_load_balancing_loss_spreads_the_tokens_of_a_favoured_expert():
+    from simcomm.parallel.expert import load_imbalance, train_router_reference
+
+    params, x, target = _router_training_data(tokens=32)
+    runs = {weight: train_router_reference(x, target, params, 2, steps=20, lr=2.0, aux_weight=weight, groups=4)
+            for weight in (0.0, 1.0)}
+    before = load_imbalance(runs[0.0]["per_expert"][0])
+    assert before > 3.0                                # expert 0 takes over 3x its share
+    assert load_imbalance(runs[1.0]["per_expert"][-1]) < 1.5 < load_imbalance(runs[0.0]["per_expert"][-1])
+    assert runs[1.0]["aux"][-1] < runs[0.0]["aux"][-1]
+    assert load_imbalance([4, 4, 4, 4]) == 1.0 and load_imbalance([8, 0, 0, 0]) == 4.0

@@ -39,7 +39,8 @@ ROWS = [{"tp": 1, "dp": 8, "pp": 1, "peak_bytes": 4096, "NVLink node": 1e-5, "In
     figures.bars_per_rank({"contiguous": [1, 2, 3, 4], "zigzag": [2.5] * 4}, title="work", y_title="flops"),
     figures.tokens_per_expert_figure([[1, 0, 3], [2, 2, 0]], title="tokens"),
     figures.layout_figure(ROWS, list(TOPOLOGIES)),
-], ids=["bars", "tokens", "layouts"])
+    figures.load_balance_figure({"before": [6, 1, 1], "after": [3, 3, 2]}, title="load"),
+], ids=["bars", "tokens", "layouts", "load balance"])
 def test_text_is_at_least_14_px_and_survives_html_export(fig):
     sizes = font_sizes(fig)
     assert sizes and min(sizes) >= 14, sizes
@@ -64,3 +65,10 @@ def test_layout_explorer_runs_the_chosen_layout_and_redraws():
     explorer.topology.value = "InfiniBand cluster"
     assert "InfiniBand cluster" in explorer.figure.layout.title.text
     assert explorer.output.outputs[0]["data"]["application/vnd.plotly.v1+json"]["data"]
+
+
+def test_load_balance_figure_names_each_routings_imbalance_and_draws_the_mean():
+    fig = figures.load_balance_figure({"before": [6, 1, 1], "after": [3, 3, 2]}, title="load")
+    assert [t.name for t in fig.data] == ["before (max/mean 2.25)", "after (max/mean 1.12)"]
+    assert [list(t.y) for t in fig.data] == [[6, 1, 1], [3, 3, 2]]
+    assert [shape.y0 for shape in fig.layout.shapes] == [8 / 3]

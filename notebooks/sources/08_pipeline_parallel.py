@@ -17,9 +17,9 @@
 # # Lesson 8: pipeline parallelism
 #
 # **Goal:** cut a model into 4 stages on 4 ranks that pass activations forward and gradients
-# backward with send/recv, run the naive, GPipe and 1F1B schedules, measure each one's *bubble*
-# (idle time) and activation memory from the program's own trace, and check that the loss and
-# every gradient equal the unsplit model's.
+# backward with send/recv, run the naive, GPipe, 1F1B and zero-bubble (ZB-H1) schedules, measure
+# each one's *bubble* (idle time) and activation memory from the program's own trace, and check
+# that the loss and every gradient equal the unsplit model's.
 #
 # The model is a 4-layer tanh MLP (`simcomm.parallel.pipeline.PIPE_SIZES`), one layer per stage; the batch
 # of 16 rows is split into microbatches. Every check compares with the unsplit model in float64.
@@ -73,8 +73,10 @@ for name in pp.SCHEDULES:
 # ## 2. The stage x time chart and its bubble
 #
 # Each rank's compute events, placed in modelled time (`cost.modelled_timeline`) and named by the
-# schedule (drawn for `m = 4` microbatches, so the labels fit): light boxes are forwards, dark
-# ones backwards, the colour is the microbatch. The white gaps are the **bubble**: stage 0 waits
+# schedule (drawn for `m = 4` microbatches): the **colour** is the microbatch (`F3` and `B3` share
+# micro-batch 3's colour), the **shade** the kind of work (light forward, full-colour backward);
+# the legend's grey swatches show the shades. A label is drawn only where it fits at a readable
+# size; hover over a box for its name and times. The white gaps are the **bubble**: stage 0 waits
 # for the first backward to come all the way back.
 
 # %% tags=["nbval-ignore-output"]
@@ -111,15 +113,25 @@ print({name: round(value, 4) for name, value in measured.items()})   # sends tak
 # every stage holds all `m = 8`. 1F1B starts backwards as soon as it can: stage `s` holds at most
 # `p - s`. The programs count the microbatches held and measure the bytes (`memory=True`):
 
-# %% expect=["microbatches held per stage: gpipe [8, 8, 8, 8], 1f1b [4, 3, 2, 1]"]
+# %% expect=["microbatches held per stage: gpipe [8, 8, 8, 8], 1f1b [4, 3, 2, 1]", "1F1B holds fewer bytes than GPipe on every stage"]
 held = {name: [out["held"] for out in results[name]] for name in ("gpipe", "1f1b")}
 assert held["1f1b"] == [pp.held(plan) for plan in pp.schedule("1f1b", stages, microbatches)]
 print(f"microbatches held per stage: gpipe {held['gpipe']}, 1f1b {held['1f1b']}")
 nbytes = {name: [out["activation_bytes"] for out in results[name]] for name in ("gpipe", "1f1b")}
-assert all(a < b for a, b in zip(nbytes["1f1b"][:3], nbytes["gpipe"][:3]))
+assert all(a < b for a, b in zip(nbytes["1f1b"], nbytes["gpipe"]))
+print("1F1B holds fewer bytes than GPipe on every stage")
 
 # %% tags=["nbval-ignore-output"]
 print("activation bytes per stage (measured):", nbytes)
+
+# %% [markdown]
+# The bytes are everything the step holds beyond what the rank held before it, measured after each
+# action: activations, and the send buffers not yet delivered. A stage waits on a send (releasing
+# its buffer) once the neighbour has certainly taken it: when a message arrives that the neighbour
+# sent after receiving ours. On the simulator a send buffer is held until the receiver takes it (as
+# NCCL's send completes only when the receiver has the data); gloo finishes a small send as soon as
+# its bytes are in the socket, so on real workers the counts can be lower where messages queue (the
+# last stage's gradients under GPipe, most of all). The order of the schedules is the same on both.
 
 # %% [markdown]
 # ## 4. Why the sends are `isend`
@@ -163,8 +175,8 @@ print(f"bubble: formula {formula:.3f} (GPipe {pp.bubble_formula('gpipe', stages,
 interleaved_trace = world.trace
 
 # %% tags=["nbval-ignore-output"]
-plans = [[(kind, i) for kind, i, _ in plan] for plan in pp.interleaved_plan(stages, microbatches, chunks)]
-viz.pipeline_figure(interleaved_trace, plans, title="interleaved, 2 chunks per rank: each box is half a stage")
+viz.pipeline_figure(interleaved_trace, pp.interleaved_plan(stages, microbatches, chunks),
+                    title="interleaved, 2 chunks per rank: hatched boxes are chunk v1; each box is half a stage")
 
 # %% [markdown]
 # ## 6. `torch.distributed.pipelining` on virtual ranks
@@ -182,6 +194,71 @@ for schedule_class in ("ScheduleGPipe", "Schedule1F1B"):
 
 # %% tags=["nbval-ignore-output"]
 print(sorted({(e.op, e.phase) for e in world.trace.events}) or "not traced (real processes: gloo directly)")
+
+# %% [markdown]
+# ## 7. Zero bubble: split the backward in two
+#
+# A layer's backward computes two things: the gradient of its **input** (`B`, what the previous stage
+# waits for) and the gradient of its **weights** (`W`, which nobody waits for). Qi et al. ("Zero
+# Bubble Pipeline Parallelism", 2023, arXiv:2401.10241) split them: `B` runs at once and its input
+# gradient is sent on, `W` runs later, wherever the stage would otherwise idle. Their **ZB-H1**
+# schedule keeps 1F1B's order of `F` and `B`, and on stage `s` holds each `W` back by `s`
+# backwards: the deferred `W`s fill the drain, where 1F1B's later stages wait for the last
+# backwards to reach stage 0. `pp.pipeline_step` runs a plan with `W` actions this way: `B` asks
+# autograd for the gradients of the stage's input and of each Linear's output only, `W` turns each
+# output gradient into its weight gradients (`dW = dz^T a`, `db = sum dz`). Each takes 1 ms, half
+# of the 2 ms backward:
+
+# %% expect=["zb-h1 stage 0: F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7", "zb-h1 stage 3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7", "zb-h1: loss and every stage's gradients: matches the reference"]
+zb_plans = pp.schedule(pp.ZERO_BUBBLE, stages, microbatches)
+for stage in (0, 3):
+    print(f"zb-h1 stage {stage}:", " ".join(f"{kind}{i}" for kind, i in zb_plans[stage]))
+outs = world.run(pp.pipeline_step, x, y, pp.ZERO_BUBBLE, microbatches)
+traces["zb-h1"], results["zb-h1"] = world.trace, outs
+got = [outs[-1]["loss"]] + [out["grads"] for out in outs]
+print(assert_close(got, [loss_ref] + grads_ref, "zb-h1: loss and every stage's gradients"))
+
+# %% [markdown]
+# The paper's bubble for ZB-H1 is `(p-1)(tF + tB - tW)`, against 1F1B's `(p-1)(tF + tB + tW)`
+# (`tB` and `tW` are the two halves of the backward). With `tF = tB = tW` the step takes
+# `3m + p - 1` slots instead of `3(m + p - 1)`: a third of 1F1B's idle slots, and an idle share of
+# the total time of `(p-1)/(3m+p-1)` (for `m >= p`). Measured on the modelled timeline beside
+# GPipe and 1F1B, same `p = 4`, `m = 8`:
+
+# %% expect=["gpipe: formula 0.273, measured within 0.01 of it", "1f1b: formula 0.273, measured within 0.01 of it", "zb-h1: formula 0.111, measured within 0.01 of it", "zb-h1 holds 4 microbatches on every stage (1F1B's peak, on stage 0): [4, 4, 4, 4]"]
+for name in ("gpipe", "1f1b", "zb-h1"):
+    formula, measured_bubble = pp.bubble_formula(name, stages, microbatches), pp.bubble(traces[name])
+    assert formula - 1e-9 <= measured_bubble <= formula + 0.01, (name, measured_bubble, formula)
+    print(f"{name}: formula {formula:.3f}, measured within 0.01 of it")
+zb_held = [out["held"] for out in results["zb-h1"]]
+assert zb_held == [pp.held(plan) for plan in zb_plans] and max(zb_held) == max(held["1f1b"])
+print(f"zb-h1 holds {max(zb_held)} microbatches on every stage (1F1B's peak, on stage 0): {zb_held}")
+
+# %% [markdown]
+# The two schedules side by side (`m = 4`): the dark boxes are the `W`s. On stage 3 they move to
+# the end, into what was 1F1B's drain; stage 0 runs each `W` right after its `B`.
+
+# %% tags=["nbval-ignore-output"]
+world.run(pp.pipeline_step, x, y, pp.ZERO_BUBBLE, 4)
+zb_chart = {"1f1b": chart["1f1b"], "zb-h1": world.trace}          # 1F1B's m = 4 trace from section 2
+viz.pipeline_figure(zb_chart, {name: pp.schedule(name, stages, 4) for name in zb_chart},
+                    title="1F1B and ZB-H1, m = 4: light F, full-colour B, dark W; gaps = bubble")
+
+# %% [markdown]
+# PyTorch ships zero-bubble schedules too, with two model chunks per rank:
+# `ScheduleInterleavedZeroBubble` (chunks `r` and `r + p`, as in section 5) and
+# `ScheduleZBVZeroBubble` (the paper's ZB-V: chunks `r` and `2p - 1 - r`, so the model runs down the
+# ranks and back up). Both split the backward into input and weight halves as ZB-H1 does. They run
+# unchanged on the virtual ranks (`pp.torch_multistage_step`) and give the unsplit 8-layer model's
+# loss and gradients:
+
+# %% expect=["torch ScheduleInterleavedZeroBubble: loss and every chunk's gradients: matches the reference", "torch ScheduleZBVZeroBubble: loss and every chunk's gradients: matches the reference"]
+for schedule_class in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"):
+    outs = world.run(pp.torch_multistage_step, xi, yi, microbatches, chunks, deep, schedule_class)
+    loss_got = next(out["loss"] for out in outs if out["loss"] is not None)
+    got = [loss_got] + [out["grads"][c] for out in outs for c in range(chunks)]
+    want = [loss_i] + [grads_i[k] for out in outs for k in out["stage_ids"]]
+    print(assert_close(got, want, f"torch {schedule_class}: loss and every chunk's gradients"))
 
 # %% [markdown]
 # ## Exercise 1: predict the bubble
@@ -240,6 +317,44 @@ print(tl.check_1f1b(my_schedule))
 # </details>
 
 # %% [markdown]
+# ## Exercise 3: write the ZB-H1 schedule
+#
+# Write `my_zero_bubble(stage, stages, microbatches)` returning stage `stage`'s actions `("F", i)`,
+# `("B", i)` (input gradient) and `("W", i)` (weight gradient). The check runs it for several
+# `(stages, microbatches)` with `microbatches >= stages`: no deadlock, every backward split, at most
+# `stages` microbatches held on any stage (1F1B's peak; a microbatch is held from its `F` to its
+# `W`), and the step done in `3m + p - 1` slots when `F`, `B` and `W` take one slot each.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def my_zero_bubble(stage, stages, microbatches):
+    raise NotImplementedError   # return a list like [("F", 0), ("B", 0), ("W", 0), ...]
+
+print(tl.check_zero_bubble(my_zero_bubble))
+
+# %% [markdown] expect=["Correct: no deadlock, at most p micro-batches held on any stage (1F1B's peak), and the step takes 3m + p - 1 slots: a bubble of (p-1)/(3m+p-1)."] tags=["solution"]
+# <details><summary>Solution of exercise 3 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 3.
+# # 1F1B's F and B order; stage s runs W j after B (j + s), and the last s Ws fill the drain.
+# def zero_bubble_solution(stage, stages, microbatches):
+#     warmup = min(stages - stage - 1, microbatches)
+#     plan = [("F", i) for i in range(warmup)]
+#     weights = iter(range(microbatches))
+#     for j in range(microbatches):
+#         if warmup + j < microbatches:
+#             plan.append(("F", warmup + j))
+#         plan.append(("B", j))
+#         if j >= stage:
+#             plan.append(("W", next(weights)))
+#     return plan + [("W", i) for i in weights]
+#
+# print(tl.check_zero_bubble(zero_bubble_solution))
+# ```
+#
+# </details>
+
+# %% [markdown]
 # ## Takeaway
 #
 # * A pipeline passes activations forward and gradients backward between stages with
@@ -249,6 +364,9 @@ print(tl.check_1f1b(my_schedule))
 # * 1F1B has GPipe's bubble but holds at most `p - s` microbatches of activations instead of `m`.
 # * Neighbours send to each other at the same time: sends must not block (`isend`), or the
 #   pipeline deadlocks.
+# * Splitting the backward into the input gradient (`B`, on the critical path) and the weight
+#   gradient (`W`, off it) lets ZB-H1 fill the drain with `W`s: the bubble falls from
+#   `(p-1)(tF+tB+tW)` to `(p-1)(tF+tB-tW)` at 1F1B's peak memory.
 
 # %%
 world.close()

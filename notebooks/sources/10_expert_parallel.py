@@ -20,7 +20,8 @@
 # route each token, tell every rank how many tokens to expect, dispatch them with the *uneven*
 # all-to-all, run the experts, and bring the results back; check the output and every gradient
 # (the router's too) against one device, and see what capacity limits and an imbalanced router
-# do to dropped tokens, bytes and time.
+# do to dropped tokens, bytes and time; add a shared expert, and train a router with the
+# load-balancing loss to see it spread the tokens.
 #
 # An MoE layer has `E` small MLPs (*experts*) and a *router*: for each token a softmax over the
 # experts picks the top `k`, and the token's output is the sum of those experts' outputs weighed
@@ -38,8 +39,8 @@ from simcomm.model import cost
 from simcomm.lessons import foundations as lessons
 from simcomm.viz import scaling as figures
 from simcomm.lessons import scaling as checks
-from simcomm.parallel.expert import (capacity, expert_parallel_moe, load_balancing_loss, make_moe, moe, route,
-                                     shard_experts)
+from simcomm.parallel.expert import (capacity, expert_parallel_moe, load_balancing_loss, load_imbalance, make_moe,
+                                     moe, route, shard_experts, train_router, train_router_reference)
 
 world_size, num_experts, top_k, tokens, hidden, ffn = 4, 8, 2, 8, 8, 16
 world = simcomm.configured_backend(world_size)
@@ -77,7 +78,7 @@ def moe_step(comm, x, probe, params, top_k, capacity_factor):
     (out * probe[mine]).sum().backward()
     return out.detach(), xr.grad, {name: p.grad for name, p in shards.items()}, stats
 
-def reference(capacity_factor):
+def reference(capacity_factor, params=params):
     leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
     xr = x.clone().requires_grad_()
     out = moe(xr, leaves, top_k, capacity_factor=capacity_factor, groups=world_size)
@@ -186,6 +187,75 @@ for label, bias in (("balanced", 0.0), ("expert 0 favoured", 2.0)):
     print(f"load-balancing loss, {label}: {aux.item():.2f}")
 
 # %% [markdown]
+# ## 5. A shared expert
+#
+# DeepSeekMoE (Dai et al., 2024) adds **shared experts** beside the routed ones: every token goes
+# through them, with weight 1, so common knowledge need not be learnt by every routed expert. With
+# expert parallelism the shared expert is dense: each rank holds a copy and applies it to its own
+# tokens, with no communication (its gradient, like the router's, is each rank's share of the sum).
+# `make_moe(..., shared_experts=1)` adds one; the layer stays equal to one device, forward and
+# backward, and sends exactly what it sent without it:
+
+# %% expect=["shared + routed output: matches the reference", "x.grad: matches the reference", "shared_w1.grad (sum over ranks): matches the reference", "shared_w2.grad (sum over ranks): matches the reference", "router.grad (sum over ranks): matches the reference", "bytes sent: the same as without the shared expert"]
+shared_params = make_moe(hidden, ffn, num_experts, seed=0, shared_experts=1)   # the same routed experts
+outs = world.run(moe_step, x, probe, shared_params, top_k, None)
+sent_bytes = [sum(sum(e.sent.values()) for e in world.trace.events)]
+world.run(moe_step, x, probe, params, top_k, None)                            # without the shared expert
+sent_bytes.append(sum(sum(e.sent.values()) for e in world.trace.events))
+ref_out, ref_xgrad, ref_grads = reference(None, shared_params)
+print(lessons.assert_close(torch.cat([o[0] for o in outs]), ref_out, "shared + routed output"))
+print(lessons.assert_close(torch.cat([o[1] for o in outs]), ref_xgrad, "x.grad"))
+for name in ("shared_w1", "shared_w2", "router"):
+    print(lessons.assert_close(sum(o[2][name] for o in outs), ref_grads[name], f"{name}.grad (sum over ranks)"))
+assert sent_bytes[0] == sent_bytes[1] > 0
+print("bytes sent: the same as without the shared expert")
+
+# %% [markdown]
+# ## 6. Training with the load-balancing loss
+#
+# Does the loss do what it promises? Take a small layer whose router favours expert 0 (a bias of 2,
+# as in section 4), 4 ranks of 32 tokens, and train **only the router** (and its bias) for 20 SGD
+# steps on a regression task, once without and once with the auxiliary loss. `train_router` runs on
+# the expert-parallel layer: each rank adds `aux_weight / P` times the loss of its own tokens, and
+# the router's gradients are all-reduced. The weight here is 1 (Switch uses 0.01 over many thousand
+# steps; 20 steps need a stronger pull). Every step equals the same training on one device in
+# float64 (`train_router_reference`): the tokens per expert at every step, and the final router:
+
+# %% expect=["no aux loss: every step matches the single-device training", "aux weight 1: every step matches the single-device training"]
+router_params = make_moe(hidden, ffn, num_experts, seed=0, shared_experts=1)
+router_params["bias"][0] = 2.0                                     # expert 0 favoured
+gen = torch.Generator().manual_seed(5)
+xt, target = (torch.randn(world_size * 32, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+trained = {}
+for label, weight in (("no aux loss", 0.0), ("aux weight 1", 1.0)):
+    runs = world.run(train_router, xt, target, router_params, top_k, steps=20, lr=2.0, aux_weight=weight)
+    one = train_router_reference(xt, target, router_params, top_k, steps=20, lr=2.0, aux_weight=weight,
+                                 groups=world_size)
+    assert all(run["per_expert"] == one["per_expert"] for run in runs)
+    lessons.assert_close([runs[0]["router"], runs[0]["bias"]], [one["router"], one["bias"]], label)
+    trained[label] = one
+    print(f"{label}: every step matches the single-device training")
+
+# %% expect=["before training: max/mean load 3.25", "after 20 steps, no aux loss: max/mean load 2.41", "after 20 steps, aux weight 1: max/mean load 1.38"]
+loads = {"before training": trained["no aux loss"]["per_expert"][0]}
+loads.update({f"after 20 steps, {label}": run["per_expert"][-1] for label, run in trained.items()})
+for label, counts in loads.items():
+    print(f"{label}: max/mean load {load_imbalance(counts):.2f}")
+assert load_imbalance(loads["after 20 steps, aux weight 1"]) < load_imbalance(loads["after 20 steps, no aux loss"])
+
+# %% tags=["nbval-ignore-output"]
+figures.load_balance_figure(loads, title="tokens per expert: a router favouring expert 0, trained 20 steps")
+
+# %% [markdown]
+# Without the auxiliary loss the task alone leaves expert 0 with more than twice its share; with it,
+# the busiest expert's load falls to about 1.4 times the mean, and with it the all-to-all's busiest
+# rank and the capacity drops of section 3. The loss itself falls towards 1 (its value for a
+# uniform router):
+
+# %% tags=["nbval-ignore-output"]
+print({label: [round(a, 3) for a in run["aux"][::5]] for label, run in trained.items()})
+
+# %% [markdown]
 # ## Exercise 1: split sizes of a routing
 #
 # Write `split_sizes(experts, num_experts, world_size)`: for a routing `experts` of shape
@@ -239,6 +309,37 @@ print(checks.check_dropped(dropped))
 # </details>
 
 # %% [markdown]
+# ## Exercise 3: the load-balancing loss
+#
+# Write `aux_loss(probs, experts)`: Switch Transformer's `E * sum_e f_e * P_e` from the router's
+# probabilities `probs (T, E)` and the chosen experts `experts (T, k)`, as a 0-d tensor. `f_e` is the
+# share of the `T * k` assignments that go to expert `e`, `P_e` the mean of `probs[:, e]`. The
+# check compares the value **and its gradient** with respect to `probs` (the router learns
+# through it) with the formula's, for three routings.
+
+# %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
+def aux_loss(probs, experts):
+    raise NotImplementedError   # a 0-d tensor
+
+print(checks.check_aux_loss(aux_loss))
+
+# %% [markdown] expect=["Correct: the load-balancing loss and its gradient for 3 routings (top-2, top-1, a skewed router)."] tags=["solution"]
+# <details><summary>Solution of exercise 3 (open it once you have tried)</summary>
+#
+# ```python
+# # Solution of exercise 3.
+# # f_e is a count (no gradient); the gradient flows through P_e = probs.mean(0).
+# def aux_loss_solution(probs, experts):
+#     num_experts = probs.shape[1]
+#     share = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype) / experts.numel()
+#     return num_experts * (share * probs.mean(0)).sum()
+#
+# print(checks.check_aux_loss(aux_loss_solution))
+# ```
+#
+# </details>
+
+# %% [markdown]
 # ## Takeaway
 #
 # * Expert parallelism is route, exchange counts, uneven all-to-all out, experts, uneven
@@ -248,6 +349,9 @@ print(checks.check_dropped(dropped))
 # * A capacity factor fixes each expert's buffer; what does not fit is dropped, not an error.
 # * The all-to-all lasts as long as its busiest rank: an imbalanced router makes the whole layer
 #   wait for the rank of the popular expert.
+# * The load-balancing loss `E * sum_e f_e P_e` pushes probability away from overloaded experts:
+#   trained with it, a skewed router spreads its tokens (max/mean load 3.25 -> 1.38 here, 2.41 without).
+# * A shared expert runs on every token on every rank: more compute, no extra communication.
 
 # %%
 world.close()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import DeadlockError, RankError, RunTimeoutError, SimcommError
 from ..parallel.context import block_attention, chunk_ids
-from ..parallel.expert import keep_mask
+from ..parallel.expert import keep_mask, switch_aux_loss
 from ..parallel.layout_choice import fastest_fitting
 from ..parallel.mesh import Layout
 from ..sim.world import World
@@ -35,7 +35,7 @@ from .verdicts import NOT_ANSWERED, as_number, attempt, is_correct, is_placehold
 from .verdicts import not_yet as _not_yet
 
 __all__ = ["NOT_ANSWERED", "is_correct", "check_lse_merge", "check_zigzag_chunks", "check_split_sizes",
-           "check_dropped", "check_neighbour_exchange", "check_sp_layernorm", "check_mesh_coords",
+           "check_dropped", "check_aux_loss", "check_neighbour_exchange", "check_sp_layernorm", "check_mesh_coords",
            "check_layout_choice"]
 
 
@@ -219,6 +219,77 @@ def check_dropped(dropped: Callable) -> str:
                 return _not_yet(f"{count} dropped for tokens per expert {per_expert} and capacity {limit} is "
                                 "not it", "each expert drops max(0, count - capacity), summed over experts")
     return "Correct: dropped assignments for 4 routings and capacities 0, 1, 2, 5."
+
+
+def _aux_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Router probabilities ``(T, E)`` (float64) and their top-k choices: top-2 and top-1, balanced and
+    skewed, with an expert nobody chooses."""
+    gen = torch.Generator().manual_seed(11)
+    cases = []
+    for tokens, num_experts, top_k, skew in ((12, 8, 2, 0.0), (9, 4, 1, 0.0), (10, 6, 2, 3.0)):
+        logits = torch.randn(tokens, num_experts, generator=gen, dtype=torch.float64)
+        logits[:, 0] += skew
+        probs = torch.softmax(logits, dim=-1)
+        cases.append((probs, probs.topk(top_k, dim=-1).indices))
+    return cases
+
+
+@_hint_on_request
+def check_aux_loss(aux_loss: Callable) -> str:
+    """``aux_loss(probs (T, E), experts (T, k)) -> 0-d tensor``: Switch Transformer's load-balancing loss
+    ``E * sum_e f_e * P_e`` (``f_e``: share of the ``T * k`` assignments that go to ``e``; ``P_e``: mean
+    router probability of ``e``). Its value and its gradient with respect to ``probs`` must equal the
+    formula's (float64) for three routings."""
+    if is_placeholder(aux_loss):
+        return NOT_ANSWERED
+    if not callable(aux_loss):
+        return _not_yet(f"aux_loss must be a function, got {type(aux_loss).__name__}")
+    for probs, experts in _aux_cases():
+        tokens, num_experts = probs.shape
+        where = f"for {tokens} tokens, {num_experts} experts, top-{experts.shape[1]}"
+        leaf = probs.clone().requires_grad_()
+        result, verdict = _call(aux_loss, leaf, experts.clone())
+        if verdict:
+            return verdict
+        if not isinstance(result, torch.Tensor):
+            value = as_number(result)
+            if value is None:
+                return _not_yet(f"{where}: return a 0-d tensor; got {result!r}")
+            return _not_yet(f"{where}: you returned a plain number ({value:g}); the router learns from this "
+                            "loss, so it must stay a tensor autograd can differentiate",
+                            "no .item(), float() or .tolist() on the way")
+        if result.numel() != 1:
+            return _not_yet(f"{where}: the loss has shape {tuple(result.shape)}; it must be one number",
+                            "sum over the experts")
+        want = switch_aux_loss(probs, experts)
+        value = float(result.detach())
+        if abs(value - float(want)) > 1e-9 * max(1.0, abs(float(want))):
+            ratio = value / float(want) if float(want) else math.nan
+            if abs(ratio * num_experts - 1) < 1e-6:
+                return _not_yet(f"{where}: {value:.4f} is the formula divided by E = {num_experts}",
+                                "multiply by the number of experts: then a uniform router scores 1")
+            if abs(ratio - experts.shape[1]) < 1e-6:
+                return _not_yet(f"{where}: {value:.4f} is k = {experts.shape[1]} times the formula",
+                                "f_e is a share of the T * k assignments, not of the T tokens")
+            return _not_yet(f"{where}: {value:.4f} is not E * sum_e f_e * P_e = {float(want):.4f}",
+                            "f_e: bincount of the chosen experts over T * k; P_e: probs.mean(0)")
+        if not result.requires_grad:
+            return _not_yet(f"{where}: the value is right but no gradient reaches probs",
+                            "P_e must be computed from probs, not from a detached copy or the counts")
+        grads, verdict = attempt(lambda: torch.autograd.grad(result.sum(), [leaf], allow_unused=True))
+        if verdict:
+            return verdict
+        grad, want_grad = grads[0], _aux_gradient(probs, experts)
+        if grad is None or not torch.allclose(grad, want_grad, atol=1e-12, rtol=0):
+            return _not_yet(f"{where}: the value is right, but its gradient with respect to probs is not the "
+                            "formula's", "f_e is a count (no gradient); the gradient flows through P_e only")
+    return "Correct: the load-balancing loss and its gradient for 3 routings (top-2, top-1, a skewed router)."
+
+
+def _aux_gradient(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    leaf = probs.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(switch_aux_loss(leaf, experts), [leaf])
+    return grad
 
 
 # -- lesson 11 ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from .verdicts import attempt as _attempt
 from .verdicts import not_yet as _not_yet
 
 __all__ = ["NOT_ANSWERED", "is_correct", "check_dp_step", "check_accumulation_step", "check_zero3_bytes",
-           "check_zero2_grads", "check_bubble", "check_1f1b", "schedule_makespan",
+           "check_zero2_grads", "check_bubble", "check_1f1b", "check_zero_bubble", "schedule_makespan",
            "ACCUMULATION_EXERCISE", "ZERO3_EXERCISE", "BUBBLE_EXERCISE"]
 
 
@@ -270,35 +270,28 @@ def check_bubble(answer: Any) -> str:
 
 def schedule_makespan(plans, forward: float = 1.0, backward: float = 2.0) -> float:
     """Finishing time of every stage's plan with blocking dependencies and no communication time
-    (the plans must pass :func:`simcomm.parallel.pipeline.check_schedule`)."""
-    stages = len(plans)
-    done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * stages
-    cursor = [0] * stages
-    while any(cursor[s] < len(plans[s]) for s in range(stages)):
-        for stage in range(stages):
-            while cursor[stage] < len(plans[stage]):
-                kind, i = plans[stage][cursor[stage]]
-                needs = ("F", i, stage - 1) if kind == "F" else ("B", i, stage + 1)
-                if 0 <= needs[2] < stages and needs not in done:
-                    break
-                start = max(clock[stage], done.get(needs, 0.0))
-                clock[stage] = done[(kind, i, stage)] = start + (forward if kind == "F" else backward)
-                cursor[stage] += 1
-    return max(clock)
+    (:func:`simcomm.parallel.pipeline.makespan`; the plans must pass its ``check_schedule``)."""
+    return pipeline.makespan(plans, forward, backward)
 
 
-def _malformed_action(plans: list[list], microbatches: int) -> str | None:
-    """What is wrong with the first action that is not ``("F", i)`` / ``("B", i)`` with ``0 <= i < m``."""
+def _malformed_action(plans: list[list], microbatches: int, kinds: tuple[str, ...] = ("F", "B")) -> str | None:
+    """What is wrong with the first action that is not ``(kind, i)``, a kind of ``kinds`` and
+    ``0 <= i < m``."""
     for stage, plan in enumerate(plans):
         for action in plan:
-            ok = (isinstance(action, (tuple, list)) and len(action) == 2 and action[0] in ("F", "B")
+            ok = (isinstance(action, (tuple, list)) and len(action) == 2 and action[0] in kinds
                   and as_number(action[1]) is not None and float(as_number(action[1])).is_integer()
                   and 0 <= as_number(action[1]) < microbatches)
             if not ok:
-                return (f"stage {stage}'s action {action!r} is not ('F', i) or ('B', i) with a micro-batch "
+                pairs = " or ".join(f"('{kind}', i)" for kind in kinds)
+                return (f"stage {stage}'s action {action!r} is not {pairs} with a micro-batch "
                         f"i from 0 to {microbatches - 1}")
     return None
+
+
+def _as_plans(plans: list[list]) -> list[list[tuple[str, int]]]:
+    """Well-formed plans with every micro-batch number as a plain int (numpy or 0-d torch numbers too)."""
+    return [[(action[0], int(as_number(action[1]))) for action in plan] for plan in plans]
 
 
 @_hint_on_request
@@ -318,6 +311,7 @@ def check_1f1b(fn: Any) -> str:
         if malformed:
             return _not_yet(f"{where}: {malformed}", "an action is a pair: ('F', 3) is the forward of micro-batch 3, "
                             "('B', 3) its backward; a stage's plan is a list of them")
+        plans = _as_plans(plans)
         problem = pipeline.check_schedule(plans, microbatches)
         if problem:
             return _not_yet(f"{where}: {problem}", "warm up with stages - stage - 1 forwards, then alternate "
@@ -333,3 +327,49 @@ def check_1f1b(fn: Any) -> str:
             return _not_yet(f"{where}: the schedule takes {got:g} time units, GPipe takes {best:g}",
                             "a stage should never idle while it has a forward it could run")
     return "Correct: no deadlock, at most p - s microbatches held, and as fast as GPipe."
+
+
+@_hint_on_request
+def check_zero_bubble(fn: Any) -> str:
+    """Lesson 08 (write it): ``fn(stage, stages, microbatches)`` returns stage ``stage``'s ZB-H1 actions
+    ``("F", i)``, ``("B", i)`` (input gradient only) and ``("W", i)`` (weight gradient). For several
+    ``(stages, microbatches)`` with ``microbatches >= stages`` it must run without deadlock, split every
+    backward, hold at most ``stages`` micro-batches (1F1B's peak, on stage 0) on every stage, and finish in
+    ``3m + p - 1`` time units with F = B = W = 1: the bubble ``(p-1)/(3m+p-1)`` of Qi et al. 2023."""
+    verdict = _callable(fn, "the schedule")
+    if verdict:
+        return verdict
+    for stages, microbatches in ((4, 8), (4, 4), (3, 7), (2, 5), (1, 3)):
+        plans, verdict = _attempt(lambda: [list(fn(s, stages, microbatches)) for s in range(stages)])
+        if verdict:
+            return verdict
+        where = f"for {stages} stages and {microbatches} microbatches"
+        malformed = _malformed_action(plans, microbatches, ("F", "B", "W"))
+        if malformed:
+            return _not_yet(f"{where}: {malformed}", "an action is a pair: ('F', 3) is micro-batch 3's forward, "
+                            "('B', 3) the gradient of its input, ('W', 3) the gradient of the weights; a stage's "
+                            "plan is a list of them")
+        plans = _as_plans(plans)
+        unsplit = [stage for stage, plan in enumerate(plans) if not any(kind == "W" for kind, _ in plan)]
+        if unsplit:
+            return _not_yet(f"{where}: stage {unsplit[0]} never runs a W: its backward is not split",
+                            "every micro-batch needs F i, B i and W i on every stage")
+        problem = pipeline.check_schedule(plans, microbatches)
+        if problem:
+            return _not_yet(f"{where}: {problem}", "keep 1F1B's order of the Fs and Bs (warm up with stages - "
+                            "stage - 1 forwards, then one F one B, then drain); W i may run any time after B i")
+        limit = min(stages, microbatches)
+        for stage, plan in enumerate(plans):
+            if pipeline.held(plan) > limit:
+                return _not_yet(f"{where}: stage {stage} holds {pipeline.held(plan)} micro-batches at once "
+                                f"(from F i to W i); 1F1B's peak is {limit}", "a micro-batch is held until its W: "
+                                "do not put off more Ws than a stage can hold")
+        best = 3.0 * microbatches + stages - 1
+        got = schedule_makespan(plans)
+        if got > best + 1e-9:
+            return _not_yet(f"{where}: the schedule takes {got:g} time units (F = B = W = 1); ZB-H1 takes "
+                            f"{best:g}", "a stage's W has no message to wait for: put them where the stage would "
+                            "idle. Stage s idles at the end, while the last Bs travel to stage 0: hold each W "
+                            "back by s backwards")
+    return ("Correct: no deadlock, at most p micro-batches held on any stage (1F1B's peak), and the step takes "
+            "3m + p - 1 slots: a bubble of (p-1)/(3m+p-1).")

@@ -23,6 +23,19 @@ One forward pass, :func:`expert_parallel_moe`:
 6. **combine**: the reverse all-to-all (split lists swapped) brings each
    result back to its token, which adds it weighted by its gate.
 
+A **shared expert** (DeepSeekMoE, Dai et al. 2024: experts every token goes
+through, beside the routed ones; ``make_moe(..., shared_experts=S)``) is
+replicated on every rank and applied to the rank's own tokens, with no
+communication; its output is added with weight 1. Its gradient on each rank
+comes from that rank's tokens, like the router's.
+
+Training the router (:func:`train_router`): each rank's loss is its tokens'
+task loss plus ``aux_weight / P`` times the Switch load-balancing loss of its
+own tokens (:func:`load_balancing_loss`, computed per rank as Switch computes
+it per device); the router's gradients are summed over ranks with an
+all-reduce (data parallelism of the replicated router) and plain SGD steps
+them. :func:`train_router_reference` is the same on one device.
+
 The single-device reference, :func:`moe`, is the same layer on one device
 with a loop over experts; with ``groups=P`` it applies the capacity per
 group of ``T`` tokens, as each rank does. Gradients: the all-to-alls'
@@ -41,20 +54,28 @@ import torch.nn.functional as F
 from ..communicator import Communicator
 
 __all__ = ["make_moe", "route", "keep_mask", "capacity", "expert", "moe", "shard_experts",
-           "expert_parallel_moe", "tokens_per_expert", "load_balancing_loss"]
+           "expert_parallel_moe", "tokens_per_expert", "load_balancing_loss", "switch_aux_loss", "shared_output",
+           "train_router", "train_router_reference", "load_imbalance"]
 
 
-def make_moe(hidden: int, ffn: int, num_experts: int, *, seed: int = 0, dtype: torch.dtype = torch.float64
-             ) -> dict[str, torch.Tensor]:
+def make_moe(hidden: int, ffn: int, num_experts: int, *, seed: int = 0, dtype: torch.dtype = torch.float64,
+             shared_experts: int = 0) -> dict[str, torch.Tensor]:
     """Seeded parameters: ``router (E, hidden)``, ``bias (E,)`` (zeros), ``w1 (E, ffn, hidden)``,
-    ``w2 (E, hidden, ffn)``."""
+    ``w2 (E, hidden, ffn)``; with ``shared_experts=S > 0`` also ``shared_w1 (S, ffn, hidden)`` and
+    ``shared_w2 (S, hidden, ffn)`` (drawn after the others: the routed experts do not change)."""
+    if shared_experts < 0:
+        raise ValueError(f"make_moe: shared_experts={shared_experts} must be >= 0")
     gen = torch.Generator().manual_seed(seed)
-    return {
+    params = {
         "router": torch.randn(num_experts, hidden, generator=gen, dtype=dtype) / math.sqrt(hidden),
         "bias": torch.zeros(num_experts, dtype=dtype),
         "w1": torch.randn(num_experts, ffn, hidden, generator=gen, dtype=dtype) / math.sqrt(hidden),
         "w2": torch.randn(num_experts, hidden, ffn, generator=gen, dtype=dtype) / math.sqrt(ffn),
     }
+    if shared_experts:
+        params["shared_w1"] = torch.randn(shared_experts, ffn, hidden, generator=gen, dtype=dtype) / math.sqrt(hidden)
+        params["shared_w2"] = torch.randn(shared_experts, hidden, ffn, generator=gen, dtype=dtype) / math.sqrt(ffn)
+    return params
 
 
 def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int
@@ -67,17 +88,23 @@ def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int
     return probs.topk(top_k, dim=-1)
 
 
+def switch_aux_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` (0-d) from the router's probabilities ``probs (T, E)`` and the chosen experts
+    ``experts (T, k)``: ``f_e`` the share of the ``T * k`` assignments that go to ``e`` (a count: no
+    gradient), ``P_e`` the mean of ``probs[:, e]`` (the gradient flows through it)."""
+    num_experts = probs.shape[-1]
+    fraction = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype) / experts.numel()  # (E,)
+    return num_experts * (fraction * probs.mean(0)).sum()
+
+
 def load_balancing_loss(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
     """The Switch Transformer's auxiliary loss ``E * sum_e f_e * P_e`` (0-d): ``f_e`` the fraction of the
     ``T * k`` assignments that go to expert ``e``, ``P_e`` the router's mean probability of ``e`` over the
     ``T`` tokens. It is 1 when routing is uniform and ``E`` when every token goes to one expert; its
     gradient (through ``P_e``; ``f_e`` is a count) pushes probability away from overloaded experts.
     Production routers add it, times a small coefficient (0.01 in Switch), to the training loss."""
-    num_experts = router.shape[0]
     probs = torch.softmax(x @ router.T + bias, dim=-1)                         # (T, E)
-    experts = probs.topk(top_k, dim=-1).indices                                # (T, k)
-    fraction = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype) / experts.numel()  # (E,)
-    return num_experts * (fraction * probs.mean(0)).sum()
+    return switch_aux_loss(probs, probs.topk(top_k, dim=-1).indices)
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int | None:
@@ -104,11 +131,19 @@ def expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return F.gelu(x @ w1.T) @ w2.T
 
 
+def shared_output(x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The shared experts' summed output on ``x (T, hidden)`` (zeros when ``params`` has none)."""
+    if "shared_w1" not in params:
+        return torch.zeros_like(x)
+    return sum(expert(x, w1, w2) for w1, w2 in zip(params["shared_w1"], params["shared_w2"], strict=True))
+
+
 def moe(x: torch.Tensor, params: dict[str, torch.Tensor], top_k: int, *,
         capacity_factor: float | None = None, groups: int = 1) -> torch.Tensor:
-    """The single-device MoE layer on ``x (T, hidden)``; capacity applies per group of ``T/groups`` tokens."""
+    """The single-device MoE layer on ``x (T, hidden)``; capacity applies per group of ``T/groups`` tokens.
+    Shared experts, if ``params`` has them, are added for every token."""
     num_experts = params["router"].shape[0]
-    out = torch.zeros_like(x)
+    out = shared_output(x, params)
     for rows in torch.arange(x.shape[0], device=x.device).chunk(groups):
         gates, experts = route(x[rows], params["router"], params["bias"], top_k)
         kept = keep_mask(experts, num_experts, capacity(len(rows), top_k, num_experts, capacity_factor))
@@ -125,9 +160,13 @@ def shard_experts(params: dict[str, torch.Tensor], rank: int, world_size: int) -
     if num_experts % world_size:
         raise ValueError(f"shard_experts: {num_experts} experts are not divisible by the world size {world_size}")
     local = slice(rank * num_experts // world_size, (rank + 1) * num_experts // world_size)
-    return {"router": params["router"].clone().requires_grad_(), "bias": params["bias"].clone().requires_grad_(),
-            "w1": params["w1"][local].clone().requires_grad_(),      # (E/P, ffn, hidden)
-            "w2": params["w2"][local].clone().requires_grad_()}      # (E/P, hidden, ffn)
+    shards = {"router": params["router"].clone().requires_grad_(), "bias": params["bias"].clone().requires_grad_(),
+              "w1": params["w1"][local].clone().requires_grad_(),      # (E/P, ffn, hidden)
+              "w2": params["w2"][local].clone().requires_grad_()}      # (E/P, hidden, ffn)
+    for name in ("shared_w1", "shared_w2"):                            # replicated, like the router
+        if name in params:
+            shards[name] = params[name].clone().requires_grad_()
+    return shards
 
 
 def tokens_per_expert(experts: torch.Tensor, kept: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -139,7 +178,8 @@ def expert_parallel_moe(comm: Communicator, x: torch.Tensor, shards: dict[str, t
                         capacity_factor: float | None = None) -> tuple[torch.Tensor, dict]:
     """The MoE layer on this rank's tokens ``x (T, hidden)``, experts sharded over the group.
 
-    ``shards``: :func:`shard_experts` of this rank. Returns ``(out (T, hidden), stats)``;
+    ``shards``: :func:`shard_experts` of this rank (with its shared experts, if any, applied locally).
+    Returns ``(out (T, hidden), stats)``;
     ``stats``: ``sent`` and ``received`` (rows per rank, the two split lists),
     ``per_expert`` (this rank's kept assignments per expert, a list of E) and
     ``dropped`` (assignments over capacity). Blocks on three all-to-alls;
@@ -169,7 +209,87 @@ def expert_parallel_moe(comm: Communicator, x: torch.Tensor, shards: dict[str, t
                for e, rows in enumerate(arrived[grouped].split(counts))]
     results = torch.cat(outputs)[torch.argsort(grouped)]                        # back in arrival order
     back = comm.all_to_all_single(results, sent, received)                      # (kept, hidden), sorted order
-    out = torch.zeros_like(x).index_add(0, token, back * gates[token, slot].unsqueeze(-1))
+    out = shared_output(x, shards).index_add(0, token, back * gates[token, slot].unsqueeze(-1))
     stats = {"sent": sent, "received": received, "per_expert": per_expert.tolist(),
              "dropped": int((~kept).sum())}
     return out, stats
+
+
+def load_imbalance(per_expert) -> float:
+    """The busiest expert's load over the mean load: 1 when balanced, ``E`` when one expert takes all."""
+    counts = torch.as_tensor(per_expert, dtype=torch.float64)
+    return float(counts.max() / counts.mean())
+
+
+def _task_loss(x: torch.Tensor, out: torch.Tensor, target: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """Squared error of the residual stream ``x + out`` against ``target``, summed over this rank's
+    tokens and divided by all ranks' tokens: the ranks' losses add up to the mean over the batch."""
+    return (x + out - target).pow(2).sum() / total_tokens
+
+
+def train_router(comm: Communicator, x: torch.Tensor, target: torch.Tensor, params: dict[str, torch.Tensor],
+                 top_k: int, *, steps: int, lr: float, aux_weight: float,
+                 capacity_factor: float | None = None) -> dict:
+    """``steps`` SGD steps of the router and its bias (the experts stay fixed) on the expert-parallel layer.
+
+    ``x``, ``target``: the whole batch ``(P * T, hidden)``; rank ``r`` takes rows ``r*T ... (r+1)*T - 1``.
+    Each rank's loss: :func:`_task_loss` of its tokens plus ``aux_weight / P`` times the
+    :func:`load_balancing_loss` of its tokens; the router's gradients are all-reduced (summed) before
+    each step. Returns ``{"per_expert": assignments kept per expert over all ranks, before each step and
+    after the last (steps + 1 lists of E), "aux": the mean over ranks of the load-balancing loss before
+    each step, "router", "bias": the trained values}``. Collective; blocks.
+    """
+    world_size, rank = comm.world_size, comm.rank
+    tokens = x.shape[0] // world_size
+    if tokens * world_size != x.shape[0]:
+        raise ValueError(f"train_router: rank {rank}: {x.shape[0]} tokens do not split over {world_size} ranks")
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    xr, target_r = x[mine], target[mine]
+    router, bias = params["router"].clone(), params["bias"].clone()
+    history: dict[str, list] = {"per_expert": [], "aux": []}
+    for step in range(steps + 1):
+        shards = shard_experts({**params, "router": router, "bias": bias}, rank, world_size)
+        out, stats = expert_parallel_moe(comm, xr, shards, top_k, capacity_factor=capacity_factor)
+        counts = comm.all_reduce(torch.tensor(stats["per_expert"], dtype=torch.int64))    # (E,) over all ranks
+        history["per_expert"].append(counts.tolist())
+        aux = load_balancing_loss(xr, shards["router"], shards["bias"], top_k)
+        history["aux"].append(float(comm.all_reduce(aux.detach()) / world_size))
+        if step == steps:
+            break
+        loss = _task_loss(xr, out, target_r, x.shape[0]) + aux_weight / world_size * aux
+        grads = torch.autograd.grad(loss, [shards["router"], shards["bias"]])
+        with torch.no_grad():
+            router = router - lr * comm.all_reduce(grads[0])
+            bias = bias - lr * comm.all_reduce(grads[1])
+    history.update(router=router, bias=bias)
+    return history
+
+
+def train_router_reference(x: torch.Tensor, target: torch.Tensor, params: dict[str, torch.Tensor], top_k: int,
+                           *, steps: int, lr: float, aux_weight: float, groups: int,
+                           capacity_factor: float | None = None) -> dict:
+    """:func:`train_router` on one device: the layer is :func:`moe` with ``groups`` groups (one per rank),
+    the load-balancing loss the mean over the groups of each group's. Same result dict."""
+    router, bias = params["router"].clone(), params["bias"].clone()
+    history: dict[str, list] = {"per_expert": [], "aux": []}
+    num_experts = router.shape[0]
+    for step in range(steps + 1):
+        leaves = {**params, "router": router.clone().requires_grad_(), "bias": bias.clone().requires_grad_()}
+        out = moe(x, leaves, top_k, capacity_factor=capacity_factor, groups=groups)
+        counts = torch.zeros(num_experts, dtype=torch.int64)
+        auxes = []
+        for rows in torch.arange(x.shape[0]).chunk(groups):
+            _, experts = route(x[rows], leaves["router"], leaves["bias"], top_k)
+            kept = keep_mask(experts, num_experts, capacity(len(rows), top_k, num_experts, capacity_factor))
+            counts += tokens_per_expert(experts, kept, num_experts)
+            auxes.append(load_balancing_loss(x[rows], leaves["router"], leaves["bias"], top_k))
+        aux = torch.stack(auxes).mean()
+        history["per_expert"].append(counts.tolist())
+        history["aux"].append(float(aux.detach()))
+        if step == steps:
+            break
+        loss = _task_loss(x, out, target, x.shape[0]) + aux_weight * aux
+        grads = torch.autograd.grad(loss, [leaves["router"], leaves["bias"]])
+        router, bias = router - lr * grads[0], bias - lr * grads[1]
+    history.update(router=router, bias=bias)
+    return history

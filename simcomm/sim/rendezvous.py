@@ -137,12 +137,13 @@ class Message:
     """A posted send or recv waiting for its partner.
 
     ``owned``: ``tensor`` is a private copy made at issue (an ``isend``), handed
-    over without another copy. ``blocked``: the poster is blocked on this message
+    over without another copy; ``keep``: the isend's own tensor, held (and counted on its rank, as
+    a real worker's send holds it) until the message is delivered. ``blocked``: the poster is blocked on this message
     (a blocking call, or a ``wait()``) and must be woken when it completes.
     """
 
     __slots__ = ("kind", "rank", "tensor", "shape", "dtype", "frame", "owned", "blocked", "done",
-                 "moved")
+                 "moved", "keep")
 
     def __init__(self, kind: str, rank: int, tensor, shape, dtype, frame, owned: bool = False):
         self.kind, self.rank, self.tensor, self.shape, self.dtype, self.frame = (
@@ -151,6 +152,7 @@ class Message:
         self.blocked = False
         self.done = False
         self.moved = 0.0
+        self.keep = None
 
 
 class Group:

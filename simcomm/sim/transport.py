@@ -221,11 +221,18 @@ class SimTransport(TransportBase):
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Handle | None:
         """Blocking: returns once the matching recv has taken the data. ``async_op``: an
-        ``isend``, whose copy of ``tensor`` is taken now and handed over when matched."""
+        ``isend``, whose copy of ``tensor`` is taken now and handed over when matched.
+
+        Memory (:mod:`simcomm.memory`) counts what real workers hold: the copy counts on no rank
+        until the receiver gets it, and ``tensor`` itself is kept alive until the message is
+        delivered, as a real worker's pending send holds the tensor it sends."""
         record = self._p2p_begin("send", dst, tensor, async_op=async_op)
+        original = tensor if async_op else None
         if async_op:
-            tensor = tensor.clone()
-        return self._p2p("send", dst, (self.rank, dst), tensor, tensor.shape, tensor.dtype, record, async_op)
+            with memory.untracked():
+                tensor = tensor.clone()
+        return self._p2p("send", dst, (self.rank, dst), tensor, tensor.shape, tensor.dtype, record, async_op,
+                         keep=original)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, async_op: bool = False):
         shape = torch.Size(shape)
@@ -239,10 +246,11 @@ class SimTransport(TransportBase):
                 else self.recv(op.data[0], op.data[1], op.peer, async_op=True) for op in ops]
 
     def _p2p(self, kind: str, peer: int, key: tuple[int, int], tensor, shape, dtype,
-             record: Record | None, async_op: bool):
+             record: Record | None, async_op: bool, keep: torch.Tensor | None = None):
         """Match this send/recv with its partner on the (sender, receiver) channel, or post it.
 
-        A blocking call blocks until matched; an asynchronous one returns a handle.
+        A blocking call blocks until matched; an asynchronous one returns a handle. ``keep`` (an
+        isend's own tensor) is held by a posted message until it is delivered.
         """
         state, group = self.state, self.group
         frame = program_location(sys._getframe(2)) if async_op else sys._getframe(2)
@@ -254,7 +262,11 @@ class SimTransport(TransportBase):
             if partner.shape != shape or partner.dtype != dtype:
                 self._p2p_mismatch_and_release(Message(kind, me, tensor, shape, dtype, frame), partner)
             if kind == "send":
-                partner.tensor = tensor if async_op or state.shape_only else tensor.clone()
+                if async_op or state.shape_only:
+                    partner.tensor = tensor
+                else:
+                    with memory.untracked():     # counted on the receiver, which claims it
+                        partner.tensor = tensor.clone()
                 self._deliver_locked(partner)
                 state.lock.release()
                 out = None
@@ -273,6 +285,7 @@ class SimTransport(TransportBase):
             message.done, message.moved = True, partner.moved
             return self._handle(PendingMessage(self, message, record, peer))
         message = Message(kind, me, tensor, shape, dtype, frame, owned=async_op)
+        message.keep = keep
         channel.append(message)
         if async_op:
             state.lock.release()
@@ -288,6 +301,7 @@ class SimTransport(TransportBase):
     def _deliver_locked(self, message: Message) -> None:
         """A posted message found its partner: mark it done, wake its rank if blocked on it."""
         message.done = True
+        message.keep = None
         message.moved = time.perf_counter() - self.state.clock_zero
         if message.blocked:
             message.blocked = False

@@ -3,6 +3,7 @@
 =============================  =================================================
 ``bars_per_rank``              one bar group per rank: a quantity per method (work, bytes)
 ``tokens_per_expert_figure``   heatmap: tokens each rank sends to each expert
+``load_balance_figure``        tokens per expert for several routers (before / after training), mean load
 ``layout_figure``              modelled step time per layout on each topology, and memory
 ``LayoutExplorer``             ipywidgets: pick a layout and a topology, run the step, redraw
 =============================  =================================================
@@ -20,7 +21,8 @@ from plotly.subplots import make_subplots
 from ..parallel.mesh import Layout
 from .style import BODY_FONT_PX, SERIES_COLOURS, TITLE_FONT_PX
 
-__all__ = ["FONT", "bars_per_rank", "tokens_per_expert_figure", "layout_figure", "LayoutExplorer"]
+__all__ = ["FONT", "bars_per_rank", "tokens_per_expert_figure", "load_balance_figure", "layout_figure",
+           "LayoutExplorer"]
 
 #: the smallest text the figures use (px)
 FONT = dict(size=BODY_FONT_PX)
@@ -58,6 +60,23 @@ def tokens_per_expert_figure(counts: Sequence[Sequence[int]], *, title: str) -> 
                     texttemplate="%{text}", textfont=FONT, showscale=False, row=2, col=1)
     fig.update_yaxes(autorange="reversed", row=2, col=1)
     fig.update_yaxes(title_text="tokens", row=1, col=1, range=[0, max(totals + [1]) * 1.3])
+    return _style(fig, title, 460)
+
+
+def load_balance_figure(loads: dict[str, Sequence[int]], *, title: str) -> go.Figure:
+    """Grouped bars: for each named routing (``{name: tokens per expert}``) the load of every expert, its
+    busiest-over-mean ratio in the legend, and the mean load (the same for all: the number of
+    assignments does not change) as a dashed line."""
+    fig = go.Figure()
+    for index, (name, counts) in enumerate(loads.items()):
+        counts = list(counts)
+        mean = sum(counts) / len(counts)
+        fig.add_bar(name=f"{name} (max/mean {max(counts) / mean:.2f})", x=[f"expert {e}" for e in range(len(counts))],
+                    y=counts, marker_color=_COLOURS[index % len(_COLOURS)])
+    first = list(next(iter(loads.values())))
+    fig.add_hline(y=sum(first) / len(first), line_dash="dash", line_color="rgb(60, 60, 60)",
+                  annotation_text="mean load", annotation_font=FONT, annotation_position="top right")
+    fig.update_layout(barmode="group", yaxis_title="assignments kept", legend=dict(orientation="h", y=-0.2))
     return _style(fig, title, 460)
 
 
