@@ -28,6 +28,7 @@ from torch.distributed import distributed_c10d as c10d
 from ..sim.transport import SimTransport
 from ..trace import backward_phase
 from . import ops
+from .dispatch import dispatched, modes_active
 from .rank_state import BACKEND_NAME, current_context
 from .work import SimcommWork, completed
 
@@ -152,6 +153,15 @@ class SimcommProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         return None
 
+    def _call(self, method: str, c10d_args: tuple, translate, *args, async_op: bool) -> dist.Work:
+        """The c10d method ``method`` (called with ``c10d_args``): :meth:`_submit` of
+        ``translate``; through the dispatcher's c10d op when a dispatch mode is active
+        (:mod:`simcomm.c10d.dispatch`), so the mode sees it as on a native backend."""
+        if modes_active() and not _shape_only(self.transport):
+            return dispatched(self, method, tuple(arg for arg in c10d_args if arg is not None),
+                              lambda: self._submit(translate, *args, async_op=async_op))
+        return self._submit(translate, *args, async_op=async_op)
+
     def _submit(self, translate, *args, async_op: bool) -> dist.Work:
         """Issue a translation; a completed Work for a blocking call, a SimcommWork else.
 
@@ -171,63 +181,76 @@ class SimcommProcessGroup(dist.ProcessGroup):
     # -- collectives (c10d's Python names and the C++ names call the same translation) --
 
     def allreduce(self, tensors, opts=None):
-        return self._submit(ops.all_reduce, tensors, opts, async_op=_async(opts))
+        return self._call("allreduce", (tensors, opts), ops.all_reduce, tensors, opts, async_op=_async(opts))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self._submit(ops.all_reduce, tensors, opts, async_op=_async(opts))
+        return self._call("allreduce_coalesced", (tensors, opts), ops.all_reduce, tensors, opts,
+                          async_op=_async(opts))
 
     def allgather(self, output_lists, input_tensors, opts=None):
-        return self._submit(ops.all_gather_list, output_lists, input_tensors, async_op=_async(opts))
+        return self._call("allgather", (output_lists, input_tensors, opts), ops.all_gather_list, output_lists,
+                          input_tensors, async_op=_async(opts))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        return self._submit(ops.all_gather_list, output_lists, input_tensors, async_op=_async(opts))
+        return self._call("allgather_coalesced", (output_lists, input_tensors, opts), ops.all_gather_list,
+                          output_lists, input_tensors, async_op=_async(opts))
 
     def all_gather_single(self, output, input_, opts=None):
-        return self._submit(ops.all_gather_into_tensor, [output], [input_], async_op=_async(opts))
+        return self._call("_allgather_base", (output, input_, opts), ops.all_gather_into_tensor, [output],
+                          [input_], async_op=_async(opts))
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._submit(ops.all_gather_into_tensor, outputs, inputs, async_op=_async(opts))
+        return self._call("allgather_into_tensor_coalesced", (outputs, inputs, opts), ops.all_gather_into_tensor,
+                          outputs, inputs, async_op=_async(opts))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        return self._submit(ops.reduce_scatter_list, outputs, input_lists, opts, async_op=_async(opts))
+        return self._call("reduce_scatter", (outputs, input_lists, opts), ops.reduce_scatter_list, outputs,
+                          input_lists, opts, async_op=_async(opts))
 
     def reduce_scatter_single(self, output, input_, opts=None):
-        return self._submit(ops.reduce_scatter_tensor, [output], [input_], opts, async_op=_async(opts))
+        return self._call("_reduce_scatter_base", (output, input_, opts), ops.reduce_scatter_tensor, [output],
+                          [input_], opts, async_op=_async(opts))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        return self._submit(ops.reduce_scatter_tensor, outputs, inputs, opts, async_op=_async(opts))
+        return self._call("reduce_scatter_tensor_coalesced", (outputs, inputs, opts), ops.reduce_scatter_tensor,
+                          outputs, inputs, opts, async_op=_async(opts))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(self, output, input_, output_split_sizes, input_split_sizes, opts=None):
-        return self._submit(ops.all_to_all_single, output, input_, list(output_split_sizes or []),
-                            list(input_split_sizes or []), async_op=_async(opts))
+        return self._call("alltoall_base", (output, input_, output_split_sizes, input_split_sizes, opts),
+                          ops.all_to_all_single, output, input_, list(output_split_sizes or []),
+                          list(input_split_sizes or []), async_op=_async(opts))
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_list, input_list, opts=None):
-        return self._submit(ops.all_to_all_list, output_list, input_list, async_op=_async(opts))
+        return self._call("alltoall", (output_list, input_list, opts), ops.all_to_all_list, output_list,
+                          input_list, async_op=_async(opts))
 
     def broadcast(self, tensors, opts=None):
-        return self._submit(ops.broadcast, tensors, opts.rootRank, async_op=_async(opts))
+        return self._call("broadcast", (tensors, opts), ops.broadcast, tensors, opts.rootRank,
+                          async_op=_async(opts))
 
     def reduce(self, tensors, opts=None):
-        return self._submit(ops.reduce, tensors, opts, async_op=_async(opts))
+        return self._call("reduce", (tensors, opts), ops.reduce, tensors, opts, async_op=_async(opts))
 
     def gather(self, output_lists, input_tensors, opts=None):
-        return self._submit(ops.gather, output_lists, input_tensors, opts.rootRank, async_op=_async(opts))
+        return self._call("gather", (output_lists, input_tensors, opts), ops.gather, output_lists, input_tensors,
+                          opts.rootRank, async_op=_async(opts))
 
     def scatter(self, outputs, input_lists, opts=None):
-        return self._submit(ops.scatter, outputs, input_lists, opts.rootRank, async_op=_async(opts))
+        return self._call("scatter", (outputs, input_lists, opts), ops.scatter, outputs, input_lists,
+                          opts.rootRank, async_op=_async(opts))
 
     def barrier(self, opts=None):
-        return self._submit(ops.barrier, async_op=_async(opts))
+        return self._call("barrier", (opts,), ops.barrier, async_op=_async(opts))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         self._submit(ops.barrier, async_op=False)
@@ -235,10 +258,12 @@ class SimcommProcessGroup(dist.ProcessGroup):
     # -- point to point --
 
     def send(self, tensors, dst, tag=0):
-        return self._submit(ops.send, tensors, dst, tag, async_op=_p2p_async(sys._getframe()))
+        return self._call("send", (tensors, dst, tag), ops.send, tensors, dst, tag,
+                          async_op=_p2p_async(sys._getframe()))
 
     def recv(self, tensors, src, tag=0):
-        return self._submit(ops.recv, tensors, src, tag, async_op=_p2p_async(sys._getframe()))
+        return self._call("recv", (tensors, src, tag), ops.recv, tensors, src, tag,
+                          async_op=_p2p_async(sys._getframe()))
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError(
@@ -261,6 +286,12 @@ class SimcommProcessGroup(dist.ProcessGroup):
 
     def merge_remote_group(self, *args, **kwargs):
         raise NotImplementedError(f"merge_remote_group is not supported by the {BACKEND_NAME!r} backend")
+
+
+def _shape_only(transport) -> bool:
+    """Whether ``transport`` belongs to a shape-only run of virtual ranks (real workers' are never)."""
+    state = getattr(transport, "state", None)
+    return state is not None and state.shape_only
 
 
 def _requested_backend(frame) -> str | None:
