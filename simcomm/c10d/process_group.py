@@ -30,7 +30,7 @@ from ..trace import backward_phase
 from . import ops
 from .dispatch import dispatched, modes_active
 from .rank_state import BACKEND_NAME, current_context
-from .work import SimcommWork, completed
+from .work import SimcommWork, done
 
 __all__ = ["SimcommProcessGroup", "register"]
 
@@ -163,7 +163,8 @@ class SimcommProcessGroup(dist.ProcessGroup):
         return self._submit(translate, *args, async_op=async_op)
 
     def _submit(self, translate, *args, async_op: bool) -> dist.Work:
-        """Issue a translation; a completed Work for a blocking call, a SimcommWork else.
+        """Issue a translation; for a blocking call the one completed Work
+        (:func:`~simcomm.c10d.work.done`), a SimcommWork else.
 
         A call made while autograd's engine runs a backward pass on this thread (a
         node, a hook, or a callback queued for the end of the pass, as FSDP's gradient
@@ -176,7 +177,8 @@ class SimcommProcessGroup(dist.ProcessGroup):
             issued = translate(self.transport, *args, async_op)
         if async_op:
             return SimcommWork(issued, translate.__name__)
-        return completed(issued.finish(issued.calls))
+        issued.finish(issued.calls)
+        return done()
 
     # -- collectives (c10d's Python names and the C++ names call the same translation) --
 
