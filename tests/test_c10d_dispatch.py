@@ -48,6 +48,13 @@ def test_comm_debug_mode_counts_c10d_ops_as_on_gloo():
     assert got == reference
 
 
+@pytest.mark.real
+def test_real_workers_count_as_plain_gloo(gloo_cluster):
+    """real workers put simcomm's checked process group in place of gloo's: it counts the same."""
+    reference = _plain_gloo(2)
+    assert gloo_cluster(2).run(comm_debug_counts.program) == reference
+
+
 def test_comm_debug_mode_counts_on_virtual_ranks():
     got = simcomm.World(3).run(comm_debug_counts.program)
     assert got[0]["counts"] == {"c10d.allreduce_": 2, "c10d.broadcast_": 1, "c10d.allgather_": 1,
