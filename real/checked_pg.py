@@ -170,7 +170,8 @@ class RealProcessGroup(SimcommProcessGroup):
 
             return Issued(issued.calls, finish)
 
-        return self._submit(premul_reduce, tensors, _as_sum(opts), async_op=opts.asyncOp)
+        return self._submit(premul_reduce, tensors, _as_sum(opts), async_op=opts.asyncOp,
+                            route=("reduce", (tensors, opts)))
 
 
 #: the worker's default group once a run has installed it (it stays: see run_process_groups)

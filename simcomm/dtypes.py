@@ -46,7 +46,8 @@ _REDUCING = {"all_reduce": ValueError, "reduce_scatter": RuntimeError, "reduce":
 
 def table_for(device: torch.device | str) -> str:
     """The backend whose table applies on ``device``: ``"nccl"`` on CUDA, ``"gloo"`` elsewhere."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type   # no new device
+    return "nccl" if kind == "cuda" else "gloo"
 
 
 def check(op: str, dtype: torch.dtype | None, reduction: str | None, device: torch.device | str,

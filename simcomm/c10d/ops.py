@@ -31,6 +31,8 @@ from torch.distributed import ReduceOp
 from ..checks import check_avg_dtype, check_premul_factor, reduce_op_and_factor
 from ..sim.transport import SimTransport
 
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
 __all__ = ["Issued", "all_reduce", "all_gather_list", "all_gather_into_tensor", "reduce_scatter_list",
            "reduce_scatter_tensor", "all_to_all_single", "all_to_all_list", "broadcast", "reduce",
            "gather", "scatter", "barrier", "send", "recv"]
@@ -102,9 +104,9 @@ def _write(c10d_op: str, argument: str, out: torch.Tensor, value: torch.Tensor, 
         raise ValueError(
             f"{c10d_op}: rank {rank}'s {argument} has {out.numel()} elements {tuple(out.shape)} "
             f"but the result has {value.numel()} {tuple(value.shape)}")
-    with torch.autograd._unsafe_preserve_version_counter(out):
-        (out.detach() if out.requires_grad else out).copy_(
-            value if value.shape == out.shape else value.reshape(out.shape))
+    version = out._version          # as torch.autograd._unsafe_preserve_version_counter, inline
+    (out.detach() if out.requires_grad else out).copy_(value if value.shape == out.shape else value.reshape(out.shape))
+    _set_versions((out,), (version,))
     for _ in range(bumps):
         torch.autograd.graph.increment_version(out)
 

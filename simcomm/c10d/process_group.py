@@ -28,8 +28,9 @@ from torch.distributed import distributed_c10d as c10d
 from ..sim.transport import SimTransport
 from ..trace import backward_phase
 from . import ops
+from .dispatch import dispatched, modes_active
 from .rank_state import BACKEND_NAME, current_context
-from .work import SimcommWork, completed
+from .work import SimcommWork, done
 
 __all__ = ["SimcommProcessGroup", "register"]
 
@@ -152,13 +153,22 @@ class SimcommProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         return None
 
-    def _submit(self, translate, *args, async_op: bool) -> dist.Work:
-        """Issue a translation; a completed Work for a blocking call, a SimcommWork else.
+    def _submit(self, translate, *args, async_op: bool, route: tuple | None = None) -> dist.Work:
+        """Issue a translation; for a blocking call the one completed Work
+        (:func:`~simcomm.c10d.work.done`), a SimcommWork else.
+
+        ``route`` (``(method, c10d's arguments)``): while a dispatch mode is active, the
+        call goes through the dispatcher's c10d op of that C++ ``ProcessGroup`` method
+        (:mod:`simcomm.c10d.dispatch`), so the mode sees it as on a native backend.
 
         A call made while autograd's engine runs a backward pass on this thread (a
         node, a hook, or a callback queued for the end of the pass, as FSDP's gradient
         reduce-scatter and DDP's all-reduce are) is traced as backward.
         """
+        if route is not None and modes_active() and not _shape_only(self.transport):
+            method, c10d_args = route   # through the dispatcher's c10d op (simcomm.c10d.dispatch)
+            return dispatched(self, method, tuple(arg for arg in c10d_args if arg is not None),
+                              lambda: self._submit(translate, *args, async_op=async_op))
         if torch._C._current_graph_task_id() != -1:
             with backward_phase():
                 issued = translate(self.transport, *args, async_op)
@@ -166,68 +176,84 @@ class SimcommProcessGroup(dist.ProcessGroup):
             issued = translate(self.transport, *args, async_op)
         if async_op:
             return SimcommWork(issued, translate.__name__)
-        return completed(issued.finish(issued.calls))
+        issued.finish(issued.calls)
+        return done()
 
     # -- collectives (c10d's Python names and the C++ names call the same translation) --
+    # ``route``: the method of a C++ ProcessGroup that dispatches the same c10d op, and its arguments
 
     def allreduce(self, tensors, opts=None):
-        return self._submit(ops.all_reduce, tensors, opts, async_op=_async(opts))
+        return self._submit(ops.all_reduce, tensors, opts, async_op=_async(opts),
+                            route=("allreduce", (tensors, opts)))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self._submit(ops.all_reduce, tensors, opts, async_op=_async(opts))
+        return self._submit(ops.all_reduce, tensors, opts, async_op=_async(opts),
+                            route=("allreduce_coalesced", (tensors, opts)))
 
     def allgather(self, output_lists, input_tensors, opts=None):
-        return self._submit(ops.all_gather_list, output_lists, input_tensors, async_op=_async(opts))
+        return self._submit(ops.all_gather_list, output_lists, input_tensors, async_op=_async(opts),
+                            route=("allgather", (output_lists, input_tensors, opts)))
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        return self._submit(ops.all_gather_list, output_lists, input_tensors, async_op=_async(opts))
+        return self._submit(ops.all_gather_list, output_lists, input_tensors, async_op=_async(opts),
+                            route=("allgather_coalesced", (output_lists, input_tensors, opts)))
 
     def all_gather_single(self, output, input_, opts=None):
-        return self._submit(ops.all_gather_into_tensor, [output], [input_], async_op=_async(opts))
+        return self._submit(ops.all_gather_into_tensor, [output], [input_], async_op=_async(opts),
+                            route=("_allgather_base", (output, input_, opts)))
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._submit(ops.all_gather_into_tensor, outputs, inputs, async_op=_async(opts))
+        return self._submit(ops.all_gather_into_tensor, outputs, inputs, async_op=_async(opts),
+                            route=("allgather_into_tensor_coalesced", (outputs, inputs, opts)))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        return self._submit(ops.reduce_scatter_list, outputs, input_lists, opts, async_op=_async(opts))
+        return self._submit(ops.reduce_scatter_list, outputs, input_lists, opts, async_op=_async(opts),
+                            route=("reduce_scatter", (outputs, input_lists, opts)))
 
     def reduce_scatter_single(self, output, input_, opts=None):
-        return self._submit(ops.reduce_scatter_tensor, [output], [input_], opts, async_op=_async(opts))
+        return self._submit(ops.reduce_scatter_tensor, [output], [input_], opts, async_op=_async(opts),
+                            route=("_reduce_scatter_base", (output, input_, opts)))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        return self._submit(ops.reduce_scatter_tensor, outputs, inputs, opts, async_op=_async(opts))
+        return self._submit(ops.reduce_scatter_tensor, outputs, inputs, opts, async_op=_async(opts),
+                            route=("reduce_scatter_tensor_coalesced", (outputs, inputs, opts)))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(self, output, input_, output_split_sizes, input_split_sizes, opts=None):
         return self._submit(ops.all_to_all_single, output, input_, list(output_split_sizes or []),
-                            list(input_split_sizes or []), async_op=_async(opts))
+                            list(input_split_sizes or []), async_op=_async(opts),
+                            route=("alltoall_base", (output, input_, output_split_sizes, input_split_sizes, opts)))
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_list, input_list, opts=None):
-        return self._submit(ops.all_to_all_list, output_list, input_list, async_op=_async(opts))
+        return self._submit(ops.all_to_all_list, output_list, input_list, async_op=_async(opts),
+                            route=("alltoall", (output_list, input_list, opts)))
 
     def broadcast(self, tensors, opts=None):
-        return self._submit(ops.broadcast, tensors, opts.rootRank, async_op=_async(opts))
+        return self._submit(ops.broadcast, tensors, opts.rootRank, async_op=_async(opts),
+                            route=("broadcast", (tensors, opts)))
 
     def reduce(self, tensors, opts=None):
-        return self._submit(ops.reduce, tensors, opts, async_op=_async(opts))
+        return self._submit(ops.reduce, tensors, opts, async_op=_async(opts), route=("reduce", (tensors, opts)))
 
     def gather(self, output_lists, input_tensors, opts=None):
-        return self._submit(ops.gather, output_lists, input_tensors, opts.rootRank, async_op=_async(opts))
+        return self._submit(ops.gather, output_lists, input_tensors, opts.rootRank, async_op=_async(opts),
+                            route=("gather", (output_lists, input_tensors, opts)))
 
     def scatter(self, outputs, input_lists, opts=None):
-        return self._submit(ops.scatter, outputs, input_lists, opts.rootRank, async_op=_async(opts))
+        return self._submit(ops.scatter, outputs, input_lists, opts.rootRank, async_op=_async(opts),
+                            route=("scatter", (outputs, input_lists, opts)))
 
     def barrier(self, opts=None):
-        return self._submit(ops.barrier, async_op=_async(opts))
+        return self._submit(ops.barrier, async_op=_async(opts), route=("barrier", (opts,)))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         self._submit(ops.barrier, async_op=False)
@@ -235,10 +261,12 @@ class SimcommProcessGroup(dist.ProcessGroup):
     # -- point to point --
 
     def send(self, tensors, dst, tag=0):
-        return self._submit(ops.send, tensors, dst, tag, async_op=_p2p_async(sys._getframe()))
+        return self._submit(ops.send, tensors, dst, tag, async_op=_p2p_async(sys._getframe()),
+                            route=("send", (tensors, dst, tag)))
 
     def recv(self, tensors, src, tag=0):
-        return self._submit(ops.recv, tensors, src, tag, async_op=_p2p_async(sys._getframe()))
+        return self._submit(ops.recv, tensors, src, tag, async_op=_p2p_async(sys._getframe()),
+                            route=("recv", (tensors, src, tag)))
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError(
@@ -261,6 +289,12 @@ class SimcommProcessGroup(dist.ProcessGroup):
 
     def merge_remote_group(self, *args, **kwargs):
         raise NotImplementedError(f"merge_remote_group is not supported by the {BACKEND_NAME!r} backend")
+
+
+def _shape_only(transport) -> bool:
+    """Whether ``transport`` belongs to a shape-only run of virtual ranks (real workers' are never)."""
+    state = getattr(transport, "state", None)
+    return state is not None and state.shape_only
 
 
 def _requested_backend(frame) -> str | None:

@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from .ops import Issued
 
-__all__ = ["SimcommWork", "completed", "wait_returned"]
+__all__ = ["SimcommWork", "completed", "done", "wait_returned"]
 
 
 class SimcommWork(dist.Work):
@@ -98,10 +98,22 @@ class SimcommWork(dist.Work):
 
 
 def completed(outputs: list[torch.Tensor]) -> dist.Work:
-    """The Work of a call that completed before it returned (a blocking call)."""
+    """The Work of a call that completed before it returned, its future holding ``outputs``."""
     future: Future = Future()
     future.set_result(outputs)
     return _create_work_from_future(future)
+
+
+_DONE: list[dist.Work] = []
+
+
+def done() -> dist.Work:
+    """The Work every blocking call returns: complete, ``wait()`` returns at once, its future
+    holds an empty list. One object for all (made once): c10d's ``dist.*`` functions only wait
+    on it and return ``None`` to the program, so a blocking call costs no Work of its own."""
+    if not _DONE:
+        _DONE.append(completed([]))
+    return _DONE[0]
 
 
 def wait_returned(result: Any) -> Any:

@@ -60,17 +60,23 @@ _COPY_HERE_BELOW = 1 << 16  # bytes: smaller shared outputs are copied by the ra
 def copy_small_shared(slot: Slot) -> None:
     """Copy small shared outputs right away, while this thread's caches are warm; a
     woken rank's first touches are the expensive ones. Large ones stay per rank."""
+    outputs, holders = slot.outputs, {}
     for index, shared in enumerate(slot.shared):
-        out = slot.outputs[index]
-        if shared and out.nbytes < _COPY_HERE_BELOW:
-            slot.outputs[index], slot.shared[index] = out.clone(), False
+        if shared:
+            out = outputs[index]
+            if out.nbytes < _COPY_HERE_BELOW:
+                outputs[index], slot.shared[index] = out.clone(), False
+            else:
+                holders[id(out)] = holders.get(id(out), 1) + 1   # the first holder is not marked shared
+    slot.holders = holders
 
 
 def materialize(slot: Slot, rank: int, state: RunState):
     """This rank's output of a completed slot, counted on this rank (:func:`simcomm.memory.received`).
 
     A tensor that other members of the slot still share is copied; the last member to
-    take it gets the original. So no rank is counted for a shared output another rank
+    take it gets the original (``slot.holders`` counts the members yet to take each shared
+    tensor, so this costs the same at any group size). So no rank is counted for a shared output another rank
     has not taken yet (the count would depend on which rank the scheduler ran first),
     as in the shape-only run, where every member builds its own output.
     """
@@ -79,8 +85,13 @@ def materialize(slot: Slot, rank: int, state: RunState):
     slot.outputs[rank] = slot.inputs[rank] = slot.frames[rank] = None
     if state.shape_only:    # meta outputs become fake tensors of this rank's own mode
         return memory.received(_shape.own(out, state.device))
-    still_shared = isinstance(out, torch.Tensor) and any(other is out for other in slot.outputs)
-    return memory.received(out.clone() if still_shared else out)
+    holders = slot.holders
+    if holders and id(out) in holders:
+        left = holders[id(out)] - 1     # members still to take it after this one
+        holders[id(out)] = left
+        if left:
+            out = out.clone()
+    return memory.received(out)
 
 
 def failure(slot: Slot, rank: int) -> BaseException:
@@ -117,8 +128,8 @@ class Slot:
     computed the outputs (seconds since the run started).
     """
 
-    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "failed",
-                 "error", "moved")
+    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "holders",
+                 "failed", "error", "moved")
 
     def __init__(self, op: str, sig: tuple, world_size: int):
         self.op, self.sig = op, sig
@@ -128,6 +139,7 @@ class Slot:
         self.waiting: list[int] = []      # global ranks blocked on this slot
         self.outputs: list | None = None
         self.shared: list[bool] = []
+        self.holders: dict[int, int] = {}     # id of a shared large output -> members yet to take it
         self.failed = False
         self.error: Exception | None = None   # what the collective's math raised, if it did
         self.moved = 0.0

@@ -1,0 +1,287 @@
+"""CPU time per virtual rank of one collective, beside a bare thread handoff and PyTorch's threaded group.
+
+The figure is the whole process's CPU time (``time.process_time``: every
+thread) of a run with K calls minus that of the same run with none, divided
+by K x ranks: what one rank spends on one call, with start-up and teardown
+cancelled out. On a shared, busy machine it moves far less than wall time,
+which is printed beside it (same subtraction). Sides, each in a fresh
+process of its own with ``torch.set_num_threads(1)``, alternating round by
+round; each figure is the minimum over rounds:
+
+* ``ring``     - a bare handoff ring: one thread per rank, a lock each, a token
+  passed round the ring K times (no torch): the floor of any simulator whose
+  ranks take turns, one handoff per rank per collective;
+* ``comm``     - ``comm.all_reduce`` of 1 KiB (float32) in ``World(n).run``;
+* ``dist``     - ``dist.all_reduce`` of 1 KiB on the ``"simcomm"`` backend in
+  ``World(n).run``;
+* ``threaded`` - ``dist.all_reduce`` of 1 KiB on PyTorch's threaded process group
+  (``torch.testing._internal.distributed.multi_threaded_pg``), one thread per rank;
+* ``fsdp``     - (``--fsdp``) one FSDP2 forward+backward of 4 x ``Linear(1024)``
+  (batch 8 per rank, each layer and the root ``fully_shard``ed) on 4 ranks: per step,
+  virtual ranks vs the threaded group, and wall time beside four single-rank steps
+  of the per-rank batch (no sharding, no communication).
+
+Tracing is on for the virtual ranks, as in a lesson.
+
+    python benchmarks/cpu_per_rank.py                          # 8, 64, 256 ranks
+    python benchmarks/cpu_per_rank.py --world-sizes 8 64 --rounds 3
+    python benchmarks/cpu_per_rank.py --fsdp                   # the FSDP2 step too
+    python benchmarks/cpu_per_rank.py --sides comm dist --baseline DIR   # DIR: another checkout
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIDES = ("ring", "comm", "dist", "threaded")
+NUMEL = 256                      # 1 KiB of float32
+
+
+def _timed(run, *args) -> tuple[float, float]:
+    cpu, wall = time.process_time(), time.perf_counter()
+    run(*args)
+    return time.process_time() - cpu, time.perf_counter() - wall
+
+
+# -- the sides: run(world_size, calls) does the whole run -------------------------------------
+
+def ring_run(world_size: int, calls: int) -> None:
+    locks = [threading.Lock() for _ in range(world_size)]
+    for lock in locks:
+        lock.acquire()
+
+    def rank(me: int) -> None:
+        mine, following = locks[me], locks[(me + 1) % world_size]
+        for _ in range(calls):
+            mine.acquire()             # wait for the token
+            following.release()        # hand it on
+
+    threads = [threading.Thread(target=rank, args=(me,)) for me in range(world_size)]
+    for thread in threads:
+        thread.start()
+    if calls:
+        locks[0].release()
+    for thread in threads:
+        thread.join()
+
+
+def _comm_program(comm, calls: int) -> None:
+    import torch
+    x = torch.ones(NUMEL) * comm.rank
+    for _ in range(calls):
+        comm.all_reduce(x)             # allocates its output
+
+
+def _dist_program(comm, calls: int) -> None:
+    import torch
+    import torch.distributed as dist
+    x = torch.ones(NUMEL) * dist.get_rank()
+    for _ in range(calls):
+        dist.all_reduce(x)             # in place
+
+
+_WORLDS: dict = {}
+
+
+def _world(world_size: int):
+    import simcomm
+    if world_size not in _WORLDS:
+        _WORLDS[world_size] = simcomm.World(world_size)
+    return _WORLDS[world_size]
+
+
+def comm_run(world_size: int, calls: int) -> None:
+    _world(world_size).run(_comm_program, calls)
+
+
+def dist_run(world_size: int, calls: int) -> None:
+    _world(world_size).run(_dist_program, calls)
+
+
+def _threaded(world_size: int, program, *args) -> list:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)   # a group registry per thread
+    mtpg._install_threaded_pg()
+    store = dist.HashStore()
+    results: list = [None] * world_size
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            results[rank] = program(None, *args)
+            dist.destroy_process_group()
+        except BaseException as error:   # re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    mtpg._uninstall_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def threaded_run(world_size: int, calls: int) -> None:
+    _threaded(world_size, _dist_program, calls)
+
+
+# -- FSDP2: one forward+backward on 4 ranks ---------------------------------------------------
+
+FSDP_RANKS, FSDP_HIDDEN, FSDP_BATCH = 4, 1024, 8
+
+
+def _mlp():
+    import torch
+    import torch.nn as nn
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(FSDP_HIDDEN, FSDP_HIDDEN) for _ in range(4)])
+
+
+def _fsdp_program(comm, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    model = _mlp()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    x = torch.randn(FSDP_BATCH, FSDP_HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(steps):
+        model(x).sum().backward()
+
+
+def fsdp_run(world_size: int, steps: int) -> None:
+    _world(world_size).run(_fsdp_program, steps)
+
+
+def fsdp_threaded_run(world_size: int, steps: int) -> None:
+    _threaded(world_size, _fsdp_program, steps)
+
+
+def fsdp_single_run(world_size: int, steps: int) -> None:
+    """``world_size`` single-rank steps of the per-rank batch per step: no sharding."""
+    import torch
+    model = _mlp()
+    x = torch.randn(FSDP_BATCH, FSDP_HIDDEN, generator=torch.Generator().manual_seed(0))
+    for _ in range(steps * world_size):
+        model(x).sum().backward()
+
+
+RUNS = {"ring": ring_run, "comm": comm_run, "dist": dist_run, "threaded": threaded_run,
+        "fsdp": fsdp_run, "fsdp_threaded": fsdp_threaded_run, "fsdp_single": fsdp_single_run}
+
+
+def worker(side: str, world_size: int, calls: int) -> None:
+    """Print ``{"cpu": s, "wall": s}`` of a run with ``calls`` minus a run with none."""
+    import torch
+    torch.set_num_threads(1)
+    run = RUNS[side]
+    run(world_size, 2)                                  # warm-up: imports, first-call caches
+    base, full = [], []
+    for _ in range(3):
+        base.append(_timed(run, world_size, 0))
+        full.append(_timed(run, world_size, calls))
+    cpu = min(c for c, _ in full) - min(c for c, _ in base)
+    wall = min(w for _, w in full) - min(w for w, _ in base)
+    print(json.dumps({"cpu": cpu, "wall": wall}))
+
+
+def measure(side: str, world_size: int, calls: int, root: str) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", side, str(world_size),
+                           str(calls)], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the {side} worker at {world_size} ranks failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _best(samples: list[dict]) -> dict[str, float]:
+    return {key: min(sample[key] for sample in samples) for key in ("cpu", "wall")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=32768, help="calls x ranks per run (K = this / ranks)")
+    parser.add_argument("--fsdp", action="store_true", help="also the FSDP2 step on 4 ranks")
+    parser.add_argument("--fsdp-steps", type=int, default=10)
+    parser.add_argument("--baseline", help="another checkout, measured as the sides 'comm@base', 'dist@base'")
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        side, world_size, calls = args.worker
+        worker(side, int(world_size), int(calls))
+        return 0
+
+    sides = [(side, ROOT) for side in args.sides]
+    if args.baseline:
+        sides += [(f"{side}@base", os.path.abspath(args.baseline)) for side in args.sides if side in ("comm", "dist")]
+    rows: dict = {}
+    print("1 KiB all_reduce: CPU and wall time per rank per call (us); each side in a fresh process")
+    header = f"{'ranks':>5}" + "".join(f"{name + ' cpu':>14}{'wall':>8}" for name, _ in sides)
+    print(header)
+    for world_size in args.world_sizes:
+        calls = max(args.calls // world_size, 8)
+        samples: dict[str, list] = {name: [] for name, _ in sides}
+        for _ in range(args.rounds):
+            for name, root in sides:
+                samples[name].append(measure(name.split("@")[0], world_size, calls, root))
+        row = {name: {k: v / (calls * world_size) * 1e6 for k, v in _best(s).items()} for name, s in samples.items()}
+        rows[world_size] = row
+        print(f"{world_size:>5}" + "".join(f"{row[name]['cpu']:>14.1f}{row[name]['wall']:>8.1f}"
+                                           for name, _ in sides), flush=True)
+    ratios = [("comm", "threaded"), ("comm", "ring"), ("dist", "comm"), ("dist", "threaded"),
+              ("comm", "comm@base"), ("dist", "dist@base")]
+    names = {name for name, _ in sides}
+    ratios = [(a, b) for a, b in ratios if a in names and b in names]
+    if ratios:
+        print("\nCPU ratios (wall ratios in brackets)")
+        print(f"{'ranks':>5}" + "".join(f"{a + '/' + b:>22}" for a, b in ratios))
+        for world_size, row in rows.items():
+            print(f"{world_size:>5}" + "".join(
+                f"{row[a]['cpu'] / row[b]['cpu']:>14.2f} ({row[a]['wall'] / row[b]['wall']:>5.2f})"
+                for a, b in ratios))
+    result = {"all_reduce_1KiB": rows}
+    if args.fsdp:
+        fsdp_sides = ("fsdp", "fsdp_threaded", "fsdp_single")
+        fsdp: dict[str, list] = {side: [] for side in fsdp_sides}
+        for _ in range(args.rounds):
+            for side in fsdp_sides:
+                fsdp[side].append(measure(side, FSDP_RANKS, args.fsdp_steps, ROOT))
+        best = {side: {k: v / args.fsdp_steps * 1e3 for k, v in _best(s).items()} for side, s in fsdp.items()}
+        result["fsdp2_step_ms"] = best
+        print(f"\nFSDP2 fwd+bwd, 4 x Linear({FSDP_HIDDEN}), batch {FSDP_BATCH} per rank, {FSDP_RANKS} ranks: "
+              f"per step (ms)")
+        print(f"{'side':<40}{'cpu ms':>9}{'wall ms':>9}")
+        labels = {"fsdp": "virtual ranks", "fsdp_threaded": "threaded process group",
+                  "fsdp_single": f"{FSDP_RANKS} single-rank steps, per-rank batch"}
+        for side in fsdp_sides:
+            print(f"{labels[side]:<40}{best[side]['cpu']:>9.1f}{best[side]['wall']:>9.1f}")
+        print(f"virtual/threaded CPU {best['fsdp']['cpu'] / best['fsdp_threaded']['cpu']:.2f}; "
+              f"virtual/single wall {best['fsdp']['wall'] / best['fsdp_single']['wall']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
