@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import memory
+from .llama import rms_norm, rotate_pairs, share_kv_heads
 
 __all__ = ["LlamaConfig", "LLAMA3_8B", "Llama", "TransformerBlock", "fsdp_train_step", "flops_per_token",
            "parameter_count"]
@@ -77,20 +78,16 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     return 6 * dense + 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
 
 
-def _at_least_float32(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
+    """:func:`simcomm.parallel.llama.rms_norm` with its weight (bf16 is normalised in fp32)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(_at_least_float32(x))                       # bf16 is normalized in fp32
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(config: LlamaConfig, seq_len: int, device: torch.device | str | None = None
@@ -103,12 +100,9 @@ def rope_tables(config: LlamaConfig, seq_len: int, device: torch.device | str | 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each consecutive pair of ``x``'s last dim; ``x`` is ``(b, s, h, head_dim)``."""
-    pairs = x.to(_at_least_float32(x)).unflatten(-1, (-1, 2))   # (b, s, h, hd/2, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]          # (b, s, h, hd/2) each
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]   # (1, s, 1, hd/2)
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)  # (b, s, h, hd/2, 2)
-    return rotated.flatten(-2).type_as(x)             # (b, s, h, hd)
+    """Rotate each consecutive pair of ``x``'s last dim (:func:`simcomm.parallel.llama.rotate_pairs`);
+    ``x`` is ``(b, s, h, head_dim)``, ``cos``/``sin`` :func:`rope_tables`."""
+    return rotate_pairs(x, cos[None, :, None, :], sin[None, :, None, :])   # tables (1, s, 1, hd/2) -> (b, s, h, hd)
 
 
 class Attention(nn.Module):
@@ -126,9 +120,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)    # (b, s, kv, hd)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)    # (b, s, kv, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeat = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(repeat, dim=2)                       # (b, s, h, hd): each kv head shared
-        v = v.repeat_interleave(repeat, dim=2)
+        k, v = share_kv_heads(k, v, self.n_heads, self.n_kv_heads, dim=2)   # (b, s, h, hd) each
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))             # (b, h, s, hd)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, h, s, hd)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))        # (b, s, d)

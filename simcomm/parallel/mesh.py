@@ -10,8 +10,9 @@ by name and only by name::
     layout.group_of(5, "dp")                 # [5, 7]
 
 **The rank order.** The dimensions always come in the order of :data:`DIMS`,
-outermost first: pipeline, data, context, tensor (torchtitan's mesh order,
-``("pp", "dp", "cp", "tp")``). A layout holds the dimensions it was given,
+outermost first: pipeline, data (``dp``, or in its place ``dp_replicate``
+then ``dp_shard``), context, tensor (torchtitan's mesh order, ``("pp",
+"dp_replicate", "dp_shard", "cp", "tp")``). A layout holds the dimensions it was given,
 in that order (``layout.dims``), with their sizes (``layout.shape``), and
 numbers the ranks row-major over them, exactly as
 ``init_device_mesh(device, layout.shape, mesh_dim_names=layout.dims)`` does:
@@ -46,8 +47,8 @@ same shape and names inside a run, so ``mesh[dim].mesh`` and
 ``mesh.get_group(dim)`` give the ranks that :meth:`Layout.group_of` gives.
 
 Sizes are keyword-only: a positional call is a ``TypeError`` that says how to
-write it (two earlier ``Layout`` classes took ``(tp, pp, dp)`` and
-``(tp, dp, pp)``; the same numbers meant different meshes). Pure Python: no
+write it (earlier ``Layout`` classes took ``(tp, pp, dp)``, ``(tp, dp, pp)``
+and ``(dp, pp, cp, tp, fsdp)``; the same numbers meant different meshes). Pure Python: no
 communication, nothing here needs a run.
 """
 from __future__ import annotations
@@ -88,9 +89,10 @@ class Layout:
 
     ``Layout(pp=..., dp=..., cp=..., tp=...)``: any of them, by name, at least
     one; instead of ``dp`` the HSDP split ``dp_replicate=..., dp_shard=...``
-    (module docstring; giving both ``dp`` and the split is a ``TypeError``). Immutable, hashable, equal when the dims and sizes are equal;
-    pickles (it travels to real workers as a program argument). Iterating or
-    indexing it is refused: read sizes by name (``layout.tp``).
+    (module docstring; giving both ``dp`` and the split is a ``TypeError``).
+    Immutable, hashable, equal when the dims and sizes are equal; pickles (it
+    travels to real workers as a program argument). Iterating or indexing it is
+    refused: read sizes by name (``layout.tp``).
     """
 
     __slots__ = ("_sizes", "_atomic")
