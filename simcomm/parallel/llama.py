@@ -21,7 +21,8 @@ gradient from this rank's sequence shard (:func:`assemble_grads` sums them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,8 @@ __all__ = ["Config", "init_params", "loss", "logits", "shard_params", "tp_loss",
 
 @dataclass(frozen=True)
 class Config:
-    """Sizes of the model."""
+    """Sizes of the model: the lesson's small Llama by default; the planning model of
+    :mod:`simcomm.parallel.llama3_fsdp` takes the same config (``llama3_fsdp.LLAMA3_8B``)."""
 
     vocab: int = 64
     hidden: int = 32
@@ -50,6 +52,10 @@ class Config:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    def scaled(self, **changes: Any) -> Config:
+        """A copy with ``changes`` (field names as above)."""
+        return replace(self, **changes)
 
 
 def layer_names(layer: int) -> list[str]:
