@@ -25,8 +25,8 @@ c, t)`` (``d`` the flattened data-parallel index):
    all-gather's backward reduce-scatters the gradients into the pieces
    (:mod:`simcomm.parallel.llama_fsdp`); then an all-reduce over the
    replicate x context ranks (``layout.groups("dp_replicate", "cp")``; plain
-   data parallelism: all of ``dp x cp``); the replicated RMSNorm weights' parts are summed over the tensor
-   group too;
+   data parallelism: all of ``dp x cp``); the replicated RMSNorm weights'
+   parts are summed over the tensor group too;
 3. **global gradient-norm clipping**: the squared norms of the tensor-sharded
    gradients all-reduced over the tensor group (the replicated ones counted
    once), then over the shard group (FSDP pieces) and the pipeline stages;
