@@ -49,7 +49,7 @@ def main() -> None:
     from simcomm.model import cost, topology
     from simcomm.parallel import llama3_fsdp as llama
 
-    config = llama.LLAMA3_8B.scaled(n_layers=args.layers)
+    config = llama.LLAMA3_8B.scaled(layers=args.layers)
     world = simcomm.World(args.ranks, tensors="shape", memory=True, count_flops=True)
     wall, cpu = time.perf_counter(), time.process_time()
     world.run(llama.fsdp_train_step, config, args.batch, args.seq, steps=args.steps,
@@ -60,7 +60,7 @@ def main() -> None:
     report = world.memory
     rank = report[0]
     params = llama.parameter_count(config)
-    block = (params - 2 * config.vocab_size * config.dim - config.dim) // config.n_layers
+    block = (params - 2 * config.vocab * config.hidden - config.hidden) // config.layers
     after = rank.at(f"step {args.steps} backward")
     end = rank.at(f"step {args.steps}")
     # simcomm.memory does not see untyped_storage().resize_(0), with which FSDP2 frees its unsharded
@@ -69,9 +69,9 @@ def main() -> None:
     # what the tracker missed (measured). At the peak (the start of the backward) FSDP2 truly holds the
     # root's (embedding; norm and output, not resharded after forward) and at most two blocks unsharded.
     unseen = end["activations"]
-    live_at_peak = (2 * config.vocab_size * config.dim + config.dim + min(2, config.n_layers) * block) * 2
+    live_at_peak = (2 * config.vocab * config.hidden + config.hidden + min(2, config.layers) * block) * 2
     correction = max(0, unseen - live_at_peak)
-    print(f"Llama 3.1 8B shape ({params / 1e9:.2f} B parameters, {config.n_layers} layers), FSDP2 on "
+    print(f"Llama 3.1 8B shape ({params / 1e9:.2f} B parameters, {config.layers} layers), FSDP2 on "
           f"{args.ranks} virtual ranks, local batch {args.batch}, sequence {args.seq}, "
           f"{'no' if args.no_checkpoint else 'per-op selective'} AC, AdamW, {args.steps} steps")
     print()

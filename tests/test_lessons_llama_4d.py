@@ -8,9 +8,10 @@ from simcomm.lessons.verdicts import HINT_OFFER, NOT_ANSWERED
 from simcomm.parallel import llama
 from simcomm.parallel import llama_pipeline as lp
 from simcomm.parallel import llama_training as lt
+from simcomm.parallel.mesh import Layout
 
 CONFIG = llama.Config()
-LAYOUT = lt.Layout(dp=2, pp=2, cp=2, tp=2, fsdp=2)
+LAYOUT = Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)
 
 
 def _squares(grads):
@@ -65,11 +66,13 @@ def test_grad_norm_placeholder_is_not_answered():
 
 
 def test_held_bytes_accepts_the_measured_bytes():
-    dp = 24 * lt.held_numel(CONFIG, lt.Layout(2, 2, 2, 2, 1), 0)
+    dp = 24 * lt.held_numel(CONFIG, Layout(pp=2, dp_replicate=2, dp_shard=1, cp=2, tp=2), 0)
     fsdp = 24 * lt.held_numel(CONFIG, LAYOUT, 0)
     assert (dp, fsdp) == (136_704, 68_352)      # stage 0, tensor rank 0: 5,696 elements, half under FSDP
     assert checks.check_held_bytes({"dp": dp, "fsdp": fsdp}, CONFIG, LAYOUT).startswith("Correct")
     assert checks.check_held_bytes({"dp": float(dp), "fsdp": torch.tensor(fsdp)}, CONFIG, LAYOUT).startswith("Correct")
+    for same_sizes in (Layout(pp=2, dp=2, cp=2, tp=2), Layout(pp=2, dp_replicate=2, cp=2, tp=2)):
+        assert checks.check_held_bytes({"dp": dp, "fsdp": fsdp}, CONFIG, same_sizes).startswith("Correct")
 
 
 def test_held_bytes_rejects_wrong_partial_and_malformed_answers():

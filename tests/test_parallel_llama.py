@@ -78,3 +78,31 @@ def test_context_parallel_llama_equals_one_device(tp, cp):
     grads = llama.assemble_grads([outs[t]["grads"] for t in range(tp)])     # context rank 0's tensor group
     for name, p in leaves.items():
         torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-12, msg=name)
+
+
+def test_the_shared_blocks_against_independent_formulas():
+    """rms_norm, rotate_pairs and share_kv_heads (used by this model and llama3_fsdp's) against the
+    formulas written another way: complex rotation for RoPE, explicit indexing for grouped-query heads."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=gen)
+    weight = torch.randn(8, dtype=torch.float64, generator=gen)
+    expected = x / (x.pow(2).sum(-1, keepdim=True) / 8 + 1e-6).sqrt() * weight
+    torch.testing.assert_close(llama.rms_norm(x, weight, 1e-6), expected, rtol=0, atol=1e-14)
+    half = x.to(torch.bfloat16)                                           # normalised in float32, cast back
+    assert llama.rms_norm(half, weight.to(torch.bfloat16), 1e-6).dtype == torch.bfloat16
+    angle = torch.randn(5, 4, dtype=torch.float64, generator=gen)        # (s, d/2), against x (3, s, d)
+    rotated = llama.rotate_pairs(x, angle.cos(), angle.sin())
+    complex_x = torch.view_as_complex(x.reshape(3, 5, 4, 2))
+    torch.testing.assert_close(rotated, torch.view_as_real(complex_x * torch.exp(1j * angle)).reshape(3, 5, 8),
+                               rtol=0, atol=1e-14)
+    k, v = torch.randn(2, 5, 2, 8, generator=gen), torch.randn(2, 5, 2, 8, generator=gen)   # 2 KV heads
+    k4, v4 = llama.share_kv_heads(k, v, heads=4, kv_heads=2, dim=2)
+    assert torch.equal(k4, k[:, :, [0, 0, 1, 1]]) and torch.equal(v4, v[:, :, [0, 0, 1, 1]])
+
+
+def test_the_planning_model_takes_the_same_config():
+    from simcomm.parallel import llama3_fsdp
+
+    assert isinstance(llama3_fsdp.LLAMA3_8B, llama.Config)
+    assert llama3_fsdp.LLAMA3_8B.scaled(layers=2) == llama.Config(
+        vocab=128256, hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=2, rope_base=500000.0, eps=1e-5)

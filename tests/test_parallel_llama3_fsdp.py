@@ -13,7 +13,7 @@ import simcomm
 from simcomm.parallel import llama3_fsdp as llama
 from simcomm.sim.shape import trace_signature
 
-TOY = llama.LLAMA3_8B.scaled(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128)
+TOY = llama.LLAMA3_8B.scaled(hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, vocab=128)
 BATCH, SEQ, WORLD = 2, 16, 2
 
 
@@ -27,7 +27,7 @@ def test_grouped_query_attention_equals_full_attention_with_repeated_heads():
     and the rotary embedding done with complex numbers (an independent formulation)."""
     torch.manual_seed(0)
     attention = llama.Attention(TOY).double()
-    x = torch.randn(BATCH, SEQ, TOY.dim, dtype=torch.float64)
+    x = torch.randn(BATCH, SEQ, TOY.hidden, dtype=torch.float64)
     cos, sin = llama.rope_tables(TOY, SEQ)
     got = attention(x, cos, sin)
 
@@ -37,12 +37,12 @@ def test_grouped_query_attention_equals_full_attention_with_repeated_heads():
         return torch.view_as_real(pairs * angle[None, :, None, :]).flatten(-2)
 
     hd = TOY.head_dim
-    q = rope(attention.wq(x).view(BATCH, SEQ, TOY.n_heads, hd))
-    k = rope(attention.wk(x).view(BATCH, SEQ, TOY.n_kv_heads, hd))
-    v = attention.wv(x).view(BATCH, SEQ, TOY.n_kv_heads, hd)
-    groups = TOY.n_heads // TOY.n_kv_heads
-    k = torch.stack([k[:, :, h // groups] for h in range(TOY.n_heads)], 2)   # (b, s, h, hd)
-    v = torch.stack([v[:, :, h // groups] for h in range(TOY.n_heads)], 2)
+    q = rope(attention.wq(x).view(BATCH, SEQ, TOY.heads, hd))
+    k = rope(attention.wk(x).view(BATCH, SEQ, TOY.kv_heads, hd))
+    v = attention.wv(x).view(BATCH, SEQ, TOY.kv_heads, hd)
+    groups = TOY.heads // TOY.kv_heads
+    k = torch.stack([k[:, :, h // groups] for h in range(TOY.heads)], 2)   # (b, s, h, hd)
+    v = torch.stack([v[:, :, h // groups] for h in range(TOY.heads)], 2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
     scores = scores.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
     out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(BATCH, SEQ, -1)
@@ -60,7 +60,7 @@ def _one_device_step_flops(steps: int) -> int:
     model = llama.Llama(TOY)
     with FlopCounterMode(display=False, custom_mapping=cpu_attention) as counter:
         for _ in range(steps):
-            tokens = torch.randint(0, TOY.vocab_size, (BATCH, SEQ + 1))
+            tokens = torch.randint(0, TOY.vocab, (BATCH, SEQ + 1))
             logits = model(tokens[:, :-1])
             torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
     return counter.get_total_flops()

@@ -10,9 +10,12 @@ import torch
 import simcomm
 from simcomm.parallel import llama, llama_fsdp
 from simcomm.parallel import llama_training as lt
+from simcomm.parallel.mesh import Layout
 
 CONFIG = llama.Config()
 TOLERANCE = 1e-12
+LAYOUT_4D = Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)     # 16 ranks, FSDP over the 2 data ranks
+LAYOUT_REAL = Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2)         # 8 gloo processes
 
 
 @pytest.fixture(autouse=True)
@@ -34,33 +37,35 @@ def _max_error(outs, reference) -> float:
     return max(float((out["losses"] - reference).abs().max()) for out in outs)
 
 
-@pytest.mark.parametrize("world_size, kwargs", [
-    (4, dict(tp=1, fsdp=4)),                     # FSDP over 4 data-parallel ranks
-    (4, dict(tp=1, fsdp=2)),                     # HSDP: 2 replicas x 2 shards
-    (8, dict(tp=2, fsdp=2)),                     # HSDP with tensor parallelism
-    (4, dict(tp=1, pp=2, fsdp=1)),               # the 1F1B pipeline inside the training loop
-])
-def test_fsdp_hsdp_and_pipeline_training_equal_one_device(setup, world_size, kwargs):
+@pytest.mark.parametrize("layout", [
+    Layout(dp_shard=4),                          # FSDP over 4 data-parallel ranks
+    Layout(dp_replicate=2, dp_shard=2),          # HSDP: 2 replicas x 2 shards
+    Layout(dp_replicate=2, dp_shard=2, tp=2),    # HSDP with tensor parallelism
+    Layout(pp=2, dp=2),                          # the 1F1B pipeline inside the training loop
+], ids=repr)
+def test_fsdp_hsdp_and_pipeline_training_equal_one_device(setup, layout):
     data, params = setup
-    dp = world_size // (kwargs["tp"] * kwargs.get("pp", 1))
-    reference = lt.reference_losses(data, params, CONFIG, dp=dp, steps=3, global_batch=4)
-    outs = simcomm.World(world_size).run(lt.train, data, params, CONFIG, steps=3, global_batch=4, **kwargs)
+    reference = lt.reference_losses(data, params, CONFIG, dp=layout.dp, steps=3, global_batch=4)
+    outs = simcomm.World(layout.world_size).run(lt.train, data, params, CONFIG, layout=layout, steps=3,
+                                                global_batch=4)
     assert _max_error(outs, reference) < TOLERANCE
-    if kwargs["fsdp"] > 1:         # each rank holds 1/fsdp of its parameters (and so of Adam's state)
-        tensor_shards = llama.shard_params(params, CONFIG, 0, kwargs["tp"])
-        assert outs[0]["held"] == sum(llama_fsdp.piece_numel(p.numel(), kwargs["fsdp"])
+    if layout.dp_shard > 1:         # each rank holds 1/dp_shard of its parameters (and so of Adam's state)
+        tensor_shards = llama.shard_params(params, CONFIG, 0, layout.tp)
+        assert outs[0]["held"] == sum(llama_fsdp.piece_numel(p.numel(), layout.dp_shard)
                                       for p in tensor_shards.values())
-    layout = lt.Layout(dp, kwargs.get("pp", 1), 1, kwargs["tp"], kwargs["fsdp"])
-    assert [out["held"] for out in outs] == [lt.held_numel(CONFIG, layout, rank) for rank in range(world_size)]
+    assert [out["held"] for out in outs] == [lt.held_numel(CONFIG, layout, rank)
+                                             for rank in range(layout.world_size)]
+    assert [out["coords"] for out in outs] == [{dim: layout.coordinate(rank, dim) for dim in ("pp", "dp", "cp", "tp")}
+                                               for rank in range(layout.world_size)]
 
 
 def test_all_four_on_16_virtual_ranks_equal_one_device_and_final_shards_assemble(setup):
     data, params = setup
     steps = 4
     reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=steps, global_batch=4)
-    outs = simcomm.World(16).run(lt.train, data, params, CONFIG, tp=2, pp=2, cp=2, fsdp=2, steps=steps,
-                                 global_batch=4)
+    outs = simcomm.World(16).run(lt.train, data, params, CONFIG, layout=LAYOUT_4D, steps=steps, global_batch=4)
     assert _max_error(outs, reference) < TOLERANCE
+    assert [out["coords"]["pp"] for out in outs] == [0] * 8 + [1] * 8          # pipeline outermost
     # the trained parameters: rank (0, p, 0, t)'s shards assembled = one device's after the same steps
     leaves = {n: p.clone().requires_grad_() for n, p in params.items()}
     optimizer = torch.optim.Adam(leaves.values(), lr=1e-2)
@@ -73,9 +78,8 @@ def test_all_four_on_16_virtual_ranks_equal_one_device_and_final_shards_assemble
         optimizer.step()
     per_t = [{}, {}]
     for out in outs:
-        d, _, c, t = out["coords"]
-        if d == 0 and c == 0:
-            per_t[t].update(out["shards"])
+        if out["coords"]["dp"] == 0 and out["coords"]["cp"] == 0:
+            per_t[out["coords"]["tp"]].update(out["shards"])
     trained = llama.assemble_grads(per_t)
     for name, leaf in leaves.items():
         expected = leaf.detach() * (2 if name.split(".")[-1] in llama.REPLICATED else 1)  # assemble sums norms
@@ -87,8 +91,7 @@ def test_100_steps_in_4d_every_loss_equals_one_device(setup):
     data = lt.corpus(CONFIG, sequences=32, length=17)
     params = llama.init_params(CONFIG)
     reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=100, global_batch=4)
-    outs = simcomm.World(16).run(lt.train, data, params, CONFIG, tp=2, pp=2, cp=2, fsdp=2, steps=100,
-                                 global_batch=4)
+    outs = simcomm.World(16).run(lt.train, data, params, CONFIG, layout=LAYOUT_4D, steps=100, global_batch=4)
     assert _max_error(outs, reference) < 1e-10
     assert reference[-10:].mean() < reference[:10].mean() - 0.5       # it learns
 
@@ -96,14 +99,15 @@ def test_100_steps_in_4d_every_loss_equals_one_device(setup):
 def test_dcp_checkpoint_of_the_4d_run_resumes_on_other_layouts_and_continues_exactly(setup, tmp_path):
     data, params = setup
     reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=6, global_batch=4)
-    first = simcomm.World(16).run(lt.train, data, params, CONFIG, tp=2, pp=2, cp=2, fsdp=2, steps=3,
-                                  global_batch=4, save=str(tmp_path / "step3"))
+    first = simcomm.World(16).run(lt.train, data, params, CONFIG, layout=LAYOUT_4D, steps=3, global_batch=4,
+                                  save=str(tmp_path / "step3"))
     assert _max_error(first, reference[:3]) < TOLERANCE
-    for world_size, kwargs in ((4, dict(tp=2, fsdp=2)), (4, dict(tp=1, pp=2, fsdp=1)), (2, dict(tp=1, fsdp=2))):
-        resumed = simcomm.World(world_size).run(lt.train, data, params, CONFIG, steps=3, global_batch=4,
-                                                load=str(tmp_path / "step3"), first_step=3, **kwargs)
-        assert _max_error(resumed, reference[3:]) < TOLERANCE, kwargs
-    fresh = simcomm.World(2).run(lt.train, data, params, CONFIG, tp=1, fsdp=2, steps=3, global_batch=4,
+    for layout in (Layout(dp_shard=2, tp=2), Layout(pp=2, dp=2), Layout(dp_shard=2),
+                   Layout(pp=2, dp_replicate=2, dp_shard=2)):
+        resumed = simcomm.World(layout.world_size).run(lt.train, data, params, CONFIG, layout=layout, steps=3,
+                                                       global_batch=4, load=str(tmp_path / "step3"), first_step=3)
+        assert _max_error(resumed, reference[3:]) < TOLERANCE, layout
+    fresh = simcomm.World(2).run(lt.train, data, params, CONFIG, layout=Layout(dp_shard=2), steps=3, global_batch=4,
                                  first_step=3)                                      # no checkpoint: differs
     assert _max_error(fresh, reference[3:]) > 1e-3
 
@@ -113,7 +117,7 @@ def test_the_4d_training_on_8_real_gloo_workers(gloo_cluster):
     data = lt.corpus(CONFIG, sequences=16, length=17)
     params = llama.init_params(CONFIG)
     reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=4, global_batch=4)
-    outs = gloo_cluster(8).run(lt.train, data, params, CONFIG, tp=2, pp=2, fsdp=2, steps=4, global_batch=4)
+    outs = gloo_cluster(8).run(lt.train, data, params, CONFIG, layout=LAYOUT_REAL, steps=4, global_batch=4)
     assert _max_error(outs, reference) < TOLERANCE
 
 
@@ -123,25 +127,15 @@ def test_100_steps_of_the_4d_training_on_8_real_gloo_workers(gloo_cluster):
     data = lt.corpus(CONFIG, sequences=32, length=17)
     params = llama.init_params(CONFIG)
     reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=100, global_batch=4)
-    outs = gloo_cluster(8, timeout=900).run(lt.train, data, params, CONFIG, tp=2, pp=2, fsdp=2, steps=100,
+    outs = gloo_cluster(8, timeout=900).run(lt.train, data, params, CONFIG, layout=LAYOUT_REAL, steps=100,
                                             global_batch=4)
     assert _max_error(outs, reference) < 1e-10
 
 
-def test_layout_numbers_ranks_as_init_device_mesh_and_rejects_bad_sizes():
-    layout = lt.Layout(dp=2, pp=2, cp=2, tp=2, fsdp=2)
-    grid = torch.arange(16).view(2, 2, 2, 2)                       # init_device_mesh's row-major order
-    assert all(layout.rank(*layout.coords(r)) == r and grid[layout.coords(r)] == r for r in range(16))
-    assert layout.groups("t")[0] == [0, 1] and layout.groups("p")[0] == [0, 4]
-    assert layout.groups("s") == [grid[:, p, c, t].tolist() for p in range(2) for c in range(2) for t in range(2)]
-    assert lt.Layout(dp=4, fsdp=2).groups("r") == [[0, 2], [1, 3]]    # HSDP: replicas of one shard
-    with pytest.raises(ValueError, match="dp=4 is not divisible by fsdp=3"):
-        lt.Layout(dp=4, fsdp=3)
-    with pytest.raises(ValueError, match="pp=0 must be >= 1"):
-        lt.Layout(pp=0)
-
-
-def test_train_names_the_sizes_that_do_not_divide(setup):
+def test_train_names_a_layout_that_does_not_fit_the_world(setup):
     data, params = setup
-    with pytest.raises(simcomm.errors.RankError, match="not divisible by pp \\* cp \\* tp = 2 \\* 1 \\* 2"):
-        simcomm.World(6).run(lt.train, data, params, CONFIG, tp=2, pp=2, steps=1, global_batch=4)
+    with pytest.raises(simcomm.errors.RankError,
+                       match=r"llama_training.train: rank \d: layout=Layout\(pp=2, tp=2\) has 4 ranks, the world 6"):
+        simcomm.World(6).run(lt.train, data, params, CONFIG, layout=Layout(pp=2, tp=2), steps=1, global_batch=4)
+    with pytest.raises(simcomm.errors.RankError, match=r"layout=\(2, 2\) must be a simcomm.parallel.mesh.Layout"):
+        simcomm.World(4).run(lt.train, data, params, CONFIG, layout=(2, 2), steps=1, global_batch=4)

@@ -6,17 +6,18 @@ import torch
 
 import simcomm
 from simcomm.parallel import llama, llama_pipeline as lp, llama_training as lt
+from simcomm.parallel.mesh import Layout
 
 CONFIG = llama.Config(layers=4)
 
 
 def _program(comm, data, params, config, tp):
-    pp = comm.world_size // tp
-    stage, t = divmod(comm.rank, tp)
-    tensor = comm.subgroup([[p * tp + tt for tt in range(tp)] for p in range(pp)])
-    pipe = comm.subgroup([[p * tp + tt for p in range(pp)] for tt in range(tp)])
+    layout = Layout(pp=comm.world_size // tp, tp=tp)
+    stage, t = layout.coordinates(comm.rank)
+    tensor = comm.subgroup(layout.groups("tp"))
+    pipe = comm.subgroup(layout.groups("pp"))
     full = llama.shard_params(params, config, t, tp)
-    shards = {n: full[n].requires_grad_() for n in lp.stage_names(config, stage, pp)}
+    shards = {n: full[n].requires_grad_() for n in lp.stage_names(config, stage, layout.pp)}
     loss = lp.stage_step(pipe, tensor, list(data), shards, config, global_batch=data.shape[0])
     return {"loss": loss, "grads": {n: p.grad for n, p in shards.items()}, "stage": stage, "t": t}
 

@@ -6,6 +6,7 @@ import torch
 
 import simcomm
 from simcomm.parallel import llama, llama_training as lt
+from simcomm.parallel.mesh import Layout
 
 CONFIG = llama.Config()
 
@@ -23,7 +24,8 @@ def test_every_step_equals_one_device_with_clipping_and_a_distributed_sampler():
     params = llama.init_params(CONFIG)
     steps, global_batch = 6, 4
     reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=steps, global_batch=global_batch)
-    outs = simcomm.World(4).run(lt.train, data, params, CONFIG, tp=2, steps=steps, global_batch=global_batch)
+    outs = simcomm.World(4).run(lt.train, data, params, CONFIG, layout=Layout(dp=2, tp=2), steps=steps,
+                                global_batch=global_batch)
     for out in outs:
         assert (out["losses"] - reference).abs().max() < 1e-12
     assert reference[-1] < reference[0]
@@ -52,7 +54,8 @@ def test_data_context_tensor_mesh_equals_one_device():
     data = lt.corpus(CONFIG, sequences=8, length=17)
     params = llama.init_params(CONFIG)
     reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=3, global_batch=2)
-    outs = simcomm.World(8).run(lt.train, data, params, CONFIG, tp=2, cp=2, steps=3, global_batch=2)
+    outs = simcomm.World(8).run(lt.train, data, params, CONFIG, layout=Layout(dp=2, cp=2, tp=2), steps=3,
+                                global_batch=2)
     for out in outs:
         assert (out["losses"] - reference).abs().max() < 1e-12
 
@@ -62,23 +65,24 @@ def test_the_same_training_on_real_gloo_workers(gloo_cluster):
     data = lt.corpus(CONFIG, sequences=8, length=17)
     params = llama.init_params(CONFIG)
     reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=4, global_batch=4)
-    outs = gloo_cluster(4).run(lt.train, data, params, CONFIG, tp=2, steps=4, global_batch=4)
+    outs = gloo_cluster(4).run(lt.train, data, params, CONFIG, layout=Layout(dp=2, tp=2), steps=4,
+                               global_batch=4)
     for out in outs:
         assert (out["losses"] - reference).abs().max() < 1e-12
 
 
-@pytest.mark.parametrize("world_size, tp", [(4, 1), (2, 2)])
-def test_dcp_checkpoint_resumes_on_another_layout_and_the_loss_continues_exactly(tmp_path, world_size, tp):
+@pytest.mark.parametrize("layout", [Layout(dp=4), Layout(tp=2)], ids=repr)
+def test_dcp_checkpoint_resumes_on_another_layout_and_the_loss_continues_exactly(tmp_path, layout):
     data = lt.corpus(CONFIG, sequences=16, length=17)
     params = llama.init_params(CONFIG)
     reference = lt.reference_losses(data, params, CONFIG, dp=2, steps=6, global_batch=4)
-    first = simcomm.World(4).run(lt.train, data, params, CONFIG, tp=2, steps=3, global_batch=4,
-                                 save=str(tmp_path / "step3"))                       # dp 2 x tp 2
+    first = simcomm.World(4).run(lt.train, data, params, CONFIG, layout=Layout(dp=2, tp=2), steps=3,
+                                 global_batch=4, save=str(tmp_path / "step3"))                       # dp 2 x tp 2
     assert (first[0]["losses"] - reference[:3]).abs().max() < 1e-12
-    resumed = simcomm.World(world_size).run(lt.train, data, params, CONFIG, tp=tp, steps=3, global_batch=4,
-                                            load=str(tmp_path / "step3"), first_step=3)
+    resumed = simcomm.World(layout.world_size).run(lt.train, data, params, CONFIG, layout=layout, steps=3,
+                                                   global_batch=4, load=str(tmp_path / "step3"), first_step=3)
     for out in resumed:
         assert (out["losses"] - reference[3:]).abs().max() < 1e-12
-    fresh = simcomm.World(world_size).run(lt.train, data, params, CONFIG, tp=tp, steps=3, global_batch=4,
-                                          first_step=3)                                  # no checkpoint: differs
+    fresh = simcomm.World(layout.world_size).run(lt.train, data, params, CONFIG, layout=layout, steps=3,
+                                                 global_batch=4, first_step=3)                                  # no checkpoint: differs
     assert (fresh[0]["losses"] - reference[3:]).abs().max() > 1e-3

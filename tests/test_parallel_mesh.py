@@ -116,3 +116,84 @@ def test_immutable_hashable_and_picklable():
     with pytest.raises(AttributeError, match="immutable"):
         layout.tp = 4
     assert set(layout.dims) <= set(DIMS)
+
+
+# -- the data dimension split for HSDP: (pp, dp_replicate, dp_shard, cp, tp), torchtitan's mesh ---------------
+
+SPLIT = [dict(pp=2, dp_replicate=2, dp_shard=2, tp=2), dict(dp_replicate=3, dp_shard=2),
+         dict(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2), dict(dp_replicate=2, dp_shard=2, cp=2),
+         dict(pp=1, dp_replicate=2, dp_shard=1, cp=1, tp=3)]
+
+#: flattened groups the 4-D training uses (and torchtitan's "dp", "dp_shard_cp", "dp_cp"), as mesh dims
+FLATTENED = [("dp_replicate", "dp_shard"), ("dp_shard", "cp"), ("dp_replicate", "dp_shard", "cp"),
+             ("dp_replicate", "cp"), ("pp", "dp_shard"), ("dp_shard", "tp")]
+
+
+def torch_split_view(comm, layout: Layout) -> dict:
+    """What ``init_device_mesh`` with all five of torchtitan's dims says about this rank."""
+    mesh = layout.device_mesh("cpu")
+    flat = {}
+    for dims in FLATTENED:
+        present = tuple(dim for dim in dims if dim in layout.dims)
+        if len(present) >= 2:
+            name = "_".join(present)
+            flat[dims] = dist.get_process_group_ranks(mesh[present]._flatten(name).get_group())
+    return {"coordinates": tuple(mesh.get_coordinate()),
+            "group": {dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in layout.dims},
+            "flat": flat}
+
+
+@pytest.mark.parametrize("sizes", SPLIT, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_the_hsdp_split_equals_init_device_mesh_on_virtual_ranks(sizes):
+    layout = Layout(**sizes)
+    outs = simcomm.World(layout.world_size).run(torch_split_view, layout)
+    for rank, got in enumerate(outs):
+        assert got["coordinates"] == layout.coordinates(rank) and got["flat"]
+        assert got["group"] == {dim: layout.group_of(rank, dim) for dim in layout.dims}
+        for dims, ranks in got["flat"].items():
+            assert ranks == layout.group_of(rank, *dims), (layout, rank, dims)
+        if "dp_replicate" in layout.dims and "dp_shard" in layout.dims:    # "dp" names the flattened pair
+            assert layout.group_of(rank, "dp") == got["flat"][("dp_replicate", "dp_shard")]
+            assert layout.group_of(rank, "dp", "cp") == layout.group_of(rank, "dp_replicate", "dp_shard", "cp")
+        replica, shard = layout.coordinate(rank, "dp_replicate"), layout.coordinate(rank, "dp_shard")
+        assert layout.coordinate(rank, "dp") == replica * layout.dp_shard + shard
+
+
+def test_the_hsdp_split_by_hand():
+    layout = Layout(tp=2, dp_shard=2, pp=2, dp_replicate=2)
+    assert layout.dims == ("pp", "dp_replicate", "dp_shard", "tp") and layout.shape == (2, 2, 2, 2)
+    assert (layout.dp, layout.dp_replicate, layout.dp_shard, layout.world_size) == (4, 2, 2, 16)
+    assert layout.rank(pp=1, dp_replicate=1, dp_shard=0, tp=1) == ((1 * 2 + 1) * 2 + 0) * 2 + 1
+    assert layout.rank(pp=1, dp=2, tp=1) == 13                              # dp 2 = replica 1, shard 0
+    assert layout.group_of(0, "dp_shard") == [0, 2] and layout.group_of(0, "dp_replicate") == [0, 4]
+    assert layout.group_of(0, "dp") == [0, 2, 4, 6] and layout.group_of(0, "pp") == [0, 8]
+    assert layout.groups("dp_shard", "tp") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert [layout.coordinate(rank, "dp") for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert Layout(dp_shard=4).dp == 4 and Layout(dp_shard=4).dp_replicate == 1
+
+
+def test_plain_dp_is_replicas_and_numbers_the_ranks_as_the_split_with_one_shard():
+    plain, split = Layout(pp=2, dp=3, tp=2), Layout(pp=2, dp_replicate=3, dp_shard=1, tp=2)
+    assert plain != split and plain.dims == ("pp", "dp", "tp")           # different mesh names
+    assert (plain.dp_replicate, plain.dp_shard) == (3, 1)
+    for dims in (("dp",), ("dp_replicate",), ("dp_shard",), ("dp", "tp"), ("pp", "dp_replicate")):
+        assert plain.groups(*dims) == split.groups(*dims), dims
+    assert [plain.coordinate(r, "dp") for r in range(12)] == [split.coordinate(r, "dp") for r in range(12)]
+
+
+def test_the_split_keeps_the_clear_errors():
+    with pytest.raises(TypeError, match=r"dp= or as dp_replicate= and dp_shard=, not both \(got dp=4 and dp_shard=2\)"):
+        Layout(dp=4, dp_shard=2)
+    with pytest.raises(TypeError, match="unknown dimension 'dp_shards'; did you mean 'dp_shard'"):
+        Layout(dp_shards=2)
+    with pytest.raises(ValueError, match=r"Layout: dp_shard=0 must be a whole number >= 1 \(the number of ranks"):
+        Layout(dp_replicate=2, dp_shard=0)
+    layout = Layout(dp_replicate=2, dp_shard=2)
+    with pytest.raises(ValueError, match=r"Layout.rank: dp=4 is outside 0..3"):
+        layout.rank(dp=4)
+    with pytest.raises(ValueError, match="Layout.rank: give dp= or dp_replicate=/dp_shard=, not both"):
+        layout.rank(dp=1, dp_shard=1)
+    with pytest.raises(AttributeError, match="immutable"):
+        layout.dp_shard = 4
+    assert pickle.loads(pickle.dumps(layout)) == layout and hash(layout) == hash(Layout(dp_shard=2, dp_replicate=2))
+    assert repr(layout) == "Layout(dp_replicate=2, dp_shard=2)"

@@ -34,13 +34,15 @@ from simcomm import configured_backend
 from simcomm.backend import backend_name
 from simcomm.lessons import llama_4d as checks
 from simcomm.parallel import llama, llama_training as lt
+from simcomm.parallel.mesh import Layout
 from simcomm.parallel.pipeline import schedule
 from simcomm.viz.loss_curves import loss_curves
 
 torch.set_num_threads(1)          # matrices of 32 x 64: one thread is fastest, and the cores are shared
 sim = backend_name() == "sim"
 # 16 virtual ranks; on real workers (gloo processes sharing this machine's 2 cores) 8 ranks, fewer steps
-layout = lt.Layout(dp=2, pp=2, cp=2, tp=2, fsdp=2) if sim else lt.Layout(dp=2, pp=2, cp=1, tp=2, fsdp=2)
+layout = (Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2) if sim
+          else Layout(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2))
 steps = 100 if sim else 10
 world = configured_backend(layout.world_size)      # SIMCOMM_BACKEND: virtual ranks or real processes
 
@@ -94,8 +96,13 @@ print(f"{sum(p.numel() for p in params.values()):,} parameters; one device, floa
 #
 # **HSDP** puts the data-parallel ranks on a 2-D `(replicate, shard)` mesh: shard within a group
 # of `fsdp` ranks (one node, fast links), and all-reduce the pieces' gradients across the
-# replicas. `lt.Layout(dp, pp, cp, tp, fsdp)` numbers the ranks as `init_device_mesh` does
-# (row-major, tensor innermost; `d = replica * fsdp + shard`).
+# replicas. The mesh is the one of lessons 12 and 15, `simcomm.parallel.mesh.Layout`, with the
+# data dimension split as torchtitan splits it: `Layout(pp=, dp_replicate=, dp_shard=, cp=, tp=)`
+# numbers the ranks as `init_device_mesh` numbers a `("pp", "dp_replicate", "dp_shard", "cp", "tp")`
+# mesh (row-major: pipeline outermost, tensor innermost; `dp = dp_replicate x dp_shard`, and the
+# data-parallel index is `replica * dp_shard + shard`). `dp_shard = 1` is plain data parallelism,
+# `dp_replicate = 1` FSDP. `layout.groups("dp_shard")` are the FSDP groups,
+# `layout.groups("dp_replicate", "cp")` the ranks the gradients are all-reduced over.
 #
 # Why not `torch.distributed.fsdp.fully_shard` (lesson 7 runs it on virtual ranks)? Its hooks
 # fire on `nn.Module` forward and backward and expect DTensor tensor parallelism; this model's
@@ -108,12 +115,13 @@ print(f"{sum(p.numel() for p in params.values()):,} parameters; one device, floa
 # %% expect=["plain DP: every step equals one device within 1e-12", "FSDP: every step equals one device within 1e-12", "HSDP: every step equals one device within 1e-12", "FSDP keeps 1/dp of what plain DP keeps on each rank (padding aside); HSDP 1/fsdp"]
 dp = layout.world_size // 2
 held = {}
-for name, fsdp in (("plain DP", 1), ("FSDP", dp), ("HSDP", 2)):
-    outs = world.run(lt.train, data, params, config, tp=2, fsdp=fsdp, steps=2, global_batch=dp)
+for name, shards in (("plain DP", 1), ("FSDP", dp), ("HSDP", 2)):
+    data_layout = Layout(dp_replicate=dp // shards, dp_shard=shards, tp=2)
+    outs = world.run(lt.train, data, params, config, layout=data_layout, steps=2, global_batch=dp)
     expected = lt.reference_losses(data, params, config, dp=dp, steps=2, global_batch=dp)
     assert all((out["losses"] - expected).abs().max() < 1e-12 for out in outs)
     held[name] = outs[0]["held"]
-    assert held[name] == lt.held_numel(config, lt.Layout(dp=dp, tp=2, fsdp=fsdp), 0)
+    assert held[name] == lt.held_numel(config, data_layout, 0)
     print(f"{name}: every step equals one device within 1e-12")
 for name, shards in (("FSDP", dp), ("HSDP", 2)):     # each parameter's piece is padded by < 1 element
     assert held["plain DP"] / shards <= held[name] < held["plain DP"] / shards + len(params)
@@ -140,15 +148,15 @@ for stage, plan in enumerate(schedule("1f1b", 2, 2)):
 #
 # ## 4. All four at once, 100 steps
 #
-# On 16 virtual ranks: `dp 2 x pp 2 x cp 2 x tp 2`, FSDP over the two data-parallel ranks. On real
-# workers the layout is `dp 2 x pp 2 x tp 2` (8 gloo processes) for 10 steps. The tolerance is
-# `1e-10` (float64 sums in a different order differ in the last bits: about `1e-14` after 100 steps here).
+# On 16 virtual ranks: `pp 2 x dp 2 x cp 2 x tp 2`, FSDP over the two data-parallel ranks
+# (`dp_shard = 2`). On real workers the layout is `pp 2 x dp 2 x tp 2` (8 gloo processes) for 10
+# steps. The tolerance is `1e-10` (float64 sums in a different order differ in the last bits:
+# about `1e-14` after 100 steps here).
 # The checkpoint of the last step is written too (section 5):
 
 # %% expect=["every step's loss equals one device's within 1e-10"]
 checkpoint = tempfile.mkdtemp(prefix="llama4d_")
-outs = world.run(lt.train, data, params, config, tp=layout.tp, pp=layout.pp, cp=layout.cp, fsdp=layout.fsdp,
-                 steps=steps, global_batch=4, save=checkpoint)
+outs = world.run(lt.train, data, params, config, layout=layout, steps=steps, global_batch=4, save=checkpoint)
 losses = outs[0]["losses"]
 error = max(float((out["losses"] - reference[:steps]).abs().max()) for out in outs)
 assert error < 1e-10 and all(torch.equal(out["losses"], losses) for out in outs)
@@ -162,15 +170,16 @@ print(f"{steps} steps on {layout.world_size} ranks {layout}: largest |loss - one
 # ## 5. Checkpoint, and resume on another layout
 #
 # `save` wrote each stage's tensor shards and Adam's moments as DTensors on the stage's
-# `(dp, cp, tp)` sub-mesh (FSDP pieces gathered first), plus Adam's step, with
+# `(dp_replicate, dp_shard, cp, tp)` sub-mesh (FSDP pieces gathered first), plus Adam's step, with
 # `torch.distributed.checkpoint`. `load` reads them into **any** layout: DCP reshards, and since
 # the global batch of a step does not depend on the layout, the data continues where it stopped.
 # Resume for 10 steps on HSDP with 4 data-parallel ranks and no context parallelism:
 
 # %% expect=["resumed on another layout: the next 10 losses equal one device's within 1e-10"]
-resume = lt.Layout(dp=4, pp=2, cp=1, tp=2, fsdp=2) if sim else lt.Layout(dp=4, pp=1, cp=1, tp=2, fsdp=2)
-resumed = world.run(lt.train, data, params, config, tp=resume.tp, pp=resume.pp, cp=resume.cp, fsdp=resume.fsdp,
-                    steps=10, global_batch=4, load=checkpoint, first_step=steps)
+resume = (Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2) if sim
+          else Layout(dp_replicate=2, dp_shard=2, tp=2))
+resumed = world.run(lt.train, data, params, config, layout=resume, steps=10, global_batch=4, load=checkpoint,
+                    first_step=steps)
 resume_error = max(float((out["losses"] - reference[steps:]).abs().max()) for out in resumed)
 assert resume_error < 1e-10
 print("resumed on another layout: the next 10 losses equal one device's within 1e-10")
@@ -218,7 +227,7 @@ print(checks.check_grad_norm(grad_norm))
 # %% [markdown]
 # ## Exercise 2: predict the memory per rank, DP against FSDP
 #
-# On the layout of section 4 (`dp 2 x pp 2 x cp 2 x tp 2`), how many bytes of parameters and
+# On the layout of section 4 (`pp 2 x dp 2 x cp 2 x tp 2`), how many bytes of parameters and
 # Adam's two moments (float64: 8 bytes each) does rank 0 (stage 0, tensor rank 0) keep between
 # steps with plain data parallelism, and with FSDP over the two data-parallel ranks? Work it out
 # from the shapes of `llama.init_params` and what each parallelism splits (the tensor shards of
@@ -227,7 +236,7 @@ print(checks.check_grad_norm(grad_norm))
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 prediction = {"dp": ..., "fsdp": ...}         # bytes on rank 0
 
-print(checks.check_held_bytes(prediction, config, lt.Layout(dp=2, pp=2, cp=2, tp=2, fsdp=2)))
+print(checks.check_held_bytes(prediction, config, Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)))
 
 # %% [markdown] expect=["Correct: rank 0 keeps 136,704 bytes with plain data parallelism and 68,352 with FSDP."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -241,7 +250,7 @@ print(checks.check_held_bytes(prediction, config, lt.Layout(dp=2, pp=2, cp=2, tp
 # # halves each again (every size is even: no padding). Parameter + 2 moments = 3 x 8 bytes.
 # elements = 64 * 32 // 2 + (32 * 32 + 2 * 16 * 32 + 32 * 32 + 3 * 64 * 32) // 2 + 2 * 32
 # prediction_solution = {"dp": 24 * elements, "fsdp": 24 * elements // 2}
-# print(checks.check_held_bytes(prediction_solution, config, lt.Layout(dp=2, pp=2, cp=2, tp=2, fsdp=2)))
+# print(checks.check_held_bytes(prediction_solution, config, Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)))
 # ```
 #
 # </details>

@@ -17,6 +17,7 @@ import torch
 
 from ..parallel import llama, llama_pipeline
 from ..parallel import llama_training as lt
+from ..parallel.mesh import Layout
 from ..sim.world import World
 from .verdicts import NOT_ANSWERED, as_number, attempt, hint_on_request, is_correct, is_placeholder, not_yet
 
@@ -92,16 +93,17 @@ def check_grad_norm(fn: Callable[..., Any]) -> str:
 
 
 @hint_on_request
-def check_held_bytes(answer: Any, config: llama.Config, layout: lt.Layout, rank: int = 0) -> str:
+def check_held_bytes(answer: Any, config: llama.Config, layout: Layout, rank: int = 0) -> str:
     """``answer``: ``{"dp": bytes, "fsdp": bytes}``, the float64 bytes of parameters and Adam's two
-    moments ``rank`` keeps between steps on ``layout`` with plain data parallelism (``fsdp = 1``)
-    and with FSDP over the whole data-parallel dim (``fsdp = dp``)."""
+    moments ``rank`` keeps between steps on ``layout`` (a :class:`simcomm.parallel.mesh.Layout`;
+    only its sizes count, not how its data dimension is split) with plain data parallelism
+    (``dp_shard = 1``) and with FSDP over the whole data-parallel dim (``dp_shard = dp``)."""
     if is_placeholder(answer):
         return NOT_ANSWERED
     if not isinstance(answer, dict) or set(answer) != {"dp", "fsdp"}:
         return not_yet(f"give a dict {{'dp': bytes, 'fsdp': bytes}}; got {answer!r}")
-    plain = lt.Layout(layout.dp, layout.pp, layout.cp, layout.tp, 1)
-    sharded = lt.Layout(layout.dp, layout.pp, layout.cp, layout.tp, layout.dp)
+    plain = Layout(pp=layout.pp, dp_replicate=layout.dp, dp_shard=1, cp=layout.cp, tp=layout.tp)
+    sharded = Layout(pp=layout.pp, dp_replicate=1, dp_shard=layout.dp, cp=layout.cp, tp=layout.tp)
     right = {"dp": 24 * lt.held_numel(config, plain, rank), "fsdp": 24 * lt.held_numel(config, sharded, rank)}
     whole_model = 24 * sum(p.numel() for p in llama.init_params(config).values())
     no_tensor = 24 * sum(p.numel() for name, p in llama.init_params(config).items()
@@ -132,5 +134,5 @@ def check_held_bytes(answer: Any, config: llama.Config, layout: lt.Layout, rank:
             f"{right['fsdp']:,} with FSDP.")
 
 
-def _stage_names(config: llama.Config, layout: lt.Layout, rank: int) -> list[str]:
-    return llama_pipeline.stage_names(config, layout.coords(rank)[1], layout.pp)
+def _stage_names(config: llama.Config, layout: Layout, rank: int) -> list[str]:
+    return llama_pipeline.stage_names(config, layout.coordinate(rank, "pp"), layout.pp)

@@ -21,7 +21,8 @@ gradient from this rank's sequence shard (:func:`assemble_grads` sums them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +31,14 @@ from ..communicator import Communicator
 from .vocab import vocab_parallel_cross_entropy, vocab_range
 
 __all__ = ["Config", "init_params", "loss", "logits", "shard_params", "tp_loss", "embed", "block", "head",
-           "layer_names", "assemble_grads", "context_chunk", "REPLICATED"]
+           "layer_names", "assemble_grads", "context_chunk", "REPLICATED", "rms_norm", "rotate_pairs",
+           "share_kv_heads"]
 
 
 @dataclass(frozen=True)
 class Config:
-    """Sizes of the model."""
+    """Sizes of the model: the lesson's small Llama by default; the planning model of
+    :mod:`simcomm.parallel.llama3_fsdp` takes the same config (``llama3_fsdp.LLAMA3_8B``)."""
 
     vocab: int = 64
     hidden: int = 32
@@ -49,6 +52,10 @@ class Config:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    def scaled(self, **changes: Any) -> Config:
+        """A copy with ``changes`` (field names as above)."""
+        return replace(self, **changes)
 
 
 def layer_names(layer: int) -> list[str]:
@@ -87,18 +94,47 @@ def init_params(config: Config, *, seed: int = 0, dtype: torch.dtype = torch.flo
     return params
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+# -- the building blocks (also those of simcomm.parallel.llama3_fsdp's planning model) --------------------------
+
+def _at_least_float32(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``, normalised in at least
+    float32 (a bfloat16 ``x`` is widened, the result cast back before the weight; float32 and float64
+    stay as they are). No communication; ``x`` is not modified."""
+    wide = x.to(_at_least_float32(x))
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding: rotate each pair ``(x[..., 2i], x[..., 2i+1])`` by the angle whose
+    ``cos``/``sin`` broadcast against ``x[..., ::2]`` (``(..., d/2)``), in at least float32, cast back
+    to ``x``'s dtype. A new tensor of ``x``'s shape."""
+    pairs = x.to(_at_least_float32(x)).unflatten(-1, (-1, 2))                          # (..., d/2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]                                             # (..., d/2) each
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)      # (..., d/2, 2)
+    return rotated.flatten(-2).type_as(x)                                                # (..., d)
+
+
+def share_kv_heads(k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: each of the ``kv_heads`` key/value heads (along ``dim``) repeated for
+    the ``heads / kv_heads`` query heads that share it (``repeat_interleave``; new tensors)."""
+    group = heads // kv_heads
+    return k.repeat_interleave(group, dim=dim), v.repeat_interleave(group, dim=dim)
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate pairs ``(x[..., 2i], x[..., 2i+1])`` of ``x`` ``(s, heads, d)`` by ``position * base^(-2i/d)``."""
+    """Rotate pairs ``(x[..., 2i], x[..., 2i+1])`` of ``x`` ``(s, heads, d)`` by ``position * base^(-2i/d)``
+    (the angles in float64)."""
     d = x.shape[-1]
     freqs = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)                   # (d/2,)
     angle = positions.to(torch.float64)[:, None] * freqs[None, :]                        # (s, d/2)
     cos, sin = angle.cos().to(x.dtype)[:, None, :], angle.sin().to(x.dtype)[:, None, :]  # (s, 1, d/2)
-    even, odd = x[..., 0::2], x[..., 1::2]                                               # (s, heads, d/2)
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)   # (s, heads, d)
+    return rotate_pairs(x, cos, sin)                                                     # (s, heads, d)
 
 
 def _attention(y, wq, wk, wv, wo, config: Config, positions, context: Communicator | None = None):
@@ -114,8 +150,7 @@ def _attention(y, wq, wk, wv, wo, config: Config, positions, context: Communicat
     if context is not None and context.world_size > 1:
         k, v = context.all_gather(k, dim=0), context.all_gather(v, dim=0)               # (s * cp, kv', d)
         keys = torch.arange(k.shape[0])
-    group = config.heads // config.kv_heads
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)          # (keys, heads', d)
+    k, v = share_kv_heads(k, v, config.heads, config.kv_heads, dim=1)                    # (keys, heads', d)
     scores = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5                              # (heads', s, keys)
     causal = keys[None, :] > positions[:, None]                                          # (s, keys)
     probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
@@ -133,9 +168,9 @@ def logits(ids: torch.Tensor, params: dict[str, torch.Tensor], config: Config) -
     x = F.embedding(ids, params["embed"])                                                # (s, h)
     for layer in range(config.layers):
         norm1, wq, wk, wv, wo, norm2, gate, up, down = (params[n] for n in _names(layer))
-        x = x + _attention(_rms_norm(x, norm1, config.eps), wq, wk, wv, wo, config, positions)
-        x = x + _mlp(_rms_norm(x, norm2, config.eps), gate, up, down)
-    return _rms_norm(x, params["final_norm"], config.eps) @ params["output"].T           # (s, V)
+        x = x + _attention(rms_norm(x, norm1, config.eps), wq, wk, wv, wo, config, positions)
+        x = x + _mlp(rms_norm(x, norm2, config.eps), gate, up, down)
+    return rms_norm(x, params["final_norm"], config.eps) @ params["output"].T           # (s, V)
 
 
 def loss(ids: torch.Tensor, params: dict[str, torch.Tensor], config: Config) -> torch.Tensor:
@@ -221,9 +256,9 @@ def block(comm: Communicator, x: torch.Tensor, shards: dict[str, torch.Tensor], 
     """Decoder layer ``layer`` on the sequence shard ``x`` ``(s/t, h)`` of the tokens at ``positions``;
     returns ``(s/t, h)``. Collective over ``comm`` (and ``context``)."""
     norm1, wq, wk, wv, wo, norm2, gate, up, down = (shards[n] for n in _names(layer))
-    y = comm.all_gather(_rms_norm(x, norm1, config.eps), dim=0)                          # (s, h)
+    y = comm.all_gather(rms_norm(x, norm1, config.eps), dim=0)                          # (s, h)
     x = x + comm.reduce_scatter(_attention(y, wq, wk, wv, wo, config, positions, context), dim=0)
-    y = comm.all_gather(_rms_norm(x, norm2, config.eps), dim=0)                          # (s, h)
+    y = comm.all_gather(rms_norm(x, norm2, config.eps), dim=0)                          # (s, h)
     return x + comm.reduce_scatter(_mlp(y, gate, up, down), dim=0)                       # (s/t, h)
 
 
@@ -231,7 +266,7 @@ def head(comm: Communicator, x: torch.Tensor, targets: torch.Tensor, shards: dic
          config: Config, denominator: int) -> torch.Tensor:
     """Final norm, vocabulary-parallel output layer and cross-entropy of the shard ``x``:
     ``sum(token losses) / denominator``, the same on every rank of ``comm``."""
-    y = comm.all_gather(_rms_norm(x, shards["final_norm"], config.eps), dim=0)           # (s, h)
+    y = comm.all_gather(rms_norm(x, shards["final_norm"], config.eps), dim=0)           # (s, h)
     token_losses = vocab_parallel_cross_entropy(comm, y @ shards["output"].T, targets)  # logits (s, V/t)
     return token_losses.sum() / denominator
 

@@ -1,10 +1,13 @@
 """A Llama-3-style decoder and one FSDP2 training step of it, for planning a real model shape-only.
 
 The model follows the Llama 3 architecture as torchtitan trains it (written here
-from the architecture, not copied): token embedding, ``n_layers`` blocks of
+from the architecture, not copied): token embedding, ``layers`` blocks of
 RMSNorm -> grouped-query attention with rotary position embeddings -> residual ->
 RMSNorm -> SwiGLU feed-forward -> residual, a final RMSNorm and an untied output
-projection. :data:`LLAMA3_8B` is Llama 3.1 8B's shape (hidden 4096, 32 layers,
+projection. Its sizes are the lesson model's :class:`simcomm.parallel.llama.Config`
+(one config for both; its blocks too: :func:`~simcomm.parallel.llama.rms_norm`,
+:func:`~simcomm.parallel.llama.rotate_pairs`, :func:`~simcomm.parallel.llama.share_kv_heads`).
+:data:`LLAMA3_8B` is Llama 3.1 8B's shape (hidden 4096, 32 layers,
 32 query heads over 8 key/value heads, feed-forward 14336, vocabulary 128256,
 RoPE theta 500000).
 
@@ -23,102 +26,74 @@ is recomputed in the backward; AdamW. It labels its memory for
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import memory
+from .llama import Config, rms_norm, rotate_pairs, share_kv_heads
 
-__all__ = ["LlamaConfig", "LLAMA3_8B", "Llama", "TransformerBlock", "fsdp_train_step", "flops_per_token",
+__all__ = ["LLAMA3_8B", "Llama", "TransformerBlock", "fsdp_train_step", "flops_per_token",
            "parameter_count"]
 
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    """The shape of a Llama-3-style model."""
-
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int = 8
-    ffn_dim: int = 14336
-    vocab_size: int = 128256
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def scaled(self, **changes) -> LlamaConfig:
-        return replace(self, **changes)
-
-
 #: Llama 3.1 8B (Meta's published configuration; torchtitan's ``llama3_8b``)
-LLAMA3_8B = LlamaConfig()
+LLAMA3_8B = Config(vocab=128256, hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=32, rope_base=500000.0,
+                   eps=1e-5)
 
 
-def parameter_count(config: LlamaConfig) -> int:
+def parameter_count(config: Config) -> int:
     """Number of parameters (embedding and output counted separately: they are not tied)."""
-    d, kv = config.dim, config.n_kv_heads * config.head_dim
+    d, kv = config.hidden, config.kv_heads * config.head_dim
     attention = d * d * 2 + d * kv * 2                 # wq, wo: (d, d); wk, wv: (kv, d)
-    ffn = 3 * d * config.ffn_dim                       # w1, w3: (ffn, d); w2: (d, ffn)
+    ffn = 3 * d * config.ffn                       # w1, w3: (ffn, d); w2: (d, ffn)
     block = attention + ffn + 2 * d                    # two RMSNorm weights
-    return config.n_layers * block + 2 * config.vocab_size * d + d
+    return config.layers * block + 2 * config.vocab * d + d
 
 
-def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+def flops_per_token(config: Config, seq_len: int) -> float:
     """Training FLOPs per token as torchtitan counts them for MFU: ``6 * (parameters without the
     embedding) + 12 * layers * heads * head_dim * seq_len`` (attention's two matmuls, forward and
     backward, without a causal discount)."""
-    dense = parameter_count(config) - config.vocab_size * config.dim
-    return 6 * dense + 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
+    dense = parameter_count(config) - config.vocab * config.hidden
+    return 6 * dense + 12 * config.layers * config.heads * config.head_dim * seq_len
 
 
 class RMSNorm(nn.Module):
+    """:func:`simcomm.parallel.llama.rms_norm` with its weight (bf16 is normalised in fp32)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(_at_least_float32(x))                       # bf16 is normalized in fp32
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(config: LlamaConfig, seq_len: int, device: torch.device | str | None = None
+def rope_tables(config: Config, seq_len: int, device: torch.device | str | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each ``(seq, head_dim / 2)``: the rotation angle of every position and pair."""
     half = config.head_dim // 2
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half)
+    inv_freq = 1.0 / config.rope_base ** (torch.arange(half, device=device, dtype=torch.float32) / half)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (s, hd/2)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each consecutive pair of ``x``'s last dim; ``x`` is ``(b, s, h, head_dim)``."""
-    pairs = x.to(_at_least_float32(x)).unflatten(-1, (-1, 2))   # (b, s, h, hd/2, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]          # (b, s, h, hd/2) each
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]   # (1, s, 1, hd/2)
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)  # (b, s, h, hd/2, 2)
-    return rotated.flatten(-2).type_as(x)             # (b, s, h, hd)
+    """Rotate each consecutive pair of ``x``'s last dim (:func:`simcomm.parallel.llama.rotate_pairs`);
+    ``x`` is ``(b, s, h, head_dim)``, ``cos``/``sin`` :func:`rope_tables`."""
+    return rotate_pairs(x, cos[None, :, None, :], sin[None, :, None, :])   # tables (1, s, 1, hd/2) -> (b, s, h, hd)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: Config):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = config.heads, config.kv_heads, config.head_dim
+        self.wq = nn.Linear(config.hidden, config.heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.heads * config.head_dim, config.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -126,31 +101,29 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)    # (b, s, kv, hd)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)    # (b, s, kv, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeat = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(repeat, dim=2)                       # (b, s, h, hd): each kv head shared
-        v = v.repeat_interleave(repeat, dim=2)
+        k, v = share_kv_heads(k, v, self.n_heads, self.n_kv_heads, dim=2)   # (b, s, h, hd) each
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))             # (b, h, s, hd)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, h, s, hd)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))        # (b, s, d)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: Config):
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.w1 = nn.Linear(config.hidden, config.ffn, bias=False)
+        self.w3 = nn.Linear(config.hidden, config.ffn, bias=False)
+        self.w2 = nn.Linear(config.ffn, config.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))             # SwiGLU: (b, s, d)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: Config):
         super().__init__()
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention_norm = RMSNorm(config.hidden, config.eps)
         self.attention = Attention(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden, config.eps)
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,14 +135,14 @@ class Llama(nn.Module):
     """``tokens (b, s) -> logits (b, s, vocab)``. ``checkpoint``: each block under per-op
     selective activation checkpointing (:func:`_selective_policy`)."""
 
-    def __init__(self, config: LlamaConfig, checkpoint: bool = False):
+    def __init__(self, config: Config, checkpoint: bool = False):
         super().__init__()
         self.config = config
         self.checkpoint = checkpoint
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tok_embeddings = nn.Embedding(config.vocab, config.hidden)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.layers))
+        self.norm = RMSNorm(config.hidden, config.eps)
+        self.output = nn.Linear(config.hidden, config.vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_tables(self.config, tokens.shape[1], tokens.device)
@@ -211,7 +184,7 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
-def fsdp_train_step(comm, config: LlamaConfig, batch_size: int, seq_len: int, steps: int = 2,
+def fsdp_train_step(comm, config: Config, batch_size: int, seq_len: int, steps: int = 2,
                     checkpoint: bool = True, lr: float = 3e-4) -> dict:
     """``steps`` AdamW steps of :class:`Llama` under FSDP2 on every rank (collective; blocks).
 
@@ -241,7 +214,7 @@ def fsdp_train_step(comm, config: LlamaConfig, batch_size: int, seq_len: int, st
     loss = None
     for step in range(1, steps + 1):
         with memory.label("activations"):
-            tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1))
+            tokens = torch.randint(0, config.vocab, (batch_size, seq_len + 1))
             inputs, labels = tokens[:, :-1], tokens[:, 1:]                  # (b, s) each
             logits = model(inputs)                                          # (b, s, vocab) bf16
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1),
