@@ -8,6 +8,7 @@ the same way on virtual ranks and on real processes.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import reprlib
 from collections.abc import Iterable, Sequence
@@ -177,6 +178,74 @@ def check_partition(op: str, groups: Sequence[Sequence[int]], world_size: int, r
             f"ranks 0..{world_size - 1}: every rank in exactly one non-empty group"
         )
     return normalized
+
+
+class PartitionTable:
+    """The partitions :func:`check_partition` accepted, shared by every rank that checks one.
+
+    A subgroup call passes the whole partition on every rank (as
+    ``new_subgroups_by_enumeration`` and ``DeviceMesh`` do), so checking and
+    normalizing it on each rank costs ``O(world size)`` Python work and memory per rank,
+    ``O(world size**2)`` for a run. :meth:`check` returns the *same* normalized tuple
+    to every rank whose ``groups`` equals one accepted before: held once, compared
+    in C. What counts as equal is strict, so the table never accepts what
+    :func:`check_partition` refuses: the identical tuple of tuples (immutable), or
+    lists/tuples equal to an accepted partition whose every entry is an ``int``
+    (``True == 1`` and ``1.0 == 1`` in Python, but ``check_partition`` refuses both).
+    Anything else is checked by :func:`check_partition` itself. One table per run
+    of virtual ranks (or per process); it grows by one entry per distinct partition.
+    """
+
+    def __init__(self) -> None:
+        # (world_size, raw input as given, its normalized form), in the order accepted
+        self._known: list[tuple[int, object, tuple[tuple[int, ...], ...]]] = []
+        self.hits = 0
+        self.misses = 0
+
+    def check(self, op: str, groups: Sequence[Sequence[int]], world_size: int, rank: int
+              ) -> tuple[tuple[int, ...], ...]:
+        """:func:`check_partition`'s result for ``groups``, shared with every rank that passed
+        an equal partition (see the class docstring); raises as :func:`check_partition` does."""
+        nested = _nested_sequences(groups)
+        if nested:
+            for size, raw, normalized in reversed(self._known):
+                if size == world_size and (groups is raw or groups is normalized
+                                           or (_equal(groups, raw) and _only_ints(groups))):
+                    self.hits += 1
+                    return normalized
+        normalized = check_partition(op, groups, world_size, rank)
+        self.misses += 1
+        # the same partition given another way (tuples for lists, parts in another order): one copy
+        normalized = next((known for size, _raw, known in self._known
+                           if size == world_size and known == normalized), normalized)
+        if nested and _only_ints(groups):
+            # an immutable tuple of tuples of ints is kept as it is (the same object passed by
+            # another rank is a hit at once); lists are kept as a snapshot: the caller may
+            # change them afterwards
+            immutable = type(groups) is tuple and set(map(type, groups)) == {tuple}
+            self._known.append((world_size, groups if immutable else _snapshot(groups), normalized))
+        return normalized
+
+
+def _nested_sequences(groups: object) -> bool:
+    """Whether ``groups`` is a list or tuple of lists and tuples (what the table compares)."""
+    return type(groups) in (list, tuple) and set(map(type, groups)) <= {list, tuple}
+
+
+def _equal(groups: Sequence, raw: object) -> bool:
+    try:
+        return bool(groups == raw)
+    except Exception:   # an entry whose comparison has no truth value (a tensor of several elements)
+        return False
+
+
+def _only_ints(groups: Sequence) -> bool:
+    """Whether every entry of the parts is an exact ``int`` (in C, no Python loop per entry)."""
+    return set(map(type, itertools.chain.from_iterable(groups))) <= {int}
+
+
+def _snapshot(groups: Sequence) -> object:
+    return type(groups)(part.copy() if type(part) is list else part for part in groups)
 
 
 # -- reductions and the ranks' arguments checked against each other ------------------------
