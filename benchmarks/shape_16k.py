@@ -16,7 +16,8 @@ per rank against what the program issues, and the modelled timeline of the
 trace on the ``h100-ndr-cluster`` preset, with as many of
 its nodes as the run has ranks (costed). Printed per size: wall and
 CPU seconds (``time.process_time``) of each phase, CPU/wall, the trace's
-events, and the process's peak resident memory. A watchdog in the child stops
+events, the process's peak resident memory, and the share of fake dispatches the
+ranks' shared cache answered (:func:`simcomm.sim.shape.dispatch_cache_info`). A watchdog in the child stops
 it (exit 3) once its resident memory passes ``--max-rss`` GiB (default 12),
 so a run that grows too large never reaches the kernel's OOM killer on a
 shared machine.
@@ -109,7 +110,9 @@ preset = PRESETS["h100-ndr-cluster"]          # as many of its nodes as the run 
 timeline = modelled_timeline(world.trace, dataclasses.replace(preset, nodes=tp * pp * dp // preset.gpus_per_node))
 step_s = max(end for _event, _start, end in timeline)
 times["cost"] = (time.perf_counter() - wall, time.process_time() - cpu)
+from simcomm.sim.shape import dispatch_cache_info
 print(json.dumps({"times": times, "events": len(world.trace), "modelled_step_s": step_s,
+                  "hit_rate": dispatch_cache_info()["hit_rate"],
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout.write
     out(f"TP {args.tp} x PP {args.pp} x DP, {args.layers} MLP blocks per stage, hidden {args.hidden}, "
         f"ffn {args.ffn}, {args.tokens} tokens, bf16, shape-only\n")
-    out("ranks   run wall  run CPU  CPU/wall  check  cost wall  total wall  events    peak RSS  modelled step\n")
+    out("ranks   run wall  run CPU  CPU/wall  check  cost wall  total wall  events    peak RSS  modelled step  "
+        "fake dispatch hits\n")
     for dp in args.dp:
         ranks = args.tp * args.pp * dp
         result = measure(args.tp, args.pp, dp, args.layers, args.hidden, args.ffn, args.tokens, args.max_rss)
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         (run_w, run_c), (check_w, _), (cost_w, _) = (result["times"][k] for k in ("run", "check", "cost"))
         out(f"{ranks:5d}  {run_w:8.1f}  {run_c:7.1f}  {run_c / run_w:8.2f}  {check_w:5.1f}  {cost_w:9.1f}  "
             f"{run_w + check_w + cost_w:10.1f}  {result['events']:7d}  {result['peak_rss'] / 2**30:6.2f} GiB  "
-            f"{result['modelled_step_s'] * 1e3:9.1f} ms\n")
+            f"{result['modelled_step_s'] * 1e3:9.1f} ms  {result['hit_rate']:.1%}\n")
     return 0
 
 
