@@ -2,8 +2,12 @@
 
 The program is written on the communicator's public API, as a planning script
 would be: two ``comm.subgroup`` partitions (tensor groups of 8 consecutive
-ranks, data groups of ranks ``tp * pp`` apart), built by every rank as
-``new_subgroups_by_enumeration`` and ``DeviceMesh`` callers do; per pipeline
+ranks, data groups of ranks ``tp * pp`` apart), each passed whole by every rank
+(as ``new_subgroups_by_enumeration`` and ``DeviceMesh`` callers do): built once by
+the script and given to every rank, or with ``--per-rank-partitions`` built by
+every rank itself (then every rank's own lists, ``O(ranks)`` each, are alive
+while it waits in the ``subgroup`` collective: 0.8 MB a rank at 16,384 ranks,
+13 GB in all, which no simulator can share since they are the program's); per pipeline
 stage ``layers`` tensor-parallel MLP blocks (hidden 16384, ffn 53248, bf16,
 8192 tokens: column-parallel up projection, SiLU, row-parallel down
 projection ending in an all-reduce of the tensor group); activations and
@@ -24,11 +28,13 @@ shared machine.
 
     python benchmarks/shape_16k.py                      # 1024, 4096 and 16,384 ranks
     python benchmarks/shape_16k.py --dp 8 32            # 1024 and 4096 ranks only
+    python benchmarks/shape_16k.py --before ../main     # beside another checkout (up to 4096 ranks)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -54,13 +60,17 @@ import simcomm
 from simcomm.model.cost import modelled_timeline
 from simcomm.model.topology import PRESETS
 import dataclasses
-tp, pp, dp, layers, hidden, ffn, tokens = json.loads(sys.argv[1])
+tp, pp, dp, layers, hidden, ffn, tokens, per_rank = json.loads(sys.argv[1])
 
-def step(comm, tp, pp, dp, layers, hidden, ffn, tokens):
+def partitions(world, tp, pp):
     # rank = (d * pp + p) * tp + t: tensor groups are tp consecutive ranks, data groups tp * pp apart
-    world = comm.world_size
-    tensor = comm.subgroup([list(range(base, base + tp)) for base in range(0, world, tp)])
-    data = comm.subgroup([list(range(first, world, tp * pp)) for first in range(tp * pp)])
+    return ([list(range(base, base + tp)) for base in range(0, world, tp)],
+            [list(range(first, world, tp * pp)) for first in range(tp * pp)])
+
+def step(comm, tp, pp, dp, layers, hidden, ffn, tokens, parts=None):
+    tensor_parts, data_parts = parts if parts is not None else partitions(comm.world_size, tp, pp)
+    tensor = comm.subgroup(tensor_parts)
+    data = comm.subgroup(data_parts)
     stage = comm.rank // tp % pp
     dtype = torch.bfloat16
     weights = [(torch.empty(ffn // tp, hidden, dtype=dtype).requires_grad_(),     # column-parallel
@@ -89,7 +99,10 @@ def step(comm, tp, pp, dp, layers, hidden, ffn, tokens):
 world = simcomm.World(tp * pp * dp, tensors="shape")
 times = {}
 wall, cpu = time.perf_counter(), time.process_time()
-world.run(step, tp, pp, dp, layers, hidden, ffn, tokens)
+# the partitions built once and passed to every rank (a planning script's mesh), as tuples; or
+# built by every rank itself (each rank's lists are alive while it waits in subgroup: O(ranks) each)
+parts = None if per_rank else tuple(tuple(map(tuple, part)) for part in partitions(tp * pp * dp, tp, pp))
+world.run(step, tp, pp, dp, layers, hidden, ffn, tokens, parts)
 times["run"] = (time.perf_counter() - wall, time.process_time() - cpu)
 wall, cpu = time.perf_counter(), time.process_time()
 per_rank = {}
@@ -110,19 +123,26 @@ preset = PRESETS["h100-ndr-cluster"]          # as many of its nodes as the run 
 timeline = modelled_timeline(world.trace, dataclasses.replace(preset, nodes=tp * pp * dp // preset.gpus_per_node))
 step_s = max(end for _event, _start, end in timeline)
 times["cost"] = (time.perf_counter() - wall, time.process_time() - cpu)
-from simcomm.sim.shape import dispatch_cache_info
+from torch._subclasses.fake_tensor import FakeTensorMode
+cache = FakeTensorMode.cache_info()       # the class-level cache every rank's mode consults
+consulted = cache.hits + cache.misses + sum(cache.bypasses.values())
 print(json.dumps({"times": times, "events": len(world.trace), "modelled_step_s": step_s,
-                  "hit_rate": dispatch_cache_info()["hit_rate"],
+                  "hit_rate": cache.hits / max(consulted, 1),
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 
 def measure(tp: int, pp: int, dp: int, layers: int, hidden: int, ffn: int, tokens: int,
-            max_rss_gib: float, timeout: float = 900) -> dict:
+            max_rss_gib: float, timeout: float = 1800, checkout: str | None = None,
+            per_rank: bool = False) -> dict:
     """One run in a fresh process: wall and CPU seconds of run, check and cost, events,
-    modelled step seconds and peak resident bytes; ``{"error": ...}`` when it failed."""
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([tp, pp, dp, layers, hidden, ffn, tokens]),
-                          str(max_rss_gib)], capture_output=True, text=True, timeout=timeout)
+    modelled step seconds and peak resident bytes; ``{"error": ...}`` when it failed.
+    ``checkout``: import simcomm from that folder (another checkout) instead of this one."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(checkout or here)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([tp, pp, dp, layers, hidden, ffn, tokens, per_rank]),
+                          str(max_rss_gib)], capture_output=True, text=True, timeout=timeout, cwd=root, env=env)
     if out.returncode:
         return {"error": f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1:]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -138,22 +158,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ffn", type=int, default=53248)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--max-rss", type=float, default=12.0, help="GiB; the child stops beyond it")
+    parser.add_argument("--per-rank-partitions", action="store_true",
+                        help="every rank builds its own partition lists (default: built once, passed to all)")
+    parser.add_argument("--before", metavar="CHECKOUT",
+                        help="also run each size with simcomm imported from this folder (the code before a change)")
+    parser.add_argument("--before-max", type=int, default=4096,
+                        help="ranks: larger sizes are not run --before (it held O(ranks**2) memory)")
     args = parser.parse_args(argv)
     out = sys.stdout.write
     out(f"TP {args.tp} x PP {args.pp} x DP, {args.layers} MLP blocks per stage, hidden {args.hidden}, "
         f"ffn {args.ffn}, {args.tokens} tokens, bf16, shape-only\n")
-    out("ranks   run wall  run CPU  CPU/wall  check  cost wall  total wall  events    peak RSS  modelled step  "
-        "fake dispatch hits\n")
+    out("code    ranks  run wall  run CPU  CPU/wall  check  cost wall  total wall  events    peak RSS  "
+        "modelled step  fake dispatch hits\n")
     for dp in args.dp:
         ranks = args.tp * args.pp * dp
-        result = measure(args.tp, args.pp, dp, args.layers, args.hidden, args.ffn, args.tokens, args.max_rss)
-        if "error" in result:
-            out(f"{ranks:5d}  {result['error']}\n")
-            continue
-        (run_w, run_c), (check_w, _), (cost_w, _) = (result["times"][k] for k in ("run", "check", "cost"))
-        out(f"{ranks:5d}  {run_w:8.1f}  {run_c:7.1f}  {run_c / run_w:8.2f}  {check_w:5.1f}  {cost_w:9.1f}  "
-            f"{run_w + check_w + cost_w:10.1f}  {result['events']:7d}  {result['peak_rss'] / 2**30:6.2f} GiB  "
-            f"{result['modelled_step_s'] * 1e3:9.1f} ms  {result['hit_rate']:.1%}\n")
+        sides = [("before", args.before)] if args.before and ranks <= args.before_max else []
+        for side, checkout in [*sides, ("this", None)]:
+            result = measure(args.tp, args.pp, dp, args.layers, args.hidden, args.ffn, args.tokens, args.max_rss,
+                             checkout=checkout, per_rank=args.per_rank_partitions)
+            if "error" in result:
+                out(f"{side:6s}  {ranks:5d}  {result['error']}\n")
+                continue
+            (run_w, run_c), (check_w, _), (cost_w, _) = (result["times"][k] for k in ("run", "check", "cost"))
+            out(f"{side:6s}  {ranks:5d}  {run_w:8.1f}  {run_c:7.1f}  {run_c / run_w:8.2f}  {check_w:5.1f}  "
+                f"{cost_w:9.1f}  {run_w + check_w + cost_w:10.1f}  {result['events']:7d}  "
+                f"{result['peak_rss'] / 2**30:6.2f} GiB  {result['modelled_step_s'] * 1e3:9.1f} ms  "
+                f"{result['hit_rate']:.1%}\n")
     return 0
 
 
