@@ -197,8 +197,8 @@ class PartitionTable:
     """
 
     def __init__(self) -> None:
-        # (world_size, raw input as given, its normalized form), in the order accepted
-        self._known: list[tuple[int, object, tuple[tuple[int, ...], ...]]] = []
+        # by (world size, number of parts, first part): (raw input as given, its normalized form)
+        self._known: dict[tuple, list[tuple[object, tuple[tuple[int, ...], ...]]]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -206,25 +206,37 @@ class PartitionTable:
               ) -> tuple[tuple[int, ...], ...]:
         """:func:`check_partition`'s result for ``groups``, shared with every rank that passed
         an equal partition (see the class docstring); raises as :func:`check_partition` does."""
-        nested = _nested_sequences(groups)
-        if nested:
-            for size, raw, normalized in reversed(self._known):
-                if size == world_size and (groups is raw or groups is normalized
-                                           or (_equal(groups, raw) and _only_ints(groups))):
-                    self.hits += 1
-                    return normalized
+        bucket = _bucket(groups, world_size)
+        known = self._known.get(bucket, ()) if bucket is not None else ()
+        for raw, normalized in reversed(known):
+            if groups is raw or groups is normalized or (_equal(groups, raw) and _only_ints(groups)):
+                self.hits += 1
+                return normalized
         normalized = check_partition(op, groups, world_size, rank)
         self.misses += 1
-        # the same partition given another way (tuples for lists, parts in another order): one copy
-        normalized = next((known for size, _raw, known in self._known
-                           if size == world_size and known == normalized), normalized)
-        if nested and _only_ints(groups):
+        # the same partition given another way (tuples for lists, unsorted parts): one copy
+        same = self._known.get(_bucket(normalized, world_size), ())
+        normalized = next((entry for _raw, entry in same if entry == normalized), normalized)
+        if bucket is not None and _only_ints(groups):
             # an immutable tuple of tuples of ints is kept as it is (the same object passed by
             # another rank is a hit at once); lists are kept as a snapshot: the caller may
             # change them afterwards
             immutable = type(groups) is tuple and set(map(type, groups)) == {tuple}
-            self._known.append((world_size, groups if immutable else _snapshot(groups), normalized))
+            self._known.setdefault(bucket, []).append((groups if immutable else _snapshot(groups), normalized))
+        if _bucket(normalized, world_size) != bucket:
+            self._known.setdefault(_bucket(normalized, world_size), []).append((normalized, normalized))
         return normalized
+
+
+def _bucket(groups: object, world_size: int) -> tuple | None:
+    """Where the table files ``groups``: its world size, number of parts and first part; ``None``
+    for what it does not compare (not a list or tuple of lists and tuples of hashable entries)."""
+    if not _nested_sequences(groups) or not groups:
+        return None
+    try:
+        return (world_size, len(groups), tuple(groups[0]))
+    except TypeError:
+        return None
 
 
 def _nested_sequences(groups: object) -> bool:

@@ -103,3 +103,17 @@ def test_a_rank_passing_bools_is_refused_after_the_others_passed_ints():
         simcomm.World(2).run(program)
     assert caught.value.rank == 1
     assert str(caught.value.__cause__) == _refusal([[False, True]])
+
+
+def test_new_group_partitions_are_shared_by_the_ranks_too():
+    import torch.distributed as dist
+
+    def program(comm):
+        group = dist.new_group([1, 3])
+        return (dist.get_rank(group), dist.get_world_size(group)) if comm.rank in (1, 3) else None
+
+    world = simcomm.World(4)
+    assert world.run(program) == [None, (0, 2), None, (1, 2)]
+    recorded = [event.args["groups"] for event in world.trace.events if event.op == "subgroup"]
+    assert len(recorded) == 4 and len({id(groups) for groups in recorded}) == 1
+    assert recorded[0] == ((1, 3), (0, 2))
