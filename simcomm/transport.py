@@ -72,6 +72,9 @@ class TransportBase:
 
     ``recorder`` is the run's (or process's) :class:`~simcomm.trace.Recorder`,
     shared with the subgroups made from this transport; ``None``: no tracing.
+    ``partitions``: the :class:`~simcomm.checks.PartitionTable` that
+    :meth:`Communicator.subgroup <simcomm.communicator.Communicator.subgroup>` checks
+    partitions with (one per run of virtual ranks); ``None``: a table of its own.
     """
 
     def __init__(self, rank: int, ranks: Sequence[int], device: torch.device,
