@@ -5,9 +5,10 @@ Each measurement runs in its own fresh Python process with ``torch.set_num_threa
 * ``3d``: one training step of a 3-D parallel transformer (:mod:`simcomm.parallel.cluster_step`,
   tensor x pipeline x data = 8 x 4 x 32 = 1024 ranks by default, GPT-2-medium
   blocks: hidden 1024, 16 heads, seq 1024, bf16) on ``World(1024, tensors="shape")``:
-  wall time of ``World.run`` and the process's peak resident memory (``ru_maxrss``);
+  wall and CPU time (``time.process_time``) of ``World.run``, the process's peak resident
+  memory (``ru_maxrss``) and the share of fake dispatches the ranks' shared cache answered;
 * ``dp``: 4096 ranks of a data-parallel step (a linear layer's forward and backward,
-  then an all-reduce of its gradient), shape-only: wall time;
+  then an all-reduce of its gradient), shape-only: the same figures;
 * ``ratio``: the same 3-D program at 16 ranks (2 x 2 x 4; a small and a medium
   block, fp32) run shape-only and real-valued, each side in its own process
   and timed on its second run (the first warms imports and torch's caches),
@@ -48,10 +49,11 @@ else:
 world = simcomm.World(ranks, tensors=tensors)
 if warm:                     # imports and torch's caches warmed by one run first
     world.run(program, *args)
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 world.run(program, *args)
-seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "events": len(world.trace),
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+from simcomm.sim.shape import dispatch_cache_info
+print(json.dumps({"seconds": seconds, "cpu": cpu, "events": len(world.trace), "hit_rate": dispatch_cache_info()["hit_rate"],
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
@@ -79,16 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the shape-only vs real ratio")
     args = parser.parse_args(argv)
     out = sys.stdout.write
-    out("measurement                                      ranks  seconds  events  peak RSS\n")
+    out("measurement                                      ranks  seconds  CPU s  events  peak RSS  fake dispatch hits\n")
     if "3d" in args.only:
         tp, pp, dp = args.layout
         result = measure("3d", tp * pp * dp, "shape", {"tp": tp, "pp": pp, "dp": dp}, GPT2_MEDIUM)
         out(f"3-D step {tp}x{pp}x{dp}, GPT-2-medium block, shape-only  {tp * pp * dp:5d}  "
-            f"{result['seconds']:7.1f}  {result['events']:6d}  {result['peak_rss'] / 2**30:.2f} GiB\n")
+            f"{result['seconds']:7.1f}  {result['cpu']:5.1f}  {result['events']:6d}  {result['peak_rss'] / 2**30:.2f} GiB  "
+            f"{result['hit_rate']:.1%}\n")
     if "dp" in args.only:
         result = measure("dp", args.dp_ranks, "shape")
         out(f"DP all-reduce step (1024 x 1024 weight), shape-only {args.dp_ranks:5d}  "
-            f"{result['seconds']:7.1f}  {result['events']:6d}  {result['peak_rss'] / 2**30:.2f} GiB\n")
+            f"{result['seconds']:7.1f}  {result['cpu']:5.1f}  {result['events']:6d}  {result['peak_rss'] / 2**30:.2f} GiB  "
+            f"{result['hit_rate']:.1%}\n")
     if "ratio" in args.only:
         for name, block in (("hidden 128, seq 64", SMALL), ("hidden 512, seq 512", MEDIUM)):
             shape, real = [], []

@@ -8,6 +8,7 @@ the same way on virtual ranks and on real processes.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import reprlib
 from collections.abc import Iterable, Sequence
@@ -177,6 +178,86 @@ def check_partition(op: str, groups: Sequence[Sequence[int]], world_size: int, r
             f"ranks 0..{world_size - 1}: every rank in exactly one non-empty group"
         )
     return normalized
+
+
+class PartitionTable:
+    """The partitions :func:`check_partition` accepted, shared by every rank that checks one.
+
+    A subgroup call passes the whole partition on every rank (as
+    ``new_subgroups_by_enumeration`` and ``DeviceMesh`` do), so checking and
+    normalizing it on each rank costs ``O(world size)`` Python work and memory per rank,
+    ``O(world size**2)`` for a run. :meth:`check` returns the *same* normalized tuple
+    to every rank whose ``groups`` equals one accepted before: held once, compared
+    in C. What counts as equal is strict, so the table never accepts what
+    :func:`check_partition` refuses: the identical tuple of tuples (immutable), or
+    lists/tuples equal to an accepted partition whose every entry is an ``int``
+    (``True == 1`` and ``1.0 == 1`` in Python, but ``check_partition`` refuses both).
+    Anything else is checked by :func:`check_partition` itself. One table per run
+    of virtual ranks (or per process); it grows by one entry per distinct partition.
+    """
+
+    def __init__(self) -> None:
+        # by (world size, number of parts, first part): (raw input as given, its normalized form)
+        self._known: dict[tuple, list[tuple[object, tuple[tuple[int, ...], ...]]]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def check(self, op: str, groups: Sequence[Sequence[int]], world_size: int, rank: int
+              ) -> tuple[tuple[int, ...], ...]:
+        """:func:`check_partition`'s result for ``groups``, shared with every rank that passed
+        an equal partition (see the class docstring); raises as :func:`check_partition` does."""
+        bucket = _bucket(groups, world_size)
+        known = self._known.get(bucket, ()) if bucket is not None else ()
+        for raw, normalized in reversed(known):
+            if groups is raw or groups is normalized or (_equal(groups, raw) and _only_ints(groups)):
+                self.hits += 1
+                return normalized
+        normalized = check_partition(op, groups, world_size, rank)
+        self.misses += 1
+        # the same partition given another way (tuples for lists, unsorted parts): one copy
+        same = self._known.get(_bucket(normalized, world_size), ())
+        normalized = next((entry for _raw, entry in same if entry == normalized), normalized)
+        if bucket is not None and _only_ints(groups):
+            # an immutable tuple of tuples of ints is kept as it is (the same object passed by
+            # another rank is a hit at once); lists are kept as a snapshot: the caller may
+            # change them afterwards
+            immutable = type(groups) is tuple and set(map(type, groups)) == {tuple}
+            self._known.setdefault(bucket, []).append((groups if immutable else _snapshot(groups), normalized))
+        if _bucket(normalized, world_size) != bucket:
+            self._known.setdefault(_bucket(normalized, world_size), []).append((normalized, normalized))
+        return normalized
+
+
+def _bucket(groups: object, world_size: int) -> tuple | None:
+    """Where the table files ``groups``: its world size, number of parts and first part; ``None``
+    for what it does not compare (not a list or tuple of lists and tuples of hashable entries)."""
+    if not _nested_sequences(groups) or not groups:
+        return None
+    try:
+        return (world_size, len(groups), tuple(groups[0]))
+    except TypeError:
+        return None
+
+
+def _nested_sequences(groups: object) -> bool:
+    """Whether ``groups`` is a list or tuple of lists and tuples (what the table compares)."""
+    return type(groups) in (list, tuple) and set(map(type, groups)) <= {list, tuple}
+
+
+def _equal(groups: Sequence, raw: object) -> bool:
+    try:
+        return bool(groups == raw)
+    except Exception:   # an entry whose comparison has no truth value (a tensor of several elements)
+        return False
+
+
+def _only_ints(groups: Sequence) -> bool:
+    """Whether every entry of the parts is an exact ``int`` (in C, no Python loop per entry)."""
+    return set(map(type, itertools.chain.from_iterable(groups))) <= {int}
+
+
+def _snapshot(groups: Sequence) -> object:
+    return type(groups)(part.copy() if type(part) is list else part for part in groups)
 
 
 # -- reductions and the ranks' arguments checked against each other ------------------------

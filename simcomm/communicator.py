@@ -513,5 +513,8 @@ class Communicator:
         sorted order, as ``torch.distributed.new_group`` numbers them:
         ``[[1, 0]]`` is the same group as ``[[0, 1]]`` on both backends.
         """
-        normalized = check_partition("subgroup", groups, self.world_size, self.rank)
+        # one normalized partition shared by every rank that passed an equal one (checks.PartitionTable)
+        table = getattr(self.transport, "partitions", None)
+        normalized = (table.check if table is not None else check_partition)(
+            "subgroup", groups, self.world_size, self.rank)
         return Communicator(self.transport.subgroup(normalized))

@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .checks import PartitionTable
 from .handles import Handle, P2POp
 from .trace import Record, Recorder
 
@@ -71,10 +72,13 @@ class TransportBase:
 
     ``recorder`` is the run's (or process's) :class:`~simcomm.trace.Recorder`,
     shared with the subgroups made from this transport; ``None``: no tracing.
+    ``partitions``: the :class:`~simcomm.checks.PartitionTable` that
+    :meth:`Communicator.subgroup <simcomm.communicator.Communicator.subgroup>` checks
+    partitions with (one per run of virtual ranks); ``None``: a table of its own.
     """
 
     def __init__(self, rank: int, ranks: Sequence[int], device: torch.device,
-                 recorder: Recorder | None):
+                 recorder: Recorder | None, partitions: PartitionTable | None = None):
         self.rank = rank
         self.ranks = tuple(ranks)
         self.world_size = len(self.ranks)
@@ -83,6 +87,9 @@ class TransportBase:
         self._recorder = recorder
         self._step = 0
         self._p2p_steps: dict[tuple[int, int], int] = {}
+        #: the partitions subgroup calls accepted, shared by the ranks that may pass equal ones
+        #: (a virtual run's ranks share the run's table; a process has one per transport)
+        self.partitions = PartitionTable() if partitions is None else partitions
 
     @property
     def recorder(self) -> Recorder | None:

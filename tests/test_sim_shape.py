@@ -225,3 +225,47 @@ def test_a_refused_module_dtype_change_is_a_clear_error():
     assert isinstance(error, ShapeOnlyError)
     assert "rank 3" in str(error) and "dtype=" in str(error) and "Linear.weight" in str(error)
     assert simcomm.sim.shape.data_dependent_error(RuntimeError("something else"), 3) is None
+
+
+def _aliasing_program(comm):
+    x = torch.empty(6, 4)
+    w = torch.empty(3, 4, requires_grad=True)
+    y = x @ w.T                                   # (6, 3): a fresh tensor
+    view = y[1:].t()                              # (3, 5): a view of y's storage
+    y.add_(1)                                     # in place on y: y and its view move to version 1
+    y.sum().backward()
+    return (y, view, w.grad, view._base is y, y._version, view._version,
+            view.untyped_storage()._cdata == y.untyped_storage()._cdata)
+
+
+def test_ranks_share_the_fake_dispatch_cache_and_get_tensors_of_their_own():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    info = {}
+    for world_size in (1, 2, 8):
+        FakeTensorMode.cache_clear()
+        outs = simcomm.World(world_size, tensors="shape").run(_aliasing_program)
+        info[world_size] = simcomm.sim.shape.dispatch_cache_info()
+    assert info[1]["misses"] > 0 and info[1]["hits"] == 0
+    # every rank after the first adds hits only, the same number each: they dispatch what it cached
+    assert info[8]["misses"] == info[2]["misses"] == info[1]["misses"]
+    assert info[8]["hits"] == 7 * info[2]["hits"] > 0
+    assert info[8]["hit_rate"] > 0.8
+    real = simcomm.World(8).run(_aliasing_program)
+    for rank, out in enumerate(outs):
+        y, view, grad, is_view, y_version, view_version, shares = out
+        assert (y.shape, view.shape, grad.shape, view.stride()) == (real[rank][0].shape, real[rank][1].shape,
+                                                                     real[rank][2].shape, real[rank][1].stride())
+        assert (is_view, y_version, view_version, shares) == real[rank][3:] == (True, 1, 1, True)
+        for other in outs[rank + 1:]:        # every rank's tensors are its own: no storage shared
+            assert y.untyped_storage()._cdata != other[0].untyped_storage()._cdata
+            assert y.fake_mode is not other[0].fake_mode
+
+
+@pytest.mark.parametrize("tensors", ["real", "shape"])
+def test_arguments_without_tensors_reach_every_rank_as_they_are(tensors):
+    # not rebuilt per rank: a partition of the world passed as an argument costs nothing per rank
+    parts = [tuple(range(base, base + 2)) for base in range(0, 8, 2)]
+    outs = simcomm.World(8, tensors=tensors).run(lambda comm, parts: (id(parts), comm.subgroup(parts).ranks), parts)
+    assert {out[0] for out in outs} == {id(parts)}
+    assert [out[1] for out in outs] == [parts[rank // 2] for rank in range(8)]

@@ -119,7 +119,9 @@ class SimcommProcessGroup(dist.ProcessGroup):
             others = tuple(rank for rank in self.transport.ranks if rank not in ranks)
             local = {rank: index for index, rank in enumerate(self.transport.ranks)}
             parts = (tuple(local[rank] for rank in ranks),) + ((tuple(local[r] for r in others),) if others else ())
-            child = self.transport.subgroup(parts)
+            # one copy of the partition for every rank that passes it (checks.PartitionTable)
+            child = self.transport.subgroup(self.transport.partitions.check(
+                "new_group", parts, self.transport.world_size, self.transport.rank))
             if me not in ranks:
                 return None
             group = self._wrap_subgroup(child)

@@ -443,11 +443,23 @@ def annotate(trace: Trace, topology: str | Topology) -> Trace:
     as 0. The events themselves are kept and modified in place.
     """
     topology = get_topology(topology)
+    groups = overlap.GroupIndex()       # a call's key by group number: no hash of a long tuple per event
+    keys = [(event.op, groups(event.group), event.step) for event in trace.events]
     calls: dict[tuple, list[TraceEvent]] = {}
-    for event in trace.events:
-        calls.setdefault((event.op, event.group, event.step), []).append(event)
-    for event in trace.events:
-        event.modelled = _event_duration(event, calls[(event.op, event.group, event.step)], topology)
+    for event, key in zip(trace.events, keys):
+        calls.setdefault(key, []).append(event)
+    # a collective's members share its estimate (op, group and call size): computed once per call
+    # and input size, not once per member (placing a group on the topology costs O(group size))
+    shared: dict[tuple, float] = {}
+    for event, key in zip(trace.events, keys):
+        if event.op in ("compute", "send", "recv"):
+            event.modelled = _event_duration(event, calls[key], topology)
+            continue
+        memo = (key, event.nbytes)
+        modelled = shared.get(memo)
+        if modelled is None:
+            modelled = shared[memo] = _event_duration(event, calls[key], topology)
+        event.modelled = modelled
     return trace
 
 

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 from ..trace import Trace, TraceEvent
 
-__all__ = ["Placed", "Stall", "RankSummary", "Timeline", "layout"]
+__all__ = ["Placed", "Stall", "RankSummary", "Timeline", "GroupIndex", "layout"]
 
 
 class Placed(NamedTuple):
@@ -110,18 +110,46 @@ class Timeline(Sequence):
                 if min(item.end, s.end) > max(item.start, s.start)]
 
 
-def _key(event: TraceEvent) -> tuple | None:
+class GroupIndex:
+    """Small ints for the groups (tuples of global ranks) of a trace's events.
+
+    A call's key holds its group; a tuple does not keep its hash, so a key of a
+    world-wide call would cost ``O(world size)`` at every dict operation, ``O(world
+    size**2)`` for a run. Calling the index with a group gives its number: the
+    events of one run share their group tuples, so a group is hashed once per
+    distinct object (looked up by ``id``; the index keeps each object alive) and
+    once per distinct value. ``members[i]`` is group ``i``.
+    """
+
+    def __init__(self) -> None:
+        self.members: list[tuple[int, ...]] = []
+        self._by_value: dict[tuple[int, ...], int] = {}
+        self._by_object: dict[int, int] = {}
+        self._kept: list[tuple[int, ...]] = []      # so no id is reused while the index lives
+
+    def __call__(self, group: tuple[int, ...]) -> int:
+        number = self._by_object.get(id(group))
+        if number is None:
+            number = self._by_value.setdefault(group, len(self.members))
+            if number == len(self.members):
+                self.members.append(group)
+            self._by_object[id(group)] = number
+            self._kept.append(group)
+        return number
+
+
+def _key(event: TraceEvent, groups: GroupIndex) -> tuple | None:
     """What identifies one call across its participants; None for rank-local events."""
     if event.op in ("send", "recv"):
         sender, receiver = (event.rank, event.root) if event.op == "send" else (event.root, event.rank)
-        return ("p2p", sender, receiver, event.group, event.step)
+        return ("p2p", sender, receiver, groups(event.group), event.step)
     if event.op == "compute" or len(event.group) < 2:
         return None
-    return ("collective", event.op, event.group, event.step)
+    return ("collective", event.op, groups(event.group), event.step)
 
 
-def _members(key: tuple) -> tuple[int, ...]:
-    return key[1:3] if key[0] == "p2p" else key[2]
+def _members(key: tuple, groups: GroupIndex) -> tuple[int, ...]:
+    return key[1:3] if key[0] == "p2p" else groups.members[key[2]]
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -168,20 +196,21 @@ def layout(trace: Trace) -> Timeline:
     placed: list[Placed] = []
     stalls: list[Stall] = []
 
+    groups = GroupIndex()
     order: dict[tuple, int] = {}                # each call's position in issue order
     candidates: list[tuple] = []                # calls that may have become placeable
 
     def placeable(key: tuple) -> bool:
         if key in ends:
             return False
-        members, calls = _members(key), issued[key]
-        if any(m not in calls for m in members):
+        members, calls = _members(key, groups), issued[key]
+        if len(calls) < len(members):          # calls holds members only: some member has not issued it
             return False
         return key[0] != "collective" or all(lane_queue[m][0] == key for m in members)
 
     def place(key: tuple) -> list[tuple]:
         """Place one call; return the calls its placement may make placeable (new lane heads)."""
-        members, calls = _members(key), issued[key]
+        members, calls = _members(key, groups), issued[key]
         collective = key[0] == "collective"
         free = [max(lane_free[m], p2p_free[m]) if collective else lane_free[m] for m in members]
         start = max(max(t for _, t in calls.values()), max(free))
@@ -233,7 +262,7 @@ def layout(trace: Trace) -> Timeline:
         for rank, queue in actions.items():
             while queue:
                 kind, event = queue[0]
-                key = _key(event)
+                key = _key(event, groups)
                 if kind == "issue" and key is None:
                     if event.op == "compute":
                         placed.append(Placed(event, cpu[rank], cpu[rank] + event.modelled))

@@ -45,6 +45,7 @@ from typing import NoReturn
 
 import torch
 
+from ..checks import PartitionTable
 from ..errors import CommunicatorClosedError, DeadlockError, WrongThreadError
 from ..reports import program_location
 from .process_state import RankProcessState
@@ -106,6 +107,8 @@ class RunState:
         self.events: list[tuple] | None = [] if trace else None
         self.clock_zero = time.perf_counter()
         self.world = Group(("world",), range(world_size))
+        #: the partitions the run's subgroup calls accepted, one normalized copy for all ranks
+        self.partitions = PartitionTable()
         #: fake tensors on every rank (simcomm.sim.shape): collective math on meta tensors
         self.shape_only = False
 

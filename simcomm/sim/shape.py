@@ -23,6 +23,19 @@ refuses ops that mix modes; so a tensor never crosses ranks as it is:
 * each rank turns what it receives into a fake tensor of its own mode
   (:func:`own`), on its own thread, where the memory tracker counts it.
 
+**One dispatch cache for every rank.** The ranks of a group run the same ops
+on the same shapes, dtypes and strides; torch's ``FakeTensorMode`` keeps its
+dispatch cache on the class (``FakeTensorMode.cache``), keyed by the op, each
+tensor argument's metadata (shape, dtype, strides, storage offset and size,
+device, layout, memory format, requires_grad, conj/neg bits) and the
+non-tensor arguments (with their types), not by mode: so the first rank to run
+an op computes its result's metadata and every other rank's mode builds its own
+output from that entry (a new fake tensor of the asking rank's mode, with its
+own storage and version counter; for a view the asking rank's input storage,
+for an in-place op the asking rank's input itself, as the op would).
+:func:`dispatch_cache_info` counts the hits (``TORCH_FAKE_TENSOR_DISPATCH_CACHE=0``
+turns the cache off; shapes and traces are the same either way, only slower).
+
 **What comes back.** ``World.run`` returns what each rank's program returned:
 tensors in it are fake tensors (``.shape``, ``.dtype``, ``.device`` work;
 reading values does not). :func:`shapes` turns them into
@@ -70,7 +83,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import SimcommError
 
-__all__ = ["TENSOR_MODES", "ShapeOnlyError", "check_shape_device", "rank_mode", "fake_arguments", "compute_on_meta", "own",
+__all__ = ["TENSOR_MODES", "ShapeOnlyError", "check_shape_device", "rank_mode", "dispatch_cache_info", "fake_arguments",
+           "compute_on_meta", "own",
            "shapes", "is_shape_only", "data_dependent_error", "trace_signature", "FunctionalCollectives",
            "install_device_mesh_values"]
 
@@ -118,6 +132,18 @@ def check_shape_device(device: torch.device) -> None:
 def rank_mode() -> FakeTensorMode:
     """A fresh ``FakeTensorMode`` for one rank thread (see the module docstring)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def dispatch_cache_info() -> dict[str, Any]:
+    """The fake dispatch cache the shape-only ranks share (module docstring), for this process
+    since it started or since ``FakeTensorMode.cache_clear()``: ``hits``, ``misses``,
+    ``bypasses`` (ops torch does not cache, by reason), ``entries`` and ``hit_rate`` (hits over
+    every dispatch that consulted the cache, bypassed ones included)."""
+    info = FakeTensorMode.cache_info()
+    bypassed = sum(info.bypasses.values())
+    consulted = info.hits + info.misses + bypassed
+    return {"hits": info.hits, "misses": info.misses, "bypasses": dict(info.bypasses), "entries": info.size,
+            "hit_rate": info.hits / consulted if consulted else 0.0}
 
 
 def is_shape_only() -> bool:

@@ -59,7 +59,8 @@ class SimTransport(TransportBase):
                  recorder: Recorder | None = None):
         if recorder is None and state.events is not None:
             recorder = Recorder(state.events, state.clock_zero)
-        super().__init__(rank, group.ranks, state.device, recorder)
+        # one partition table for the run: every rank passes the whole partition to subgroup
+        super().__init__(rank, group.ranks, state.device, recorder, state.partitions)
         self.state = state
         self.group = group
         self.pending: dict[int, Pending] = {} if pending is None else pending

@@ -157,10 +157,18 @@ class World:
             _check_leaves(args, kwargs)
             _shape.install_device_mesh_values()
             modes = [_shape.rank_mode() for _ in range(self.world_size)]
-            rank_args = [(_shape.fake_arguments(args, kwargs, mode, self.device), mode) for mode in modes]
+            # arguments without tensors or modules are passed as they are, to every rank: not
+            # flattened and rebuilt per rank (a partition of the world as an argument would cost
+            # O(world size) per rank, O(world size**2) for the run)
+            if _has_copied_leaf(args, kwargs):
+                rank_args = [(_shape.fake_arguments(args, kwargs, mode, self.device), mode) for mode in modes]
+            else:
+                rank_args = [((args, kwargs), mode) for mode in modes]
             del modes
-        else:
+        elif _has_copied_leaf(args, kwargs):
             rank_args = [(_copy_arguments(args, kwargs, self.device), None) for _ in range(self.world_size)]
+        else:
+            rank_args = [((args, kwargs), None)] * self.world_size
         state = RunState(self.world_size, self.device, self.tracing)
         state.shape_only = shape_only
         state.flop_totals = [0] * self.world_size if self.count_flops else None
@@ -235,6 +243,11 @@ def _check_timeout(timeout: Any) -> float | None:
 
 def _is_copied(leaf: Any) -> bool:
     return isinstance(leaf, (torch.Tensor, torch.nn.Module))
+
+
+def _has_copied_leaf(args: tuple, kwargs: dict) -> bool:
+    """Whether any tensor or module is among the arguments (each rank then gets its own copy)."""
+    return any(_is_copied(leaf) for leaf in pytree.tree_leaves((args, kwargs)))
 
 
 def _copy_arguments(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:

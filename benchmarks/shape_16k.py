@@ -1,0 +1,191 @@
+"""16,384 shape-only ranks: a Llama-3-405B-shaped block stack on TP 8 x PP 16 x DP 128.
+
+The program is written on the communicator's public API, as a planning script
+would be: two ``comm.subgroup`` partitions (tensor groups of 8 consecutive
+ranks, data groups of ranks ``tp * pp`` apart), each passed whole by every rank
+(as ``new_subgroups_by_enumeration`` and ``DeviceMesh`` callers do): built once by
+the script and given to every rank, or with ``--per-rank-partitions`` built by
+every rank itself (then every rank's own lists, ``O(ranks)`` each, are alive
+while it waits in the ``subgroup`` collective: 0.8 MB a rank at 16,384 ranks,
+13 GB in all, which no simulator can share since they are the program's); per pipeline
+stage ``layers`` tensor-parallel MLP blocks (hidden 16384, ffn 53248, bf16,
+8192 tokens: column-parallel up projection, SiLU, row-parallel down
+projection ending in an all-reduce of the tensor group); activations and
+gradients sent stage to stage with send/recv on the world communicator;
+then a data-parallel all-reduce (average) of every weight's gradient.
+
+Each measurement runs in a fresh process with ``torch.set_num_threads(1)``:
+the run (traced and checked by the simulator), the trace's events counted
+per rank against what the program issues, and the modelled timeline of the
+trace on the ``h100-ndr-cluster`` preset, with as many of
+its nodes as the run has ranks (costed). Printed per size: wall and
+CPU seconds (``time.process_time``) of each phase, CPU/wall, the trace's
+events, the process's peak resident memory, and the share of fake dispatches the
+ranks' shared cache answered (:func:`simcomm.sim.shape.dispatch_cache_info`). A watchdog in the child stops
+it (exit 3) once its resident memory passes ``--max-rss`` GiB (default 12),
+so a run that grows too large never reaches the kernel's OOM killer on a
+shared machine.
+
+    python benchmarks/shape_16k.py                      # 1024, 4096 and 16,384 ranks
+    python benchmarks/shape_16k.py --dp 8 32            # 1024 and 4096 ranks only
+    python benchmarks/shape_16k.py --before ../main     # beside another checkout (up to 4096 ranks)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+_CHILD = r"""
+import json, os, resource, sys, threading, time
+limit = float(sys.argv[2]) * 2**30
+
+def watchdog():
+    page = os.sysconf("SC_PAGE_SIZE")
+    while True:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * page
+        if rss > limit:
+            sys.stderr.write(f"resident memory {rss / 2**30:.1f} GiB passed --max-rss; stopped\n")
+            sys.stderr.flush()
+            os._exit(3)
+        time.sleep(0.05)
+
+threading.Thread(target=watchdog, daemon=True).start()
+import torch
+torch.set_num_threads(1)
+import simcomm
+from simcomm.model.cost import modelled_timeline
+from simcomm.model.topology import PRESETS
+import dataclasses
+tp, pp, dp, layers, hidden, ffn, tokens, per_rank = json.loads(sys.argv[1])
+
+def partitions(world, tp, pp):
+    # rank = (d * pp + p) * tp + t: tensor groups are tp consecutive ranks, data groups tp * pp apart
+    return ([list(range(base, base + tp)) for base in range(0, world, tp)],
+            [list(range(first, world, tp * pp)) for first in range(tp * pp)])
+
+def step(comm, tp, pp, dp, layers, hidden, ffn, tokens, parts=None):
+    tensor_parts, data_parts = parts if parts is not None else partitions(comm.world_size, tp, pp)
+    tensor = comm.subgroup(tensor_parts)
+    data = comm.subgroup(data_parts)
+    stage = comm.rank // tp % pp
+    dtype = torch.bfloat16
+    weights = [(torch.empty(ffn // tp, hidden, dtype=dtype).requires_grad_(),     # column-parallel
+                torch.empty(hidden, ffn // tp, dtype=dtype).requires_grad_())     # row-parallel
+               for _ in range(layers)]
+    shape = (tokens, hidden)
+    x = torch.empty(shape, dtype=dtype) if stage == 0 else comm.recv(shape, dtype, comm.rank - tp)
+    inp = x.requires_grad_() if stage else x
+    for up, down in weights:
+        h = torch.nn.functional.silu(tensor.copy_to_group(x) @ up.T)              # (tokens, ffn/tp)
+        x = x + tensor.reduce_from_group(h @ down.T)                             # (tokens, hidden)
+        comm.compute(flops=2 * 2 * tokens * hidden * ffn // tp)
+    if stage < pp - 1:
+        comm.send(x.detach(), comm.rank + tp)
+        x.backward(comm.recv(shape, dtype, comm.rank + tp))
+    else:
+        x.float().pow(2).mean().backward()
+    comm.compute(flops=2 * 2 * 2 * tokens * hidden * ffn // tp * layers)
+    if stage:
+        comm.send(inp.grad, comm.rank - tp)
+    for up, down in weights:
+        data.all_reduce(up.grad, "avg")
+        data.all_reduce(down.grad, "avg")
+    return None
+
+world = simcomm.World(tp * pp * dp, tensors="shape")
+times = {}
+wall, cpu = time.perf_counter(), time.process_time()
+# the partitions built once and passed to every rank (a planning script's mesh), as tuples; or
+# built by every rank itself (each rank's lists are alive while it waits in subgroup: O(ranks) each)
+parts = None if per_rank else tuple(tuple(map(tuple, part)) for part in partitions(tp * pp * dp, tp, pp))
+world.run(step, tp, pp, dp, layers, hidden, ffn, tokens, parts)
+times["run"] = (time.perf_counter() - wall, time.process_time() - cpu)
+wall, cpu = time.perf_counter(), time.process_time()
+per_rank = {}
+for event in world.trace.events:
+    if event.op != "compute":
+        per_rank[event.rank] = per_rank.get(event.rank, 0) + 1
+stages = {}
+for rank, count in per_rank.items():
+    stages.setdefault(rank // tp % pp, set()).add(count)
+# subgroup x2; per layer 2 all-reduces of the tensor group (forward, and backward except on
+# stage 0's first block, whose input needs no gradient) and 2 of the data group; 2 p2p per neighbour
+expected = {p: {2 + 4 * layers - (p == 0) + 2 * ((p > 0) + (p < pp - 1))} for p in range(pp)}
+if len(per_rank) != tp * pp * dp or stages != expected:
+    raise SystemExit(f"trace check failed: events per rank by stage {stages}, expected {expected}")
+times["check"] = (time.perf_counter() - wall, time.process_time() - cpu)
+wall, cpu = time.perf_counter(), time.process_time()
+preset = PRESETS["h100-ndr-cluster"]          # as many of its nodes as the run has ranks
+timeline = modelled_timeline(world.trace, dataclasses.replace(preset, nodes=tp * pp * dp // preset.gpus_per_node))
+step_s = max(end for _event, _start, end in timeline)
+times["cost"] = (time.perf_counter() - wall, time.process_time() - cpu)
+from torch._subclasses.fake_tensor import FakeTensorMode
+cache = FakeTensorMode.cache_info()       # the class-level cache every rank's mode consults
+consulted = cache.hits + cache.misses + sum(cache.bypasses.values())
+print(json.dumps({"times": times, "events": len(world.trace), "modelled_step_s": step_s,
+                  "hit_rate": cache.hits / max(consulted, 1),
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def measure(tp: int, pp: int, dp: int, layers: int, hidden: int, ffn: int, tokens: int,
+            max_rss_gib: float, timeout: float = 1800, checkout: str | None = None,
+            per_rank: bool = False) -> dict:
+    """One run in a fresh process: wall and CPU seconds of run, check and cost, events,
+    modelled step seconds and peak resident bytes; ``{"error": ...}`` when it failed.
+    ``checkout``: import simcomm from that folder (another checkout) instead of this one."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(checkout or here)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([tp, pp, dp, layers, hidden, ffn, tokens, per_rank]),
+                          str(max_rss_gib)], capture_output=True, text=True, timeout=timeout, cwd=root, env=env)
+    if out.returncode:
+        return {"error": f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=16)
+    parser.add_argument("--dp", type=int, nargs="+", default=[8, 32, 128], help="one run per value")
+    parser.add_argument("--layers", type=int, default=2, help="MLP blocks per pipeline stage")
+    parser.add_argument("--hidden", type=int, default=16384)
+    parser.add_argument("--ffn", type=int, default=53248)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--max-rss", type=float, default=12.0, help="GiB; the child stops beyond it")
+    parser.add_argument("--per-rank-partitions", action="store_true",
+                        help="every rank builds its own partition lists (default: built once, passed to all)")
+    parser.add_argument("--before", metavar="CHECKOUT",
+                        help="also run each size with simcomm imported from this folder (the code before a change)")
+    parser.add_argument("--before-max", type=int, default=4096,
+                        help="ranks: larger sizes are not run --before (it held O(ranks**2) memory)")
+    args = parser.parse_args(argv)
+    out = sys.stdout.write
+    out(f"TP {args.tp} x PP {args.pp} x DP, {args.layers} MLP blocks per stage, hidden {args.hidden}, "
+        f"ffn {args.ffn}, {args.tokens} tokens, bf16, shape-only\n")
+    out("code    ranks  run wall  run CPU  CPU/wall  check  cost wall  total wall  events    peak RSS  "
+        "modelled step  fake dispatch hits\n")
+    for dp in args.dp:
+        ranks = args.tp * args.pp * dp
+        sides = [("before", args.before)] if args.before and ranks <= args.before_max else []
+        for side, checkout in [*sides, ("this", None)]:
+            result = measure(args.tp, args.pp, dp, args.layers, args.hidden, args.ffn, args.tokens, args.max_rss,
+                             checkout=checkout, per_rank=args.per_rank_partitions)
+            if "error" in result:
+                out(f"{side:6s}  {ranks:5d}  {result['error']}\n")
+                continue
+            (run_w, run_c), (check_w, _), (cost_w, _) = (result["times"][k] for k in ("run", "check", "cost"))
+            out(f"{side:6s}  {ranks:5d}  {run_w:8.1f}  {run_c:7.1f}  {run_c / run_w:8.2f}  {check_w:5.1f}  "
+                f"{cost_w:9.1f}  {run_w + check_w + cost_w:10.1f}  {result['events']:7d}  "
+                f"{result['peak_rss'] / 2**30:6.2f} GiB  {result['modelled_step_s'] * 1e3:9.1f} ms  "
+                f"{result['hit_rate']:.1%}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
