@@ -9,7 +9,7 @@ op reaches the dispatcher; and a Python class cannot be the C++ ``Backend``
 such a kernel calls.
 
 So while a dispatch mode is active (and only then: the common path pays one
-check, :func:`modes_active`), a call goes round through the dispatcher:
+check, :func:`modes_active`), a call goes round through the dispatcher::
 
     SimcommProcessGroup.allreduce(tensors, opts)
       -> dispatched(group, "allreduce", (tensors, opts), run)

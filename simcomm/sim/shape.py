@@ -151,11 +151,12 @@ def is_shape_only() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
-def fake_arguments(args: tuple, kwargs: dict, mode: FakeTensorMode, device: torch.device
-                   ) -> tuple[tuple, dict]:
+def fake_arguments(args: tuple, kwargs: dict, mode: FakeTensorMode, device: torch.device,
+                   copy_other: Callable[[Any, dict], Any] | None = None) -> tuple[tuple, dict]:
     """One rank's arguments with every tensor (and every module's parameters and buffers)
     turned into a fake tensor of ``mode`` on ``device``. The caller's objects are not modified;
-    no data is copied (a fake tensor holds metadata only)."""
+    no data is copied (a fake tensor holds metadata only). Any other leaf goes through
+    ``copy_other(leaf, memo)`` (the rank's own copy of a mutable object) when it is given."""
     import copy
 
     def convert(tensor: torch.Tensor) -> torch.Tensor:
@@ -179,6 +180,8 @@ def fake_arguments(args: tuple, kwargs: dict, mode: FakeTensorMode, device: torc
             for tensor in (*leaf.parameters(), *leaf.buffers()):
                 memo[id(tensor)] = convert(tensor)
             leaf = copy.deepcopy(leaf, memo)
+        elif copy_other is not None:
+            leaf = copy_other(leaf, {})
         out.append(leaf)
     return pytree.tree_unflatten(out, spec)
 

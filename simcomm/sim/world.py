@@ -157,18 +157,19 @@ class World:
             _check_leaves(args, kwargs)
             _shape.install_device_mesh_values()
             modes = [_shape.rank_mode() for _ in range(self.world_size)]
-            # arguments without tensors or modules are passed as they are, to every rank: not
-            # flattened and rebuilt per rank (a partition of the world as an argument would cost
-            # O(world size) per rank, O(world size**2) for the run)
-            if _has_copied_leaf(args, kwargs):
-                rank_args = [(_shape.fake_arguments(args, kwargs, mode, self.device), mode) for mode in modes]
-            else:
+            # immutable arguments are passed as they are, to every rank: not flattened and rebuilt
+            # per rank (a partition of the world as an argument would cost O(world size) per
+            # rank, O(world size**2) for the run)
+            if _immutable((args, tuple(kwargs.values()))):
                 rank_args = [((args, kwargs), mode) for mode in modes]
+            else:
+                rank_args = [(_shape.fake_arguments(args, kwargs, mode, self.device, _own_copy), mode)
+                             for mode in modes]
             del modes
-        elif _has_copied_leaf(args, kwargs):
-            rank_args = [(_copy_arguments(args, kwargs, self.device), None) for _ in range(self.world_size)]
-        else:
+        elif _immutable((args, tuple(kwargs.values()))):
             rank_args = [((args, kwargs), None)] * self.world_size
+        else:
+            rank_args = [(_copy_arguments(args, kwargs, self.device), None) for _ in range(self.world_size)]
         state = RunState(self.world_size, self.device, self.tracing)
         state.shape_only = shape_only
         state.flop_totals = [0] * self.world_size if self.count_flops else None
@@ -245,21 +246,46 @@ def _is_copied(leaf: Any) -> bool:
     return isinstance(leaf, (torch.Tensor, torch.nn.Module))
 
 
-def _has_copied_leaf(args: tuple, kwargs: dict) -> bool:
-    """Whether any tensor or module is among the arguments (each rank then gets its own copy)."""
-    return any(_is_copied(leaf) for leaf in pytree.tree_leaves((args, kwargs)))
+_IMMUTABLE_LEAVES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range,
+                     torch.dtype, torch.device, torch.Size, torch.memory_format, torch.layout)
+
+
+def _immutable(value: Any) -> bool:
+    """Whether ``value`` is built of tuples and frozensets of numbers, strings, dtypes and the
+    like only: nothing a rank could change, so one object can serve every rank (a real process's
+    unpickled copy is indistinguishable from it)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (tuple, frozenset)):
+            stack.extend(item)
+        elif not isinstance(item, _IMMUTABLE_LEAVES):
+            return False
+    return True
+
+
+def _own_copy(leaf: Any, memo: dict) -> Any:
+    """A rank's own deep copy of a mutable argument that is neither a tensor nor a module; an
+    immutable one as it is. An object ``copy.deepcopy`` refuses (a lock, a socket) is shared: a
+    real run could not pickle it at all."""
+    if _immutable(leaf):
+        return leaf
+    try:
+        return copy.deepcopy(leaf, memo)
+    except Exception:
+        return leaf
 
 
 def _copy_arguments(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
-    """One rank's deep copy of the tensors and modules in ``args``/``kwargs``, on ``device``.
+    """One rank's deep copy of ``args``/``kwargs``, tensors and modules on ``device``, as a real
+    process unpickles its own: lists, dicts and other mutable objects are the rank's own too
+    (an object ``copy.deepcopy`` refuses is shared); immutable leaves are shared.
 
     Tensors that share storage within the arguments share it in the copy too
     (one ``deepcopy`` memo per rank), as after unpickling; ``.grad`` is not
     copied (pickling drops it).
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    if not any(_is_copied(leaf) for leaf in leaves):
-        return args, kwargs
     memo: dict = {}
     copies = []
     for index, leaf in enumerate(leaves):
@@ -269,6 +295,8 @@ def _copy_arguments(args: tuple, kwargs: dict, device: torch.device) -> tuple[tu
             leaf = copy.deepcopy(leaf, memo).to(device)
             for parameter in leaf.parameters():
                 parameter.grad = None
+        else:
+            leaf = _own_copy(leaf, memo)
         copies.append(leaf)
     return pytree.tree_unflatten(copies, spec)
 
