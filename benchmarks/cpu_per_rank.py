@@ -38,6 +38,8 @@ import sys
 import threading
 import time
 
+import threaded_pg   # a sibling module: this file runs as a script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDES = ("ring", "comm", "dist", "threaded")
 NUMEL = 256                      # 1 KiB of float32
@@ -104,39 +106,8 @@ def dist_run(world_size: int, calls: int) -> None:
     _world(world_size).run(_dist_program, calls)
 
 
-def _threaded(world_size: int, program, *args) -> list:
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
-
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)   # a group registry per thread
-    mtpg._install_threaded_pg()
-    store = dist.HashStore()
-    results: list = [None] * world_size
-    errors: list[BaseException] = []
-
-    def worker(rank: int) -> None:
-        try:
-            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
-            results[rank] = program(None, *args)
-            dist.destroy_process_group()
-        except BaseException as error:   # re-raised below
-            errors.append(error)
-
-    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    mtpg._uninstall_threaded_pg()
-    torch._C._distributed_c10d._set_thread_isolation_mode(False)
-    if errors:
-        raise errors[0]
-    return results
-
-
 def threaded_run(world_size: int, calls: int) -> None:
-    _threaded(world_size, _dist_program, calls)
+    threaded_pg.run(world_size, _dist_program, calls)
 
 
 # -- FSDP2: one forward+backward on 4 ranks ---------------------------------------------------
@@ -169,7 +140,7 @@ def fsdp_run(world_size: int, steps: int) -> None:
 
 
 def fsdp_threaded_run(world_size: int, steps: int) -> None:
-    _threaded(world_size, _fsdp_program, steps)
+    threaded_pg.run(world_size, _fsdp_program, steps)
 
 
 def fsdp_single_run(world_size: int, steps: int) -> None:

@@ -32,12 +32,13 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+import threaded_pg   # a sibling module: this file runs as a script
 
 #: each measurement is split in this many chunks and the fastest chunk counts (as timeit
 #: does): on a shared machine the slower chunks measure the other users, not the code
@@ -129,29 +130,7 @@ def _slowest_rank_fastest_chunk(per_rank: list[list[float]]) -> float:
 
 
 def run_threaded(case: str, world_size: int, iters: int) -> float:
-    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    mtpg._install_threaded_pg()
-    store = dist.HashStore()
-    results: list = [None] * world_size
-    errors: list[BaseException] = []
-
-    def worker(rank: int) -> None:
-        try:
-            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
-            results[rank] = PROGRAMS[case](None, iters)
-            dist.destroy_process_group()
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return _slowest_rank_fastest_chunk(results)
+    return _slowest_rank_fastest_chunk(threaded_pg.run(world_size, PROGRAMS[case], iters))
 
 
 def run_single(case: str, world_size: int, iters: int) -> float:
