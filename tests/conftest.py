@@ -35,3 +35,15 @@ def gloo_cluster():
     yield get
     for cluster in clusters.values():
         cluster.close()
+
+
+@pytest.fixture
+def one_thread():
+    """torch computes with one thread during the test: a float64 single-device reference in the
+    test's own thread would otherwise share this machine's cores with the ranks."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

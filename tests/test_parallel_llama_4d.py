@@ -18,12 +18,7 @@ LAYOUT_4D = Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)     # 16 ranks,
 LAYOUT_REAL = Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2)         # 8 gloo processes
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)          # the reference runs in this thread; 2 cores are shared
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

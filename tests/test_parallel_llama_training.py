@@ -11,12 +11,7 @@ from simcomm.parallel.mesh import Layout
 CONFIG = llama.Config()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)          # the reference runs in this thread; 2 cores are shared
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def test_every_step_equals_one_device_with_clipping_and_a_distributed_sampler():
