@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["worker_context", "prestart", "hide_main", "loopback_store", "clean_stale_tmpdirs", "notice",
+__all__ = ["worker_context", "prestart", "hide_main", "loopback_store", "clean_stale_tmpdirs", "process_alive", "notice",
            "interactive", "default_ifname", "TMP_PREFIX", "forget_forkserver"]
 
 logger = logging.getLogger("real")
@@ -128,7 +128,8 @@ def prestart() -> None:
             multiprocessing.forkserver.ensure_running()
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one owned by another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -150,7 +151,7 @@ def clean_stale_tmpdirs(directory: str | None = None) -> list[str]:
     for name in names:
         match = _TMP_NAME.match(name)
         path = os.path.join(directory, name)
-        if match is None or _process_alive(int(match.group(1))):
+        if match is None or process_alive(int(match.group(1))):
             continue
         try:
             if os.stat(path).st_uid != os.getuid():

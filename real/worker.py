@@ -135,21 +135,11 @@ def die_with_parent(parent_pid: int) -> bool:
         return
     except (AttributeError, OSError):
         pidfd = None
-        if not _alive(parent_pid):
+        if not startup.process_alive(parent_pid):
             _kill_own_group(with_group)
     threading.Thread(target=_watch, args=(parent_pid, pidfd, with_group),
                      name="simcomm-parent-watchdog", daemon=True).start()
     return with_group
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _watch(parent_pid: int, pidfd: int | None, with_group: bool) -> None:
@@ -163,7 +153,7 @@ def _watch(parent_pid: int, pidfd: int | None, with_group: bool) -> None:
                 break
     else:
         original_ppid = os.getppid()
-        while _alive(parent_pid) and os.getppid() == original_ppid:
+        while startup.process_alive(parent_pid) and os.getppid() == original_ppid:
             time.sleep(_PARENT_POLL_S)
     _kill_own_group(with_group)
 
