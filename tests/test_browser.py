@@ -207,6 +207,36 @@ def _wait_for_idle_kernel(base_url: str, token: str, timeout: float = 120.0) -> 
     raise AssertionError(f"the notebook's kernel was not idle within {timeout:.0f} s (last state: {state})")
 
 
+@contextlib.contextmanager
+def lesson_after_run_all(served: tuple[str, str], notebook: Path, tmp_path: Path,
+                         timeout_ms: int = 180_000) -> Iterator:
+    """Headless Chromium (1400 x 1000) on the lesson ``notebook`` served at ``served`` (the
+    ``(base_url, token)`` of :func:`serving_lesson`): its kernel idle, then Run All Cells
+    clicked. Yields the page; on a failure inside the block saves a full-page screenshot in
+    ``tmp_path`` and prints its path."""
+    from playwright.sync_api import sync_playwright
+
+    base_url, token = served
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.set_default_timeout(timeout_ms)
+            page.goto(f"{base_url}/lab/tree/{notebook.name}?token={token}")
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for()
+            _wait_for_idle_kernel(base_url, token)
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+            yield page
+        except Exception:
+            failure = tmp_path / "failure.png"
+            page.screenshot(path=str(failure), full_page=True)
+            print(f"screenshot of the failure: {failure}")
+            raise
+        finally:
+            browser.close()
+
+
 def _explorer_state(page) -> tuple[int, str]:
     """(number of plotly subplots, status text) of the explorer widget."""
     explorer = page.locator(".widget-vbox:has(.widget-slider)").first
@@ -215,60 +245,42 @@ def _explorer_state(page) -> tuple[int, str]:
 
 
 def test_lesson_01_in_chromium(jupyterlab, tmp_path: Path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base_url, token = jupyterlab
     before = NOTEBOOK.read_bytes()
     screenshot = tmp_path / "01_collectives.png"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(120_000)
-            page.goto(f"{base_url}/lab/tree/{NOTEBOOK.name}?token={token}")
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for()
-            _wait_for_idle_kernel(base_url, token)
+    with lesson_after_run_all(jupyterlab, NOTEBOOK, tmp_path, timeout_ms=120_000) as page:
+        # a plotly figure drawn by plotly's JupyterLab renderer, and the explorer's slider
+        page.locator(".jp-OutputArea .js-plotly-plot").first.wait_for(state="attached")
+        slider = page.locator(".widget-vbox .widget-slider").first
+        slider.wait_for(state="attached")
+        slider.scroll_into_view_if_needed()
+        expect(slider).to_be_visible()
+        explorer = page.locator(".widget-vbox:has(.widget-slider)").first
+        explorer.locator(".js-plotly-plot g.cartesianlayer > g.subplot").first.wait_for(state="attached")
+        subplots_before, status_before = _explorer_state(page)
+        assert "on 4 ranks" in status_before, status_before
 
-            page.get_by_role("menuitem", name="Run", exact=True).click()
-            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        # move the world-size slider one step to the right, from the keyboard
+        handle = slider.locator(".noUi-handle").first
+        handle.focus()
+        handle.press("ArrowRight")
+        expect(explorer.locator(".widget-html").first).to_contain_text("on 5 ranks")
+        page.wait_for_function(
+            """([count]) => {
+                const box = [...document.querySelectorAll('.widget-vbox')].find(b => b.querySelector('.widget-slider'));
+                const plot = box && box.querySelector('.js-plotly-plot');
+                return plot && plot.querySelectorAll('g.cartesianlayer > g.subplot').length > count;
+            }""", arg=[subplots_before])
+        subplots_after, status_after = _explorer_state(page)
+        assert subplots_after * 4 == subplots_before * 5, (subplots_before, subplots_after)
 
-            # a plotly figure drawn by plotly's JupyterLab renderer, and the explorer's slider
-            page.locator(".jp-OutputArea .js-plotly-plot").first.wait_for(state="attached")
-            slider = page.locator(".widget-vbox .widget-slider").first
-            slider.wait_for(state="attached")
-            slider.scroll_into_view_if_needed()
-            expect(slider).to_be_visible()
-            explorer = page.locator(".widget-vbox:has(.widget-slider)").first
-            explorer.locator(".js-plotly-plot g.cartesianlayer > g.subplot").first.wait_for(state="attached")
-            subplots_before, status_before = _explorer_state(page)
-            assert "on 4 ranks" in status_before, status_before
-
-            # move the world-size slider one step to the right, from the keyboard
-            handle = slider.locator(".noUi-handle").first
-            handle.focus()
-            handle.press("ArrowRight")
-            expect(explorer.locator(".widget-html").first).to_contain_text("on 5 ranks")
-            page.wait_for_function(
-                """([count]) => {
-                    const box = [...document.querySelectorAll('.widget-vbox')].find(b => b.querySelector('.widget-slider'));
-                    const plot = box && box.querySelector('.js-plotly-plot');
-                    return plot && plot.querySelectorAll('g.cartesianlayer > g.subplot').length > count;
-                }""", arg=[subplots_before])
-            subplots_after, status_after = _explorer_state(page)
-            assert subplots_after * 4 == subplots_before * 5, (subplots_before, subplots_after)
-
-            _wait_for_idle_kernel(base_url, token)
-            explorer.scroll_into_view_if_needed()
-            page.screenshot(path=str(screenshot))
-            cut = figures_cut_off_at_1024_px(page)
-            assert not cut, f"lesson 01 at 1024 px: figures cut off without a scrollbar: {cut}"
-        except Exception:
-            failure = tmp_path / "failure.png"
-            page.screenshot(path=str(failure), full_page=True)
-            print(f"screenshot of the failure: {failure}")
-            raise
-        finally:
-            browser.close()
+        _wait_for_idle_kernel(base_url, token)
+        explorer.scroll_into_view_if_needed()
+        page.screenshot(path=str(screenshot))
+        cut = figures_cut_off_at_1024_px(page)
+        assert not cut, f"lesson 01 at 1024 px: figures cut off without a scrollbar: {cut}"
     assert screenshot.stat().st_size > 10_000
     assert NOTEBOOK.read_bytes() == before, "JupyterLab wrote into the repository's notebook"
     print(f"screenshot: {screenshot}")

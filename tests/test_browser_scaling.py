@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _wait_for_idle_kernel, figures_cut_off_at_1024_px, serving_lesson
+from tests.test_browser import (CHROMIUM, CHROMIUM_ARGS, _wait_for_idle_kernel, figures_cut_off_at_1024_px,
+                                lesson_after_run_all, serving_lesson)
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "12_a_transformer_in_3d.ipynb"
@@ -43,36 +44,21 @@ def jupyterlab_12(tmp_path: Path):
 
 
 def test_lesson_12_layout_widget_in_chromium(jupyterlab_12, tmp_path: Path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base_url, token = jupyterlab_12
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(180_000)
-            page.goto(f"{base_url}/lab/tree/{NOTEBOOK.name}?token={token}")
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for()
-            _wait_for_idle_kernel(base_url, token)
-            page.get_by_role("menuitem", name="Run", exact=True).click()
-            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-            explorer = page.locator(".widget-vbox:has(.widget-dropdown)").first
-            explorer.wait_for(state="attached")
-            explorer.scroll_into_view_if_needed()
-            title = explorer.locator(".js-plotly-plot g.g-gtitle").first
-            expect(title).to_contain_text("tp=2 dp=2 pp=2")
-            explorer.locator(".widget-dropdown select").first.select_option(label="tp=1 dp=8 pp=1")
-            expect(title).to_contain_text("tp=1 dp=8 pp=1")
-            _wait_for_idle_kernel(base_url, token)
-            page.screenshot(path=str(tmp_path / "12_layout_widget.png"))
-            cut = figures_cut_off_at_1024_px(page, expect_at_least=3)
-            assert not cut, f"lesson 12 at 1024 px: figures cut off without a scrollbar: {cut}"
-        except Exception:
-            page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-            print(f"screenshot of the failure: {tmp_path / 'failure.png'}")
-            raise
-        finally:
-            browser.close()
+    with lesson_after_run_all(jupyterlab_12, NOTEBOOK, tmp_path) as page:
+        explorer = page.locator(".widget-vbox:has(.widget-dropdown)").first
+        explorer.wait_for(state="attached")
+        explorer.scroll_into_view_if_needed()
+        title = explorer.locator(".js-plotly-plot g.g-gtitle").first
+        expect(title).to_contain_text("tp=2 dp=2 pp=2")
+        explorer.locator(".widget-dropdown select").first.select_option(label="tp=1 dp=8 pp=1")
+        expect(title).to_contain_text("tp=1 dp=8 pp=1")
+        _wait_for_idle_kernel(base_url, token)
+        page.screenshot(path=str(tmp_path / "12_layout_widget.png"))
+        cut = figures_cut_off_at_1024_px(page, expect_at_least=3)
+        assert not cut, f"lesson 12 at 1024 px: figures cut off without a scrollbar: {cut}"
 
 
 def test_lesson_12_html_export_shows_the_default_layout(tmp_path: Path):

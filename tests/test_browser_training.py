@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, _wait_for_idle_kernel, figures_cut_off_at_1024_px, serving_lesson
+from tests.test_browser import CHROMIUM, _wait_for_idle_kernel, figures_cut_off_at_1024_px, lesson_after_run_all, serving_lesson
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "06_data_parallel.ipynb"
@@ -31,43 +31,26 @@ def lab(tmp_path: Path):
 
 
 def test_lesson_06_bucket_slider_in_chromium(lab, tmp_path: Path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base_url, token = lab
     before = NOTEBOOK.read_bytes()
     screenshot = tmp_path / "06_data_parallel.png"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(180_000)
-            page.goto(f"{base_url}/lab/tree/{NOTEBOOK.name}?token={token}")
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for()
-            _wait_for_idle_kernel(base_url, token)
-            page.get_by_role("menuitem", name="Run", exact=True).click()
-            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-
-            box = page.locator(".widget-vbox:has(.widget-slider)").first
-            box.wait_for(state="attached")
-            box.scroll_into_view_if_needed()
-            expect(box.locator(".widget-readout").first).to_contain_text("1 MiB")
-            expect(box.locator(".js-plotly-plot").first).to_contain_text("exposed 17.9")
-            handle = box.locator(".widget-slider .noUi-handle").first
-            handle.focus()
-            handle.press("ArrowRight")
-            expect(box.locator(".widget-readout").first).to_contain_text("one bucket")
-            expect(box.locator(".js-plotly-plot").first).to_contain_text("exposed 31.8")
-            _wait_for_idle_kernel(base_url, token)
-            page.screenshot(path=str(screenshot))
-            cut = figures_cut_off_at_1024_px(page, expect_at_least=4)
-            assert not cut, f"lesson 06 at 1024 px: figures cut off without a scrollbar: {cut}"
-        except Exception:
-            failure = tmp_path / "failure.png"
-            page.screenshot(path=str(failure), full_page=True)
-            print(f"screenshot of the failure: {failure}")
-            raise
-        finally:
-            browser.close()
+    with lesson_after_run_all(lab, NOTEBOOK, tmp_path) as page:
+        box = page.locator(".widget-vbox:has(.widget-slider)").first
+        box.wait_for(state="attached")
+        box.scroll_into_view_if_needed()
+        expect(box.locator(".widget-readout").first).to_contain_text("1 MiB")
+        expect(box.locator(".js-plotly-plot").first).to_contain_text("exposed 17.9")
+        handle = box.locator(".widget-slider .noUi-handle").first
+        handle.focus()
+        handle.press("ArrowRight")
+        expect(box.locator(".widget-readout").first).to_contain_text("one bucket")
+        expect(box.locator(".js-plotly-plot").first).to_contain_text("exposed 31.8")
+        _wait_for_idle_kernel(base_url, token)
+        page.screenshot(path=str(screenshot))
+        cut = figures_cut_off_at_1024_px(page, expect_at_least=4)
+        assert not cut, f"lesson 06 at 1024 px: figures cut off without a scrollbar: {cut}"
     assert screenshot.stat().st_size > 10_000
     assert NOTEBOOK.read_bytes() == before, "JupyterLab wrote into the repository's notebook"
     print(f"screenshot: {screenshot}")
