@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import memory
 from ..communicator import Communicator
+from .tensor import join_grads, split_params
 
 __all__ = ["RECOMPUTE", "make_layer", "shard_layer", "causal_bias", "dropout_mask", "layer", "tp_layer",
            "gather_linear", "formula_bytes", "expected_bytes", "layer_flops", "recompute_flops",
@@ -87,18 +88,19 @@ def shard_layer(params: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str
     QKV weight is ``(3, heads, d)`` rows, each of Q, K, V split alike), ``proj`` and ``fc2`` by
     input columns; the :data:`REPLICATED` ones whole. Copies (no views of ``params``)."""
     h = params["proj_w"].shape[0]
-    out = {}
-    for name, p in params.items():
-        if name in ("qkv_w", "qkv_b"):
-            out[name] = p.reshape(3, tp, h // tp, *p.shape[1:])[:, rank].reshape(3 * h // tp, *p.shape[1:])
-        elif name in ("fc1_w", "fc1_b"):
-            out[name] = p.chunk(tp, 0)[rank]
-        elif name in ("proj_w", "fc2_w"):
-            out[name] = p.chunk(tp, 1)[rank]
-        else:
-            out[name] = p
-        out[name] = out[name].clone()
-    return out
+    by_part = {name: p.reshape(3, h, *p.shape[1:]) if name in _QKV else p for name, p in params.items()}
+    out = split_params(by_part, rank, tp, _split_dim)
+    return {name: p.reshape(3 * h // tp, *p.shape[2:]) if name in _QKV else p for name, p in out.items()}
+
+
+_QKV = ("qkv_w", "qkv_b")
+
+
+def _split_dim(name: str) -> int | None:
+    """The dimension :func:`shard_layer` splits ``name`` along (QKV's seen as ``(3, h, ...)``)."""
+    if name in REPLICATED:
+        return None
+    return 0 if name in ("fc1_w", "fc1_b") else 1
 
 
 def causal_bias(seq: int, dtype: torch.dtype) -> torch.Tensor:
@@ -324,24 +326,13 @@ def activation_run(comm: Communicator, x: torch.Tensor, weights: torch.Tensor,
 def assemble_grads(outs: list[dict], hidden: int) -> list[dict[str, torch.Tensor]]:
     """The full gradients of each layer from the ranks' :func:`activation_run` results: shards
     put back in :func:`shard_layer`'s order, the :data:`REPLICATED` ones summed."""
-    tp = len(outs)
-    h = hidden
+    tp, h = len(outs), hidden
     layers = []
     for index in range(len(outs[0]["grads"])):
-        parts = [o["grads"][index] for o in outs]
-        full = {}
-        for name in parts[0]:
-            pieces = [part[name] for part in parts]
-            if name in REPLICATED:
-                full[name] = sum(pieces)
-            elif name in ("qkv_w", "qkv_b"):
-                stacked = torch.stack([q.reshape(3, h // tp, *q.shape[1:]) for q in pieces], 1)  # (3, t, h/t, ...)
-                full[name] = stacked.reshape(3 * h, *pieces[0].shape[1:])
-            elif name in ("fc1_w", "fc1_b"):
-                full[name] = torch.cat(pieces, 0)
-            else:
-                full[name] = torch.cat(pieces, 1)
-        layers.append(full)
+        parts = [{name: g.reshape(3, h // tp, *g.shape[1:]) if name in _QKV else g
+                  for name, g in o["grads"][index].items()} for o in outs]
+        full = join_grads(parts, _split_dim)
+        layers.append({name: g.reshape(3 * h, *g.shape[2:]) if name in _QKV else g for name, g in full.items()})
     return layers
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..communicator import Communicator
+from .tensor import join_grads, split_params
 from .vocab import vocab_parallel_cross_entropy, vocab_range
 
 __all__ = ["Config", "init_params", "loss", "logits", "shard_params", "tp_loss", "embed", "block", "head",
@@ -190,17 +191,15 @@ def shard_params(params: dict[str, torch.Tensor], config: Config, rank: int, tp:
     ``wq``, KV heads of ``wk``/``wv`` (rows), the matching columns of ``wo``; SwiGLU units (rows of
     gate/up, columns of down); the norms whole."""
     _check(config, tp, tp, "llama.shard_params")
-    out = {}
-    for name, p in params.items():
-        kind = name.split(".")[-1]
-        if kind in ("embed", "output", "wq", "wk", "wv", "w_gate", "w_up"):
-            out[name] = p.chunk(tp, 0)[rank]
-        elif kind in ("wo", "w_down"):
-            out[name] = p.chunk(tp, 1)[rank]
-        else:
-            out[name] = p
-        out[name] = out[name].clone()
-    return out
+    return split_params(params, rank, tp, _split_dim)
+
+
+def _split_dim(name: str) -> int | None:
+    """The dimension :func:`shard_params` splits parameter ``name`` along (``None``: whole)."""
+    kind = name.split(".")[-1]
+    if kind in REPLICATED:
+        return None
+    return 1 if kind in ("wo", "w_down") else 0
 
 
 def tp_loss(comm: Communicator, ids: torch.Tensor, shards: dict[str, torch.Tensor], config: Config,
@@ -274,14 +273,4 @@ def head(comm: Communicator, x: torch.Tensor, targets: torch.Tensor, shards: dic
 def assemble_grads(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The full gradients from each rank's shard gradients (in rank order): shards concatenated
     as :func:`shard_params` split them, the replicated norms' parts summed."""
-    full = {}
-    for name in grads[0]:
-        kind = name.split(".")[-1]
-        parts = [g[name] for g in grads]
-        if kind in REPLICATED:
-            full[name] = sum(parts)
-        elif kind in ("wo", "w_down"):
-            full[name] = torch.cat(parts, 1)
-        else:
-            full[name] = torch.cat(parts, 0)
-    return full
+    return join_grads(grads, _split_dim)

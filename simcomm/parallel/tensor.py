@@ -9,13 +9,14 @@ the lessons compare with it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..communicator import Communicator
 
-__all__ = ["make_mlp", "mlp", "shard_mlp", "tp_mlp"]
+__all__ = ["make_mlp", "mlp", "shard_mlp", "tp_mlp", "split_params", "join_grads"]
 
 
 def make_mlp(hidden: int, ffn: int, *, seed: int = 0, dtype: torch.dtype = torch.float64
@@ -67,3 +68,28 @@ def tp_mlp(comm: Communicator, x: torch.Tensor, shards: dict[str, torch.Tensor],
     partial = hidden @ shards["w2"].T                            # (batch, hidden): this rank's share
     out = comm.reduce_from_group(partial) if conjugate else comm.all_reduce(partial)
     return out + shards["b2"]
+
+
+def split_params(params: dict[str, torch.Tensor], rank: int, tp: int,
+                 dim_of: Callable[[str], int | None]) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tensor-parallel copy of each parameter: chunk ``rank`` of ``tp`` equal
+    chunks along ``dim_of(name)`` (0: output rows, 1: input columns), or the whole tensor where
+    ``dim_of`` gives ``None`` (replicated). Copies, never views of ``params``."""
+    out = {}
+    for name, p in params.items():
+        dim = dim_of(name)
+        out[name] = (p if dim is None else p.chunk(tp, dim)[rank]).clone()
+    return out
+
+
+def join_grads(grads: list[dict[str, torch.Tensor]], dim_of: Callable[[str], int | None]
+               ) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`split_params` for gradients, ``grads`` in rank order: the shards
+    concatenated along ``dim_of(name)``; a replicated parameter's gradients summed (each rank's
+    is its part of the whole)."""
+    full = {}
+    for name in grads[0]:
+        parts = [g[name] for g in grads]
+        dim = dim_of(name)
+        full[name] = sum(parts) if dim is None else torch.cat(parts, dim)
+    return full
