@@ -7,9 +7,9 @@ import torch
 
 import simcomm
 from real.cases import async_cases
-from real.verify import evaluate, run_cases
 
-from .test_sim_async import _batch, _dp_step, _model
+from .test_real_collectives import assert_cases_pass
+from .test_sim_async import _dp_step, _model, assert_single_device_gradients
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
@@ -20,13 +20,7 @@ def cluster(request, gloo_cluster):
 
 
 def test_async_cases_match_reference_and_simulator(cluster):
-    world_size = cluster.world_size
-    names = [case.name for case in async_cases()]
-    got = cluster.run(run_cases, names)
-    simulated = simcomm.World(world_size).run(run_cases, names)
-    rows = evaluate(world_size, list(got), simulated)
-    failed = [row for row in rows if not row["passed"]]
-    assert len(rows) == len(names) and not failed, failed
+    assert_cases_pass(cluster, [case.name for case in async_cases()])
 
 
 def _ring(comm):
@@ -50,14 +44,7 @@ def test_batch_ring(cluster):
 def test_bucketed_data_parallel_step_and_trace(cluster):
     world_size = cluster.world_size
     state = _model().state_dict()
-    outs = cluster.run(_dp_step, state)
-    reference = _model()
-    reference.load_state_dict(state)
-    xs, targets = zip(*(_batch(r) for r in range(world_size)))
-    sum(torch.nn.functional.mse_loss(reference(x), t) for x, t in zip(xs, targets)).div(world_size).backward()
-    for grads in outs:
-        for got, param in zip(grads, reference.parameters()):
-            torch.testing.assert_close(got, param.grad, rtol=1e-12, atol=1e-12)
+    assert_single_device_gradients(cluster.run(_dp_step, state), state, world_size)
     reduces = cluster.trace.filter(op="all_reduce").events
     assert len(reduces) == 2 * world_size
     assert all(e.async_op and e.start < e.end <= e.waited and e.args == {"op": "avg"} for e in reduces)

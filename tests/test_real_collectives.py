@@ -17,14 +17,21 @@ def cluster(request, gloo_cluster):
     return gloo_cluster(request.param)
 
 
+def assert_cases_pass(cluster, names: list[str]) -> tuple[list, list]:
+    """Run the verify cases ``names`` on ``cluster`` and on virtual ranks; assert that every
+    one matches the single-device reference and the simulator. Returns both runs' results."""
+    got = cluster.run(run_cases, names)
+    simulated = simcomm.World(cluster.world_size).run(run_cases, names)
+    rows = evaluate(cluster.world_size, list(got), simulated)
+    failed = [row for row in rows if not row["passed"]]
+    assert len(rows) == len(names) and not failed, failed
+    return got, simulated
+
+
 def test_every_case_matches_reference_and_simulator(cluster):
     world_size = cluster.world_size
     names = [case.name for case in all_cases()]
-    got = cluster.run(run_cases, names)
-    simulated = simcomm.World(world_size).run(run_cases, names)
-    rows = evaluate(world_size, list(got), simulated)
-    failed = [row for row in rows if not row["passed"]]
-    assert len(rows) == len(names) and not failed, failed
+    got, simulated = assert_cases_pass(cluster, names)
     # the same programs through World.run and real.run: same outputs and gradients
     for rank in range(world_size):
         for name in names:

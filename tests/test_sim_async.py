@@ -299,19 +299,23 @@ def _dp_step(comm, state_dict):
     return [p.grad for p in params]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_bucketed_data_parallel_step_equals_single_device_gradient(world_size):
-    state = _model().state_dict()
-    world = simcomm.World(world_size)
-    outs = world.run(_dp_step, state)
+def assert_single_device_gradients(outs: list, state: dict, world_size: int) -> None:
+    """Every rank's gradients of :func:`_dp_step` equal one device's for the whole batch: the
+    mean of the per-rank mean losses, the gradient data parallelism computes."""
     reference = _model()
     reference.load_state_dict(state)
     xs, targets = zip(*(_batch(r) for r in range(world_size)))
-    # mean of the per-rank mean losses: the gradient data parallelism computes
     sum(torch.nn.functional.mse_loss(reference(x), t) for x, t in zip(xs, targets)).div(world_size).backward()
     for grads in outs:
         for got, param in zip(grads, reference.parameters()):
             torch.testing.assert_close(got, param.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_bucketed_data_parallel_step_equals_single_device_gradient(world_size):
+    state = _model().state_dict()
+    world = simcomm.World(world_size)
+    assert_single_device_gradients(world.run(_dp_step, state), state, world_size)
     reduces = world.trace.filter(op="all_reduce").events
     assert len(reduces) == 2 * world_size and all(e.phase == "forward" for e in reduces)
     for event in reduces:
