@@ -47,14 +47,22 @@ class Issued(NamedTuple):
     finish: Callable[[list[Any]], list[torch.Tensor]]
 
 
+#: the reductions with no factor, most common first: ``opts.reduceOp == member`` is the
+#: cheapest test torch offers (a ``RedOpType`` is slow to hash)
+_PLAIN_REDUCTIONS = tuple((getattr(ReduceOp, name.upper()), name) for name in ("sum", "avg", "max", "min", "product"))
+
+
 def _reduction(c10d_op: str, opts, transport: SimTransport, tensors: Sequence[torch.Tensor]
-               ) -> tuple[str, dict]:
+               ) -> tuple[str, float | torch.Tensor | None]:
     """The canonical reduction name of ``opts.reduceOp`` (:func:`simcomm.checks.reduce_op_and_factor`)
-    and the transport's keywords for it: ``{"factor": f}`` for ``PREMUL_SUM(f)`` (the factor
+    and the transport's ``factor`` for it: ``f`` for ``PREMUL_SUM(f)`` (the factor
     ``torch.distributed._make_nccl_premul_sum`` stored, read from ``opts.reduceOp.factor``),
-    ``{}`` otherwise. NotImplementedError for the bitwise ops, which the simulator's math has
+    None otherwise. NotImplementedError for the bitwise ops, which the simulator's math has
     no rule for; ValueError for a PREMUL_SUM of integers or with a bad factor, as NCCL refuses them."""
     red = opts.reduceOp
+    for member, name in _PLAIN_REDUCTIONS:
+        if red == member:
+            return name, None
     try:
         name, factor = reduce_op_and_factor(c10d_op, red, transport.rank)
     except ValueError:
@@ -64,11 +72,11 @@ def _reduction(c10d_op: str, opts, transport: SimTransport, tensors: Sequence[to
             f"{c10d_op} with reduce op {getattr(red, 'op', red)} is not supported by the 'simcomm' backend; "
             f"use SUM, AVG, MAX, MIN, PRODUCT or PREMUL_SUM") from None
     if factor is None:
-        return name, {}
+        return name, None
     for tensor in tensors:
         check_avg_dtype(c10d_op, tensor, name, transport.rank)
         check_premul_factor(c10d_op, factor, transport.rank, tensor)
-    return name, {"factor": factor}
+    return name, factor
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,9 +114,7 @@ def _write(c10d_op: str, argument: str, out: torch.Tensor, value: torch.Tensor, 
             f"but the result has {value.numel()} {tuple(value.shape)}")
     version = out._version          # as torch.autograd._unsafe_preserve_version_counter, inline
     (out.detach() if out.requires_grad else out).copy_(value if value.shape == out.shape else value.reshape(out.shape))
-    _set_versions((out,), (version,))
-    for _ in range(bumps):
-        torch.autograd.graph.increment_version(out)
+    _set_versions((out,), (version + bumps,))    # as ``bumps`` calls of torch.autograd.graph.increment_version
 
 
 def _check_numel(c10d_op: str, argument: str, tensor: torch.Tensor, expected: int, rank: int,
@@ -129,7 +135,7 @@ def _one_per_rank(c10d_op: str, argument: str, tensors: Sequence, transport: Sim
 def all_reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.all_reduce`` (and its coalesced form): each tensor reduced in place."""
     name, factor = _reduction("all_reduce", opts, transport, tensors)
-    calls = [transport.all_reduce(_own(tensor), name, async_op=async_op, **factor) for tensor in tensors]
+    calls = [transport.all_reduce(_own(tensor), name, async_op=async_op, factor=factor) for tensor in tensors]
 
     def finish(results: list) -> list[torch.Tensor]:
         for tensor, value in zip(tensors, results, strict=True):
@@ -186,7 +192,7 @@ def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tenso
         rows = _rows(input_)
         if rows.shape[0] % transport.world_size:
             rows = rows.reshape(-1)  # blocks of a flat buffer: (world * numel(output),)
-        calls.append(transport.reduce_scatter(rows, 0, name, async_op=async_op, **factor))
+        calls.append(transport.reduce_scatter(rows, 0, name, async_op=async_op, factor=factor))
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, value in zip(outputs, results, strict=True):
@@ -204,7 +210,7 @@ def reduce_scatter_list(transport: SimTransport, outputs: Sequence[torch.Tensor]
     for inputs in input_lists:
         _one_per_rank("reduce_scatter", "input_list", inputs, transport)
         stacked = torch.stack([_rows(t) for t in inputs])  # (world, *shape)
-        calls.append(transport.reduce_scatter(stacked, 0, name, async_op=async_op, **factor))
+        calls.append(transport.reduce_scatter(stacked, 0, name, async_op=async_op, factor=factor))
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, value in zip(outputs, results, strict=True):
@@ -231,7 +237,7 @@ def reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op:
     """``dist.reduce``: the root's tensor becomes the reduction; the others' stay as they are
     (traced as ``reduce``: every other rank sends its bytes to the root)."""
     (name, factor), root = _reduction("reduce", opts, transport, tensors), opts.rootRank
-    calls = [transport.reduce(_own(tensor), root, name, async_op=async_op, **factor) for tensor in tensors]
+    calls = [transport.reduce(_own(tensor), root, name, async_op=async_op, factor=factor) for tensor in tensors]
 
     def finish(results: list) -> list[torch.Tensor]:
         if transport.rank == root:

@@ -58,32 +58,45 @@ _run_groups: weakref.WeakKeyDictionary[RunState, _RunGroups] = weakref.WeakKeyDi
 
 class _RankWorld(c10d._World):
     """The c10d state of one rank thread: the fields that ``_World`` keeps in module
-    globals are this object's own."""
+    globals (and behind properties) are plain attributes of this object, so c10d's
+    reads on every call cost one attribute lookup."""
+
+    # plain class attributes in place of _World's properties: the instance's own values win
+    default_pg = pg_map = pg_names = pg_group_ranks = pg_backend_config = None
+    tags_to_pg = pg_to_tag = pg_coalesce_state = comms = group_count = None
 
     def __init__(self) -> None:
         super().__init__()
-        self._maps = {"pg_map": {}, "pg_names": {}, "pg_group_ranks": {}, "pg_backend_config": {},
-                      "tags_to_pg": {}, "pg_to_tag": {}}
-        self._count = 0
+        self.default_pg = None
+        self.pg_map, self.pg_names, self.pg_group_ranks, self.pg_backend_config = {}, {}, {}, {}
+        self.tags_to_pg, self.pg_to_tag = {}, {}
+        self.pg_coalesce_state, self.comms = self._pg_coalesce_state, self._comms
+        self.group_count = 0
 
-    pg_map = property(lambda self: self._maps["pg_map"])
-    pg_names = property(lambda self: self._maps["pg_names"])
-    pg_group_ranks = property(lambda self: self._maps["pg_group_ranks"])
-    pg_backend_config = property(lambda self: self._maps["pg_backend_config"])
-    tags_to_pg = property(lambda self: self._maps["tags_to_pg"])
-    pg_to_tag = property(lambda self: self._maps["pg_to_tag"])
 
-    @property
-    def group_count(self) -> int:
-        return self._count
+def _forwarded(name: str) -> property:
+    """``_WorldSwitch.<name>``: the calling rank's field, found without a failed lookup first.
 
-    @group_count.setter
-    def group_count(self, value: int) -> None:
-        self._count = value
+    The common case, a rank thread with its world made and a caller that is not module
+    code, is decided here on the spot; anything else goes to :meth:`_WorldSwitch._target`."""
+
+    def get(switch: _WorldSwitch) -> Any:
+        context = getattr(_local, "rank", None)
+        if context is not None and context.world is not None:
+            frame = sys._getframe(1)
+            caller = frame.f_back
+            if frame.f_code.co_name != "<module>" and (caller is None or caller.f_code.co_name != "<module>"):
+                return getattr(context.world, name)    # what _target would find: not a module body
+        return getattr(switch._target(sys._getframe(1)), name)
+
+    return property(get, doc=f"The calling rank thread's ``{name}`` (the process's elsewhere).")
 
 
 class _WorldSwitch:
-    """Stands in for ``distributed_c10d._world``: forwards to the calling thread's world."""
+    """Stands in for ``distributed_c10d._world``: forwards to the calling thread's world.
+
+    Reads of the fields c10d uses on (nearly) every call are properties (:func:`_forwarded`); any
+    other attribute goes through ``__getattr__``; every assignment through ``__setattr__``."""
 
     def __init__(self, original: Any):
         object.__setattr__(self, "_original", original)
@@ -99,26 +112,15 @@ class _WorldSwitch:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target(sys._getframe(1)), name)
 
-    # the attributes c10d reads on every call, as properties: no failed lookup first
-    @property
-    def default_pg(self) -> Any:
-        return self._target(sys._getframe(1)).default_pg
-
-    @default_pg.setter
-    def default_pg(self, value: Any) -> None:
-        self._target(sys._getframe(1)).default_pg = value
-
-    @property
-    def pg_map(self) -> Any:
-        return self._target(sys._getframe(1)).pg_map
-
-    @property
-    def pg_group_ranks(self) -> Any:
-        return self._target(sys._getframe(1)).pg_group_ranks
-
-    @property
-    def pg_names(self) -> Any:
-        return self._target(sys._getframe(1)).pg_names
+    default_pg = _forwarded("default_pg")
+    pg_map = _forwarded("pg_map")
+    pg_names = _forwarded("pg_names")
+    pg_group_ranks = _forwarded("pg_group_ranks")
+    pg_backend_config = _forwarded("pg_backend_config")
+    group_count = _forwarded("group_count")
+    tags_to_pg = _forwarded("tags_to_pg")
+    pg_to_tag = _forwarded("pg_to_tag")
+    pg_coalesce_state = _forwarded("pg_coalesce_state")
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._target(sys._getframe(1)), name, value)
@@ -169,11 +171,13 @@ def _groups_of(state: RunState) -> _RunGroups:
 class _RankContext:
     """What one rank thread needs to build its process groups on first use."""
 
-    __slots__ = ("transport", "world")
+    __slots__ = ("transport", "world", "local_groups")
 
     def __init__(self, transport: SimTransport):
         self.transport = transport
         self.world: _RankWorld | None = None
+        #: how many groups of each set of global ranks this rank made with use_local_synchronization
+        self.local_groups: dict[tuple[int, ...], int] = {}
 
     @property
     def state(self) -> RunState:
@@ -211,18 +215,34 @@ class _RankContext:
         finally:
             sys.excepthook, c10d._backend, c10d._default_pg_init_method = saved
 
-    def transport_for(self, global_ranks: list[int], group_rank: int, group_name: str) -> SimTransport:
+    def transport_for(self, global_ranks: list[int], group_rank: int, key: Any) -> SimTransport:
         """The simulator transport of this rank in the c10d group of ``global_ranks``
         (``[]``: the default group, which shares the communicator's transport, so
-        ``comm.*`` and ``dist.*`` calls on the world are one sequence as on real processes)."""
+        ``comm.*`` and ``dist.*`` calls on the world are one sequence as on real processes).
+        ``key`` tells apart groups of the same ranks; every member must pass the same one."""
         if not global_ranks:
             return self.transport
         ranks = tuple(global_ranks)
-        group = _groups_of(self.state).group((group_name, ranks), ranks)
+        group = _groups_of(self.state).group((key, ranks), ranks)
         # the rank's pending handles and trace recorder are shared by all its groups: a Work
         # of any group never waited on is reported when the program returns
         return SimTransport(self.state, group, group_rank, self.transport.pending,
                             self.transport.recorder)
+
+    def local_transport(self, global_ranks: list[int]) -> SimTransport:
+        """This rank's transport in a group that only its members create
+        (``dist.new_group(ranks, use_local_synchronization=True)``).
+
+        The n-th such group of these ranks on this rank is the n-th on every member, as
+        on real workers (:class:`real.transport.GroupCache` counts them the same way).
+        c10d's own name for the group cannot tell: it hashes the ranks with the number
+        of groups *this* rank knows, which differs between members that belong to
+        different other groups (ranks 1 and 2 after ``new_group([0, 1])``)."""
+        ranks = tuple(global_ranks)
+        ordinal = self.local_groups.get(ranks, 0)
+        self.local_groups[ranks] = ordinal + 1
+        return self.transport_for(list(ranks), ranks.index(self.transport.global_rank),
+                                  ("use_local_synchronization", ordinal))
 
     def close(self) -> None:
         global _active, _multithreading_ctx
