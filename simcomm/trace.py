@@ -44,20 +44,30 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+_perf_counter = time.perf_counter
+
 __all__ = ["TraceEvent", "Trace", "Record", "Recorder", "backward_phase", "current_phase", "issued_as", "peer_bytes"]
 
-_local = threading.local()
+class _Local(threading.local):
+    """Per thread: the phase of the transport calls made now, and ``issued`` (see :func:`issued_as`).
+    Class-level defaults: reading an attribute a thread never set costs no exception."""
+
+    phase = "forward"
+    issued: tuple[str, float] | None = None
+
+
+_local = _Local()
 
 
 def current_phase() -> str:
     """``"backward"`` inside an autograd rule's backward on this thread, else ``"forward"``."""
-    return getattr(_local, "phase", "forward")
+    return _local.phase
 
 
 @contextlib.contextmanager
 def backward_phase() -> Iterator[None]:
     """Mark the transport calls made inside this block as backward-phase calls."""
-    previous = current_phase()
+    previous = _local.phase
     _local.phase = "backward"
     try:
         yield
@@ -71,7 +81,7 @@ def issued_as(phase: str, at: float) -> Iterator[None]:
     ``time.perf_counter()`` value) in ``phase``: for a call another thread makes on behalf of
     the program, after checking it (real's checked asynchronous calls), so its record keeps the
     time and phase at which the program issued it."""
-    previous = getattr(_local, "issued", None)
+    previous = _local.issued
     _local.issued = (phase, at)
     try:
         yield
@@ -203,9 +213,10 @@ class Recorder:
     def begin(self, op: str, group: tuple[int, ...], rank: int, step: int, tensor, root: int | None,
               nbytes: int | None, args: dict | None, async_op: bool = False) -> Record:
         """A new record of a call starting (or issued) now; ``root`` is a global rank."""
-        issued = getattr(_local, "issued", None)
+        local = _local
+        issued = local.issued
         if issued is None:
-            phase, start = getattr(_local, "phase", "forward"), time.perf_counter() - self.clock_zero
+            phase, start = local.phase, _perf_counter() - self.clock_zero
         else:
             phase, start = issued[0], issued[1] - self.clock_zero
         if tensor is None:
@@ -215,7 +226,7 @@ class Recorder:
 
     def end(self, record: Record, out) -> None:
         """A blocking call returned with ``out`` (see :func:`_output_shape`): keep its record."""
-        record.end = time.perf_counter() - self.clock_zero
+        record.end = _perf_counter() - self.clock_zero
         record.out_shape = _output_shape(out)
         self.events.append(record)
 
