@@ -147,7 +147,8 @@ class Record:
 
     ``shape``/``dtype`` are the input's (``torch.Size``/``torch.dtype`` or ``None``),
     ``nbytes`` ``None`` means ``numel * itemsize`` of the input, ``root`` is a global
-    rank, ``args`` a dict of the call's arguments (on both backends).
+    rank, ``args`` the call's arguments, a dict or a tuple of ``(name, value)`` pairs.
+    A finished call's record is kept as :meth:`kept`'s tuple.
     """
 
     __slots__ = ("op", "group", "rank", "step", "phase", "shape", "dtype", "nbytes", "start",
@@ -172,6 +173,25 @@ class Record:
         self.out_shape = None
         self.waited: float | None = None
 
+    def kept(self) -> tuple:
+        """The record as the trace keeps it once the call is done: a tuple of the fields in
+        :attr:`__slots__` order, shapes as plain tuples. The garbage collector stops tracking a
+        tuple of plain values, so a trace of many calls costs no collections of the whole heap
+        (a ``Record`` per call kept alive would trigger them: about 8 us per call with torch
+        loaded). A dict ``args`` is kept as the same dict (a transport may still fill it in)."""
+        shape, out_shape = self.shape, self.out_shape
+        return (self.op, self.group, self.rank, self.step, self.phase,
+                None if shape is None else tuple(shape), self.dtype, self.nbytes, self.start, self.root,
+                self.args, self.end, None if out_shape is None else tuple(out_shape), self.async_op,
+                self.waited)
+
+    @classmethod
+    def from_kept(cls, kept: tuple) -> Record:
+        """The record back from :meth:`kept`'s tuple."""
+        record = cls.__new__(cls)
+        record.__setstate__(kept)
+        return record
+
     def __getstate__(self):
         return tuple(getattr(self, name) for name in self.__slots__)
 
@@ -192,7 +212,7 @@ class Recorder:
     """Builds the trace records of one run (simulator) or one process (real).
 
     Shared by every transport of the run, subgroups included, on both backends.
-    ``events`` is the list records are kept in (in completion order); times are
+    ``events`` is the list finished records are kept in (:meth:`Record.kept` tuples, in completion order); times are
     seconds since ``clock_zero`` (a ``time.perf_counter()`` value).
 
     A blocking call: :meth:`begin`, then :meth:`end` when it returns. An
@@ -228,7 +248,7 @@ class Recorder:
         """A blocking call returned with ``out`` (see :func:`_output_shape`): keep its record."""
         record.end = _perf_counter() - self.clock_zero
         record.out_shape = _output_shape(out)
-        self.events.append(record)
+        self.events.append(record.kept())
 
     def moved(self, record: Record, out, at: float | None = None) -> None:
         """An asynchronous call's data moved (now, or at ``at`` seconds since the start)."""
@@ -238,7 +258,7 @@ class Recorder:
     def waited(self, record: Record) -> None:
         """The program's wait on an asynchronous call returned: keep its record."""
         record.waited = max(self.now(), record.end)
-        self.events.append(record)
+        self.events.append(record.kept())
 
 
 @dataclass
@@ -271,8 +291,11 @@ class TraceEvent:
         return self.end - self.start
 
     @classmethod
-    def from_record(cls, record: Record) -> TraceEvent:
-        """Build an event from the :class:`Record` a transport kept on its hot path."""
+    def from_record(cls, record: Record | tuple) -> TraceEvent:
+        """Build an event from the :class:`Record` a transport kept on its hot path (or the
+        tuple :meth:`Record.kept` made of it)."""
+        if type(record) is tuple:
+            record = Record.from_kept(record)
         shape, dtype, nbytes = record.shape, record.dtype, record.nbytes
         if nbytes is None:
             nbytes = math.prod(shape) * dtype.itemsize if shape is not None else 0
@@ -308,7 +331,7 @@ class TraceEvent:
 class Trace:
     """The events of one run, ordered by start time, with summaries and export."""
 
-    def __init__(self, events: list[TraceEvent | Record] | None = None, backend: str | None = None):
+    def __init__(self, events: list[TraceEvent | Record | tuple] | None = None, backend: str | None = None):
         # transports keep Records (cheap on the hot path); events are built on first use
         self._items = list(events or [])
         #: what recorded it: ``"simcomm"`` (virtual ranks), ``"gloo"``/``"nccl"`` (real processes)
