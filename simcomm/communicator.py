@@ -144,7 +144,7 @@ class Communicator:
         (a Python number, or a one-element tensor of the input's dtype), floating-point
         dtypes only; backward: the summed gradient times this rank's factor.
         """
-        check_tensor("all_reduce", input_, self.rank)
+        check_tensor("all_reduce", input_, self.transport.rank)
         op, factor = self._reduction("all_reduce", input_, op)
         if async_op:
             return self._issue(rules._AllReduce, "all_reduce", input_.contiguous(), (op,), (op, *factor),

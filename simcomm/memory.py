@@ -376,7 +376,7 @@ def untracked() -> contextlib.AbstractContextManager:
     thread inside this block; :func:`received` then counts each output on
     the rank that gets it. Costs one thread-local lookup when nothing is tracked.
     """
-    tracker = _tracker()
+    tracker = _local.tracker if not _active else _tracker()   # nothing tracked: one lookup
     return _NOTHING if tracker is None else _Paused(tracker)
 
 
@@ -391,7 +391,7 @@ def received(output: Any) -> Any:
     ``"communication"``. Anything that is not a tensor, or a rank that is not
     tracked, passes through unchanged.
     """
-    tracker = _tracker()
+    tracker = _local.tracker if not _active else _tracker()   # nothing tracked: one lookup
     if tracker is None or not isinstance(output, torch.Tensor):
         return output
     storage = output.untyped_storage()

@@ -47,6 +47,17 @@ def copy_small_shared(slot: Slot, owner: int) -> None:
     """
     outputs = slot.outputs
     tensor = torch.Tensor
+    first = outputs[0] if outputs else None
+    if isinstance(first, tensor) and all(out is first for out in outputs):
+        # one tensor for every member (all_reduce, all_gather, broadcast)
+        if first.nbytes >= _COPY_HERE_BELOW:
+            slot.holders = {id(first): len(outputs)} if len(outputs) > 1 else {}
+        else:
+            for index in range(len(outputs)):
+                if index != owner:
+                    outputs[index] = first.clone()
+            slot.holders = {}
+        return
     count: dict[int, int] = {}
     for out in outputs:
         if isinstance(out, tensor):
