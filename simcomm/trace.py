@@ -178,11 +178,16 @@ class Record:
         :attr:`__slots__` order, shapes as plain tuples. The garbage collector stops tracking a
         tuple of plain values, so a trace of many calls costs no collections of the whole heap
         (a ``Record`` per call kept alive would trigger them: about 8 us per call with torch
-        loaded). A dict ``args`` is kept as the same dict (a transport may still fill it in)."""
-        shape, out_shape = self.shape, self.out_shape
+        loaded). ``(name, value)`` pairs of ``args`` are kept flat, ``(name, value, name, ...)``:
+        the collector untracks a tuple only once the tuples in it are untracked, one level per
+        collection, and a record nested three deep would reach the oldest generation first. A
+        dict ``args`` is kept as the same dict (a transport may still fill it in)."""
+        shape, out_shape, args = self.shape, self.out_shape, self.args
+        if type(args) is tuple and args:
+            args = sum(args, ())
         return (self.op, self.group, self.rank, self.step, self.phase,
                 None if shape is None else tuple(shape), self.dtype, self.nbytes, self.start, self.root,
-                self.args, self.end, None if out_shape is None else tuple(out_shape), self.async_op,
+                args, self.end, None if out_shape is None else tuple(out_shape), self.async_op,
                 self.waited)
 
     @classmethod
@@ -190,6 +195,9 @@ class Record:
         """The record back from :meth:`kept`'s tuple."""
         record = cls.__new__(cls)
         record.__setstate__(kept)
+        args = record.args
+        if type(args) is tuple:
+            record.args = tuple(zip(args[::2], args[1::2]))
         return record
 
     def __getstate__(self):
