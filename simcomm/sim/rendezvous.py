@@ -48,7 +48,7 @@ def copy_small_shared(slot: Slot, owner: int) -> None:
     outputs = slot.outputs
     tensor = torch.Tensor
     first = outputs[0] if outputs else None
-    if isinstance(first, tensor) and all(out is first for out in outputs):
+    if isinstance(first, tensor) and len(set(map(id, outputs))) == 1:
         # one tensor for every member (all_reduce, all_gather, broadcast)
         if first.nbytes >= _COPY_HERE_BELOW:
             slot.holders = {id(first): len(outputs)} if len(outputs) > 1 else {}
