@@ -51,14 +51,15 @@ def fresh_cpu_state() -> torch.Tensor:
 
 
 class RankRandomState:
-    """The saved default-generator states of the ranks of one run.
+    """How to read and write torch's default generators in one run, and their fresh state.
 
-    The rank handing the turn on calls ``states[rank] = get_state()``, the rank
-    taking it calls ``set_state(states[rank])``; both run on the rank's own
-    thread while it holds the turn, so no lock is needed. (Two plain calls
-    rather than methods: this is on the path of every handoff. Cost: about
-    1 us per handoff on the CPU, a 5 KB state copied out and in.) In a CUDA
-    World each entry holds the CPU and the device state together.
+    ``get_state()``/``set_state(state)`` read and write the CPU generator (and, in a CUDA
+    World, the device's: each state then holds the CPU and the device state together);
+    ``states[0]`` is the fresh state every rank starts from. The per-rank copies live in
+    :class:`simcomm.sim.process_state.RankProcessState`, which uses these two calls where
+    :func:`cpu_raw` has no raw access (a CUDA World, an unknown layout): about 1 us per
+    handoff on the CPU, a 5 KB state copied out and in. The caller's state is saved before
+    a run and put back after it (:meth:`save_caller`, :meth:`restore_caller`).
     """
 
     __slots__ = ("states", "get_state", "set_state", "caller")
