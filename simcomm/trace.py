@@ -155,7 +155,7 @@ class Record:
                  "root", "args", "end", "out_shape", "async_op", "waited")
 
     def __init__(self, op: str, group: tuple[int, ...], rank: int, step: int, phase: str,
-                 shape, dtype, nbytes: int | None, start: float, root: int | None, args: dict | None,
+                 shape, dtype, nbytes: int | None, start: float, root: int | None, args: dict | tuple | None,
                  async_op: bool = False):
         self.op = op
         self.group = group
@@ -239,7 +239,7 @@ class Recorder:
         return time.perf_counter() - self.clock_zero
 
     def begin(self, op: str, group: tuple[int, ...], rank: int, step: int, tensor, root: int | None,
-              nbytes: int | None, args: dict | None, async_op: bool = False) -> Record:
+              nbytes: int | None, args: dict | tuple | None, async_op: bool = False) -> Record:
         """A new record of a call starting (or issued) now; ``root`` is a global rank."""
         local = _local
         issued = local.issued

@@ -82,13 +82,11 @@ class SimTransport(TransportBase):
         ``reduction`` the canonical reduce op of a reducing collective."""
         # what the real backend this run stands for refuses (gloo on CPU, NCCL on CUDA)
         dtypes.check(op, None if tensor is None else tensor.dtype, reduction, self.device, self.rank)
-        step = self._step
-        self._step = step + 1
+        step = self._next_step()
         record = None
-        if self._recorder is not None:
-            record = self._recorder.begin(op, self.ranks, self.global_rank, step, tensor,
-                                          None if root is None else self.ranks[root], None,
-                                          sig[2:] if tensor is not None else sig, async_op)
+        if self._recorder is not None:   # the arguments as pairs: the trace keeps them flat (Record.kept)
+            record = self._begin(op, step, tensor, root, args=sig[2:] if tensor is not None else sig,
+                                 async_op=async_op)
         if async_op:   # the input is copied: the program may reuse its tensor before wait()
             return self._issue(op, step, tensor.clone() if tensor is not None else None, sig, compute,
                                record)
