@@ -183,8 +183,8 @@ class Record:
         collection, and a record nested three deep would reach the oldest generation first. A
         dict ``args`` is kept as the same dict (a transport may still fill it in)."""
         shape, out_shape, args = self.shape, self.out_shape, self.args
-        if type(args) is tuple and args:
-            args = sum(args, ())
+        if type(args) is tuple and args:    # a new flat tuple (one pair's own object may be older)
+            args = (*args[0],) if len(args) == 1 else sum(args, ())
         return (self.op, self.group, self.rank, self.step, self.phase,
                 None if shape is None else tuple(shape), self.dtype, self.nbytes, self.start, self.root,
                 args, self.end, None if out_shape is None else tuple(out_shape), self.async_op,
