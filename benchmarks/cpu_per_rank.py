@@ -11,6 +11,11 @@ round; each figure is the minimum over rounds:
 * ``ring``     - a bare handoff ring: one thread per rank, a lock each, a token
   passed round the ring K times (no torch): the floor of any simulator whose
   ranks take turns, one handoff per rank per collective;
+* ``rendezvous`` - the least a simulator whose ranks take turns does per collective, on the
+  ring's threads and locks: each rank appends its 1 KiB tensor to a shared list under a lock and
+  hands the turn on; the last to arrive sums the stack and gives every other rank a copy (one
+  ``clone`` each) (no checks, trace, mismatch or deadlock detection, per-rank random state):
+  how far below ``comm`` plain Python and torch calls allow;
 * ``comm``     - ``comm.all_reduce`` of 1 KiB (float32) in ``World(n).run``;
 * ``dist``     - ``dist.all_reduce`` of 1 KiB on the ``"simcomm"`` backend in
   ``World(n).run``;
@@ -27,6 +32,7 @@ Tracing is on for the virtual ranks, as in a lesson.
     python benchmarks/cpu_per_rank.py --world-sizes 8 64 --rounds 3
     python benchmarks/cpu_per_rank.py --fsdp                   # the FSDP2 step too
     python benchmarks/cpu_per_rank.py --sides comm dist --baseline DIR   # DIR: another checkout
+    python benchmarks/cpu_per_rank.py --breakdown              # one rank: the layers of one call
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ import time
 import threaded_pg   # a sibling module: this file runs as a script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIDES = ("ring", "comm", "dist", "threaded")
+SIDES = ("ring", "rendezvous", "comm", "dist", "threaded")
 NUMEL = 256                      # 1 KiB of float32
 
 
@@ -69,6 +75,55 @@ def ring_run(world_size: int, calls: int) -> None:
         thread.start()
     if calls:
         locks[0].release()
+    for thread in threads:
+        thread.join()
+
+
+def rendezvous_run(world_size: int, calls: int) -> None:
+    import torch
+    from collections import deque
+    waiters = [threading.Lock() for _ in range(world_size)]
+    for waiter in waiters:
+        waiter.acquire()
+    lock, ready = threading.Lock(), deque(range(1, world_size))
+    current = [[[], []]]                 # the open slot: [inputs, ranks waiting on it, (outputs)]
+
+    def hand_on() -> None:
+        with lock:
+            following = ready.popleft() if ready else None
+        if following is not None:
+            waiters[following].release()
+
+    def rank(me: int) -> None:
+        waiters[me].acquire()
+        x, out = torch.ones(NUMEL) * me, None
+        for _ in range(calls):
+            with lock:
+                inputs, waiting = slot = current[0]
+                inputs.append(x)
+                last = len(inputs) == world_size
+                if not last:
+                    waiting.append(me)
+            if not last:
+                hand_on()
+                waiters[me].acquire()    # woken (made ready) by the last rank
+                out = slot[2][me]
+                continue
+            total = torch.stack(inputs).sum(0)
+            outputs = [total.clone() for _ in range(world_size)]
+            slot.append(outputs)
+            with lock:
+                ready.extend(waiting)
+                current[0] = [[], []]
+            out = outputs[me]            # this rank keeps the turn
+        del out
+        hand_on()
+
+    current[0] = [[], []]
+    threads = [threading.Thread(target=rank, args=(me,)) for me in range(world_size)]
+    for thread in threads:
+        thread.start()
+    waiters[0].release()
     for thread in threads:
         thread.join()
 
@@ -152,7 +207,44 @@ def fsdp_single_run(world_size: int, steps: int) -> None:
         model(x).sum().backward()
 
 
-RUNS = {"ring": ring_run, "comm": comm_run, "dist": dist_run, "threaded": threaded_run,
+# -- where one call's CPU time goes: layers peeled off on one rank (no handoff) ------------------
+
+def _layers_program(comm, calls: int, layer: str) -> None:
+    import torch
+    x = torch.ones(NUMEL) * comm.rank
+    transport = comm.transport
+    if layer == "clone":
+        for _ in range(calls):
+            x.clone()
+    elif layer == "transport":
+        for _ in range(calls):
+            transport.all_reduce(x, "sum")
+    else:
+        for _ in range(calls):
+            comm.all_reduce(x)
+
+
+def breakdown(calls: int = 20000) -> dict[str, float]:
+    """CPU us per call on one rank (``World(1)``: no handoff) of ``comm.all_reduce``, of the
+    transport call alone, of ``comm.all_reduce`` untraced, and of the output's own copy."""
+    import simcomm
+    import torch
+    torch.set_num_threads(1)
+    result = {}
+    for name, world, layer in (("comm.all_reduce", simcomm.World(1), "comm"),
+                               ("SimTransport.all_reduce", simcomm.World(1), "transport"),
+                               ("comm.all_reduce, no trace", simcomm.World(1, trace=False), "comm"),
+                               ("x.clone() (the output's copy)", simcomm.World(1), "clone")):
+        world.run(_layers_program, 2, layer)
+        best = []
+        for _ in range(5):
+            base = _timed(world.run, _layers_program, 0, layer)[0]
+            best.append(_timed(world.run, _layers_program, calls, layer)[0] - base)
+        result[name] = min(best) / calls * 1e6
+    return result
+
+
+RUNS = {"ring": ring_run, "rendezvous": rendezvous_run, "comm": comm_run, "dist": dist_run, "threaded": threaded_run,
         "fsdp": fsdp_run, "fsdp_threaded": fsdp_threaded_run, "fsdp_single": fsdp_single_run}
 
 
@@ -195,8 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsdp-steps", type=int, default=10)
     parser.add_argument("--baseline", help="another checkout, measured as the sides 'comm@base', 'dist@base'")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="only: where one call's CPU time goes, on one rank (layers peeled off)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.breakdown:
+        print("comm.all_reduce of 1 KiB on one rank (World(1): no handoff), CPU us per call")
+        for name, micros in breakdown().items():
+            print(f"{name:<34}{micros:>7.2f}")
+        return 0
     if args.worker:
         side, world_size, calls = args.worker
         worker(side, int(world_size), int(calls))
@@ -207,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         sides += [(f"{side}@base", os.path.abspath(args.baseline)) for side in args.sides if side in ("comm", "dist")]
     rows: dict = {}
     print("1 KiB all_reduce: CPU and wall time per rank per call (us); each side in a fresh process")
-    header = f"{'ranks':>5}" + "".join(f"{name + ' cpu':>14}{'wall':>8}" for name, _ in sides)
+    width = {name: max(14, len(name) + 6) for name, _ in sides}
+    header = f"{'ranks':>5}" + "".join(f"{name + ' cpu':>{width[name]}}{'wall':>8}" for name, _ in sides)
     print(header)
     for world_size in args.world_sizes:
         calls = max(args.calls // world_size, 8)
@@ -217,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                 samples[name].append(measure(name.split("@")[0], world_size, calls, root))
         row = {name: {k: v / (calls * world_size) * 1e6 for k, v in _best(s).items()} for name, s in samples.items()}
         rows[world_size] = row
-        print(f"{world_size:>5}" + "".join(f"{row[name]['cpu']:>14.1f}{row[name]['wall']:>8.1f}"
+        print(f"{world_size:>5}" + "".join(f"{row[name]['cpu']:>{width[name]}.1f}{row[name]['wall']:>8.1f}"
                                            for name, _ in sides), flush=True)
-    ratios = [("comm", "threaded"), ("comm", "ring"), ("dist", "comm"), ("dist", "threaded"),
+    ratios = [("comm", "threaded"), ("comm", "ring"), ("rendezvous", "ring"), ("comm", "rendezvous"),
+              ("dist", "comm"), ("dist", "threaded"),
               ("comm", "comm@base"), ("dist", "dist@base")]
     names = {name for name, _ in sides}
     ratios = [(a, b) for a, b in ratios if a in names and b in names]

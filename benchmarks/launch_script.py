@@ -74,9 +74,9 @@ from simcomm.sim.process_state import RankProcessState
 case, barriers = sys.argv[1], int(sys.argv[2])
 if case == "torch only":
     def hand_off(self, rank):
-        self.torch.states[rank] = self.torch.get_state()
+        self.torch.hand_off(rank)
     def take_turn(self, rank):
-        self.torch.set_state(self.torch.states[rank])
+        self.torch.take_turn(rank)
     RankProcessState.hand_off, RankProcessState.take_turn = hand_off, take_turn
 drawing = case.endswith("drawing")
 def program(comm):

@@ -105,9 +105,12 @@ def apply(rule: type[torch.autograd.Function], transport: Transport, input_: tor
     a PREMUL_SUM factor); else its forward alone, which computes the same values without
     autograd's bookkeeping. The public methods use it, and so does every backward for its
     dual collective: inside a backward, grad mode is on exactly under ``create_graph=True``."""
-    if torch.is_grad_enabled() and (input_.requires_grad or any(
-            isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)):
-        return rule.apply(transport, input_, *args)
+    if torch.is_grad_enabled():
+        if input_.requires_grad:
+            return rule.apply(transport, input_, *args)
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                return rule.apply(transport, input_, *args)
     return rule.forward(_NO_GRAD_CTX, transport, input_, *args)
 
 
@@ -220,9 +223,13 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, op: str,
                 factor: float | torch.Tensor | None = None) -> torch.Tensor:
-        y = transport.all_reduce(x, op, **_factor_kwargs(factor))
-        ctx.transport, ctx.op = transport, op
-        _save(ctx, op, factor, x, y)
+        if factor is None:
+            y = transport.all_reduce(x, op)
+        else:
+            y = transport.all_reduce(x, op, **_factor_kwargs(factor))
+        if ctx is not _NO_GRAD_CTX:     # what the backward reads; nothing when it never runs
+            ctx.transport, ctx.op = transport, op
+            _save(ctx, op, factor, x, y)
         return y
 
     @staticmethod

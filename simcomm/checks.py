@@ -310,7 +310,10 @@ def reduce_op_and_factor(call: str, op: ReduceOp | str, rank: int | None = None
     without a factor (``ReduceOp.PREMUL_SUM`` itself, or the string
     ``"premul_sum"``) raises ``ValueError``, as torch does.
     """
-    name = reduce_op_name(op)
+    try:
+        name = _NAMES[op]    # the usual case, one lookup (reduce_op_name does the rest)
+    except (KeyError, TypeError):
+        name = reduce_op_name(op)
     if name != PREMUL_SUM:
         return name, None
     where = f" on rank {rank}" if rank is not None else ""

@@ -35,6 +35,7 @@ __all__ = [
     "reduce_to", "scatter_from", "all_to_all_single", "premultiply", "on_the_wire",
 ]
 
+_NEEDS_FLOAT = ("avg", PREMUL_SUM)   # reductions check_avg_dtype refuses for integer dtypes
 _ACCUMULATE_FROM = 1 << 16  # elements per rank from which large reductions accumulate in place
 _COMBINE_INPLACE = {"sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "max": None, "min": None,
                     "product": torch.Tensor.mul_}
@@ -109,9 +110,10 @@ def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum", factors: 
     result is ``sum_r premultiply(inputs[r], factors[r])``.
     """
     name = reduce_op_name(op)
-    check_avg_dtype("reduce", inputs[0], name)
-    factors = _factors(name, inputs, factors)
-    if factors is not None:
+    if name in _NEEDS_FLOAT:
+        check_avg_dtype("reduce", inputs[0], name)
+    if factors is not None or name == PREMUL_SUM:
+        factors = _factors(name, inputs, factors)
         return reduce([premultiply(tensor, factor) for tensor, factor in zip(inputs, factors)], "sum")
     if len(inputs) == 1:
         return inputs[0].clone()

@@ -51,6 +51,9 @@ _apply = rules.apply
 
 _TAKEN = object()
 
+#: the reductions that need a floating-point (or complex) dtype (checks.check_avg_dtype)
+_NEEDS_FLOAT = ("avg", "premul_sum")
+
 
 class _Arrived:
     """The transport as an autograd rule sees it when a handle is waited on.
@@ -141,21 +144,26 @@ class Communicator:
         (a Python number, or a one-element tensor of the input's dtype), floating-point
         dtypes only; backward: the summed gradient times this rank's factor.
         """
-        check_tensor("all_reduce", input_, self.rank)
+        check_tensor("all_reduce", input_, self.transport.rank)
         op, factor = self._reduction("all_reduce", input_, op)
         if async_op:
             return self._issue(rules._AllReduce, "all_reduce", input_.contiguous(), (op,), (op, *factor),
                                factor=factor[0] if factor else None)
+        if not factor and not (input_.requires_grad and torch.is_grad_enabled()):
+            # no gradient can flow: the rule's forward alone is this one transport call
+            return self.transport.all_reduce(input_.contiguous(), op)
         return _apply(rules._AllReduce, self.transport, input_.contiguous(), op, *factor)
 
     def _reduction(self, call: str, input_: torch.Tensor, op: ReduceOp | str) -> tuple[str, tuple]:
         """``op``'s canonical name, checked against ``input_``'s dtype, and ``(factor,)`` for a
         PREMUL_SUM (``()`` for the others: the rules' extra argument)."""
-        name, factor = reduce_op_and_factor(call, op, self.rank)
-        check_avg_dtype(call, input_, name, self.rank)
+        rank = self.transport.rank
+        name, factor = reduce_op_and_factor(call, op, rank)
+        if name in _NEEDS_FLOAT:
+            check_avg_dtype(call, input_, name, rank)
         if factor is None:
             return name, ()
-        return name, (check_premul_factor(call, factor, self.rank, input_),)
+        return name, (check_premul_factor(call, factor, rank, input_),)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1, *, async_op: bool = False
                    ) -> torch.Tensor | Handle:

@@ -50,11 +50,25 @@ def table_for(device: torch.device | str) -> str:
     return "nccl" if kind == "cuda" else "gloo"
 
 
+#: (op, dtype, reduction, device) of the calls :func:`check` accepted: a hit costs one lookup
+_ACCEPTED: set[tuple] = set()
+
+
 def check(op: str, dtype: torch.dtype | None, reduction: str | None, device: torch.device | str,
           rank: int) -> None:
     """Raise what the real backend for ``device`` raises for ``op`` on ``dtype`` (with
     ``reduction``, a canonical name such as ``"max"``, for reducing ops), naming the op, the
-    rank and the value; return quietly for a call it accepts. ``dtype`` None: nothing to check."""
+    rank and the value; return quietly for a call it accepts. ``dtype`` None: nothing to check.
+    What was accepted once is remembered (the tables never change), so a repeated call costs
+    one set lookup."""
+    if (op, dtype, reduction, device) in _ACCEPTED:
+        return
+    _check(op, dtype, reduction, device, rank)
+    _ACCEPTED.add((op, dtype, reduction, device))
+
+
+def _check(op: str, dtype: torch.dtype | None, reduction: str | None, device: torch.device | str,
+           rank: int) -> None:
     if dtype is None or op not in _COLLECTIVES:
         return
     if reduction == "avg" and op in _REDUCING and not (dtype.is_floating_point or dtype.is_complex):

@@ -78,7 +78,11 @@ DEFAULT_LABEL = "other"
 #: what a collective's output is counted as when the receiving rank has no label active
 COMMUNICATION = "communication"
 
-_local = threading.local()       # .tracker: the _Tracker of the rank running on this thread
+class _Local(threading.local):
+    tracker: _Tracker | None = None   # the rank tracked on this thread (a class default: no exception to read it)
+
+
+_local = _Local()
 _lock = threading.RLock()        # guards _storages and the trackers' counters (frees may run on any thread)
 _storages: dict[int, _StorageRef] = {}   # id(untyped storage) -> its record, while it lives
 _active = 0                      # how many ranks are tracked now, in this process
@@ -260,7 +264,7 @@ class _TrackingMode(TorchDispatchMode):
 def _tracker() -> _Tracker | None:
     """The tracker of the rank running here: this thread's, else the one whose mode is active
     (autograd's device threads inherit the rank's dispatch modes, not its Python thread-locals)."""
-    tracker = getattr(_local, "tracker", None)
+    tracker = _local.tracker
     if tracker is None and _active:
         for mode in reversed(_get_current_dispatch_mode_stack()):
             if isinstance(mode, _TrackingMode):
@@ -372,7 +376,7 @@ def untracked() -> contextlib.AbstractContextManager:
     thread inside this block; :func:`received` then counts each output on
     the rank that gets it. Costs one thread-local lookup when nothing is tracked.
     """
-    tracker = _tracker()
+    tracker = _local.tracker if not _active else _tracker()   # nothing tracked: one lookup
     return _NOTHING if tracker is None else _Paused(tracker)
 
 
@@ -387,7 +391,7 @@ def received(output: Any) -> Any:
     ``"communication"``. Anything that is not a tensor, or a rank that is not
     tracked, passes through unchanged.
     """
-    tracker = _tracker()
+    tracker = _local.tracker if not _active else _tracker()   # nothing tracked: one lookup
     if tracker is None or not isinstance(output, torch.Tensor):
         return output
     storage = output.untyped_storage()
@@ -419,7 +423,7 @@ def track(rank: int, reports: list | None, device: torch.device | str | None = N
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     tracker = _Tracker(rank)
-    previous = getattr(_local, "tracker", None)
+    previous = _local.tracker
     _local.tracker = tracker
     global _active
     with _lock:

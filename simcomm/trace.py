@@ -44,20 +44,30 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+_perf_counter = time.perf_counter
+
 __all__ = ["TraceEvent", "Trace", "Record", "Recorder", "backward_phase", "current_phase", "issued_as", "peer_bytes"]
 
-_local = threading.local()
+class _Local(threading.local):
+    """Per thread: the phase of the transport calls made now, and ``issued`` (see :func:`issued_as`).
+    Class-level defaults: reading an attribute a thread never set costs no exception."""
+
+    phase = "forward"
+    issued: tuple[str, float] | None = None
+
+
+_local = _Local()
 
 
 def current_phase() -> str:
     """``"backward"`` inside an autograd rule's backward on this thread, else ``"forward"``."""
-    return getattr(_local, "phase", "forward")
+    return _local.phase
 
 
 @contextlib.contextmanager
 def backward_phase() -> Iterator[None]:
     """Mark the transport calls made inside this block as backward-phase calls."""
-    previous = current_phase()
+    previous = _local.phase
     _local.phase = "backward"
     try:
         yield
@@ -71,7 +81,7 @@ def issued_as(phase: str, at: float) -> Iterator[None]:
     ``time.perf_counter()`` value) in ``phase``: for a call another thread makes on behalf of
     the program, after checking it (real's checked asynchronous calls), so its record keeps the
     time and phase at which the program issued it."""
-    previous = getattr(_local, "issued", None)
+    previous = _local.issued
     _local.issued = (phase, at)
     try:
         yield
@@ -137,14 +147,15 @@ class Record:
 
     ``shape``/``dtype`` are the input's (``torch.Size``/``torch.dtype`` or ``None``),
     ``nbytes`` ``None`` means ``numel * itemsize`` of the input, ``root`` is a global
-    rank, ``args`` a dict of the call's arguments (on both backends).
+    rank, ``args`` the call's arguments, a dict or a tuple of ``(name, value)`` pairs.
+    A finished call's record is kept as :meth:`kept`'s tuple.
     """
 
     __slots__ = ("op", "group", "rank", "step", "phase", "shape", "dtype", "nbytes", "start",
                  "root", "args", "end", "out_shape", "async_op", "waited")
 
     def __init__(self, op: str, group: tuple[int, ...], rank: int, step: int, phase: str,
-                 shape, dtype, nbytes: int | None, start: float, root: int | None, args: dict | None,
+                 shape, dtype, nbytes: int | None, start: float, root: int | None, args: dict | tuple | None,
                  async_op: bool = False):
         self.op = op
         self.group = group
@@ -161,6 +172,33 @@ class Record:
         self.end = 0.0
         self.out_shape = None
         self.waited: float | None = None
+
+    def kept(self) -> tuple:
+        """The record as the trace keeps it once the call is done: a tuple of the fields in
+        :attr:`__slots__` order, shapes as plain tuples. The garbage collector stops tracking a
+        tuple of plain values, so a trace of many calls costs no collections of the whole heap
+        (a ``Record`` per call kept alive would trigger them: about 8 us per call with torch
+        loaded). ``(name, value)`` pairs of ``args`` are kept flat, ``(name, value, name, ...)``:
+        the collector untracks a tuple only once the tuples in it are untracked, one level per
+        collection, and a record nested three deep would reach the oldest generation first. A
+        dict ``args`` is kept as the same dict (a transport may still fill it in)."""
+        shape, out_shape, args = self.shape, self.out_shape, self.args
+        if type(args) is tuple and args:    # a new flat tuple (one pair's own object may be older)
+            args = (*args[0],) if len(args) == 1 else sum(args, ())
+        return (self.op, self.group, self.rank, self.step, self.phase,
+                None if shape is None else tuple(shape), self.dtype, self.nbytes, self.start, self.root,
+                args, self.end, None if out_shape is None else tuple(out_shape), self.async_op,
+                self.waited)
+
+    @classmethod
+    def from_kept(cls, kept: tuple) -> Record:
+        """The record back from :meth:`kept`'s tuple."""
+        record = cls.__new__(cls)
+        record.__setstate__(kept)
+        args = record.args
+        if type(args) is tuple:
+            record.args = tuple(zip(args[::2], args[1::2]))
+        return record
 
     def __getstate__(self):
         return tuple(getattr(self, name) for name in self.__slots__)
@@ -182,7 +220,7 @@ class Recorder:
     """Builds the trace records of one run (simulator) or one process (real).
 
     Shared by every transport of the run, subgroups included, on both backends.
-    ``events`` is the list records are kept in (in completion order); times are
+    ``events`` is the list finished records are kept in (:meth:`Record.kept` tuples, in completion order); times are
     seconds since ``clock_zero`` (a ``time.perf_counter()`` value).
 
     A blocking call: :meth:`begin`, then :meth:`end` when it returns. An
@@ -201,11 +239,12 @@ class Recorder:
         return time.perf_counter() - self.clock_zero
 
     def begin(self, op: str, group: tuple[int, ...], rank: int, step: int, tensor, root: int | None,
-              nbytes: int | None, args: dict | None, async_op: bool = False) -> Record:
+              nbytes: int | None, args: dict | tuple | None, async_op: bool = False) -> Record:
         """A new record of a call starting (or issued) now; ``root`` is a global rank."""
-        issued = getattr(_local, "issued", None)
+        local = _local
+        issued = local.issued
         if issued is None:
-            phase, start = getattr(_local, "phase", "forward"), time.perf_counter() - self.clock_zero
+            phase, start = local.phase, _perf_counter() - self.clock_zero
         else:
             phase, start = issued[0], issued[1] - self.clock_zero
         if tensor is None:
@@ -215,9 +254,9 @@ class Recorder:
 
     def end(self, record: Record, out) -> None:
         """A blocking call returned with ``out`` (see :func:`_output_shape`): keep its record."""
-        record.end = time.perf_counter() - self.clock_zero
+        record.end = _perf_counter() - self.clock_zero
         record.out_shape = _output_shape(out)
-        self.events.append(record)
+        self.events.append(record.kept())
 
     def moved(self, record: Record, out, at: float | None = None) -> None:
         """An asynchronous call's data moved (now, or at ``at`` seconds since the start)."""
@@ -227,7 +266,7 @@ class Recorder:
     def waited(self, record: Record) -> None:
         """The program's wait on an asynchronous call returned: keep its record."""
         record.waited = max(self.now(), record.end)
-        self.events.append(record)
+        self.events.append(record.kept())
 
 
 @dataclass
@@ -260,8 +299,11 @@ class TraceEvent:
         return self.end - self.start
 
     @classmethod
-    def from_record(cls, record: Record) -> TraceEvent:
-        """Build an event from the :class:`Record` a transport kept on its hot path."""
+    def from_record(cls, record: Record | tuple) -> TraceEvent:
+        """Build an event from the :class:`Record` a transport kept on its hot path (or the
+        tuple :meth:`Record.kept` made of it)."""
+        if type(record) is tuple:
+            record = Record.from_kept(record)
         shape, dtype, nbytes = record.shape, record.dtype, record.nbytes
         if nbytes is None:
             nbytes = math.prod(shape) * dtype.itemsize if shape is not None else 0
@@ -297,7 +339,7 @@ class TraceEvent:
 class Trace:
     """The events of one run, ordered by start time, with summaries and export."""
 
-    def __init__(self, events: list[TraceEvent | Record] | None = None, backend: str | None = None):
+    def __init__(self, events: list[TraceEvent | Record | tuple] | None = None, backend: str | None = None):
         # transports keep Records (cheap on the hot path); events are built on first use
         self._items = list(events or [])
         #: what recorded it: ``"simcomm"`` (virtual ranks), ``"gloo"``/``"nccl"`` (real processes)

@@ -103,11 +103,11 @@ class TransportBase:
         return step
 
     def _begin(self, op: str, step: int, tensor: torch.Tensor | None, root: int | None = None,
-               nbytes: int | None = None, args: dict | None = None, async_op: bool = False
+               nbytes: int | None = None, args: dict | tuple | None = None, async_op: bool = False
                ) -> Record | None:
         """Start the trace record of this call (``None`` when tracing is off).
 
-        ``root`` is group-local; ``args`` a dict of the call's arguments.
+        ``root`` is group-local; ``args`` the call's arguments, a dict or ``(name, value)`` pairs.
         """
         if self._recorder is None:
             return None

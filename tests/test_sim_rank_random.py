@@ -140,6 +140,59 @@ def test_unseeded_random_numbers_are_the_same_on_real_processes():
         assert torch.equal(got[rank], sim[rank]), rank
 
 
+# -- torch's CPU generator kept as raw bytes ---------------------------------------------------------
+
+def test_torchs_cpu_generator_is_kept_as_raw_bytes_on_this_torch():
+    """The layout check passes on the torch this project pins, so a handoff compares raw bytes
+    instead of building a get_state tensor (the fallback stays correct, only slower)."""
+    from simcomm.sim.rank_random import cpu_raw
+
+    raw = cpu_raw()
+    assert raw is not None
+    saved, state = raw.get(), torch.get_rng_state()
+    torch.randn(1, dtype=torch.float64)    # fills the cached normal sample
+    torch.rand(700)
+    assert raw.get() != saved
+    raw.set(saved)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def _torch_draws(generator=None) -> list:
+    """Draws between barriers: a double normal (caches its second sample), one that uses the
+    cached sample, a float normal, and enough integers to regenerate the 624-word state."""
+    kw = {} if generator is None else {"generator": generator}
+    return [lambda: torch.randn(1, dtype=torch.float64, **kw), lambda: torch.randn(1, dtype=torch.float64, **kw),
+            lambda: torch.empty(2).normal_(**kw), lambda: torch.randint(0, 1 << 20, (700,), **kw)]
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw bytes", "get_state fallback"])
+def test_torch_cached_samples_and_seeds_stay_per_rank(raw, monkeypatch):
+    """Every rank but rank 1 seeds with its rank (rank 1 draws from the fresh state); each draws
+    between barriers, so a cached normal sample must survive the other ranks' draws. The oracle
+    is one generator doing the same draws with nobody in between."""
+    from simcomm.sim import process_state
+
+    if not raw:
+        monkeypatch.setattr(process_state, "_RAW", {"torch": None})
+
+    def program(comm):
+        if comm.rank != 1:
+            torch.manual_seed(comm.rank)
+        mine = []
+        for _ in range(2):
+            for draw in _torch_draws():
+                mine.append(draw())
+                comm.barrier()
+        return mine
+
+    for rank, mine in enumerate(simcomm.World(3).run(program)):
+        generator = torch.Generator()
+        if rank != 1:
+            generator.manual_seed(rank)
+        expected = [draw() for _ in range(2) for draw in _torch_draws(generator)]
+        assert all(torch.equal(a, b) for a, b in zip(mine, expected, strict=True)), rank
+
+
 # -- Python's random and NumPy's global random state, sys.argv and __main__ ------------------------
 
 @pytest.mark.parametrize("raw", [True, False], ids=["raw bytes", "getstate fallback"])

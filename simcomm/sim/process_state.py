@@ -7,7 +7,8 @@ most of it can simply belong to the rank holding the turn: the rank handing
 the turn on saves it (:meth:`RankProcessState.hand_off`), the rank taking it
 loads its own (:meth:`RankProcessState.take_turn`). Swapped at each handoff:
 
-* torch's default generators (:mod:`simcomm.sim.rank_random`);
+* torch's default generators (:mod:`simcomm.sim.rank_random`, whose raw bytes
+  :func:`~simcomm.sim.rank_random.cpu_raw` reads on the CPU);
 * Python's ``random`` module state (the module-level functions draw from
   one hidden ``random.Random``) and NumPy's global ``np.random`` state (the
   legacy ``RandomState`` behind ``np.random.seed``/``rand``/``randn``);
@@ -24,19 +25,22 @@ every run, so both backends draw the same numbers.) The caller's state is
 saved before a run and put back after it.
 
 **Cost.** Python's and NumPy's own ``getstate``/``setstate`` are slow (about
-10 and 100 us), so the state is saved and loaded as raw bytes, copied
-straight from and into the generator's memory (the layout is checked against
-``getstate`` once; about 1 us), and only for a rank that changed it: each
-generator has a *fingerprint*, a few words of its raw state (the position,
-two state words, the cached Gaussian: any draw, seeding or ``setstate``
-changes them, but for chance collisions of 2**-64), and a rank whose
-fingerprint is unchanged at handoff saves nothing; loading is skipped when
-the rank's saved state is already the live one. Every rank hands off when it gives up the turn, also when it
-finishes, so the live state is always known. A program that never draws from them
-pays about 1 us per handoff in all (``benchmarks/launch_script.py``
-measures it). Where the raw bytes cannot be found (another interpreter or
-NumPy layout), every handoff saves and loads with ``getstate``/``setstate``:
-correct, only slower.
+10 and 100 us), and torch's ``get_state`` builds a 5 KB tensor (about 1 us), so
+each state is saved and loaded as raw bytes, copied straight from and into the
+generator's memory (the layout is checked against ``getstate``/``get_state``
+once; about 0.1 to 1 us), and only for a rank that changed it: each generator
+has a *fingerprint* (Python and NumPy: a few words of the raw state, the
+position, two state words, the cached Gaussian: any draw, seeding or
+``setstate`` changes them, but for chance collisions of 2**-64; torch's CPU
+generator: its whole raw state, compared at once), and a rank whose fingerprint
+is unchanged at handoff saves nothing; loading is skipped when the rank's saved
+state is already the live one. Every rank hands off when it gives up the turn,
+also when it finishes, so the live state is always known. A program that never
+draws from them pays well under 1 us per handoff in all
+(``benchmarks/launch_script.py`` measures it). Where the raw bytes cannot be
+found (another interpreter, NumPy or torch layout, a CUDA World's device
+generator), every handoff saves and loads with their own
+``getstate``/``setstate``: correct, only slower.
 
 **Environment variables** are per rank through :func:`rank_environ`, a view
 of ``os.environ`` that resolves to the calling rank thread's own copy (and to
@@ -59,7 +63,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .rank_random import FRESH_SEED, RankRandomState
+from .rank_random import FRESH_SEED, RankRandomState, cpu_raw
 
 __all__ = ["PYTHON_FRESH_SEED", "NUMPY_FRESH_SEED", "RankProcessState", "reset_python_and_numpy",
            "rank_environ"]
@@ -168,9 +172,21 @@ class _Raw(NamedTuple):
 _RAW: dict[str, _Raw | None] = {}
 
 
+def _torch_cpu_raw() -> _Raw | None:
+    """Raw access to torch's default CPU generator (:func:`simcomm.sim.rank_random.cpu_raw`); its
+    fingerprint is the whole state, 2544 bytes compared at once, so no collision can hide a draw."""
+    raw = cpu_raw()
+    return None if raw is None else _Raw(raw.get, raw.get, raw.set)
+
+
+_BUILDERS: dict[str, Callable[[], _Raw | None]] = {
+    "python": lambda: _python_raw(), "numpy": lambda: _numpy_raw(), "torch": lambda: _torch_cpu_raw(),
+    "torch+cuda": lambda: None}    # a CUDA World: the device generator has no raw access here
+
+
 def _raw(name: str) -> _Raw | None:
     if name not in _RAW:
-        _RAW[name] = _python_raw() if name == "python" else _numpy_raw()
+        _RAW[name] = _BUILDERS[name]()
     return _RAW[name]
 
 
@@ -220,6 +236,16 @@ class _SwappedGenerator:
             self.loaded_print = self.fingerprint()
 
 
+def _all_of(fingerprints: list) -> Callable[[], tuple] | None:
+    """One fingerprint of several generators (``None`` if one of them has none)."""
+    if None in fingerprints:
+        return None
+    if len(fingerprints) == 3:
+        first, second, third = fingerprints
+        return lambda: (first(), second(), third())
+    return lambda: tuple([fingerprint() for fingerprint in fingerprints])
+
+
 class RankProcessState:
     """The per-rank process state of one run (see the module docstring).
 
@@ -228,7 +254,11 @@ class RankProcessState:
     """
 
     def __init__(self, world_size: int, device: torch.device):
-        self.torch = RankRandomState(world_size, device)
+        generators = RankRandomState(world_size, device)   # get_state/set_state, CPU (and CUDA) together
+        self._torch_generators = generators
+        self.torch = _swapped(world_size, "torch+cuda" if device.type == "cuda" else "torch",
+                              generators.get_state, generators.set_state,
+                              lambda: generators.set_state(generators.states[0]))
         self.python = _swapped(world_size, "python", _random.getstate, _random.setstate,
                                lambda: _random.seed(PYTHON_FRESH_SEED))
         self.numpy = (None if _np is None else
@@ -237,32 +267,43 @@ class RankProcessState:
         self.argv: list = [sys.argv] * world_size
         self.main: list = [sys.modules.get("__main__")] * world_size
         self._caller_sys: tuple | None = None
+        self._generators = [generator for generator in (self.torch, self.python, self.numpy)
+                            if generator is not None]
+        #: every generator's fingerprint at once (None if one has none), and its value when the live
+        #: states were last saved or loaded: equal at handoff, no generator has anything to save
+        self._fingerprint = _all_of([generator.fingerprint for generator in self._generators])
+        self._live_print: Any = None
 
     def hand_off(self, rank: int) -> None:
         """``rank`` hands the turn on: keep its state."""
-        torch_state = self.torch
-        torch_state.states[rank] = torch_state.get_state()
-        self.python.hand_off(rank)
-        if self.numpy is not None:
-            self.numpy.hand_off(rank)
+        fingerprint = self._fingerprint
+        if fingerprint is None or fingerprint() != self._live_print:
+            for generator in self._generators:
+                generator.hand_off(rank)
+            if fingerprint is not None:
+                self._live_print = fingerprint()
         self.argv[rank] = sys.argv
         self.main[rank] = sys.modules.get("__main__")
 
     def take_turn(self, rank: int) -> None:
         """``rank`` takes the turn: make its state the live one."""
-        torch_state = self.torch
-        torch_state.set_state(torch_state.states[rank])
-        self.python.take_turn(rank)
-        if self.numpy is not None:
-            self.numpy.take_turn(rank)
-        sys.argv = self.argv[rank]
+        loaded = False
+        for generator in self._generators:
+            if generator.fingerprint is None or generator.states[rank] is not generator.loaded:
+                generator.take_turn(rank)
+                loaded = True
+        if loaded and self._fingerprint is not None:
+            self._live_print = self._fingerprint()
+        argv = self.argv[rank]
+        if sys.argv is not argv:
+            sys.argv = argv
         main = self.main[rank]
         if main is not None:
             sys.modules["__main__"] = main
 
     def save_caller(self) -> None:
         """Before a run: remember the state of the thread that starts it."""
-        self.torch.save_caller()
+        self._torch_generators.save_caller()
         self.python.caller = _random.getstate()
         if self.numpy is not None:
             self.numpy.caller = _np.random.get_state()
@@ -270,7 +311,7 @@ class RankProcessState:
 
     def restore_caller(self) -> None:
         """After a run: the caller's state is as it was before it."""
-        self.torch.restore_caller()
+        self._torch_generators.restore_caller()
         if self.python.caller is not None:
             _random.setstate(self.python.caller)
         if self.numpy is not None and self.numpy.caller is not None:

@@ -28,46 +28,57 @@ from . import shape as _shape
 if TYPE_CHECKING:
     from .scheduler import RunState
 
-__all__ = ["Slot", "Message", "Group", "shared_entries", "copy_small_shared", "materialize", "format_args",
+__all__ = ["Slot", "Message", "Group", "copy_small_shared", "materialize", "format_args",
            "call_site"]
-
-
-def shared_entries(outputs: list, owner: int) -> list[bool]:
-    """Which ranks must copy their output because another rank keeps the same tensor.
-
-    Small shared outputs are copied by ``owner`` (the rank that computed them) at once
-    (:func:`copy_small_shared`), ``owner`` keeping the original of its own entry; a large
-    one is copied by each holder on its own thread, except the last to take it, which
-    gets the original (:func:`materialize`).
-    """
-    first: dict[int, int] = {}
-    shared = [False] * len(outputs)
-    for index, out in enumerate(outputs):
-        if isinstance(out, torch.Tensor):
-            if id(out) in first:
-                shared[index] = True
-            else:
-                first[id(out)] = index
-    mine = outputs[owner]
-    if shared[owner]:
-        shared[owner], shared[first[id(mine)]] = False, True
-    return shared
 
 
 _COPY_HERE_BELOW = 1 << 16  # bytes: smaller shared outputs are copied by the rank that computed them
 
 
-def copy_small_shared(slot: Slot) -> None:
-    """Copy small shared outputs right away, while this thread's caches are warm; a
-    woken rank's first touches are the expensive ones. Large ones stay per rank."""
-    outputs, holders = slot.outputs, {}
-    for index, shared in enumerate(slot.shared):
-        if shared:
-            out = outputs[index]
-            if out.nbytes < _COPY_HERE_BELOW:
-                outputs[index], slot.shared[index] = out.clone(), False
+def copy_small_shared(slot: Slot, owner: int) -> None:
+    """Give each member of a completed slot an output of its own, where several entries of
+    ``slot.outputs`` are the same tensor (every rank of an all-reduce gets equal values).
+
+    A small shared tensor is copied right away by ``owner``, the rank that computed it (its
+    caches are warm; a woken rank's first touches are the expensive ones): ``owner`` keeps the
+    original of its own entry, the first other holder the original of any other. A large one
+    stays shared; ``slot.holders`` counts its holders, and each copies it on its own thread
+    except the last to take it, which gets the original (:func:`materialize`).
+    """
+    outputs = slot.outputs
+    tensor = torch.Tensor
+    first = outputs[0] if outputs else None
+    if isinstance(first, tensor) and len(set(map(id, outputs))) == 1:
+        # one tensor for every member (all_reduce, all_gather, broadcast)
+        if first.nbytes >= _COPY_HERE_BELOW:
+            slot.holders = {id(first): len(outputs)} if len(outputs) > 1 else {}
+        else:
+            for index in range(len(outputs)):
+                if index != owner:
+                    outputs[index] = first.clone()
+            slot.holders = {}
+        return
+    count: dict[int, int] = {}
+    for out in outputs:
+        if isinstance(out, tensor):
+            key = id(out)
+            count[key] = count.get(key, 0) + 1
+    holders: dict[int, int] = {}
+    if len(count) < len(outputs):   # some tensor is held more than once (or there are non-tensors)
+        kept = {id(outputs[owner])}
+        for index, out in enumerate(outputs):
+            if index == owner or not isinstance(out, tensor):
+                continue
+            key = id(out)
+            held = count[key]
+            if held == 1:
+                continue
+            if out.nbytes >= _COPY_HERE_BELOW:
+                holders[key] = held
+            elif key in kept:
+                outputs[index] = out.clone()
             else:
-                holders[id(out)] = holders.get(id(out), 1) + 1   # the first holder is not marked shared
+                kept.add(key)
     slot.holders = holders
 
 
@@ -128,7 +139,7 @@ class Slot:
     computed the outputs (seconds since the run started).
     """
 
-    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "shared", "holders",
+    __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "holders",
                  "failed", "error", "moved")
 
     def __init__(self, op: str, sig: tuple, world_size: int):
@@ -138,7 +149,6 @@ class Slot:
         self.arrived: list[int] = []      # group-local ranks, in arrival order
         self.waiting: list[int] = []      # global ranks blocked on this slot
         self.outputs: list | None = None
-        self.shared: list[bool] = []
         self.holders: dict[int, int] = {}     # id of a shared large output -> members yet to take it
         self.failed = False
         self.error: Exception | None = None   # what the collective's math raised, if it did

@@ -32,7 +32,7 @@ from typing import NoReturn
 import torch
 
 from .. import collectives, dtypes, memory
-from ..checks import check_splits
+from ..checks import PREMUL_SUM, check_splits
 from ..errors import CollectiveMismatchError, DeadlockError, SimcommError
 from ..handles import Handle, P2POp, UnwaitedHandleError
 from ..reports import mismatch_message, program_location, unwaited_message
@@ -40,8 +40,7 @@ from ..trace import Record, Recorder
 from ..transport import TransportBase
 from . import shape as _shape
 from .pending import Pending, PendingCollective, PendingMessage
-from .rendezvous import (Group, Message, Slot, call_site, copy_small_shared, failure, format_args, materialize,
-                         shared_entries)
+from .rendezvous import Group, Message, Slot, call_site, copy_small_shared, failure, format_args, materialize
 from .scheduler import Aborted, RunState
 from .waits import Wait, p2p_detail
 
@@ -74,19 +73,26 @@ class SimTransport(TransportBase):
     # -- collectives --
 
     def _collective(self, op: str, tensor: torch.Tensor | None, sig: tuple,
-                    compute: Callable[[list], list], root: int | None = None, async_op: bool = False):
+                    compute: Callable[[list], list], root: int | None = None, async_op: bool = False,
+                    reduction: str | None = None):
+        """One collective of this rank: check, count, trace, then meet the group.
+
+        ``sig`` is what every member must pass alike, as ``(name, value)`` pairs (for a tensor
+        op ``shape`` and ``dtype`` first; the rest are the call's arguments in the trace);
+        ``reduction`` the canonical reduce op of a reducing collective."""
         # what the real backend this run stands for refuses (gloo on CPU, NCCL on CUDA)
-        dtypes.check(op, None if tensor is None else tensor.dtype, dict(sig).get("op"), self.device, self.rank)
+        dtypes.check(op, None if tensor is None else tensor.dtype, reduction, self.device, self.rank)
         step = self._next_step()
         record = None
-        if self._recorder is not None:
-            record = self._begin(op, step, tensor, root, args=dict(sig[2:] if tensor is not None else sig),
+        if self._recorder is not None:   # the arguments as pairs: the trace keeps them flat (Record.kept)
+            record = self._begin(op, step, tensor, root, args=sig[2:] if tensor is not None else sig,
                                  async_op=async_op)
         if async_op:   # the input is copied: the program may reuse its tensor before wait()
             return self._issue(op, step, tensor.clone() if tensor is not None else None, sig, compute,
                                record)
-        out = self._rendezvous(op, step, tensor, sig, compute)
-        self._end(record, out)
+        out = self._rendezvous(op, step, tensor, sig, compute, sys._getframe(1))
+        if record is not None:
+            self._recorder.end(record, out)
         return out
 
     def _arrive_and_hold(self, op: str, step: int, tensor, sig: tuple, frame) -> Slot:
@@ -117,8 +123,7 @@ class SimTransport(TransportBase):
                     slot.outputs = _shape.compute_on_meta(compute, slot.inputs)
                 else:
                     slot.outputs = compute(slot.inputs)
-                    slot.shared = shared_entries(slot.outputs, owner=self.rank)
-                    copy_small_shared(slot)
+                    copy_small_shared(slot, self.rank)
         except BaseException as error:
             slot.failed = True
             if isinstance(error, Exception):   # the math refused these inputs: every member sees it
@@ -128,19 +133,24 @@ class SimTransport(TransportBase):
             slot.moved = time.perf_counter() - state.clock_zero
             with state.lock:
                 del self.group.slots[step]
+                wake = state.wake_locked
                 for rank in slot.waiting:
-                    state.wake_locked(rank)
+                    wake(rank)
 
-    def _rendezvous(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list]):
-        """A blocking collective: arrive, then wait for the last member or be it."""
+    def _rendezvous(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list],
+                    frame=None):
+        """A blocking collective: arrive, then wait for the last member or be it. ``frame``: the
+        program's frame that called (default: the caller's caller)."""
         state = self.state
-        frame = sys._getframe(2)
+        if frame is None:
+            frame = sys._getframe(2)
         slot = self._arrive_and_hold(op, step, tensor, sig, frame)
         if len(slot.arrived) < self.world_size:
-            slot.waiting.append(self.global_rank)
-            state.release_and_wait(self.global_rank, Wait(op, frame, slot, self.group.ranks, step))
+            me = self.global_rank
+            slot.waiting.append(me)
+            state.release_and_wait(me, Wait(op, frame, slot, self.group.ranks, step))
             if slot.failed:
-                raise failure(slot, self.global_rank)
+                raise failure(slot, me)
             return materialize(slot, self.rank, state)
         state.lock.release()
         self._complete(slot, step, compute)
@@ -173,9 +183,12 @@ class SimTransport(TransportBase):
 
     def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False, *,
                    factor: float | torch.Tensor | None = None):
-        sent, wire = collectives.on_the_wire(tensor, op, factor)   # PREMUL_SUM: premultiplied, summed
-        return self._collective("all_reduce", sent, self._sig(tensor, op=op),
-                                lambda inputs: collectives.all_reduce(inputs, wire), async_op=async_op)
+        # PREMUL_SUM: premultiplied, summed
+        sent, wire = (tensor, op) if op != PREMUL_SUM else collectives.on_the_wire(tensor, op, factor)
+        return self._collective("all_reduce", sent, (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype),
+                                                     ("op", op)),
+                                lambda inputs: collectives.all_reduce(inputs, wire), async_op=async_op,
+                                reduction=op)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False):
         return self._collective("all_gather", tensor, self._sig(tensor, dim=dim),
@@ -185,7 +198,8 @@ class SimTransport(TransportBase):
                        factor: float | torch.Tensor | None = None):
         sent, wire = collectives.on_the_wire(tensor, op, factor)
         return self._collective("reduce_scatter", sent, self._sig(tensor, dim=dim, op=op),
-                                lambda inputs: collectives.reduce_scatter(inputs, dim, wire), async_op=async_op)
+                                lambda inputs: collectives.reduce_scatter(inputs, dim, wire), async_op=async_op,
+                                reduction=op)
 
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False):
         return self._collective("all_to_all", tensor,
@@ -325,7 +339,8 @@ class SimTransport(TransportBase):
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks."""
         sent, wire = collectives.on_the_wire(tensor, op, factor)
         return self._collective("reduce", sent, self._sig(tensor, dst=dst, op=op),
-                                lambda inputs: collectives.reduce_to(inputs, dst, wire), root=dst, async_op=async_op)
+                                lambda inputs: collectives.reduce_to(inputs, dst, wire), root=dst, async_op=async_op,
+                                reduction=op)
 
     def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
                 async_op: bool = False):
