@@ -18,6 +18,8 @@ waits it (:func:`wait_returned`), on both backends, before that check.
 """
 from __future__ import annotations
 
+import sys
+
 from datetime import timedelta
 from typing import Any
 
@@ -118,8 +120,13 @@ def done() -> dist.Work:
 
 def wait_returned(result: Any) -> Any:
     """``result`` with every functional collective's pending result in it waited on (an
-    ``AsyncCollectiveTensor`` becomes the plain tensor it wraps): a returned tensor is used."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    ``AsyncCollectiveTensor`` becomes the plain tensor it wraps): a returned tensor is used.
+    Where the functional collectives were never imported, none can exist: ``result`` is returned
+    as it is (importing them costs tens of milliseconds, once per process)."""
+    functional = sys.modules.get("torch.distributed._functional_collectives")
+    if functional is None:
+        return result
+    AsyncCollectiveTensor = functional.AsyncCollectiveTensor
     from torch.utils._pytree import tree_map_only
 
     return tree_map_only(AsyncCollectiveTensor, lambda tensor: tensor.wait(), result)

@@ -98,6 +98,11 @@ class RunState:
         self.ready: deque[int] = deque()
         self.running = world_size
         self.finished: set[int] = set()
+        #: ranks past the start of rank_finished, under ``exit_lock``: an interrupt raised into a
+        #: rank thread from outside (World's timeout) is decided under that lock, which only a
+        #: finishing rank takes, for a moment, so it never waits behind ranks contending for ``lock``
+        self.exiting: set[int] = set()
+        self.exit_lock = threading.Lock()
         self.error: BaseException | None = None
         self.rank_errors: list[tuple[int, BaseException]] = []
         self.closed = False
@@ -139,6 +144,8 @@ class RunState:
 
     def rank_finished(self, rank: int) -> None:
         """``rank``'s program returned (or unwound): hand the turn on, or end the run."""
+        with self.exit_lock:
+            self.exiting.add(rank)
         with self.lock:
             self.running -= 1
             self.finished.add(rank)

@@ -401,23 +401,24 @@ def _caused_by_abort(error: BaseException | None) -> bool:
 def _interrupt(state: RunState, rank: int, deadline: float) -> None:
     """Raise ``Aborted`` inside rank ``rank``'s thread at its next Python instruction (a
     thread in ``time.sleep``, a lock wait or a C call gets it only when that call returns),
-    unless the rank has finished.
+    unless the rank has begun to finish.
 
-    Decided under the run's lock, so no interrupt is sent to a thread past
-    ``rank_finished`` (it would land in its last lines or in ``threading``'s own).
-    The lock is waited for until ``deadline`` (``time.monotonic()``) at most: a
-    rank interrupted earlier may hold it while it unwinds, and then needs no
-    second interrupt.
+    Decided under the run's ``exit_lock``, which a rank takes as it enters
+    ``rank_finished``, so no interrupt is sent to a thread past that point (it would
+    land in its last lines or in ``threading``'s own). That lock is held for a moment
+    only, by finishing ranks; the run's main lock, which hundreds of unwinding ranks
+    may hold in turn for seconds on a loaded machine, is not waited for. Waited for
+    until ``deadline`` (``time.monotonic()``) at most.
     """
-    if not state.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+    if not state.exit_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
         return
     try:
         thread = state.threads[rank]
-        if rank not in state.finished and thread is not None and thread.is_alive():
+        if rank not in state.exiting and thread is not None and thread.is_alive():
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
                                                        ctypes.py_object(Aborted))
     finally:
-        state.lock.release()
+        state.exit_lock.release()
 
 
 def _stop(threads: list[threading.Thread], state: RunState, *, interrupt_holders: bool) -> str:
