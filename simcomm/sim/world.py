@@ -359,7 +359,7 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
         # shape-only: this thread's own fake mode (simcomm.sim.shape), innermost, for the whole program
         counter = FlopCounter(comm.transport) if state.flop_totals is not None else None
         with (rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE,
-              _shape.FunctionalCollectives() if fake_mode is not None else _NO_MODE,
+              _shape.FunctionalCollectives(fake_mode) if fake_mode is not None else _NO_MODE,
               _memory.track(rank, reports), counter if counter is not None else _NO_MODE,
               CudaAsDevice(state.device) if state.map_cuda else _NO_MODE):
             try:
