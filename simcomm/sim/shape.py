@@ -227,8 +227,10 @@ def _no_fake_mode() -> Iterator[None]:
 def compute_on_meta(compute: Callable[[list], list], inputs: list) -> list:
     """Run a collective's math (``compute``, a list of per-rank inputs in, a list out) on meta
     tensors with the metadata of ``inputs`` (fake tensors of several ranks' modes): the
-    outputs are meta tensors of the shapes and dtypes a real-valued run produces."""
-    with _no_fake_mode(), torch.no_grad():
+    outputs are meta tensors of the shapes and dtypes a real-valued run produces. No dispatch
+    mode sees the math (as no mode of a real process sees its backend's reduction): the rank's
+    own modes would only pass meta tensors on."""
+    with _no_fake_mode(), torch.no_grad(), torch._C._DisableTorchDispatch():
         return compute([_to_meta(entry) for entry in inputs])
 
 
@@ -444,6 +446,13 @@ class FunctionalCollectives(TorchDispatchMode):
     (:func:`simcomm.sim.fake_cache.dispatch`) on its way to that mode; without
     ``fake_mode``, straight on.
     """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo (a few us per op, a
+        # seventh of a shape-only rank's op) unless the mode declines; nothing compiles on a
+        # shape-only rank, and its ops do not go through torch.compile's frames
+        return False
 
     def __init__(self, fake_mode: FakeTensorMode | None = None):
         super().__init__()

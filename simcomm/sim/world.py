@@ -156,16 +156,12 @@ class World:
         if shape_only:
             _check_leaves(args, kwargs)
             _shape.install_device_mesh_values()
-            modes = [_shape.rank_mode() for _ in range(self.world_size)]
-            # immutable arguments are passed as they are, to every rank: not flattened and rebuilt
-            # per rank (a partition of the world as an argument would cost O(world size) per
-            # rank, O(world size**2) for the run)
-            if _immutable((args, tuple(kwargs.values()))):
-                rank_args = [((args, kwargs), mode) for mode in modes]
-            else:
-                rank_args = [(_shape.fake_arguments(args, kwargs, mode, self.device, _own_copy), mode)
-                             for mode in modes]
-            del modes
+            # each rank makes its own fake mode and fake arguments on its own thread, in its first
+            # turn (_run_rank): nothing per rank is built up front, and the mode's record of where
+            # it was made is a short stack. Immutable arguments are passed as they are, to every
+            # rank: not flattened and rebuilt per rank (a partition of the world as an argument
+            # would cost O(world size) per rank, O(world size**2) for the run)
+            rank_args = [((args, kwargs), not _immutable((args, tuple(kwargs.values()))))] * self.world_size
         elif _immutable((args, tuple(kwargs.values()))):
             rank_args = [((args, kwargs), None)] * self.world_size
         else:
@@ -179,7 +175,7 @@ class World:
         threads = [
             threading.Thread(target=_rank_main, name=f"simcomm-rank-{rank}", daemon=True,
                              args=(state, rank, program, *rank_args[rank][0], results, reports,
-                                   rank_args[rank][1]))
+                                   rank_args[rank][1] if shape_only else None))
             for rank in range(self.world_size)]
         del rank_args
         state.random.save_caller()
@@ -338,10 +334,10 @@ def _argument_name(args: tuple, kwargs: dict, index: int) -> str:
 # -- a rank thread -------------------------------------------------------------------------------
 
 def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
-               results: list, reports: list | None, fake_mode=None) -> None:
+               results: list, reports: list | None, fake_arguments: bool | None = None) -> None:
     try:
         try:
-            _run_rank(state, rank, program, args, kwargs, results, reports, fake_mode)
+            _run_rank(state, rank, program, args, kwargs, results, reports, fake_arguments)
         finally:
             state.release_if_held()   # an interrupt that landed while this thread held the lock
     except Aborted:   # raised into this thread while it was already finishing
@@ -349,13 +345,22 @@ def _rank_main(state: RunState, rank: int, program: Callable, args: tuple, kwarg
 
 
 def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs: dict,
-              results: list, reports: list | None, fake_mode=None) -> None:
+              results: list, reports: list | None, fake_arguments: bool | None = None) -> None:
+    """Rank ``rank``'s whole program on its thread. ``fake_arguments``: ``None`` for a
+    real-valued run (``args``/``kwargs`` are the rank's own already); on a shape-only run the
+    rank makes its own fake mode in its first turn, and with ``True`` turns ``args``/``kwargs``
+    into fake tensors of that mode (and copies other mutable objects) first."""
     comm = Communicator(SimTransport(state, state.world, rank))
+    fake_mode = None
     try:
         # backward on this thread, where the scheduler sees its waits (CUDA would use
         # autograd's device threads, shared by every rank); thread-local
         torch.autograd.set_multithreading_enabled(False)
         state.wait_turn(rank)
+        if fake_arguments is not None:
+            fake_mode = _shape.rank_mode()
+            if fake_arguments:
+                args, kwargs = _shape.fake_arguments(args, kwargs, fake_mode, state.device, _own_copy)
         # shape-only: this thread's own fake mode (simcomm.sim.shape), innermost, for the whole program
         counter = FlopCounter(comm.transport) if state.flop_totals is not None else None
         with (rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE,
@@ -363,7 +368,9 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
               _memory.track(rank, reports), counter if counter is not None else _NO_MODE,
               CudaAsDevice(state.device) if state.map_cuda else _NO_MODE):
             try:
-                results[rank] = wait_returned(program(comm, *args, **kwargs))   # returned: used
+                result = program(comm, *args, **kwargs)
+                # returned: used (functional collectives' results waited on)
+                results[rank] = result if _immutable(result) else wait_returned(result)
             finally:
                 if counter is not None:
                     state.flop_totals[rank] = counter.total
