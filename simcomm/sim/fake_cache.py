@@ -60,7 +60,7 @@ import torch
 from torch._subclasses import fake_tensor as _fake
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-__all__ = ["dispatch", "cache_info", "cache_clear"]
+__all__ = ["QUERIES", "dispatch", "cache_info", "cache_clear"]
 
 #: cheap key -> torch's cache entry for it (a ``_DispatchCacheValidEntry``) or ``_UNCACHED``
 _ENTRIES: dict[tuple, Any] = {}
@@ -77,7 +77,8 @@ _dispatch_keys = torch._C._dispatch_keys
 _get_default_device = torch._C._get_default_device
 _get_default_dtype = torch.get_default_dtype
 _inference = torch.is_inference_mode_enabled
-_META_HANDLERS = _fake._DISPATCH_META_HANDLERS
+#: the queries a fake mode answers before its cache, with its own handlers (op -> handler(args))
+QUERIES = _fake._DISPATCH_META_HANDLERS
 
 
 def _add(parts: list, values, mode: FakeTensorMode) -> bool:
@@ -195,7 +196,7 @@ def dispatch(func, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Any:
     shared cache when torch's fake mode would have answered from its own (module docstring).
     Called from the rank's dispatch mode above ``mode``; the result is what the fake mode
     would return."""
-    handler = _META_HANDLERS.get(func)
+    handler = QUERIES.get(func)
     if handler is not None:
         return handler(args)
     if not mode.cache_enabled or mode.cache_crosscheck_enabled:

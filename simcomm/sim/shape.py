@@ -450,8 +450,9 @@ class FunctionalCollectives(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo (a few us per op, a
-        # seventh of a shape-only rank's op) unless the mode declines; nothing compiles on a
-        # shape-only rank, and its ops do not go through torch.compile's frames
+        # seventh of a shape-only rank's time in ops) unless the mode declines. The wrapper only
+        # keeps torch.compile from tracing into this method, and this project compiles nothing on
+        # shape-only ranks
         return False
 
     def __init__(self, fake_mode: FakeTensorMode | None = None):
@@ -459,8 +460,13 @@ class FunctionalCollectives(TorchDispatchMode):
         self.fake_mode = fake_mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        fake_mode = self.fake_mode
+        if fake_mode is not None:
+            query = _fake_cache.QUERIES.get(func)    # prim.device, aten.size, ...: most calls
+            if query is not None:
+                return query(args)
         if func.namespace == "_c10d_functional":
             return _functional(func, args, kwargs or {})
-        if self.fake_mode is not None:
-            return _fake_cache.dispatch(func, args, kwargs or {}, self.fake_mode)
+        if fake_mode is not None:
+            return _fake_cache.dispatch(func, args, kwargs or {}, fake_mode)
         return func(*args, **(kwargs or {}))
