@@ -31,9 +31,11 @@ code is entered at all:
   first sight of a key the op is dispatched to the fake mode as before, torch
   decides whether its result can be cached (its rules: no data-dependent or
   dynamic output shapes, no in-place views, builtin ops only, ...) and stores
-  the entry, which is then filed under the cheap key too. Ops torch does not
-  cache (a bypass) are remembered as such and always dispatched to the fake
-  mode. So this cache holds nothing torch's does not, and answers exactly
+  the entry, which is then filed under the cheap key too. Calls torch does not
+  cache (its negative entry, a "bypass") are remembered as such and computed by
+  the fake mode every time, as torch does after finding its negative entry
+  (``FakeTensorMode._dispatch_impl``, skipping only the lookup that would find
+  it again). So this cache holds nothing torch's does not, and answers exactly
   when torch would have answered from its own.
 * **the output** is built from the entry as torch builds it on a hit: for an
   in-place op the asking rank's own argument; otherwise a new fake tensor of
@@ -65,7 +67,8 @@ __all__ = ["QUERIES", "dispatch", "cache_info", "cache_clear"]
 #: cheap key -> torch's cache entry for it (a ``_DispatchCacheValidEntry``) or ``_UNCACHED``
 _ENTRIES: dict[tuple, Any] = {}
 _UNCACHED = object()
-_COUNTS = {"hits": 0, "misses": 0, "uncached": 0}
+_COMPUTED = object()        # torch's cache has a negative entry: the fake mode computes it each time
+_COUNTS = {"hits": 0, "misses": 0, "uncached": 0, "computed": 0}
 
 #: argument types keyed by their type and value (as torch's key does: 1 and 1.0 differ)
 _PLAIN = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
@@ -173,25 +176,47 @@ def _fake_tensor(mode: FakeTensorMode, elem: torch.Tensor, device: torch.device)
     return tensor
 
 
+class _outside_fake_mode:
+    """The fake mode unset from this thread's dispatch state for a block (as while its own
+    ``__torch_dispatch__`` runs), set again after."""
+
+    __slots__ = ("mode",)
+
+    def __init__(self, mode: FakeTensorMode):
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        torch._C._unset_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+    def __exit__(self, *exc_info) -> None:
+        torch._C._set_dispatch_mode(self.mode)
+
+
 def _learn(key: tuple, func, args, kwargs: dict, mode: FakeTensorMode) -> Any:
     """A first sight of ``key``: dispatch to the fake mode and file torch's entry under ``key``."""
     torch_key = None
     try:
         torch_key = mode._cache_key(_fake._CacheKeyState(mode.shape_env), func, args, kwargs)
     except _fake._BypassDispatchCache:
-        pass
+        bypass = True                # torch cannot even key this call: it computes it every time
+    else:
+        bypass = False
     output = func(*args, **kwargs)
     entry = FakeTensorMode.cache.get(torch_key) if torch_key is not None else None
     if isinstance(entry, _fake._DispatchCacheValidEntry):
         _ENTRIES[key] = entry
         _COUNTS["misses"] += 1
     else:
-        _ENTRIES[key] = _UNCACHED
+        # torch's negative entry (an op or output it does not cache), or no key at all: such a
+        # call is computed by the fake mode each time, and may skip its cache lookup; anything
+        # else (an op the fake mode answers before its cache) takes the whole way each time
+        negative = bypass or isinstance(entry, _fake._DispatchCacheBypassEntry)
+        _ENTRIES[key] = _COMPUTED if negative and func not in _fake._DISPATCH_HANDLE_DIRECTLY else _UNCACHED
         _COUNTS["uncached"] += 1
     return output
 
 
-def dispatch(func, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Any:
+def dispatch(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Any:
     """``func(*args, **kwargs)`` on the rank whose fake mode is ``mode``, answered from the
     shared cache when torch's fake mode would have answered from its own (module docstring).
     Called from the rank's dispatch mode above ``mode``; the result is what the fake mode
@@ -208,6 +233,12 @@ def dispatch(func, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Any:
     entry = _ENTRIES.get(key)
     if entry is None:
         return _learn(key, func, args, kwargs, mode)
+    if entry is _COMPUTED:
+        # what the fake mode does after finding torch's negative entry (its __torch_dispatch__
+        # runs with the fake mode unset, as here): without building torch's key again first
+        _COUNTS["computed"] += 1
+        with _outside_fake_mode(mode):
+            return mode._dispatch_impl(func, types, args, kwargs)
     if entry is _UNCACHED:
         _COUNTS["uncached"] += 1
         return func(*args, **kwargs)
@@ -218,7 +249,9 @@ def dispatch(func, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Any:
 def cache_info() -> dict[str, int]:
     """This process's counts since it started or since :func:`cache_clear`: ``hits`` (answered
     here), ``misses`` (first sights, answered by the fake mode and filed), ``uncached``
-    (answered by the fake mode: ops or arguments torch does not cache) and ``entries``."""
+    (answered by the fake mode: ops or arguments torch does not cache), ``computed`` (ops
+    torch's cache holds a negative entry for, computed by the fake mode without its cache
+    lookup) and ``entries``."""
     return {**_COUNTS, "entries": len(_ENTRIES)}
 
 

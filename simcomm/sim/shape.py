@@ -147,10 +147,13 @@ def dispatch_cache_info() -> dict[str, Any]:
     first), ``misses``, ``bypasses`` (ops torch does not cache, by reason), ``entries`` and
     ``hit_rate`` (hits over every dispatch that consulted a cache, bypassed ones included)."""
     info = FakeTensorMode.cache_info()
-    shared = _fake_cache.cache_info()["hits"]
-    hits = info.hits + shared
-    consulted = hits + info.misses + sum(info.bypasses.values())
-    return {"hits": hits, "shared_hits": shared, "misses": info.misses, "bypasses": dict(info.bypasses),
+    front = _fake_cache.cache_info()
+    hits = info.hits + front["hits"]
+    bypasses = dict(info.bypasses)
+    if front["computed"]:       # torch's negative entries, not looked up again (simcomm.sim.fake_cache)
+        bypasses["negative entry (not looked up again)"] = front["computed"]
+    consulted = hits + info.misses + sum(bypasses.values())
+    return {"hits": hits, "shared_hits": front["hits"], "misses": info.misses, "bypasses": bypasses,
             "entries": info.size, "hit_rate": hits / consulted if consulted else 0.0}
 
 
@@ -468,5 +471,5 @@ class FunctionalCollectives(TorchDispatchMode):
         if func.namespace == "_c10d_functional":
             return _functional(func, args, kwargs or {})
         if fake_mode is not None:
-            return _fake_cache.dispatch(func, args, kwargs or {}, fake_mode)
+            return _fake_cache.dispatch(func, types, args, kwargs or {}, fake_mode)
         return func(*args, **(kwargs or {}))
