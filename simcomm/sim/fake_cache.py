@@ -64,7 +64,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 __all__ = ["QUERIES", "dispatch", "cache_info", "cache_clear"]
 
-#: cheap key -> torch's cache entry for it (a ``_DispatchCacheValidEntry``) or ``_UNCACHED``
+#: cheap key -> torch's cache entry for it (a ``_DispatchCacheValidEntry``), ``_COMPUTED`` or ``_UNCACHED``
 _ENTRIES: dict[tuple, Any] = {}
 _UNCACHED = object()
 _COMPUTED = object()        # torch's cache has a negative entry: the fake mode computes it each time
@@ -110,6 +110,7 @@ def _add(parts: list, values, mode: FakeTensorMode) -> bool:
 
 
 def _key(func, args, kwargs: dict, mode: FakeTensorMode) -> tuple | None:
+    """The cheap key of one call (module docstring); ``None`` when an argument cannot be keyed."""
     parts = [func, _get_default_dtype(), _get_default_device(), _inference(), _get_dispatch_mode(_PROXY) is None]
     if not _add(parts, args, mode):
         return None
@@ -123,6 +124,9 @@ def _key(func, args, kwargs: dict, mode: FakeTensorMode) -> tuple | None:
 
 
 def _build(entry, func, args, mode: FakeTensorMode) -> Any:
+    """The outputs of a hit for the rank of ``mode``, built from torch's ``entry`` as torch's
+    ``_get_output_tensor_from_cache_entry`` builds them (a mode without a shape environment,
+    so no symbolic sizes)."""
     outputs = []
     for info in entry.output_infos:
         metadata = info.metadata
@@ -157,7 +161,7 @@ def _fake_tensor(mode: FakeTensorMode, elem: torch.Tensor, device: torch.device)
     without the constructor's argument handling: the same subclass wrapper
     (``Tensor._make_subclass`` with the fake device's dispatch keys), the same warning or refusal on
     ``data_ptr``, and the instance attributes the constructor sets, copied from a tensor it
-    built (``tests/test_fake_cache.py`` compares the two)."""
+    built (``tests/test_sim_fake_cache.py`` compares the two)."""
     template = _TEMPLATES.get(device)
     if template is None or _fake.FakeTensorConfig.debug:
         tensor = FakeTensor(mode, elem, device)
