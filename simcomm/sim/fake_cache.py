@@ -182,18 +182,20 @@ def _fake_tensor(mode: FakeTensorMode, elem: torch.Tensor, device: torch.device)
 
 class _outside_fake_mode:
     """The fake mode unset from this thread's dispatch state for a block (as while its own
-    ``__torch_dispatch__`` runs), set again after."""
+    ``__torch_dispatch__`` runs), set again after. :func:`dispatch` is called only while
+    ``mode`` is the thread's fake mode."""
 
-    __slots__ = ("mode",)
+    __slots__ = ("mode", "previous")
 
     def __init__(self, mode: FakeTensorMode):
         self.mode = mode
 
     def __enter__(self) -> None:
-        torch._C._unset_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        self.previous = torch._C._unset_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
     def __exit__(self, *exc_info) -> None:
-        torch._C._set_dispatch_mode(self.mode)
+        if self.previous is not None:
+            torch._C._set_dispatch_mode(self.previous)
 
 
 def _learn(key: tuple, func, args, kwargs: dict, mode: FakeTensorMode) -> Any:
@@ -223,8 +225,8 @@ def _learn(key: tuple, func, args, kwargs: dict, mode: FakeTensorMode) -> Any:
 def dispatch(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Any:
     """``func(*args, **kwargs)`` on the rank whose fake mode is ``mode``, answered from the
     shared cache when torch's fake mode would have answered from its own (module docstring).
-    Called from the rank's dispatch mode above ``mode``; the result is what the fake mode
-    would return."""
+    Called from the rank's dispatch mode above ``mode``, while ``mode`` is the thread's fake
+    mode; the result is what the fake mode would return."""
     handler = QUERIES.get(func)
     if handler is not None:
         return handler(args)

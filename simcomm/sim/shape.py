@@ -439,6 +439,10 @@ def _functional(func, args: tuple, kwargs: dict):
                          f"use the torch.distributed call it stands for")
 
 
+_get_fake_mode = torch._C._get_dispatch_mode
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
 class FunctionalCollectives(TorchDispatchMode):
     """Runs torch's functional collectives (``torch.ops._c10d_functional``, what DTensor and
     ``torch.distributed._functional_collectives`` call) on the rank's process group.
@@ -446,8 +450,9 @@ class FunctionalCollectives(TorchDispatchMode):
     Under a fake mode those ops would otherwise get their fake kernels: an output of the
     right shape, no communication, nothing traced. Pushed above the rank's fake mode
     ``fake_mode``, every other op goes through the ranks' shared dispatch cache
-    (:func:`simcomm.sim.fake_cache.dispatch`) on its way to that mode; without
-    ``fake_mode``, straight on.
+    (:func:`simcomm.sim.fake_cache.dispatch`) on its way to that mode, while that mode is
+    the thread's fake mode; otherwise (no ``fake_mode``, or another fake mode set, or none)
+    straight on.
     """
 
     @classmethod
@@ -464,6 +469,9 @@ class FunctionalCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         fake_mode = self.fake_mode
+        if fake_mode is not None and _get_fake_mode(_FAKE_KEY) is not fake_mode:
+            fake_mode = None           # another fake mode, or none, is set (the program's own, or
+            #                            DeviceMesh's bookkeeping outside it): torch decides
         if fake_mode is not None:
             query = _fake_cache.QUERIES.get(func)    # prim.device, aten.size, ...: most calls
             if query is not None:
