@@ -268,3 +268,20 @@ def test_immutable_arguments_reach_every_rank_as_they_are(tensors):
     outs = simcomm.World(8, tensors=tensors).run(lambda comm, parts: (id(parts), comm.subgroup(parts).ranks), parts)
     assert {out[0] for out in outs} == {id(parts)}
     assert [tuple(out[1]) for out in outs] == [parts[rank // 2] for rank in range(8)]
+
+
+@pytest.mark.parametrize("tensors", ["real", "shape"])
+def test_full_garbage_collections_wait_while_ranks_run_and_the_thresholds_come_back(tensors):
+    import gc
+
+    before = gc.get_threshold()
+    seen = simcomm.World(4, tensors=tensors).run(lambda comm: gc.get_threshold())
+    assert all(threshold[:2] == before[:2] and threshold[2] >= 10**6 for threshold in seen)
+    assert gc.get_threshold() == before
+
+    def failing(comm):
+        raise RuntimeError(f"rank {comm.rank} fails")
+
+    with pytest.raises(simcomm.errors.RankError):
+        simcomm.World(4, tensors=tensors).run(failing)
+    assert gc.get_threshold() == before
