@@ -117,6 +117,12 @@ class World:
         * autograd's backward runs on the rank's own thread
           (``torch.autograd.set_multithreading_enabled(False)``), on any device.
 
+        While the ranks run, Python's full garbage collections wait (the oldest
+        generation's threshold is raised to :data:`DEFERRED_FULL_COLLECTIONS`; the
+        young generations collect as usual; ``gc.get_threshold()`` shows it): thousands
+        of live ranks made each full collection walk all of them. The thresholds are
+        set back when the run ends.
+
         With ``World(n, tensors="shape")`` every rank runs under a fake tensor
         mode of its own (:mod:`simcomm.sim.shape`): tensor arguments (and modules'
         parameters) arrive as fake tensors, tensors the program creates are
