@@ -17,11 +17,13 @@ Each measurement runs in its own fresh Python process with ``torch.set_num_threa
 
     python benchmarks/scale.py                         # all three (a few minutes on 2 cores)
     python benchmarks/scale.py --only ratio --rounds 5
+    python benchmarks/scale.py --only 3d dp --before ../main   # beside another checkout, same run
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,7 +54,7 @@ if warm:                     # imports and torch's caches warmed by one run firs
 start, cpu = time.perf_counter(), time.process_time()
 world.run(program, *args)
 seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-from simcomm.sim.shape import dispatch_cache_info
+from simcomm.sim.shape import dispatch_cache_info    # both caches, where the checkout has two
 print(json.dumps({"seconds": seconds, "cpu": cpu, "events": len(world.trace), "hit_rate": dispatch_cache_info()["hit_rate"],
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -63,13 +65,16 @@ MEDIUM = {"hidden": 512, "heads": 8, "seq": 512, "dtype": "float32"}
 
 
 def measure(kind: str, ranks: int, tensors: str, layout: dict | None = None, block: dict | None = None,
-            warm: bool = False, timeout: float = 900) -> dict:
+            warm: bool = False, timeout: float = 900, checkout: str | None = None) -> dict:
     """One run in a fresh process (after a warm-up run of the same program if ``warm``):
     seconds, trace events and peak resident bytes. ``layout``: the sizes of the 3-D step's
-    ``Layout`` by name (``{"tp": 2, "pp": 2, "dp": 4}``)."""
+    ``Layout`` by name (``{"tp": 2, "pp": 2, "dp": 4}``). ``checkout``: import simcomm from that
+    folder (another checkout) instead of this one."""
+    root = os.path.abspath(checkout or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", _CHILD,
                           json.dumps([kind, ranks, tensors, layout or {"dp": ranks}, block or {}, warm])],
-                         check=True, capture_output=True, text=True, timeout=timeout)
+                         check=True, capture_output=True, text=True, timeout=timeout, cwd=root, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -79,20 +84,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", type=int, nargs=3, default=[8, 4, 32], metavar=("TP", "PP", "DP"))
     parser.add_argument("--dp-ranks", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the shape-only vs real ratio")
+    parser.add_argument("--before", metavar="CHECKOUT",
+                        help="also run 3d and dp with simcomm imported from this folder (the code before a change)")
     args = parser.parse_args(argv)
     out = sys.stdout.write
-    out("measurement                                      ranks  seconds  CPU s  events  peak RSS  fake dispatch hits\n")
+    sides = [("before", args.before), ("this", None)] if args.before else [("this", None)]
+    out("code    measurement                                        ranks  seconds  CPU s  events  peak RSS  "
+        "fake dispatch hits\n")
+    cpu: dict[tuple[str, str], float] = {}
     if "3d" in args.only:
         tp, pp, dp = args.layout
-        result = measure("3d", tp * pp * dp, "shape", {"tp": tp, "pp": pp, "dp": dp}, GPT2_MEDIUM)
-        out(f"3-D step {tp}x{pp}x{dp}, GPT-2-medium block, shape-only  {tp * pp * dp:5d}  "
-            f"{result['seconds']:7.1f}  {result['cpu']:5.1f}  {result['events']:6d}  {result['peak_rss'] / 2**30:.2f} GiB  "
-            f"{result['hit_rate']:.1%}\n")
+        for side, checkout in sides:
+            result = measure("3d", tp * pp * dp, "shape", {"tp": tp, "pp": pp, "dp": dp}, GPT2_MEDIUM,
+                             checkout=checkout)
+            cpu["3d", side] = result["cpu"]
+            out(f"{side:6s}  3-D step {tp}x{pp}x{dp}, GPT-2-medium block, shape-only    {tp * pp * dp:5d}  "
+                f"{result['seconds']:7.1f}  {result['cpu']:5.1f}  {result['events']:6d}  "
+                f"{result['peak_rss'] / 2**30:.2f} GiB  {result['hit_rate']:.1%}\n")
     if "dp" in args.only:
-        result = measure("dp", args.dp_ranks, "shape")
-        out(f"DP all-reduce step (1024 x 1024 weight), shape-only {args.dp_ranks:5d}  "
-            f"{result['seconds']:7.1f}  {result['cpu']:5.1f}  {result['events']:6d}  {result['peak_rss'] / 2**30:.2f} GiB  "
-            f"{result['hit_rate']:.1%}\n")
+        for side, checkout in sides:
+            result = measure("dp", args.dp_ranks, "shape", checkout=checkout)
+            cpu["dp", side] = result["cpu"]
+            out(f"{side:6s}  DP all-reduce step (1024 x 1024 weight), shape-only  {args.dp_ranks:5d}  "
+                f"{result['seconds']:7.1f}  {result['cpu']:5.1f}  {result['events']:6d}  "
+                f"{result['peak_rss'] / 2**30:.2f} GiB  {result['hit_rate']:.1%}\n")
+    for kind in ("3d", "dp"):
+        if (kind, "before") in cpu and (kind, "this") in cpu:
+            out(f"{kind}: CPU this / before = {cpu[kind, 'this'] / cpu[kind, 'before']:.2f}\n")
     if "ratio" in args.only:
         for name, block in (("hidden 128, seq 64", SMALL), ("hidden 512, seq 512", MEDIUM)):
             shape, real = [], []

@@ -123,11 +123,15 @@ preset = PRESETS["h100-ndr-cluster"]          # as many of its nodes as the run 
 timeline = modelled_timeline(world.trace, dataclasses.replace(preset, nodes=tp * pp * dp // preset.gpus_per_node))
 step_s = max(end for _event, _start, end in timeline)
 times["cost"] = (time.perf_counter() - wall, time.process_time() - cpu)
-from torch._subclasses.fake_tensor import FakeTensorMode
-cache = FakeTensorMode.cache_info()       # the class-level cache every rank's mode consults
-consulted = cache.hits + cache.misses + sum(cache.bypasses.values())
+try:                                      # the caches every rank's mode consults
+    from simcomm.sim.shape import dispatch_cache_info
+    hit_rate = dispatch_cache_info()["hit_rate"]
+except ImportError:                       # a checkout from before it
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cache = FakeTensorMode.cache_info()
+    hit_rate = cache.hits / max(cache.hits + cache.misses + sum(cache.bypasses.values()), 1)
 print(json.dumps({"times": times, "events": len(world.trace), "modelled_step_s": step_s,
-                  "hit_rate": cache.hits / max(consulted, 1),
+                  "hit_rate": hit_rate,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 

@@ -239,17 +239,16 @@ def _aliasing_program(comm):
 
 
 def test_ranks_share_the_fake_dispatch_cache_and_get_tensors_of_their_own():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     info = {}
     for world_size in (1, 2, 8):
-        FakeTensorMode.cache_clear()
+        simcomm.sim.shape.dispatch_cache_clear()
         outs = simcomm.World(world_size, tensors="shape").run(_aliasing_program)
         info[world_size] = simcomm.sim.shape.dispatch_cache_info()
     assert info[1]["misses"] > 0 and info[1]["hits"] == 0
     # every rank after the first adds hits only, the same number each: they dispatch what it cached
     assert info[8]["misses"] == info[2]["misses"] == info[1]["misses"]
     assert info[8]["hits"] == 7 * info[2]["hits"] > 0
+    assert info[8]["shared_hits"] > 0.8 * info[8]["hits"]     # most answered in front of torch's cache
     assert info[8]["hit_rate"] > 0.8
     real = simcomm.World(8).run(_aliasing_program)
     for rank, out in enumerate(outs):
@@ -269,3 +268,20 @@ def test_immutable_arguments_reach_every_rank_as_they_are(tensors):
     outs = simcomm.World(8, tensors=tensors).run(lambda comm, parts: (id(parts), comm.subgroup(parts).ranks), parts)
     assert {out[0] for out in outs} == {id(parts)}
     assert [tuple(out[1]) for out in outs] == [parts[rank // 2] for rank in range(8)]
+
+
+@pytest.mark.parametrize("tensors", ["real", "shape"])
+def test_full_garbage_collections_wait_while_ranks_run_and_the_thresholds_come_back(tensors):
+    import gc
+
+    before = gc.get_threshold()
+    seen = simcomm.World(4, tensors=tensors).run(lambda comm: gc.get_threshold())
+    assert all(threshold[:2] == before[:2] and threshold[2] >= 10**6 for threshold in seen)
+    assert gc.get_threshold() == before
+
+    def failing(comm):
+        raise RuntimeError(f"rank {comm.rank} fails")
+
+    with pytest.raises(simcomm.errors.RankError):
+        simcomm.World(4, tensors=tensors).run(failing)
+    assert gc.get_threshold() == before

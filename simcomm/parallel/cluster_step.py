@@ -33,6 +33,7 @@ reference values; what it is for is the trace and the memory at scale.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from ..communicator import Communicator
 from .mesh import Layout
 
-__all__ = ["Block", "step"]
+__all__ = ["Block", "partition", "step"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,16 @@ def _flops(block: Block, tp: int) -> float:
     return matmuls + attention
 
 
+@functools.lru_cache(maxsize=64)
+def partition(layout: Layout, dim: str) -> tuple[tuple[int, ...], ...]:
+    """``layout.groups(dim)`` as tuples, computed once per process for every rank that asks
+    (``Layout.groups`` walks every rank: ``O(world size)`` for each rank that calls it, so
+    ``O(world size**2)`` for a run if each rank built its own). A ``Layout`` is immutable and
+    the tuples cannot change, so every rank can pass the same object to ``comm.subgroup``, as a
+    process computes its partition once."""
+    return tuple(tuple(group) for group in layout.groups(dim))
+
+
 def step(comm: Communicator, layout: Layout, block: Block = Block()) -> dict[str, torch.Size]:
     """One training step of the 3-D parallel stack (module docstring) on ``layout`` (a
     :class:`~simcomm.parallel.mesh.Layout` of pp, dp and tp); returns this rank's gradient shapes by
@@ -107,9 +118,9 @@ def step(comm: Communicator, layout: Layout, block: Block = Block()) -> dict[str
     if block.heads % layout.tp or block.hidden % block.heads:
         raise ValueError(f"cluster_step.step: heads={block.heads} must divide by tp={layout.tp} and "
                          f"hidden={block.hidden} by heads")
-    tensor = comm.subgroup(layout.groups("tp"))
-    pipeline = comm.subgroup(layout.groups("pp"))
-    data = comm.subgroup(layout.groups("dp"))
+    tensor = comm.subgroup(partition(layout, "tp"))
+    pipeline = comm.subgroup(partition(layout, "pp"))
+    data = comm.subgroup(partition(layout, "dp"))
     stage = layout.coordinate(comm.rank, "pp")
     first, last = stage == 0, stage == layout.pp - 1
     stack = [_parameters(block, layout.tp) for _ in range(block.layers)]

@@ -12,7 +12,8 @@ The call chain of one collective on a virtual rank::
 the deadlock and timeout reports, ``rank_random.py`` each rank's own torch
 generators, ``process_state.py`` the rest of what each process has to itself
 (Python's and NumPy's random state, ``sys.argv``, ``__main__``, environment
-variables), and ``shape.py`` shape-only ranks (fake tensors).
+variables), ``shape.py`` shape-only ranks (fake tensors) and ``fake_cache.py`` the
+dispatch cache they share.
 """
 from .scheduler import Aborted, RunState
 from .transport import SimTransport
