@@ -189,7 +189,8 @@ class World:
         timed_out = None
         answers = cuda_answers(self.world_size) if self.map_cuda else _NO_MODE
         answers.__enter__()
-        collections = _FullCollectionsDeferred()
+        # shape-only runs only: a real-valued program sees the thresholds a process has
+        collections = _FullCollectionsDeferred(active=shape_only)
         try:
             collections.__enter__()
             for thread in threads:
@@ -430,12 +431,19 @@ class _FullCollectionsDeferred:
     of 30 s). Garbage is still freed by reference counting and the young collections; cycles
     that outlive both wait for the first full collection after the run. The previous
     thresholds are set again when the run ends, unless the program changed them meanwhile.
+
+    Only in shape-only runs (``active``): there no tensor holds values and the run plans,
+    while a real-valued program's ``gc.get_threshold()`` and the moments its cycles are
+    freed must be those of a process.
     """
 
-    def __init__(self):
+    def __init__(self, active: bool = True):
         self.saved: tuple[int, ...] | None = None
+        self.active = active
 
     def __enter__(self) -> None:
+        if not self.active:
+            return
         first, second, third = gc.get_threshold()
         self.saved = (first, second, third)
         self.deferred = (first, second, max(third, DEFERRED_FULL_COLLECTIONS))
