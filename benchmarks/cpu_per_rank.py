@@ -44,7 +44,8 @@ import sys
 import threading
 import time
 
-import threaded_pg   # a sibling module: this file runs as a script
+import fsdp_step     # sibling modules: this file runs as a script
+import threaded_pg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDES = ("ring", "rendezvous", "comm", "dist", "threaded")
@@ -143,14 +144,7 @@ def _dist_program(comm, calls: int) -> None:
         dist.all_reduce(x)             # in place
 
 
-_WORLDS: dict = {}
-
-
-def _world(world_size: int):
-    import simcomm
-    if world_size not in _WORLDS:
-        _WORLDS[world_size] = simcomm.World(world_size)
-    return _WORLDS[world_size]
+_world = fsdp_step.world   # one World per world size for the process
 
 
 def comm_run(world_size: int, calls: int) -> None:
@@ -167,27 +161,9 @@ def threaded_run(world_size: int, calls: int) -> None:
 
 # -- FSDP2: one forward+backward on 4 ranks ---------------------------------------------------
 
-FSDP_RANKS, FSDP_HIDDEN, FSDP_BATCH = 4, 1024, 8
-
-
-def _mlp():
-    import torch
-    import torch.nn as nn
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(FSDP_HIDDEN, FSDP_HIDDEN) for _ in range(4)])
-
-
-def _fsdp_program(comm, steps: int) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    model = _mlp()
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    x = torch.randn(FSDP_BATCH, FSDP_HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank()))
-    for _ in range(steps):
-        model(x).sum().backward()
+# the program of benchmarks/fsdp_step.py (a sibling module), which also runs it on more sides
+FSDP_RANKS, FSDP_HIDDEN, FSDP_BATCH = fsdp_step.RANKS, fsdp_step.HIDDEN, fsdp_step.BATCH
+_mlp, _fsdp_program = fsdp_step.mlp, fsdp_step.fsdp_program
 
 
 def fsdp_run(world_size: int, steps: int) -> None:

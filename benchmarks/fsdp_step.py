@@ -40,7 +40,8 @@ LABELS = {"virtual": "virtual ranks (4)", "threaded": "threaded process group (4
           "floor_threaded": f"FSDP2 on 1 threaded rank, {RANKS} steps"}
 
 
-def _mlp():
+def mlp():
+    """The model of every side: 4 x ``Linear(HIDDEN)``, seeded."""
     import torch
     import torch.nn as nn
     torch.manual_seed(0)
@@ -52,7 +53,7 @@ def fsdp_program(comm, steps: int) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    model = _mlp()
+    model = mlp()
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
@@ -64,7 +65,8 @@ def fsdp_program(comm, steps: int) -> None:
 _WORLDS: dict = {}
 
 
-def _world(world_size: int):
+def world(world_size: int):
+    """One ``simcomm.World`` per world size for the whole process (runs reuse it)."""
     import simcomm
     if world_size not in _WORLDS:
         _WORLDS[world_size] = simcomm.World(world_size)
@@ -74,16 +76,16 @@ def _world(world_size: int):
 def run_side(side: str, steps: int) -> None:
     """Run ``steps`` steps of ``side`` (a step of the 4-rank program, or its 4-step equivalent)."""
     if side == "virtual":
-        _world(RANKS).run(fsdp_program, steps)
+        world(RANKS).run(fsdp_program, steps)
     elif side == "threaded":
         threaded_pg.run(RANKS, fsdp_program, steps)
     elif side == "floor":
-        _world(1).run(fsdp_program, steps * RANKS)
+        world(1).run(fsdp_program, steps * RANKS)
     elif side == "floor_threaded":
         threaded_pg.run(1, fsdp_program, steps * RANKS)
     elif side == "single":
         import torch
-        model = _mlp()
+        model = mlp()
         x = torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(0))
         for _ in range(steps * RANKS):
             model(x).sum().backward()
