@@ -124,21 +124,6 @@ def test_subgroups_follow_new_group_and_new_subgroups():
     assert groups == {(1, 3), (0, 1), (2, 3)}
 
 
-def test_groups_made_by_their_members_alone_meet_although_torch_names_them_apart():
-    """new_group([0, 1]), then new_group([1, 2], use_local_synchronization=True) twice: the
-    members' c10d names differ (torch hashes each rank's group count), the groups do not."""
-    world = simcomm.World(WORLD)
-    outs = world.run(progs.local_groups_program)
-    want = progs.local_groups_reference()
-    for got, expected in zip(outs, want, strict=True):
-        assert got.keys() == expected.keys()
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
-    reduces = [e for e in world.trace if e.op == "all_reduce"]
-    assert sorted((e.rank, e.group, e.step) for e in reduces) == [
-        (1, (1, 2), 0), (1, (1, 2), 0), (2, (1, 2), 0), (2, (1, 2), 0)]
-
-
 def test_functional_collectives_run_on_the_simulator():
     import torch.distributed._functional_collectives as funcol
 

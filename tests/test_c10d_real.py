@@ -113,12 +113,3 @@ def test_a_0d_tensor_on_gloo_is_what_the_simulator_gives_and_traced_as_shape_0d(
         for name in want:
             assert got[name].shape == () and torch.equal(got[name], want[name]), name
     assert {(e.op, e.shape) for e in cluster.trace.events} == {("all_reduce", ()), ("broadcast", ()), ("reduce", ())}
-
-
-def test_groups_made_by_their_members_alone_agree_with_the_simulator(cluster):
-    """new_group([0, 1]) then new_group([1, 2], use_local_synchronization=True): the members'
-    c10d names for the group differ on both backends; the group works on both."""
-    real_outs = cluster.run(progs.local_groups_program)
-    sim_outs = simcomm.World(WORLD).run(progs.local_groups_program)
-    _same(real_outs, sim_outs)
-    _same(real_outs, progs.local_groups_reference())

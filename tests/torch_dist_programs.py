@@ -436,31 +436,3 @@ def zero_d_reference(world: int = WORLD) -> list[dict[str, torch.Tensor]]:
     total = sum(values)
     return [{"all_reduce": total, "broadcast": values[2], "reduce": total if rank == 1 else values[rank]}
             for rank in range(world)]
-
-
-def local_groups_program(comm) -> dict[str, torch.Tensor]:
-    """A world-synchronised ``new_group([0, 1])``, then two groups of ranks 1 and 2 made by those
-    two alone (``use_local_synchronization=True``), each all-reducing its members' inputs.
-
-    torch names a locally synchronised group by a hash of its ranks and of how many groups the
-    calling rank knows: 2 on rank 1 (the world and [0, 1]), 1 on rank 2, so the two members give
-    the same group different names; the group must still be one group of both."""
-    rank = dist.get_rank()
-    dist.new_group([0, 1])
-    if rank not in (1, 2):
-        return {}
-    first = dist.new_group([1, 2], use_local_synchronization=True)
-    second = dist.new_group([1, 2], use_local_synchronization=True)
-    a, b = rank_input(rank), rank_input(10 + rank)
-    dist.all_reduce(a, group=first)
-    dist.all_reduce(b, group=second, op=dist.ReduceOp.MAX)
-    return {"first": a, "second": b, "group_rank": torch.tensor(dist.get_rank(first)),
-            "group_size": torch.tensor(dist.get_world_size(second))}
-
-
-def local_groups_reference(world: int = WORLD) -> list[dict[str, torch.Tensor]]:
-    """One device: ranks 1 and 2 hold the sum of their inputs and the maximum of the second ones."""
-    both = {"first": rank_input(1) + rank_input(2), "second": torch.maximum(rank_input(11), rank_input(12))}
-    return [{} if rank not in (1, 2) else
-            {**both, "group_rank": torch.tensor(rank - 1), "group_size": torch.tensor(2)}
-            for rank in range(world)]

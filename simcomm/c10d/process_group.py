@@ -148,10 +148,9 @@ class SimcommProcessGroup(dist.ProcessGroup):
         return type(self)(transport)
 
     def _local_subgroup(self, ranks: list[int], name: str) -> SimcommProcessGroup:
-        """The process group of ``ranks`` made by its members only (``use_local_synchronization``;
-        ``name`` is c10d's, which may differ between the members: see
-        :meth:`~simcomm.c10d.rank_state._RankContext.local_transport`)."""
-        return type(self)(current_context().local_transport(ranks))
+        """The process group of ``ranks`` made by its members only (``use_local_synchronization``)."""
+        transport = current_context().transport_for(ranks, ranks.index(self.transport.global_rank), name)
+        return type(self)(transport)
 
     def abort(self) -> None:
         return None

@@ -171,13 +171,11 @@ def _groups_of(state: RunState) -> _RunGroups:
 class _RankContext:
     """What one rank thread needs to build its process groups on first use."""
 
-    __slots__ = ("transport", "world", "local_groups")
+    __slots__ = ("transport", "world")
 
     def __init__(self, transport: SimTransport):
         self.transport = transport
         self.world: _RankWorld | None = None
-        #: how many groups of each set of global ranks this rank made with use_local_synchronization
-        self.local_groups: dict[tuple[int, ...], int] = {}
 
     @property
     def state(self) -> RunState:
@@ -215,34 +213,18 @@ class _RankContext:
         finally:
             sys.excepthook, c10d._backend, c10d._default_pg_init_method = saved
 
-    def transport_for(self, global_ranks: list[int], group_rank: int, key: Any) -> SimTransport:
+    def transport_for(self, global_ranks: list[int], group_rank: int, group_name: str) -> SimTransport:
         """The simulator transport of this rank in the c10d group of ``global_ranks``
         (``[]``: the default group, which shares the communicator's transport, so
-        ``comm.*`` and ``dist.*`` calls on the world are one sequence as on real processes).
-        ``key`` tells apart groups of the same ranks; every member must pass the same one."""
+        ``comm.*`` and ``dist.*`` calls on the world are one sequence as on real processes)."""
         if not global_ranks:
             return self.transport
         ranks = tuple(global_ranks)
-        group = _groups_of(self.state).group((key, ranks), ranks)
+        group = _groups_of(self.state).group((group_name, ranks), ranks)
         # the rank's pending handles and trace recorder are shared by all its groups: a Work
         # of any group never waited on is reported when the program returns
         return SimTransport(self.state, group, group_rank, self.transport.pending,
                             self.transport.recorder)
-
-    def local_transport(self, global_ranks: list[int]) -> SimTransport:
-        """This rank's transport in a group that only its members create
-        (``dist.new_group(ranks, use_local_synchronization=True)``).
-
-        The n-th such group of these ranks on this rank is the n-th on every member, as
-        on real workers (:class:`real.transport.GroupCache` counts them the same way).
-        c10d's own name for the group cannot tell: it hashes the ranks with the number
-        of groups *this* rank knows, which differs between members that belong to
-        different other groups (ranks 1 and 2 after ``new_group([0, 1])``)."""
-        ranks = tuple(global_ranks)
-        ordinal = self.local_groups.get(ranks, 0)
-        self.local_groups[ranks] = ordinal + 1
-        return self.transport_for(list(ranks), ranks.index(self.transport.global_rank),
-                                  ("use_local_synchronization", ordinal))
 
     def close(self) -> None:
         global _active, _multithreading_ctx
