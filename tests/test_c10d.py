@@ -340,7 +340,11 @@ def test_coalesced_variants():
     assert [op for _, op, _ in world.trace.ops()] == ["all_gather"] * 2 + ["reduce_scatter"] * 2 + ["all_reduce"] * 2
 
 
-def test_a_group_of_another_backend_is_refused_not_hung():
+@pytest.mark.parametrize("barrier", [None, "1"], ids=["default", "TORCH_DIST_INIT_BARRIER=1"])
+def test_a_group_of_another_backend_is_refused_not_hung(monkeypatch, barrier):
+    if barrier is not None:
+        monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", barrier)
+
     def program(comm):
         dist.new_group([0, 1], backend="gloo")
 

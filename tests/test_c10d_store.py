@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import simcomm
-from simcomm import DeadlockError, RankError
+from simcomm import DeadlockError
 
 WORLD = 4
 
@@ -171,18 +171,6 @@ def test_init_barrier_after_destroy_and_init_again(monkeypatch):
     want = torch.tensor([sum(range(1, WORLD + 1))], dtype=torch.float64)
     for out in simcomm.World(WORLD).run(program, timeout=60):
         torch.testing.assert_close(out, want, rtol=0, atol=0)
-
-
-def test_a_group_of_another_backend_is_still_refused_with_the_barrier(monkeypatch):
-    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
-
-    def program(comm):
-        dist.new_group([0, 1], backend="gloo")
-
-    with pytest.raises(RankError) as info:
-        simcomm.World(2).run(program, timeout=60)
-    assert isinstance(info.value.__cause__, NotImplementedError)
-    assert "backend='gloo'" in str(info.value.__cause__)
 
 
 @pytest.mark.real
