@@ -117,11 +117,11 @@ class World:
         * autograd's backward runs on the rank's own thread
           (``torch.autograd.set_multithreading_enabled(False)``), on any device.
 
-        While the ranks run, Python's full garbage collections wait (the oldest
-        generation's threshold is raised to :data:`DEFERRED_FULL_COLLECTIONS`; the
-        young generations collect as usual; ``gc.get_threshold()`` shows it): thousands
-        of live ranks made each full collection walk all of them. The thresholds are
-        set back when the run ends.
+        While the ranks of a shape-only run run, Python's full garbage collections wait
+        (the oldest generation's threshold is raised to :data:`DEFERRED_FULL_COLLECTIONS`;
+        the young generations collect as usual; ``gc.get_threshold()`` shows it): thousands
+        of live ranks made each full collection walk all of them. The thresholds are set
+        back when the run ends. A real-valued run leaves them as they are, as a process would.
 
         With ``World(n, tensors="shape")`` every rank runs under a fake tensor
         mode of its own (:mod:`simcomm.sim.shape`): tensor arguments (and modules'
@@ -182,7 +182,7 @@ class World:
         threads = [
             threading.Thread(target=_rank_main, name=f"simcomm-rank-{rank}", daemon=True,
                              args=(state, rank, program, *rank_args[rank][0], results, reports,
-                                   rank_args[rank][1] if shape_only else None))
+                                   rank_args[rank][1]))
             for rank in range(self.world_size)]
         del rank_args
         state.random.save_caller()
