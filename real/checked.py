@@ -637,10 +637,13 @@ class _Deferred:
 
     def wait(self):
         self.join()
-        return self.handle.wait()
+        output = self.handle.wait()
+        self.handle = None       # the checker keeps this object as the group's last issue: not its output
+        return output
 
     def is_completed(self) -> bool:
-        return self.issued.is_set() and (self._error is not None or self.handle.is_completed())
+        return self.issued.is_set() and (self._error is not None or self.handle is None
+                                         or self.handle.is_completed())
 
 
 def _pending_of(transport) -> dict | None:
@@ -657,11 +660,16 @@ class _Part:
 
     def wait(self):
         self._work.join()
-        return self._work.handle[self._index].wait()
+        handles = self._work.handle
+        output = handles[self._index].wait()
+        handles[self._index] = None    # as _Deferred.wait: the checker keeps the batch, not its output
+        return output
 
     def is_completed(self) -> bool:
-        return self._work.issued.is_set() and (self._work._error is not None
-                                               or self._work.handle[self._index].is_completed())
+        if not self._work.issued.is_set() or self._work._error is not None:
+            return self._work.issued.is_set()
+        handle = self._work.handle[self._index]
+        return handle is None or handle.is_completed()
 
 
 def _deferred(self, method, args: tuple, kwargs: dict, call: Call, location: str) -> Handle:

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -81,9 +81,40 @@ def _communicating(call: Callable) -> Callable:
     return counted
 
 
-def _use_count(storage: torch.UntypedStorage) -> int:
-    """How many tensors (the backend's too) hold ``storage``."""
-    return torch._C._storage_Use_Count(storage._cdata)
+def _use_count(held: torch.Tensor | torch.UntypedStorage) -> int:
+    """How many references (the backend's too) hold a tensor or a storage. A backend that keeps
+    the call's tensor itself holds its TensorImpl, not another reference to its storage, so a
+    blocking call waits on both counts."""
+    if isinstance(held, torch.Tensor):
+        return held._use_count()
+    return torch._C._storage_Use_Count(held._cdata)
+
+
+def _references(tensors: Iterable[torch.Tensor | None]) -> list[tuple[Any, int]]:
+    """Each tensor and its storage with its reference count now, before a backend takes them."""
+    held = [t for t in tensors if t is not None]
+    held += [t.untyped_storage() for t in held]
+    return [(obj, _use_count(obj)) for obj in held]
+
+
+def _wait_released(held: list[tuple[Any, int]]) -> None:
+    """Wait (at most :data:`RELEASE_WAIT_S`) until no count of :func:`_references` is higher."""
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while any(_use_count(obj) > count for obj, count in held) and time.monotonic() < deadline:
+        time.sleep(20e-6)
+
+
+class _Done:
+    """What a :class:`_DistWork` holds instead of its ``Work`` once waited on (the backend's
+    references to the call's tensors are then the only ones left, and they are waited for)."""
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+    @staticmethod
+    def wait() -> None:
+        return None
 
 
 _UNSUPPORTED = ("not supported", "unsupported", "does not support", "cannot use", "not implemented")
@@ -213,11 +244,12 @@ class _DistWork:
     ``Work`` is done (a move of dims, a division, a concatenation).
     """
 
-    __slots__ = ("transport", "record", "work", "result", "moved")
+    __slots__ = ("transport", "record", "work", "result", "moved", "held")
 
     def __init__(self, transport: DistTransport, record: Record | None, work: dist.Work,
-                 result: Callable[[], Any]):
+                 result: Callable[[], Any], held: list[tuple[Any, int]] | None = None):
         self.transport, self.record, self.work, self.result = transport, record, work, result
+        self.held = held         # the call's tensors and their counts before it (memory tracked)
         self.moved: float | None = None
         if not getattr(_issuing, "deferred", False):    # a checked call registers its own handle
             transport.cache.pending[id(self)] = (transport.describe_last(), program_location(sys._getframe(1)))
@@ -240,6 +272,10 @@ class _DistWork:
         except BaseException:
             self.transport._cache.broken = True
             raise
+        held, self.held = self.held, None
+        if held is not None and memory.current_bytes() is not None:   # as DistTransport._released
+            self.work = _Done()
+            _wait_released(held)
         out = memory.received(self.result())
         record = self.record
         if record is not None:
@@ -258,6 +294,9 @@ class DistTransport(TransportBase):
     records are kept in; ``None`` and no recorder: no tracing) and
     ``clock_zero`` (the ``time.perf_counter()`` value times count from).
     """
+
+    #: the tensors of the async call being issued and their counts, for its handle (_released)
+    _held: list[tuple[Any, int]] | None = None
 
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
                  *, events: list | None = None, clock_zero: float | None = None,
@@ -333,16 +372,22 @@ class DistTransport(TransportBase):
         them. gloo's worker holds each call's tensors until a moment after the call completes; a
         tensor the program frees right after the call would otherwise die on that thread, later, and
         the memory count (``Cluster(memory=True)``) would see it alive at the program's next
-        allocation where the simulator frees it at once. Only while this rank's memory is tracked."""
-        if async_op or memory.current_bytes() is None:
+        allocation where the simulator frees it at once. An async call's handle waits the same way
+        once the call is done. Only while this rank's memory is tracked."""
+        if async_op:     # the handle made next waits for them after its wait (_DistWork.wait); a
+            self._held = _references(tensors)   # checked call is issued on a thread that is not tracked
+            try:
+                yield
+            except BaseException:
+                self._held = None
+                raise
+            return
+        if memory.current_bytes() is None:
             yield
             return
-        storages = [t.untyped_storage() for t in tensors if t is not None]
-        before = [_use_count(storage) for storage in storages]
+        held = _references(tensors)
         yield
-        deadline = time.monotonic() + RELEASE_WAIT_S
-        while any(_use_count(s) > b for s, b in zip(storages, before)) and time.monotonic() < deadline:
-            time.sleep(20e-6)
+        _wait_released(held)
 
     def _local_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A private contiguous copy of ``tensor`` on this transport's device (the input stays untouched)."""
@@ -379,7 +424,8 @@ class DistTransport(TransportBase):
             out = memory.received(result())   # counted as the simulator counts a call's output
             self._end(record, out)
             return out
-        return Handle(_DistWork(self, record, work, result))
+        held, self._held = self._held, None
+        return Handle(_DistWork(self, record, work, result, held))
 
     # -- collectives --
 

@@ -52,6 +52,7 @@ tracking is off unless asked for (``World(n, memory=True)``);
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -86,6 +87,20 @@ _local = _Local()
 _lock = threading.RLock()        # guards _storages and the trackers' counters (frees may run on any thread)
 _storages: dict[int, _StorageRef] = {}   # id(untyped storage) -> its record, while it lives
 _active = 0                      # how many ranks are tracked now, in this process
+
+
+def _import_lazy_torch_modules() -> None:
+    """Import what torch imports on first use, before a tracked program runs.
+
+    Many torch functions (``torch.Generator.manual_seed``, optimizers' ``step``, checkpointing)
+    import ``torch._dynamo`` on their first call. That import leaves a reference cycle holding
+    the calling frames, and with them the program's locals, until Python's collector happens
+    to run. A process that has not made the import yet (a fresh real worker) would count those
+    tensors alive at marks and at the end where a process that made it (the notebook running a
+    World) frees them at once; the collector runs at different moments in one process of N
+    threads and in N processes. Made here, the import costs about 1.5 s once per process."""
+    if "torch._dynamo" not in sys.modules:
+        import torch._dynamo  # noqa: F401
 
 
 # -- one rank's counters -----------------------------------------------------------------------
@@ -418,6 +433,7 @@ def track(rank: int, reports: list | None, device: torch.device | str | None = N
     if reports is None:
         yield
         return
+    _import_lazy_torch_modules()
     device = torch.device(device) if device is not None else None
     cuda = device is not None and device.type == "cuda"
     if cuda:

@@ -99,3 +99,71 @@ def test_cuda_device_peak_is_reported():
     assert result == 1 << 20
     assert report["marks"][0][1] == {"parameters": 4 << 20}
     assert report["device_peak"] >= 4 << 20
+
+
+_FRESH_PROCESS = r"""
+import gc, sys
+import real, simcomm
+from simcomm.parallel import zero
+
+assert "torch._dynamo" not in sys.modules, "this check needs a process that has not imported torch._dynamo"
+MLP = zero.MLP((16, 64, 64, 8))
+
+def train_with_the_collector_off(comm):
+    gc.disable()             # garbage in reference cycles stays: a worker's until it exits
+    return zero.train(comm, 0, MLP, steps=1)
+
+sim = simcomm.World(2, memory=True)
+params = sim.run(train_with_the_collector_off)
+gc.enable()
+with real.Cluster(2, backend="gloo", memory=True) as cluster:
+    cluster.run(train_with_the_collector_off)
+returned = [sum(p.untyped_storage().nbytes() for p in rank) for rank in params]
+counted = {"virtual ranks": sim.memory.current, "workers": cluster.memory.current}
+assert counted == {"virtual ranks": returned, "workers": returned}, (counted, returned)
+"""
+
+
+def test_memory_at_the_end_does_not_wait_for_the_collector_in_a_fresh_process():
+    """A process's first ``torch.Generator().manual_seed`` imports ``torch._dynamo``, and that
+    import leaves a reference cycle holding the program's frames: a fresh real worker counted
+    ZeRO's last gradient (or the whole step) alive at the end, until Python's collector ran,
+    where the notebook's process had made the import long before. Both sides make it before a
+    tracked run; with the collector off, the end of the run is exactly what the program returned."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _freed_right_after_the_wait(comm, kind: str, rounds: int):
+    """Collectives whose outputs the program frees at once, a mark after each: what a backend
+    still holds after the call shows at the mark."""
+    for k in range(rounds):
+        with memory.label("gradients"):
+            grad = torch.randn(520)
+        with memory.label("communication"):
+            if kind == "all_reduce":
+                out = comm.all_reduce(grad, async_op=True).wait()
+            elif kind == "all_gather":
+                out = comm.all_gather(grad, dim=0, async_op=True).wait()
+            else:
+                out = comm.all_gather(grad, dim=0)
+        del grad, out
+        memory.mark(f"round {k}")
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "all_gather blocking"])
+def test_outputs_freed_after_a_call_are_freed_at_once_on_workers_as_on_virtual_ranks(kind):
+    """A backend's worker thread keeps an async call's tensors (the call's own tensor object,
+    not another view of its storage) a moment after the wait returned: the handle waits for it
+    to let go, as a blocking call does, so every mark counts 0 bytes on both backends."""
+    world_size, rounds = 2, 25
+    sim = simcomm.World(world_size, memory=True)
+    sim.run(_freed_right_after_the_wait, kind, rounds)
+    with real.Cluster(world_size, backend="gloo", memory=True) as cluster:
+        cluster.run(_freed_right_after_the_wait, kind, rounds)
+    for report in (sim.memory, cluster.memory):
+        for rank in range(world_size):
+            assert [m.total for m in report.ranks[rank].marks] == [0] * rounds, (kind, rank)
+    assert [_by_label(r) for r in cluster.memory.ranks] == [_by_label(r) for r in sim.memory.ranks]
