@@ -114,16 +114,18 @@ def _collective(op: str, *fields: tuple, shown: tuple = (), splits: tuple | None
 
 # -- the table: one function per primitive, with the primitive's signature --------------
 
-def _all_reduce(tensor, op, async_op=False, factor=None):
+# ``into`` (a rank's own output buffer) is each rank's own: not compared
+
+def _all_reduce(tensor, op, async_op=False, factor=None, into=None):
     # PREMUL_SUM's factor is each rank's own (the ranks may differ): not compared
     return _collective("all_reduce", *_tensor(tensor), ("op", str(op)))
 
 
-def _all_gather(tensor, dim, async_op=False):
+def _all_gather(tensor, dim, async_op=False, into=None):
     return _collective("all_gather", *_tensor(tensor), ("dim", dim))
 
 
-def _reduce_scatter(tensor, dim, op, async_op=False, factor=None):
+def _reduce_scatter(tensor, dim, op, async_op=False, factor=None, into=None):
     return _collective("reduce_scatter", *_tensor(tensor), ("dim", dim), ("op", str(op)))
 
 
@@ -135,7 +137,7 @@ def _gather(tensor, dst, dim, async_op=False):
     return _collective("gather", *_tensor(tensor), ("dst", dst), ("dim", dim))
 
 
-def _broadcast(tensor, src, async_op=False):
+def _broadcast(tensor, src, async_op=False, into=None):
     return _collective("broadcast", *_tensor(tensor), ("src", src))
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 import threading
 import time
@@ -40,6 +41,7 @@ from simcomm.checks import check_splits, to_reduce_op
 from simcomm.collectives import on_the_wire
 from simcomm.handles import Handle, P2POp, UnwaitedHandleError
 from simcomm.reports import program_location, unwaited_message
+from simcomm.sim.rendezvous import write_into
 from simcomm.trace import Record, Recorder, Trace
 from simcomm.transport import TransportBase
 
@@ -65,7 +67,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _DTYPES = tuple(dict.fromkeys(value for _, value in sorted(vars(torch).items(), key=lambda item: item[0])
                               if isinstance(value, torch.dtype)))
 
-#: phrases in the error a backend raises for an op or reduction it does not implement
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
 #: the longest a blocking call waits for the backend's worker to drop its references to the call's
 #: tensors (measured: microseconds; the bound keeps a backend that holds them longer from hanging)
 RELEASE_WAIT_S = 0.5
@@ -102,6 +105,16 @@ def _wait_released(held: list[tuple[Any, int]]) -> None:
     deadline = time.monotonic() + RELEASE_WAIT_S
     while any(_use_count(obj) > count for obj, count in held) and time.monotonic() < deadline:
         time.sleep(20e-6)
+
+
+def _output(result: torch.Tensor | Any, into: torch.Tensor | None) -> Any:
+    """A call's output: ``result`` counted on this rank as the simulator counts a call's output;
+    with a buffer ``into``, ``result`` copied into it (unless it is that buffer) and ``into``."""
+    if into is None:
+        return memory.received(result)
+    if result is not into:
+        write_into(into, result)
+    return into
 
 
 class _Done:
@@ -244,12 +257,14 @@ class _DistWork:
     ``Work`` is done (a move of dims, a division, a concatenation).
     """
 
-    __slots__ = ("transport", "record", "work", "result", "moved", "held")
+    __slots__ = ("transport", "record", "work", "result", "moved", "held", "into")
 
     def __init__(self, transport: DistTransport, record: Record | None, work: dist.Work,
-                 result: Callable[[], Any], held: list[tuple[Any, int]] | None = None):
+                 result: Callable[[], Any], held: list[tuple[Any, int]] | None = None,
+                 into: torch.Tensor | None = None):
         self.transport, self.record, self.work, self.result = transport, record, work, result
         self.held = held         # the call's tensors and their counts before it (memory tracked)
+        self.into = into         # the buffer the output is written into at the wait (the call's into)
         self.moved: float | None = None
         if not getattr(_issuing, "deferred", False):    # a checked call registers its own handle
             transport.cache.pending[id(self)] = (transport.describe_last(), program_location(sys._getframe(1)))
@@ -276,7 +291,8 @@ class _DistWork:
         if held is not None and memory.current_bytes() is not None:   # as DistTransport._released
             self.work = _Done()
             _wait_released(held)
-        out = memory.received(self.result())
+        out = _output(self.result(), self.into)
+        self.into = None
         record = self.record
         if record is not None:
             recorder = self.transport.recorder
@@ -418,14 +434,39 @@ class DistTransport(TransportBase):
             self._cache.unsupported.add((op, reduction))
             return False
 
-    def _done(self, record: Record | None, work: dist.Work | None, result: Callable[[], Any]) -> Any:
-        """A blocking call (``work`` is ``None``) has completed: its output. An async one: a handle."""
+    def _done(self, record: Record | None, work: dist.Work | None, result: Callable[[], Any],
+              into: torch.Tensor | None = None) -> Any:
+        """A blocking call (``work`` is ``None``) has completed: its output (written into
+        ``into`` when given, :func:`_output`). An async one: a handle, which writes it at the wait."""
         if work is None:
-            out = memory.received(result())   # counted as the simulator counts a call's output
+            out = _output(result(), into)
             self._end(record, out)
             return out
         held, self._held = self._held, None
-        return Handle(_DistWork(self, record, work, result, held))
+        return Handle(_DistWork(self, record, work, result, held, into))
+
+    @staticmethod
+    def _written_in_place(into: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The result of a call whose backend wrote ``into`` in place: ``into``, its version
+        counter back where it was before the call (a backend that copies into its output with
+        aten ops moves it; the c10d adapter moves it as the native backend does)."""
+        version = into._version
+
+        def result() -> torch.Tensor:
+            _set_versions((into,), (version,))
+            return into
+        return result
+
+    def _backend_buffer(self, into: torch.Tensor | None, numel: int, dtype: torch.dtype,
+                        async_op: bool) -> torch.Tensor | None:
+        """``into`` as the backend's own buffer for a blocking call: a detached alias, which the
+        backend writes in place as it writes c10d's tensor on a native backend (no copy, no
+        version bump); ``None`` where it cannot serve (async: the output is written at the
+        wait; not contiguous, another device or dtype, another size)."""
+        if (into is None or async_op or into.numel() != numel or into.dtype != dtype
+                or into.device != self.device or not into.is_contiguous()):
+            return None
+        return into.detach()
 
     # -- collectives --
 
@@ -443,34 +484,55 @@ class DistTransport(TransportBase):
 
     @_communicating
     def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False, *,
-                   factor: float | torch.Tensor | None = None) -> Any:
+                   factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None) -> Any:
         self._check_avg("all_reduce", tensor, op)
         record = self._begin("all_reduce", self._next_step(), tensor, args={"op": op}, async_op=async_op)
         tensor, op = on_the_wire(tensor, op, factor)   # PREMUL_SUM (gloo has none): premultiplied, then SUM
-        out = self._local_copy(tensor)
+        buffer = self._backend_buffer(into, tensor.numel(), tensor.dtype, async_op)
+        if buffer is None:
+            out = self._local_copy(tensor)
+        else:                        # reduced in place, as a native backend does
+            out, written = buffer.view(tensor.shape), self._written_in_place(into)
+            if out.data_ptr() != tensor.data_ptr():
+                write_into(out, tensor)
         with self._calling(), self._released(async_op, out):
             work, divide = self._all_reduce_into(out, op, async_op)
-        return self._done(record, work, lambda: out.div_(self.world_size) if divide else out)
+        if buffer is not None:
+            if divide:
+                out.div_(self.world_size)
+            return self._done(record, work, written, into)
+        return self._done(record, work, lambda: out.div_(self.world_size) if divide else out, into)
 
     @_communicating
-    def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False) -> Any:
+    def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False, *,
+                   into: torch.Tensor | None = None) -> Any:
         record = self._begin("all_gather", self._next_step(), tensor, args={"dim": dim}, async_op=async_op)
         moved = self._on_device(tensor.movedim(dim, 0), async_op)   # (d, *rest): dim first
-        flat = moved.new_empty((self.world_size * moved.shape[0], *moved.shape[1:]))  # (P*d, *rest)
+        shape = (self.world_size * moved.shape[0], *moved.shape[1:])   # (P*d, *rest)
+        buffer = self._backend_buffer(into, self.world_size * moved.numel(), moved.dtype, async_op)
+        in_place = buffer is not None and dim % max(tensor.dim(), 1) == 0   # the blocks are into's rows
+        flat = buffer.view(shape) if in_place else moved.new_empty(shape)
+        written = self._written_in_place(into) if in_place else None
         with self._calling(), self._released(async_op, flat, moved):   # rank r's block at rows r*d:(r+1)*d
             work = _all_gather_single(flat, moved, group=self.group, async_op=async_op)
-        return self._done(record, work, lambda: flat.movedim(0, dim).contiguous())  # concat along dim
+        if in_place:
+            return self._done(record, work, written, into)
+        return self._done(record, work, lambda: flat.movedim(0, dim).contiguous(), into)  # concat along dim
 
     @_communicating
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False, *,
-                       factor: float | torch.Tensor | None = None) -> Any:
+                       factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None) -> Any:
         self._check_avg("reduce_scatter", tensor, op)
         record = self._begin("reduce_scatter", self._next_step(), tensor, args={"dim": dim, "op": op},
                              async_op=async_op)
         tensor, op = on_the_wire(tensor, op, factor)   # PREMUL_SUM (gloo has none): premultiplied, then SUM
         moved = self._on_device(tensor.movedim(dim, 0), async_op)   # (d, *rest): dim first
         shard = moved.shape[0] // self.world_size
-        out = moved.new_empty((shard, *moved.shape[1:]))         # (d/P, *rest)
+        shape = (shard, *moved.shape[1:])                        # (d/P, *rest)
+        buffer = self._backend_buffer(into, math.prod(shape), moved.dtype, async_op)
+        in_place = buffer is not None and dim % max(tensor.dim(), 1) == 0   # the chunks are rows
+        out = buffer.view(shape) if in_place else moved.new_empty(shape)
+        written = self._written_in_place(into) if in_place else None
         works: list = []
 
         def native() -> None:
@@ -479,7 +541,8 @@ class DistTransport(TransportBase):
 
         with self._calling(), self._released(async_op, out, moved):
             if self._native("reduce_scatter", op, native):
-                work, result = works[0], lambda: out.movedim(0, dim).contiguous()   # chunk r along dim
+                work = works[0]
+                result = written if in_place else (lambda: out.movedim(0, dim).contiguous())  # chunk r
             else:
                 full = moved.clone()                             # (d, *rest)
                 work, divide = self._all_reduce_into(full, op, async_op)
@@ -488,7 +551,7 @@ class DistTransport(TransportBase):
                     chunk = full.narrow(0, self.rank * shard, shard)   # (d/P, *rest): this rank's
                     chunk = chunk / self.world_size if divide else chunk
                     return chunk.movedim(0, dim).contiguous()    # chunk r along dim
-        return self._done(record, work, result)
+        return self._done(record, work, result, into)
 
     @_communicating
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False
@@ -521,13 +584,20 @@ class DistTransport(TransportBase):
         return self._done(record, work, lambda: torch.cat(parts, dim) if parts is not None else None)
 
     @_communicating
-    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, *,
+                  into: torch.Tensor | None = None) -> Any:
         record = self._begin("broadcast", self._next_step(), tensor, root=src, args={"src": src},
                              async_op=async_op)
-        out = self._local_copy(tensor)
+        buffer = self._backend_buffer(into, tensor.numel(), tensor.dtype, async_op)
+        if buffer is None:
+            out, result = self._local_copy(tensor), None
+        else:                        # received in place
+            out, result = buffer.view(tensor.shape), self._written_in_place(into)
+            if self.rank == src and out.data_ptr() != tensor.data_ptr():
+                write_into(out, tensor)
         with self._calling(), self._released(async_op, out):
             work = dist.broadcast(out, src=self.ranks[src], group=self.group, async_op=async_op)
-        return self._done(record, work, lambda: out)
+        return self._done(record, work, result or (lambda: out), into)
 
     def barrier(self, async_op: bool = False) -> Handle | None:
         record = self._begin("barrier", self._next_step(), None, args={}, async_op=async_op)

@@ -167,3 +167,48 @@ def test_outputs_freed_after_a_call_are_freed_at_once_on_workers_as_on_virtual_r
         for rank in range(world_size):
             assert [m.total for m in report.ranks[rank].marks] == [0] * rounds, (kind, rank)
     assert [_by_label(r) for r in cluster.memory.ranks] == [_by_label(r) for r in sim.memory.ranks]
+
+
+def _dist_collectives_in_place(comm, n: int = 1 << 14):
+    """torch.distributed collectives into buffers the program made: a native backend writes
+    them in place, so nothing is allocated for the calls."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    with memory.label("parameters"):
+        t = torch.ones(n) * (dist.get_rank() + 1)
+        gathered = torch.empty(world * n)
+        shard = torch.empty(n // world)
+    memory.mark("buffers")
+    dist.all_reduce(t)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    dist.broadcast(t, src=0)
+    dist.all_gather_into_tensor(gathered, t)
+    dist.reduce_scatter_tensor(shard, t)
+    memory.mark("after the calls")
+    return shard
+
+
+def test_dist_collectives_write_their_buffers_without_a_copy_on_both_backends():
+    """On virtual ranks and on workers (checked or not) the c10d adapter hands the program's
+    output buffer to the transport (``into``), which writes it in place: the peak is the
+    buffers alone, as on plain gloo (it was 256 KiB higher: a "communication" copy of the
+    all-gather's output)."""
+    world_size, n = 4, 1 << 14
+    buffers = 4 * (n + world_size * n + n // world_size)
+    sim = simcomm.World(world_size, memory=True)
+    want = sim.run(_dist_collectives_in_place)
+    reports = {"virtual ranks": sim.memory}
+    for checked in (True, False):
+        with real.Cluster(world_size, backend="gloo", memory=True, checked=checked) as cluster:
+            got = cluster.run(_dist_collectives_in_place)
+        for rank in range(world_size):
+            torch.testing.assert_close(got[rank], want[rank], rtol=0, atol=0)
+        reports["checked workers" if checked else "workers"] = cluster.memory
+    # the sum 1 + 2 + 3 + 4 on every rank (its average over the ranks too, and its broadcast),
+    # reduce-scattered: 4 x 10 in every shard
+    for rank in range(world_size):
+        torch.testing.assert_close(want[rank], torch.full((n // world_size,), 40.0), rtol=0, atol=0)
+    for name, report in reports.items():
+        for rank in range(world_size):
+            marks = {m.name: (m.total, m.peak) for m in report.ranks[rank].marks}
+            assert marks == {"buffers": (buffers, buffers), "after the calls": (buffers, buffers)}, (name, rank)

@@ -107,7 +107,13 @@ def _write(c10d_op: str, argument: str, out: torch.Tensor, value: torch.Tensor, 
     1 per tensor that gloo copies into with an aten op, e.g. the lists of all_gather,
     gather and all_to_all, reduce_scatter_tensor's output; 2 for all_gather_into_tensor).
     So a view or a saved tensor of the buffer taken before the call behaves as on gloo.
+    ``value`` may be ``out`` itself: the transport wrote it already (its ``into``); only the
+    version counter moves then.
     """
+    if value is out:
+        if bumps:
+            _set_versions((out,), (out._version + bumps,))
+        return
     if out.numel() != value.numel():
         raise ValueError(
             f"{c10d_op}: rank {rank}'s {argument} has {out.numel()} elements {tuple(out.shape)} "
@@ -135,7 +141,8 @@ def _one_per_rank(c10d_op: str, argument: str, tensors: Sequence, transport: Sim
 def all_reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.all_reduce`` (and its coalesced form): each tensor reduced in place."""
     name, factor = _reduction("all_reduce", opts, transport, tensors)
-    calls = [transport.all_reduce(_own(tensor), name, async_op=async_op, factor=factor) for tensor in tensors]
+    calls = [transport.all_reduce(_own(tensor), name, async_op=async_op, factor=factor, into=tensor)
+             for tensor in tensors]
 
     def finish(results: list) -> list[torch.Tensor]:
         for tensor, value in zip(tensors, results, strict=True):
@@ -151,8 +158,9 @@ def all_gather_into_tensor(transport: SimTransport, outputs: Sequence[torch.Tens
     for output, input_ in zip(outputs, inputs, strict=True):
         _check_numel("all_gather_into_tensor", "output_tensor", output,
                      input_.numel() * transport.world_size, transport.rank, "world size x input")
-    # each result: (world * d0, ...)
-    calls = [transport.all_gather(_rows(input_), 0, async_op=async_op) for input_ in inputs]
+    # each result: (world * d0, ...), written into output
+    calls = [transport.all_gather(_rows(input_), 0, async_op=async_op, into=output)
+             for output, input_ in zip(outputs, inputs)]
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, gathered in zip(outputs, results, strict=True):
@@ -192,7 +200,7 @@ def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tenso
         rows = _rows(input_)
         if rows.shape[0] % transport.world_size:
             rows = rows.reshape(-1)  # blocks of a flat buffer: (world * numel(output),)
-        calls.append(transport.reduce_scatter(rows, 0, name, async_op=async_op, factor=factor))
+        calls.append(transport.reduce_scatter(rows, 0, name, async_op=async_op, factor=factor, into=output))
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, value in zip(outputs, results, strict=True):
@@ -222,7 +230,11 @@ def reduce_scatter_list(transport: SimTransport, outputs: Sequence[torch.Tensor]
 
 def broadcast(transport: SimTransport, tensors: list[torch.Tensor], root: int, async_op: bool) -> Issued:
     """``dist.broadcast``: every rank's tensor becomes the root's, in place."""
-    calls = [transport.broadcast(_own(tensor), root, async_op=async_op) for tensor in tensors]
+    # the root's tensor is not written: a blocking call sends it as it is (the copy into it writes
+    # the values it holds); an async one would write there at the wait what it held at the issue
+    into = transport.rank != root or not async_op
+    calls = [transport.broadcast(_own(tensor), root, async_op=async_op, into=tensor if into else None)
+             for tensor in tensors]
 
     def finish(results: list) -> list[torch.Tensor]:
         if transport.rank != root:

@@ -28,7 +28,7 @@ from . import shape as _shape
 if TYPE_CHECKING:
     from .scheduler import RunState
 
-__all__ = ["Slot", "Message", "Group", "copy_small_shared", "materialize", "format_args",
+__all__ = ["Slot", "Message", "Group", "copy_small_shared", "materialize", "write_into", "format_args",
            "call_site"]
 
 
@@ -49,8 +49,9 @@ def copy_small_shared(slot: Slot, owner: int) -> None:
     tensor = torch.Tensor
     first = outputs[0] if outputs else None
     if isinstance(first, tensor) and len(set(map(id, outputs))) == 1:
-        # one tensor for every member (all_reduce, all_gather, broadcast)
-        if first.nbytes >= _COPY_HERE_BELOW:
+        # one tensor for every member (all_reduce, all_gather, broadcast); members that passed a
+        # buffer of their own (``slot.into``) copy into it when they take it: no copy here
+        if first.nbytes >= _COPY_HERE_BELOW or slot.into is not None:
             slot.holders = {id(first): len(outputs)} if len(outputs) > 1 else {}
         else:
             for index in range(len(outputs)):
@@ -90,19 +91,44 @@ def materialize(slot: Slot, rank: int, state: RunState):
     tensor, so this costs the same at any group size). So no rank is counted for a shared output another rank
     has not taken yet (the count would depend on which rank the scheduler ran first),
     as in the shape-only run, where every member builds its own output.
+
+    A member that passed a buffer of its own (``slot.into``: c10d's output tensor) gets its
+    output copied into that buffer, which is returned: no tensor is made, so nothing new is
+    counted, as a native backend writes into the buffer it was given. The copy goes through a
+    detached alias and leaves the buffer's version counter as it was (the c10d adapter moves
+    it as the native backend does).
     """
     out = slot.outputs[rank]
     # the slot keeps no reference to this rank's tensors or frames: they are freed when the program drops them
     slot.outputs[rank] = slot.inputs[rank] = slot.frames[rank] = None
     if state.shape_only:    # meta outputs become fake tensors of this rank's own mode
         return memory.received(_shape.own(out, state.device))
+    into = None
+    if slot.into is not None:
+        into, slot.into[rank] = slot.into[rank], None
     holders = slot.holders
     if holders and id(out) in holders:
         left = holders[id(out)] - 1     # members still to take it after this one
         holders[id(out)] = left
-        if left:
+        if left and into is None:
             out = out.clone()
+    if into is not None:
+        write_into(into, out)
+        return into
     return memory.received(out)
+
+
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
+def write_into(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` (as many elements) into ``buffer``, invisibly to autograd: through a
+    detached alias, the version counter left where it was (as
+    ``torch.autograd._unsafe_preserve_version_counter`` does, inline)."""
+    version = buffer._version
+    (buffer.detach() if buffer.requires_grad else buffer).copy_(
+        value if value.shape == buffer.shape else value.reshape(buffer.shape))
+    _set_versions((buffer,), (version,))
 
 
 def failure(slot: Slot, rank: int) -> BaseException:
@@ -140,7 +166,7 @@ class Slot:
     """
 
     __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "holders",
-                 "failed", "error", "moved")
+                 "failed", "error", "moved", "into")
 
     def __init__(self, op: str, sig: tuple, world_size: int):
         self.op, self.sig = op, sig
@@ -153,6 +179,7 @@ class Slot:
         self.failed = False
         self.error: Exception | None = None   # what the collective's math raised, if it did
         self.moved = 0.0
+        self.into: list | None = None    # members' own output buffers (materialize), when any passed one
 
 
 class Message:

@@ -74,12 +74,14 @@ class SimTransport(TransportBase):
 
     def _collective(self, op: str, tensor: torch.Tensor | None, sig: tuple,
                     compute: Callable[[list], list], root: int | None = None, async_op: bool = False,
-                    reduction: str | None = None):
+                    reduction: str | None = None, into: torch.Tensor | None = None):
         """One collective of this rank: check, count, trace, then meet the group.
 
         ``sig`` is what every member must pass alike, as ``(name, value)`` pairs (for a tensor
         op ``shape`` and ``dtype`` first; the rest are the call's arguments in the trace);
-        ``reduction`` the canonical reduce op of a reducing collective."""
+        ``reduction`` the canonical reduce op of a reducing collective; ``into`` a buffer of
+        the output's number of elements that receives this rank's output and is returned
+        (the c10d adapter's output tensor; :func:`~simcomm.sim.rendezvous.materialize`)."""
         # what the real backend this run stands for refuses (gloo on CPU, NCCL on CUDA)
         dtypes.check(op, None if tensor is None else tensor.dtype, reduction, self.device, self.rank)
         step = self._next_step()
@@ -89,14 +91,14 @@ class SimTransport(TransportBase):
                                  async_op=async_op)
         if async_op:   # the input is copied: the program may reuse its tensor before wait()
             return self._issue(op, step, tensor.clone() if tensor is not None else None, sig, compute,
-                               record)
-        out = self._rendezvous(op, step, tensor, sig, compute, sys._getframe(1))
+                               record, into)
+        out = self._rendezvous(op, step, tensor, sig, compute, sys._getframe(1), into)
         if record is not None:
             self._recorder.end(record, out)
         return out
 
-    def _arrive_and_hold(self, op: str, step: int, tensor, sig: tuple, frame) -> Slot:
-        """Deposit this rank's input in its group's slot for ``step``.
+    def _arrive_and_hold(self, op: str, step: int, tensor, sig: tuple, frame, into=None) -> Slot:
+        """Deposit this rank's input (and its output buffer ``into``) in its group's slot for ``step``.
 
         Takes the run's lock and returns *holding it*; on a mismatch it aborts
         the run, releases the lock and raises :class:`Aborted`.
@@ -111,6 +113,10 @@ class SimTransport(TransportBase):
         slot.inputs[me] = tensor
         slot.frames[me] = frame
         slot.arrived.append(me)
+        if into is not None:
+            if slot.into is None:
+                slot.into = [None] * self.world_size
+            slot.into[me] = into
         return slot
 
     def _complete(self, slot: Slot, step: int, compute: Callable[[list], list]) -> None:
@@ -138,13 +144,13 @@ class SimTransport(TransportBase):
                     wake(rank)
 
     def _rendezvous(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list],
-                    frame=None):
+                    frame=None, into=None):
         """A blocking collective: arrive, then wait for the last member or be it. ``frame``: the
         program's frame that called (default: the caller's caller)."""
         state = self.state
         if frame is None:
             frame = sys._getframe(2)
-        slot = self._arrive_and_hold(op, step, tensor, sig, frame)
+        slot = self._arrive_and_hold(op, step, tensor, sig, frame, into)
         if len(slot.arrived) < self.world_size:
             me = self.global_rank
             slot.waiting.append(me)
@@ -157,11 +163,12 @@ class SimTransport(TransportBase):
         return materialize(slot, self.rank, state)
 
     def _issue(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list],
-               record: Record | None) -> Handle:
+               record: Record | None, into=None) -> Handle:
         """An asynchronous collective: arrive without blocking (completing the collective
-        if this rank is the last member); the rank blocks only in the handle's ``wait()``."""
+        if this rank is the last member); the rank blocks only in the handle's ``wait()``,
+        which writes ``into`` then."""
         where = program_location(sys._getframe(2))
-        slot = self._arrive_and_hold(op, step, tensor, sig, where)
+        slot = self._arrive_and_hold(op, step, tensor, sig, where, into)
         last = len(slot.arrived) == self.world_size
         self.state.lock.release()
         if last:
@@ -181,25 +188,28 @@ class SimTransport(TransportBase):
     def _sig(tensor: torch.Tensor, **args) -> tuple:
         return (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype), *args.items())
 
+    # ``into`` (all_reduce, all_gather, reduce_scatter, broadcast): see _collective
+
     def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False, *,
-                   factor: float | torch.Tensor | None = None):
+                   factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None):
         # PREMUL_SUM: premultiplied, summed
         sent, wire = (tensor, op) if op != PREMUL_SUM else collectives.on_the_wire(tensor, op, factor)
         return self._collective("all_reduce", sent, (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype),
                                                      ("op", op)),
                                 lambda inputs: collectives.all_reduce(inputs, wire), async_op=async_op,
-                                reduction=op)
+                                reduction=op, into=into)
 
-    def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False):
+    def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False, *,
+                   into: torch.Tensor | None = None):
         return self._collective("all_gather", tensor, self._sig(tensor, dim=dim),
-                                lambda inputs: collectives.all_gather(inputs, dim), async_op=async_op)
+                                lambda inputs: collectives.all_gather(inputs, dim), async_op=async_op, into=into)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False, *,
-                       factor: float | torch.Tensor | None = None):
+                       factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None):
         sent, wire = collectives.on_the_wire(tensor, op, factor)
         return self._collective("reduce_scatter", sent, self._sig(tensor, dim=dim, op=op),
                                 lambda inputs: collectives.reduce_scatter(inputs, dim, wire), async_op=async_op,
-                                reduction=op)
+                                reduction=op, into=into)
 
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False):
         return self._collective("all_to_all", tensor,
@@ -211,9 +221,11 @@ class SimTransport(TransportBase):
         return self._collective("gather", tensor, self._sig(tensor, dst=dst, dim=dim),
                                 lambda inputs: collectives.gather(inputs, dst, dim), root=dst, async_op=async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, *,
+                  into: torch.Tensor | None = None):
         return self._collective("broadcast", tensor, self._sig(tensor, src=src),
-                                lambda inputs: collectives.broadcast(inputs, src), root=src, async_op=async_op)
+                                lambda inputs: collectives.broadcast(inputs, src), root=src, async_op=async_op,
+                                into=into)
 
     def barrier(self, async_op: bool = False):
         return self._collective("barrier", None, (), lambda inputs: [None] * len(inputs), async_op=async_op)
