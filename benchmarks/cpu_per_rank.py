@@ -21,6 +21,10 @@ round; each figure is the minimum over rounds:
   ``World(n).run``;
 * ``threaded`` - ``dist.all_reduce`` of 1 KiB on PyTorch's threaded process group
   (``torch.testing._internal.distributed.multi_threaded_pg``), one thread per rank;
+* ``noop``     - ``dist.all_reduce`` of 1 KiB on a Python backend that does nothing (one rank,
+  one completed Work for every call, as simcomm's blocking calls return): what torch's own
+  ``dist.*`` wrapper and its call from C++ into a Python ``ProcessGroup`` cost, which
+  ``dist`` pays on top of ``comm`` whatever the backend does (``(dist - comm) / noop``);
 * ``fsdp``     - (``--fsdp``) one FSDP2 forward+backward of 4 x ``Linear(1024)``
   (batch 8 per rank, each layer and the root ``fully_shard``ed) on 4 ranks: per step,
   virtual ranks vs the threaded group, and wall time beside four single-rank steps
@@ -48,7 +52,7 @@ import fsdp_step     # sibling modules: this file runs as a script
 import threaded_pg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIDES = ("ring", "rendezvous", "comm", "dist", "threaded")
+SIDES = ("ring", "rendezvous", "comm", "dist", "threaded", "noop")
 NUMEL = 256                      # 1 KiB of float32
 
 
@@ -159,6 +163,46 @@ def threaded_run(world_size: int, calls: int) -> None:
     threaded_pg.run(world_size, _dist_program, calls)
 
 
+_NOOP_GROUP: list = []
+
+
+def _noop_group():
+    """A one-rank default group on a registered Python backend whose all_reduce does nothing."""
+    if not _NOOP_GROUP:
+        import datetime
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import _create_work_from_future
+        from torch.futures import Future
+
+        finished = Future()
+        finished.set_result([])
+        work = _create_work_from_future(finished)
+
+        class NoopGroup(dist.ProcessGroup):
+            def allreduce(self, tensors, opts=None):
+                return work
+
+            def getBackendName(self) -> str:
+                return "noop"
+
+        dist.Backend.register_backend("noop", lambda store, rank, size, timeout: NoopGroup(rank, size),
+                                     devices=["cpu"])
+        dist.init_process_group("noop", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        _NOOP_GROUP.append(dist.group.WORLD)
+    return _NOOP_GROUP[0]
+
+
+def noop_run(world_size: int, calls: int) -> None:
+    """``calls x world_size`` dist.all_reduce calls on the do-nothing backend (one thread)."""
+    import torch
+    import torch.distributed as dist
+    _noop_group()
+    x = torch.ones(NUMEL)
+    for _ in range(calls * world_size):
+        dist.all_reduce(x)
+
+
 # -- FSDP2: one forward+backward on 4 ranks ---------------------------------------------------
 
 # the program of benchmarks/fsdp_step.py (a sibling module), which also runs it on more sides
@@ -221,7 +265,7 @@ def breakdown(calls: int = 20000) -> dict[str, float]:
 
 
 RUNS = {"ring": ring_run, "rendezvous": rendezvous_run, "comm": comm_run, "dist": dist_run, "threaded": threaded_run,
-        "fsdp": fsdp_run, "fsdp_threaded": fsdp_threaded_run, "fsdp_single": fsdp_single_run}
+        "noop": noop_run, "fsdp": fsdp_run, "fsdp_threaded": fsdp_threaded_run, "fsdp_single": fsdp_single_run}
 
 
 def worker(side: str, world_size: int, calls: int) -> None:
@@ -235,7 +279,7 @@ def worker(side: str, world_size: int, calls: int) -> None:
         base.append(_timed(run, world_size, 0))
         full.append(_timed(run, world_size, calls))
     cpu = min(c for c, _ in full) - min(c for c, _ in base)
-    wall = min(w for _, w in full) - min(w for w, _ in base)
+    wall = min(w for _, w in full) - min(w for _, w in base)
     print(json.dumps({"cpu": cpu, "wall": wall}))
 
 
@@ -307,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{world_size:>5}" + "".join(
                 f"{row[a]['cpu'] / row[b]['cpu']:>14.2f} ({row[a]['wall'] / row[b]['wall']:>5.2f})"
                 for a, b in ratios))
+    if {"dist", "comm", "noop"} <= names:
+        print("\nwhat dist.* adds to comm.*, beside torch's own cost of a call into a Python backend (CPU us)")
+        print(f"{'ranks':>5}{'dist - comm':>14}{'noop':>8}{'the rest':>10}")
+        for world_size, row in rows.items():
+            extra, floor = row["dist"]["cpu"] - row["comm"]["cpu"], row["noop"]["cpu"]
+            print(f"{world_size:>5}{extra:>14.1f}{floor:>8.1f}{extra - floor:>10.1f}")
     result = {"all_reduce_1KiB": rows}
     if args.fsdp:
         fsdp_sides = ("fsdp", "fsdp_threaded", "fsdp_single")
