@@ -237,6 +237,43 @@ def test_the_classic_hang_is_a_deadlock_error_naming_the_line():
     assert_clean()
 
 
+def test_local_synchronization_groups_named_apart_are_a_deadlock_that_says_what_to_change():
+    """new_group([0, 1]), then new_group([1, 2], use_local_synchronization=True): torch names the
+    second group after its ranks and the number of groups the caller belongs to, 2 on rank 1 and
+    1 on rank 2, so the two make different groups and an all-reduce on them never meets (plain
+    torchrun with gloo hangs there). On virtual ranks: a DeadlockError that names the cause."""
+    def program(comm):
+        dist.new_group([0, 1])
+        pair = dist.new_group([1, 2], use_local_synchronization=True)
+        t = torch.ones(2)
+        if dist.get_rank() in (1, 2):
+            dist.all_reduce(t, group=pair)
+        return t
+
+    with pytest.raises(DeadlockError) as info:
+        simcomm.World(3).run(program)
+    message = str(info.value)
+    assert "rank 1 waits in all_reduce" in message and "rank 2 waits in all_reduce" in message
+    assert "note: rank 1 and rank 2 wait at step 0 of 2 different groups of the same ranks [1, 2]" in message
+    assert "use_local_synchronization=True" in message and "number of process groups" in message
+    assert_clean()
+
+
+def test_groups_of_the_same_ranks_made_alike_meet():
+    """The same groups made in the same order on every rank (the note's advice): no deadlock,
+    and no note where ranks simply wait in one group."""
+    def program(comm):
+        dist.new_group([0, 1])
+        pair = dist.new_group([1, 2])
+        t = torch.ones(2) * (dist.get_rank() + 1)
+        if dist.get_rank() in (1, 2):
+            dist.all_reduce(t, group=pair)
+        return t
+
+    out = simcomm.World(3).run(program)
+    assert [t.tolist() for t in out] == [[1.0, 1.0], [5.0, 5.0], [5.0, 5.0]]
+
+
 def test_a_mismatched_all_gather_into_tensor_names_each_rank_and_line():
     def program(comm):
         rank = dist.get_rank()

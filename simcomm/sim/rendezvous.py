@@ -166,10 +166,11 @@ class Slot:
     """
 
     __slots__ = ("op", "sig", "inputs", "frames", "arrived", "waiting", "outputs", "holders",
-                 "failed", "error", "moved", "into")
+                 "failed", "error", "moved", "into", "group")
 
-    def __init__(self, op: str, sig: tuple, world_size: int):
+    def __init__(self, op: str, sig: tuple, world_size: int, group: Group | None = None):
         self.op, self.sig = op, sig
+        self.group = group                # the group it belongs to (read by the deadlock report)
         self.inputs: list = [None] * world_size
         self.frames: list = [None] * world_size
         self.arrived: list[int] = []      # group-local ranks, in arrival order

@@ -107,7 +107,7 @@ class SimTransport(TransportBase):
         state.lock_for(self.global_rank, op)
         slot = group.slots.get(step)
         if slot is None:
-            slot = group.slots[step] = Slot(op, sig, self.world_size)
+            slot = group.slots[step] = Slot(op, sig, self.world_size, group)
         elif slot.op != op or slot.sig != sig:
             self._mismatch_and_release(slot, op, sig, frame)
         slot.inputs[me] = tensor

@@ -127,6 +127,46 @@ def describe_waits(blocked: dict[int, Wait], world_size: int) -> list[str]:
     return lines
 
 
+def _c10d_local_name(slot) -> str | None:
+    """The name torch gave the group of ``slot`` when the group was made with
+    ``new_group(..., use_local_synchronization=True)`` (its key is ``("c10d", name, ranks)``,
+    :mod:`simcomm.c10d.rank_state`), else None."""
+    key = getattr(getattr(slot, "group", None), "key", None)
+    if isinstance(key, tuple) and len(key) == 3 and key[0] == "c10d" and isinstance(key[1], str):
+        return key[1]
+    return None
+
+
+def _groups_apart(blocked: dict[int, Wait]) -> list[str]:
+    """Notes for ranks that wait at one step in different groups of the same ranks: each
+    group meets apart, so none of them can complete (a common way to deadlock with c10d)."""
+    by_ranks: dict[tuple, dict[int, tuple[object, list[int]]]] = {}
+    for rank in sorted(blocked):
+        wait = blocked[rank]
+        if wait.slot is not None:
+            places = by_ranks.setdefault((tuple(sorted(wait.group_ranks)), wait.step), {})
+            places.setdefault(id(wait.slot), (wait.slot, []))[1].append(rank)
+    notes = []
+    for (ranks, step), places in by_ranks.items():
+        if len(places) < 2:
+            continue
+        apart = " and ".join(f"rank {r[0]}" if len(r) == 1 else f"ranks {format_ranks(r)}"
+                             for _, r in places.values())
+        notes.append(f"  note: {apart} wait at step {step} of {len(places)} different groups of the same "
+                     f"ranks {format_ranks(list(ranks))}: the members of a group meet in that group only")
+        names = [_c10d_local_name(slot) for slot, _ in places.values()]
+        if all(name is not None for name in names):
+            notes.append(
+                "    these groups were made by their members only (as dist.new_group(..., "
+                "use_local_synchronization=True) makes them), and torch names such a group after its "
+                "ranks and the number of process groups the calling rank belongs to "
+                f"(here {', '.join(name[:8] for name in names)}): ranks that belong to different numbers "
+                "of groups make different groups. Create the groups so that every member of this one "
+                "belongs to the same number of groups when it is made (e.g. every rank calls new_group "
+                "for every group, in the same order, without use_local_synchronization)")
+    return notes
+
+
 def describe_deadlock(blocked: dict[int, Wait], finished: Iterable[int], world_size: int) -> str:
     """The :class:`~simcomm.errors.DeadlockError` message: who waits for whom, where."""
     lines = ["every rank that has not finished is blocked, so none can make progress:"]
@@ -137,6 +177,7 @@ def describe_deadlock(blocked: dict[int, Wait], finished: Iterable[int], world_s
             lines.extend(f"  rank {rank} has finished its program" for rank in done)
         else:
             lines.append(f"  {_subject(done, '', 'have finished their programs')}")
+    lines.extend(_groups_apart(blocked))
     return "\n".join(lines)
 
 
