@@ -67,7 +67,7 @@ import torch.distributed as dist
 from simcomm.checks import check_splits
 from simcomm.errors import CollectiveMismatchError, DeadlockError
 from simcomm.handles import Handle
-from simcomm.reports import mismatch_message, program_location
+from simcomm.reports import LOCAL_GROUP_NAMES, mismatch_message, program_location
 from simcomm.trace import current_phase, issued_as
 
 from .transport import GroupCache, issuing_deferred
@@ -321,6 +321,16 @@ class Checker:
         marker = pickle.dumps((self.rank, _ENDED, location))
         self.store.multi_set(keys, [marker] * len(keys))
 
+    def agree_on_local_group(self, ranks: Sequence[int], me: int, name: str, location: str) -> None:
+        """Compare the name torch gave a group its members make by themselves
+        (``use_local_synchronization=True``) on every member before it is made, as the simulator's
+        members meet to make it (:meth:`simcomm.c10d.rank_state._RankContext.agree_on_local_group`):
+        members that named it differently would make two groups and wait in them forever."""
+        ranks = tuple(ranks)
+        meeting = _Meeting(ranks, ranks.index(me), "creating/" + ".".join(map(str, sorted(ranks))))
+        self.collective(meeting, Call("collective", "new_group", (("name", name[:8]),),
+                                      (("ranks", list(ranks)), ("use_local_synchronization", True))), location)
+
     def collective(self, transport, call: Call, location: str) -> None:
         """Compare ``call`` with the same step's call on every rank of ``transport``'s group; raise
         :class:`CollectiveMismatchError` (on every rank) when they disagree. Blocks until all arrive."""
@@ -410,6 +420,15 @@ class Checker:
                 f"  rank {recv[0]} expects {_shape_dtype(recv[1])}{_via(recv[1], 'recv')} at {recv[2]}")
 
 
+@dataclass(frozen=True)
+class _Meeting:
+    """What :meth:`Checker.collective` reads of a transport, for a group not made yet."""
+
+    ranks: tuple[int, ...]
+    rank: int
+    group_key: str
+
+
 def _group_key(transport) -> str:
     """The name of ``transport``'s group in the store's keys (two groups may share their ranks)."""
     key = getattr(transport, "group_key", None)
@@ -468,7 +487,7 @@ def _collective_problem(records: list[tuple]) -> str | None:
     """Why the ranks' records disagree (``""`` for a plain difference), or None."""
     first = records[0][1]
     if any((call.op, call.compared) != (first.op, first.compared) for _, call, _ in records):
-        return ""
+        return LOCAL_GROUP_NAMES if all(call.op == "new_group" for _, call, _ in records) else ""
     if first.splits is None:
         return None
     world = len(records)

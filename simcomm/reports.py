@@ -105,6 +105,24 @@ def mismatch_message(group: Sequence[int], step: int, calls: Sequence[tuple[Sequ
             f"matching shapes, dtypes and arguments")
 
 
+# -- groups made by their members only ---------------------------------------------------------
+
+#: why the members of a ``new_group(..., use_local_synchronization=True)`` made different groups
+LOCAL_GROUP_NAMES = (
+    "the members named this group differently: torch names a group made by its members only "
+    "(new_group(..., use_local_synchronization=True)) after its ranks and the number of process "
+    "groups the calling rank belongs to, so members that belong to different numbers of groups make "
+    "different groups (under torchrun, new_group hangs there). Make the groups so that every member "
+    "belongs to the same number of groups when this one is made (e.g. every rank calls new_group for "
+    "every group, in the same order, without use_local_synchronization)")
+
+
+def local_group_call(ranks: Sequence[int], name: str) -> str:
+    """``new_group(name=..., ranks=[...], use_local_synchronization=True)`` as a mismatch
+    message shows a member's call (the name cut to 8 characters)."""
+    return f"new_group(name={name[:8]}, ranks={list(ranks)}, use_local_synchronization=True)"
+
+
 # -- handles never waited on ------------------------------------------------------------------
 
 def unwaited_message(rank: int, issued: Sequence[tuple[str, str]]) -> str:

@@ -64,6 +64,12 @@ def new_group_on_one_rank(comm):
     dist.barrier()
 
 
+def local_group_named_apart(comm):
+    dist.new_group([0])          # rank 0 now belongs to 2 groups, rank 1 to 1: torch names the next apart
+    pair = dist.new_group([0, 1], use_local_synchronization=True)
+    dist.all_reduce(torch.ones(2), group=pair)
+
+
 def p2p_size_mismatch(comm):
     if dist.get_rank() == 0:
         dist.send(torch.ones(3), 1)
@@ -87,6 +93,9 @@ MISUSES = {
     "reduce op": (reduce_op_mismatch, CollectiveMismatchError, "op=max"),
     "divergent new_group": (divergent_new_group, CollectiveMismatchError, "subgroup"),
     "new_group on one rank": (new_group_on_one_rank, CollectiveMismatchError, "subgroup"),
+    "local group named apart": (local_group_named_apart, CollectiveMismatchError,
+                                r"called new_group\(name=\w+, ranks=\[0, 1\], use_local_synchronization=True\)"
+                                r"(.|\n)*belongs to the same number of groups"),
     "p2p size": (p2p_size_mismatch, CollectiveMismatchError, "send/recv mismatch"),
     "divergent FSDP modules": (divergent_fsdp_modules, CollectiveMismatchError, None),
 }

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ..reports import program_location
 from ..sim.transport import SimTransport
 from ..trace import backward_phase
 from . import ops
@@ -128,7 +129,7 @@ class SimcommProcessGroup(dist.ProcessGroup):
         else:
             if me not in ranks:
                 return None
-            group = self._local_subgroup(ranks, name)
+            group = self._local_subgroup(ranks, name, program_location(sys._getframe(1)))
         group._set_group_name(name)
         group._set_group_desc("" if group_desc is None else str(group_desc))
         return group
@@ -147,9 +148,12 @@ class SimcommProcessGroup(dist.ProcessGroup):
         """The process group over ``transport``, a subgroup transport of this group's."""
         return type(self)(transport)
 
-    def _local_subgroup(self, ranks: list[int], name: str) -> SimcommProcessGroup:
-        """The process group of ``ranks`` made by its members only (``use_local_synchronization``)."""
-        transport = current_context().transport_for(ranks, ranks.index(self.transport.global_rank), name)
+    def _local_subgroup(self, ranks: list[int], name: str, location: str) -> SimcommProcessGroup:
+        """The process group of ``ranks`` made by its members only (``use_local_synchronization``),
+        once they have met and agree on its name."""
+        context = current_context()
+        context.agree_on_local_group(ranks, name, location)
+        transport = context.transport_for(ranks, ranks.index(self.transport.global_rank), name)
         return type(self)(transport)
 
     def abort(self) -> None:

@@ -38,8 +38,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..communicator import Communicator
+from ..errors import CollectiveMismatchError
+from ..reports import LOCAL_GROUP_NAMES, local_group_call, mismatch_message
 from ..sim.rendezvous import Group
-from ..sim.scheduler import RunState
+from ..sim.scheduler import Aborted, RunState
 from ..sim.transport import SimTransport
 from .store import RunStore
 
@@ -171,11 +173,13 @@ def _groups_of(state: RunState) -> _RunGroups:
 class _RankContext:
     """What one rank thread needs to build its process groups on first use."""
 
-    __slots__ = ("transport", "world")
+    __slots__ = ("transport", "world", "meetings")
 
     def __init__(self, transport: SimTransport):
         self.transport = transport
         self.world: _RankWorld | None = None
+        #: where the members of each group made by its members only meet (agree_on_local_group)
+        self.meetings: dict[tuple[int, ...], SimTransport] = {}
 
     @property
     def state(self) -> RunState:
@@ -225,6 +229,33 @@ class _RankContext:
         # of any group never waited on is reported when the program returns
         return SimTransport(self.state, group, group_rank, self.transport.pending,
                             self.transport.recorder)
+
+    def agree_on_local_group(self, global_ranks: list[int], name: str, location: str) -> None:
+        """Meet the other members of a group they make by themselves
+        (``use_local_synchronization=True``), as gloo's members meet in its store when the group
+        is created: a member that never comes is a DeadlockError, members that named the group
+        differently a CollectiveMismatchError on every member (:data:`~simcomm.reports.LOCAL_GROUP_NAMES`),
+        in the words of real workers' checked mode. Not traced (workers trace no creation)."""
+        ranks = tuple(global_ranks)
+        meeting = self.meetings.get(ranks)
+        if meeting is None:
+            group = _groups_of(self.state).group((("creating", ranks),), ranks)
+            meeting = self.meetings[ranks] = SimTransport(
+                self.state, group, ranks.index(self.transport.global_rank), self.transport.pending, None)
+        step = meeting._next_step()
+
+        def compare(entries: list) -> list:
+            if len({entry_name for entry_name, _ in entries}) > 1:
+                calls: dict[tuple[str, str], list[int]] = {}
+                for rank, (entry_name, where) in zip(ranks, entries):
+                    calls.setdefault((local_group_call(ranks, entry_name), where), []).append(rank)
+                self.state.abort(CollectiveMismatchError(mismatch_message(
+                    ranks, step, [(members, text, where) for (text, where), members in calls.items()],
+                    LOCAL_GROUP_NAMES)))
+                raise Aborted from None
+            return [None] * len(entries)
+
+        meeting._rendezvous("new_group", step, (name, location), (), compare)
 
     def close(self) -> None:
         global _active, _multithreading_ctx
