@@ -101,11 +101,11 @@ def materialize(slot: Slot, rank: int, state: RunState):
     out = slot.outputs[rank]
     # the slot keeps no reference to this rank's tensors or frames: they are freed when the program drops them
     slot.outputs[rank] = slot.inputs[rank] = slot.frames[rank] = None
-    if state.shape_only:    # meta outputs become fake tensors of this rank's own mode
-        return memory.received(_shape.own(out, state.device))
     into = None
     if slot.into is not None:
         into, slot.into[rank] = slot.into[rank], None
+    if state.shape_only:    # meta outputs become fake tensors of this rank's own mode; a fake buffer
+        return into if into is not None else memory.received(_shape.own(out, state.device))  # holds no values
     holders = slot.holders
     if holders and id(out) in holders:
         left = holders[id(out)] - 1     # members still to take it after this one
