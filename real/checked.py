@@ -70,7 +70,7 @@ from simcomm.handles import Handle
 from simcomm.reports import LOCAL_GROUP_NAMES, mismatch_message, program_location
 from simcomm.trace import current_phase, issued_as
 
-from .transport import GroupCache, issuing_deferred
+from .transport import RELEASE_WAIT_S, GroupCache, issuing_deferred
 
 __all__ = ["Call", "Checker", "CheckedTransport", "EXTRACTORS", "describe", "find_deadlock"]
 
@@ -660,7 +660,15 @@ class _Deferred:
         self.join()
         output = self.handle.wait()
         self.handle = None       # the checker keeps this object as the group's last issue: not its output
+        self.finished()
         return output
+
+    def finished(self) -> None:
+        """Wait (at most :data:`real.transport.RELEASE_WAIT_S`) until the issuing thread is gone:
+        it has issued the call and only exits, but what it held (the call's output among it) is
+        let go only as it exits, on that thread; the memory count would see it alive a moment
+        after the program freed it (``Cluster(memory=True)``)."""
+        self._thread.join(RELEASE_WAIT_S)
 
     def is_completed(self) -> bool:
         return self.issued.is_set() and (self._error is not None or self.handle is None
@@ -684,6 +692,7 @@ class _Part:
         handles = self._work.handle
         output = handles[self._index].wait()
         handles[self._index] = None    # as _Deferred.wait: the checker keeps the batch, not its output
+        self._work.finished()
         return output
 
     def is_completed(self) -> bool:

@@ -117,6 +117,11 @@ def _output(result: torch.Tensor | Any, into: torch.Tensor | None) -> Any:
     return into
 
 
+def _moved(cell: list, now: Callable[[], float], _future) -> None:
+    """A Work's future completed: the time its data moved, in ``cell``."""
+    cell[0] = now()
+
+
 class _Done:
     """What a :class:`_DistWork` holds instead of its ``Work`` once waited on (the backend's
     references to the call's tensors are then the only ones left, and they are waited for)."""
@@ -265,17 +270,17 @@ class _DistWork:
         self.transport, self.record, self.work, self.result = transport, record, work, result
         self.held = held         # the call's tensors and their counts before it (memory tracked)
         self.into = into         # the buffer the output is written into at the wait (the call's into)
-        self.moved: float | None = None
+        self.moved: list[float | None] = [None]   # when the data moved; the future's callback writes it
         if not getattr(_issuing, "deferred", False):    # a checked call registers its own handle
             transport.cache.pending[id(self)] = (transport.describe_last(), program_location(sys._getframe(1)))
         if record is not None:
             try:
-                work.get_future().add_done_callback(self._on_moved)
+                # the callback holds the cell and the clock only: the backend's thread runs it and
+                # drops it a moment later, and it must not keep this object (and the call's tensors) alive
+                work.get_future().add_done_callback(functools.partial(_moved, self.moved, transport.recorder.now))
             except (RuntimeError, AttributeError):   # a Work without a future: moved = waited
                 pass
 
-    def _on_moved(self, _future) -> None:
-        self.moved = self.transport.recorder.now()
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -296,7 +301,7 @@ class _DistWork:
         record = self.record
         if record is not None:
             recorder = self.transport.recorder
-            recorder.moved(record, out, at=self.moved)
+            recorder.moved(record, out, at=self.moved[0])
             recorder.waited(record)
         return out
 
