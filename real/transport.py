@@ -41,7 +41,7 @@ from simcomm.checks import check_splits, to_reduce_op
 from simcomm.collectives import on_the_wire
 from simcomm.handles import Handle, P2POp, UnwaitedHandleError
 from simcomm.reports import program_location, unwaited_message
-from simcomm.sim.rendezvous import write_into
+from simcomm.sim.rendezvous import set_versions, write_into
 from simcomm.trace import Record, Recorder, Trace
 from simcomm.transport import TransportBase
 
@@ -66,8 +66,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 #: every dtype this torch knows, in a fixed order: a scatter header names one by its index
 _DTYPES = tuple(dict.fromkeys(value for _, value in sorted(vars(torch).items(), key=lambda item: item[0])
                               if isinstance(value, torch.dtype)))
-
-_set_versions = torch._C._autograd._unsafe_set_version_counter
 
 #: the longest a blocking call waits for the backend's worker to drop its references to the call's
 #: tensors (measured: microseconds; the bound keeps a backend that holds them longer from hanging)
@@ -458,7 +456,7 @@ class DistTransport(TransportBase):
         version = into._version
 
         def result() -> torch.Tensor:
-            _set_versions((into,), (version,))
+            set_versions((into,), (version,))
             return into
         return result
 

@@ -29,9 +29,9 @@ import torch
 from torch.distributed import ReduceOp
 
 from ..checks import check_avg_dtype, check_premul_factor, reduce_op_and_factor
+from ..sim.rendezvous import set_versions, write_into
 from ..sim.transport import SimTransport
 
-_set_versions = torch._C._autograd._unsafe_set_version_counter
 
 __all__ = ["Issued", "all_reduce", "all_gather_list", "all_gather_into_tensor", "reduce_scatter_list",
            "reduce_scatter_tensor", "all_to_all_single", "all_to_all_list", "broadcast", "reduce",
@@ -110,17 +110,14 @@ def _write(c10d_op: str, argument: str, out: torch.Tensor, value: torch.Tensor, 
     ``value`` may be ``out`` itself: the transport wrote it already (its ``into``); only the
     version counter moves then.
     """
-    if value is out:
-        if bumps:
-            _set_versions((out,), (out._version + bumps,))
-        return
-    if out.numel() != value.numel():
-        raise ValueError(
-            f"{c10d_op}: rank {rank}'s {argument} has {out.numel()} elements {tuple(out.shape)} "
-            f"but the result has {value.numel()} {tuple(value.shape)}")
-    version = out._version          # as torch.autograd._unsafe_preserve_version_counter, inline
-    (out.detach() if out.requires_grad else out).copy_(value if value.shape == out.shape else value.reshape(out.shape))
-    _set_versions((out,), (version + bumps,))    # as ``bumps`` calls of torch.autograd.graph.increment_version
+    if value is not out:
+        if out.numel() != value.numel():
+            raise ValueError(
+                f"{c10d_op}: rank {rank}'s {argument} has {out.numel()} elements {tuple(out.shape)} "
+                f"but the result has {value.numel()} {tuple(value.shape)}")
+        write_into(out, value)
+    if bumps:                       # as ``bumps`` calls of torch.autograd.graph.increment_version
+        set_versions((out,), (out._version + bumps,))
 
 
 def _check_numel(c10d_op: str, argument: str, tensor: torch.Tensor, expected: int, rank: int,

@@ -118,7 +118,8 @@ def materialize(slot: Slot, rank: int, state: RunState):
     return memory.received(out)
 
 
-_set_versions = torch._C._autograd._unsafe_set_version_counter
+#: set tensors' version counters (torch's; as torch.autograd._unsafe_preserve_version_counter does)
+set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
 def write_into(buffer: torch.Tensor, value: torch.Tensor) -> None:
@@ -128,7 +129,7 @@ def write_into(buffer: torch.Tensor, value: torch.Tensor) -> None:
     version = buffer._version
     (buffer.detach() if buffer.requires_grad else buffer).copy_(
         value if value.shape == buffer.shape else value.reshape(buffer.shape))
-    _set_versions((buffer,), (version,))
+    set_versions((buffer,), (version,))
 
 
 def failure(slot: Slot, rank: int) -> BaseException:
