@@ -50,6 +50,8 @@ from simcomm.c10d import ops
 from simcomm.c10d.ops import Issued
 from simcomm.c10d.process_group import SimcommProcessGroup
 
+from real.transport import hide_from_program
+
 __all__ = ["RealProcessGroup", "run_process_groups"]
 
 _PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM
@@ -183,7 +185,8 @@ _installed: RealProcessGroup | None = None
 
 def _install(transport) -> RealProcessGroup:
     """Make a :class:`RealProcessGroup` over ``transport`` c10d's default group, in place of the
-    worker's own (which stays in c10d's tables: the transport's data moves through it)."""
+    worker's own (which stays in the c10d tables its data moves through, hidden from the
+    program's: :func:`real.transport.hide_from_program`)."""
     global _installed
     world = c10d._world
     original = world.default_pg
@@ -200,10 +203,13 @@ def _install(transport) -> RealProcessGroup:
     tag = world.pg_to_tag.get(original)
     if tag is not None:
         world.pg_to_tag[group] = tag
-        world.tags_to_pg.setdefault(tag, []).append(group)
+    for tagged in world.tags_to_pg.values():        # its own tag and the default one, ""
+        if original in tagged:
+            tagged.append(group)
     _unregister_process_group(name)
     _register_process_group(name, group)         # the functional collectives find groups by name
     world.default_pg = group
+    hide_from_program(original)
     _installed = group
     return group
 

@@ -226,7 +226,37 @@ class GroupCache:
         finally:
             c10d._world.default_pg = saved
         c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
+        hide_from_program(group)
         return group
+
+    def close(self) -> None:
+        """Shut down the groups this cache made and its world group: after a program destroyed
+        the default group, whose ``destroy_process_group`` shuts down only the groups a program
+        can see (:func:`hide_from_program`)."""
+        for group in [*self._groups.values(), self.world_group]:
+            with contextlib.suppress(Exception):
+                group.shutdown()
+        self._groups.clear()
+
+
+def hide_from_program(group: dist.ProcessGroup) -> None:
+    """Take a worker's own process group out of the c10d tables a program can read.
+
+    A program under torchrun sees its own groups only, and it can tell: torch names a
+    ``new_group(..., use_local_synchronization=True)`` after the number of groups in
+    ``_world.pg_names`` (``group.group_name``), and the functional collectives pick a group
+    for a list of ranks from ``_world.tags_to_pg``. The group stays in the tables that
+    ``dist.*`` calls on it read (``pg_map``, ``pg_group_ranks``, ``pg_backend_config``).
+    """
+    world = c10d._world
+    world.pg_names.pop(group, None)
+    tag = world.pg_to_tag.pop(group, None)
+    for key in {tag, ""} - {None}:
+        tagged = world.tags_to_pg.get(key)
+        if tagged is not None and group in tagged:
+            tagged.remove(group)
+            if not tagged:
+                del world.tags_to_pg[key]
 
 
 def books_agree(books: dict[int, tuple[bool, dict[tuple, int]]]) -> bool:

@@ -235,6 +235,7 @@ def _serve(conn: Connection, spec: WorkerSpec, device: torch.device, store: dist
         if isinstance(request, Close):
             return
         if request.regroup is not None and not dist.is_initialized():
+            cache.close()            # the destroyed world's groups, hidden from its destroy_process_group
             try:
                 cache = _regroup(spec, store, request.regroup, device)
             except BaseException as error:

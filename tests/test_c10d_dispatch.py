@@ -19,6 +19,7 @@ from simcomm.c10d import dispatch
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "comm_debug_counts.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
 import comm_debug_counts  # noqa: E402
+import group_names  # noqa: E402
 
 
 def _free_port() -> int:
@@ -27,16 +28,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _plain_gloo(world_size: int) -> list[dict]:
+def _plain_gloo(world_size: int, script: str = SCRIPT) -> list[dict]:
     """The script on ``world_size`` plain gloo processes (no simcomm imported): the reference."""
     env = dict(os.environ, WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    procs = [subprocess.Popen([sys.executable, SCRIPT], env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, script], env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in range(world_size)]
     outs = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr[-2000:]
-        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+        outs.append(json.loads(stdout.strip().splitlines()[-1].removeprefix("names ")))
     return outs
 
 
@@ -53,6 +54,20 @@ def test_real_workers_count_as_plain_gloo(gloo_cluster):
     """real workers put simcomm's checked process group in place of gloo's: it counts the same."""
     reference = _plain_gloo(2)
     assert gloo_cluster(2).run(comm_debug_counts.program) == reference
+
+
+@pytest.mark.real
+def test_group_names_and_c10d_tables_are_as_on_plain_gloo(gloo_cluster):
+    """A program reads the names torch gives its groups (a local-synchronization group's hashes the
+    number of groups the rank belongs to) and c10d's tables: a worker's own gloo groups, its world
+    and those behind comm.subgroup and the program's groups, are not among them, in any run."""
+    reference = _plain_gloo(4, group_names.__file__)
+    assert reference[0]["groups"] == 4 and reference[0]["local"] != reference[0]["pair"]   # the reference itself counts
+    assert simcomm.World(4).run(group_names.program) == reference
+    assert simcomm.World(4).run(group_names.program, subgroup=True) == reference
+    cluster = gloo_cluster(4)
+    for subgroup in (False, True, False):
+        assert cluster.run(group_names.program, subgroup=subgroup) == reference, subgroup
 
 
 def test_comm_debug_mode_counts_on_virtual_ranks():

@@ -322,6 +322,36 @@ def _create(backend_options, _pg_options) -> SimcommProcessGroup:
     return SimcommProcessGroup(transport)
 
 
+_torch_register_pg_in_world = getattr(c10d, "_register_pg_in_world", None)
+
+
+def _register_pg_in_world(pg, *args, **kwargs):
+    """c10d's ``_register_pg_in_world``, tagging a group that a simcomm default group made as c10d
+    tags one it makes itself with a backend (gloo, NCCL).
+
+    c10d hands ``new_group`` to a default group that implements it, and then registers the
+    result under its own name's tag only, ignoring the ``pg_tag`` the caller gave; a group c10d
+    makes itself also joins the default tag ``""`` (or, given a ``pg_tag``, ``"user:<tag>"``
+    alone). A program can tell: the functional collectives find the group for a list of ranks
+    under the default tag (``funcol.all_reduce(t, "sum", group=[0, 1])``).
+    """
+    if isinstance(pg, SimcommProcessGroup) and not ({"pg_tag", "user_tag", "add_to_default_tag"} & kwargs.keys()):
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "_new_group_with_tag":
+            tag = caller.f_locals.get("pg_tag")
+            if tag in (None, ""):
+                kwargs["add_to_default_tag"] = True
+            else:
+                kwargs["pg_tag"] = f"user:{tag}"
+    return _torch_register_pg_in_world(pg, *args, **kwargs)
+
+
+def install_group_tags() -> None:
+    """Put :func:`_register_pg_in_world` in c10d's place (once per process)."""
+    if _torch_register_pg_in_world is not None and c10d._register_pg_in_world is not _register_pg_in_world:
+        c10d._register_pg_in_world = _register_pg_in_world
+
+
 def register() -> None:
     """Make ``"simcomm"`` a torch.distributed backend name (once per process)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:

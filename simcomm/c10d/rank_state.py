@@ -362,6 +362,8 @@ def install_init_join(*, process_world: bool = False) -> None:
     naming what disagrees. Everywhere else the call is torch's own.
     """
     global _process_world_joins
+    from .process_group import install_group_tags
+    install_group_tags()
     if process_world:
         _process_world_joins = True
     if dist.init_process_group is not init_process_group:
