@@ -102,6 +102,15 @@ def _repr(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _alike(inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor has the first one's shape, strides, dtype and device: a reduction's
+    result then has the same metadata whatever their number (above one)."""
+    first = inputs[0]
+    shape, stride, dtype, device = first.shape, first.stride(), first.dtype, first.device
+    return all(t.shape == shape and t.stride() == stride and t.dtype == dtype and t.device == device
+               for t in inputs)
+
+
 def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum", factors: Sequence | None = None
            ) -> torch.Tensor:
     """Elementwise reduction of the ranks' tensors: one new tensor of the common shape and dtype.
@@ -117,6 +126,8 @@ def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum", factors: 
         return reduce([premultiply(tensor, factor) for tensor, factor in zip(inputs, factors)], "sum")
     if len(inputs) == 1:
         return inputs[0].clone()
+    if len(inputs) > 2 and inputs[0].is_meta and _alike(inputs):
+        inputs = inputs[:2]      # shape-only ranks: N alike meta tensors reduce to what two do
     large = inputs[0].numel() >= _ACCUMULATE_FROM
     if large and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         return _reduce_accumulate(inputs, name)

@@ -124,3 +124,22 @@ def test_new_list_math_matches_reference():
     with pytest.raises(ValueError, match=r"rank 0 sends 0 rows to rank 1 \(input_split_sizes=\[1, 0, 2\] on rank 0\) "
                                          r"but rank 1 expects 1 from rank 0"):
         collectives.all_to_all_single(xs, [[1, 0, 2], [1, 0, 0], [2, 3, 0]], input_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool])
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min", "product"])
+@pytest.mark.parametrize("shape", [(3, 5), (300, 300)])       # the stacked and the accumulated path
+def test_a_reduction_of_meta_tensors_has_the_metadata_of_the_real_one(dtype, op, shape):
+    """Shape-only ranks reduce meta tensors, and from three ranks on only two of them (alike
+    tensors reduce to the same metadata whatever their number): the result's shape, strides and
+    dtype are those of the real reduction of all five; meta tensors that differ are all read."""
+    if op == "avg" and not dtype.is_floating_point:
+        return
+    inputs = [torch.ones(shape[::-1], dtype=dtype).T for _ in range(5)]      # strided, not contiguous
+    want = collectives.reduce(inputs, op)
+    got = collectives.reduce([torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+                              for t in inputs], op)
+    assert (got.shape, got.stride(), got.dtype, got.device.type) == (want.shape, want.stride(), want.dtype, "meta")
+    unlike = [torch.empty(shape, dtype=dtype, device="meta")] * 4 + [torch.empty(shape[0] + 1, shape[1], device="meta")]
+    with pytest.raises(RuntimeError):
+        collectives.reduce(unlike, op)

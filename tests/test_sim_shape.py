@@ -288,3 +288,24 @@ def test_full_garbage_collections_wait_while_shape_only_ranks_run_and_the_thresh
     with pytest.raises(simcomm.errors.RankError):
         simcomm.World(4, tensors=tensors).run(failing)
     assert gc.get_threshold() == before
+
+
+def test_a_run_of_many_ranks_gives_the_process_a_futex_hash_for_its_threads():
+    """Each waiting rank thread sleeps on a futex of its own; Linux 6.16 on sizes a process's
+    futex hash by its CPUs (16 slots on 2), so waking a rank walked hundreds of sleeping ones.
+    A run widens the hash to twice its ranks (a power of two); elsewhere nothing changes."""
+    import ctypes
+    import sys
+
+    from simcomm.sim import scheduler
+
+    if not sys.platform.startswith("linux"):
+        assert scheduler.widen_futex_hash(300) == 0
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    if prctl(scheduler._PR_FUTEX_HASH, scheduler._PR_FUTEX_HASH_GET_SLOTS, 0, 0, 0) < 0:
+        pytest.skip("this kernel has no per-process futex hash (before Linux 6.16): its global one serves")
+    assert simcomm.World(300, tensors="shape").run(lambda comm: comm.rank) == list(range(300))
+    slots = prctl(scheduler._PR_FUTEX_HASH, scheduler._PR_FUTEX_HASH_GET_SLOTS, 0, 0, 0)
+    assert slots >= 1024 and slots & (slots - 1) == 0, slots
+    assert scheduler.widen_futex_hash(10) == slots           # never shrunk

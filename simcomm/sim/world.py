@@ -25,7 +25,7 @@ from ..trace import Trace
 from . import shape as _shape
 from .cuda_map import CudaAsDevice, cuda_answers
 from .flops import FlopCounter
-from .scheduler import Aborted, RunState
+from .scheduler import Aborted, RunState, widen_futex_hash
 from .transport import SimTransport
 
 __all__ = ["World"]
@@ -185,6 +185,7 @@ class World:
                                    rank_args[rank][1]))
             for rank in range(self.world_size)]
         del rank_args
+        widen_futex_hash(self.world_size)
         state.random.save_caller()
         timed_out = None
         answers = cuda_answers(self.world_size) if self.map_cuda else _NO_MODE
