@@ -167,11 +167,14 @@ def _overlap(intervals: list[tuple[float, float]], others: list[tuple[float, flo
     return _union_length(pieces)
 
 
-def _actions(events: list[TraceEvent]) -> deque:
-    """A rank's calls and waits in program order: issues at ``start``, async waits at ``waited``."""
+def _actions(events: list[TraceEvent], groups: GroupIndex) -> deque:
+    """A rank's calls and waits in program order, each with its call's :func:`_key`: issues at
+    ``start``, async waits at ``waited``."""
+    keys = [_key(e, groups) for e in events]
     actions = [(e.start, 0, i, "issue", e) for i, e in enumerate(events)]
     actions += [(e.waited, 1, i, "wait", e) for i, e in enumerate(events) if e.async_op and e.waited is not None]
-    return deque((kind, event) for *_, kind, event in sorted(actions, key=lambda a: a[:3]))
+    # (time, issue before wait, position) is unique: the sort never compares further
+    return deque((kind, event, keys[i]) for _, _, i, kind, event in sorted(actions))
 
 
 def layout(trace: Trace) -> Timeline:
@@ -186,7 +189,8 @@ def layout(trace: Trace) -> Timeline:
             raise ValueError(f"modelled_timeline: {event.op} of rank {event.rank} (step {event.step}) "
                              f"has no modelled duration; call simcomm.model.cost.annotate(trace, topology) first")
         by_rank.setdefault(event.rank, []).append(event)
-    actions = {rank: _actions(events) for rank, events in by_rank.items()}
+    groups = GroupIndex()
+    actions = {rank: _actions(events, groups) for rank, events in by_rank.items()}
     cpu = dict.fromkeys(by_rank, 0.0)
     lane_free = dict.fromkeys(by_rank, 0.0)    # after the last collective on the lane
     p2p_free = dict.fromkeys(by_rank, 0.0)     # after the last point-to-point message
@@ -196,7 +200,6 @@ def layout(trace: Trace) -> Timeline:
     placed: list[Placed] = []
     stalls: list[Stall] = []
 
-    groups = GroupIndex()
     order: dict[tuple, int] = {}                # each call's position in issue order
     candidates: list[tuple] = []                # calls that may have become placeable
 
@@ -261,8 +264,7 @@ def layout(trace: Trace) -> Timeline:
         progress = False
         for rank, queue in actions.items():
             while queue:
-                kind, event = queue[0]
-                key = _key(event, groups)
+                kind, event, key = queue[0]
                 if kind == "issue" and key is None:
                     if event.op == "compute":
                         placed.append(Placed(event, cpu[rank], cpu[rank] + event.modelled))
@@ -282,7 +284,7 @@ def layout(trace: Trace) -> Timeline:
                     candidates.append(key)
                     queue.popleft()
                     if not event.async_op:
-                        queue.appendleft(("wait", event))
+                        queue.appendleft(("wait", event, key))
                     place_ready()
                 else:
                     if key is None:     # an async call on a group of one
