@@ -6,7 +6,9 @@ by K x ranks: what one rank spends on one call, with start-up and teardown
 cancelled out. On a shared, busy machine it moves far less than wall time,
 which is printed beside it (same subtraction). Sides, each in a fresh
 process of its own with ``torch.set_num_threads(1)``, alternating round by
-round; each figure is the minimum over rounds:
+round; each figure is the minimum over rounds. Every side's process gets the futex hash a
+``World.run`` of as many ranks gives it (:func:`simcomm.sim.scheduler.widen_futex_hash`):
+
 
 * ``ring``     - a bare handoff ring: one thread per rank, a lock each, a token
   passed round the ring K times (no torch): the floor of any simulator whose
@@ -272,6 +274,11 @@ def worker(side: str, world_size: int, calls: int) -> None:
     """Print ``{"cpu": s, "wall": s}`` of a run with ``calls`` minus a run with none."""
     import torch
     torch.set_num_threads(1)
+    try:        # every side's threads sleep in a futex hash of the same size (World.run widens it)
+        from simcomm.sim.scheduler import widen_futex_hash
+        widen_futex_hash(world_size)
+    except ImportError:                                 # a checkout from before it
+        pass
     run = RUNS[side]
     run(world_size, 2)                                  # warm-up: imports, first-call caches
     base, full = [], []

@@ -190,16 +190,6 @@ class Record:
                 args, self.end, None if out_shape is None else tuple(out_shape), self.async_op,
                 self.waited)
 
-    @classmethod
-    def from_kept(cls, kept: tuple) -> Record:
-        """The record back from :meth:`kept`'s tuple."""
-        record = cls.__new__(cls)
-        record.__setstate__(kept)
-        args = record.args
-        if type(args) is tuple:
-            record.args = tuple(zip(args[::2], args[1::2]))
-        return record
-
     def __getstate__(self):
         return tuple(getattr(self, name) for name in self.__slots__)
 
@@ -301,20 +291,25 @@ class TraceEvent:
     @classmethod
     def from_record(cls, record: Record | tuple) -> TraceEvent:
         """Build an event from the :class:`Record` a transport kept on its hot path (or the
-        tuple :meth:`Record.kept` made of it)."""
-        if type(record) is tuple:
-            record = Record.from_kept(record)
-        shape, dtype, nbytes = record.shape, record.dtype, record.nbytes
+        tuple :meth:`Record.kept` made of it, read as it is: a trace's events are built from
+        one such tuple each)."""
+        kept = type(record) is tuple
+        (op, group, rank, step, phase, shape, dtype, nbytes, start, root, args, end, out_shape, async_op,
+         waited) = record if kept else record.__getstate__()
+        if not args:
+            args = {}
+        elif type(args) is tuple:       # kept: (name, value, name, ...); a Record's: pairs
+            args = dict(zip(args[::2], args[1::2])) if kept else dict(args)
+        else:
+            args = dict(args)
         if nbytes is None:
             nbytes = math.prod(shape) * dtype.itemsize if shape is not None else 0
-        out_shape = record.out_shape
-        return cls(op=record.op, group=record.group, rank=record.rank, step=record.step,
-                   phase=record.phase, shape=tuple(shape) if shape is not None else None,
+        return cls(op=op, group=group, rank=rank, step=step, phase=phase,
+                   shape=tuple(shape) if shape is not None else None,
                    dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
-                   nbytes=nbytes, start=record.start, end=record.end,
+                   nbytes=nbytes, start=start, end=end,
                    out_shape=tuple(out_shape) if out_shape is not None else None,
-                   root=record.root, args=dict(record.args) if record.args else {},
-                   async_op=record.async_op, waited=record.waited)
+                   root=root, args=args, async_op=async_op, waited=waited)
 
     def _peer_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
         dtype = self.dtype if self.dtype is not None else self.args.get("dtype")   # scatter off src
