@@ -342,6 +342,31 @@ def test_annotate_places_groups_on_nodes():
     assert by_group[(0, 1)] < by_group[(0, 2)]
 
 
+def test_annotate_times_each_send_and_recv_by_its_own_peers():
+    """Sends and recvs of equal bytes share one estimate per kind of hop (inside a node, across
+    nodes): each event's time is the estimate of its own pair of GPUs, and a pair outside the
+    topology is still refused after equal hops inside it were timed."""
+    topology = dataclasses.replace(PRESETS["a100-hdr-cluster"], gpus_per_node=2, nodes=2)
+
+    def program(comm):                      # 0 -> 1 inside node 0, 1 -> 2 across, 2 -> 3 inside node 1
+        if comm.rank:
+            comm.recv((1 << 16,), torch.float32, src=comm.rank - 1)
+        if comm.rank < comm.world_size - 1:
+            comm.send(torch.ones(1 << 16), dst=comm.rank + 1)
+
+    world = simcomm.World(4)
+    world.run(program)
+    annotate(world.trace, topology)
+    hops = [e for e in world.trace if e.op in ("send", "recv")]
+    assert len(hops) == 6
+    for event in hops:
+        want = estimate("send_recv", event.nbytes, 2, topology, ranks=(event.rank, event.root)).time
+        assert event.modelled == want, (event.op, event.rank, event.root)
+    assert len({e.modelled for e in hops}) == 2          # inside a node and across: two times
+    with pytest.raises(ValueError, match=r"send_recv.*ranks \[2\] are outside the 2 GPUs"):
+        annotate(world.trace, dataclasses.replace(topology, nodes=1))
+
+
 def test_annotate_rejects_a_trace_larger_than_the_topology():
     world = simcomm.World(4)
     world.run(lambda comm: comm.all_reduce(torch.ones(4)))

@@ -451,9 +451,19 @@ def annotate(trace: Trace, topology: str | Topology) -> Trace:
     # a collective's members share its estimate (op, group and call size): computed once per call
     # and input size, not once per member (placing a group on the topology costs O(group size))
     shared: dict[tuple, float] = {}
+    hops: dict[tuple, float] = {}       # a send's or recv's estimate: its bytes, and whether the peers share a node
     for event, key in zip(trace.events, keys):
-        if event.op in ("compute", "send", "recv"):
+        if event.op == "compute":
             event.modelled = _event_duration(event, calls[key], topology)
+            continue
+        if event.op in ("send", "recv"):
+            peer = event.root if event.root is not None else event.rank
+            memo = (event.nbytes, None if peer == event.rank else topology.node_of(event.rank) == topology.node_of(peer))
+            inside = 0 <= event.rank < topology.max_ranks and 0 <= peer < topology.max_ranks
+            modelled = hops.get(memo) if inside else None      # (a GPU outside: the estimate's error)
+            if modelled is None:
+                modelled = hops[memo] = _event_duration(event, calls[key], topology)
+            event.modelled = modelled
             continue
         memo = (key, event.nbytes)
         modelled = shared.get(memo)
