@@ -39,10 +39,12 @@ No rank takes it twice on purpose.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -64,6 +66,17 @@ _PR_FUTEX_HASH, _PR_FUTEX_HASH_SET_SLOTS, _PR_FUTEX_HASH_GET_SLOTS = 78, 1, 2
 _MAX_FUTEX_SLOTS = 1 << 16
 
 
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 def widen_futex_hash(waiters: int) -> int:
     """Give the process's futex hash at least ``2 * waiters`` slots (a power of two, at most
     65,536); the slots it has after (0: the kernel's global hash, or not Linux).
@@ -75,11 +88,8 @@ def widen_futex_hash(waiters: int) -> int:
     their CPU time in ``futex_wake``. A larger hash costs 64 bytes a slot; it is never shrunk.
     Older kernels (one global hash of 256 slots per CPU) refuse the call, harmlessly.
     """
-    if not sys.platform.startswith("linux"):
-        return 0
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = _prctl()
+    if prctl is None:
         return 0
     have = prctl(_PR_FUTEX_HASH, _PR_FUTEX_HASH_GET_SLOTS, 0, 0, 0)
     want = min(_MAX_FUTEX_SLOTS, 1 << max(4, (2 * waiters - 1).bit_length()))
