@@ -114,9 +114,11 @@ class RealProcessGroup(SimcommProcessGroup):
         return RealProcessGroup(transport, self._backend)
 
     def _local_subgroup(self, ranks: list[int], name: str, location: str) -> RealProcessGroup:
-        checker = getattr(self.transport, "_checker", None)   # checked mode: the names agree first
+        checker = getattr(self.transport, "_checker", None)   # the names agree first
         if checker is not None:
             checker.agree_on_local_group(ranks, self.transport.ranks[self.transport.rank], name, location)
+        else:
+            self.transport.agree_on_local_group(ranks, name, location)
         local = {rank: index for index, rank in enumerate(self.transport.ranks)}
         return RealProcessGroup(self.transport.local_subgroup(tuple(local[rank] for rank in ranks)),
                                 self._backend)

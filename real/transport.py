@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import pickle
 import sys
 import threading
 import time
@@ -39,8 +40,9 @@ from torch.distributed import distributed_c10d as c10d
 from simcomm import dtypes, memory
 from simcomm.checks import check_splits, to_reduce_op
 from simcomm.collectives import on_the_wire
+from simcomm.errors import CollectiveMismatchError
 from simcomm.handles import Handle, P2POp, UnwaitedHandleError
-from simcomm.reports import program_location, unwaited_message
+from simcomm.reports import local_group_mismatch, program_location, unwaited_message
 from simcomm.sim.rendezvous import set_versions, write_into
 from simcomm.trace import Record, Recorder, Trace
 from simcomm.transport import TransportBase
@@ -168,6 +170,8 @@ class GroupCache:
         #: the async calls of this run not waited on yet: id -> (what, where)
         self.pending: dict[int, tuple[str, str]] = {}
         self.calls: Counter[tuple] = Counter()
+        #: how many groups made by their members only each set of ranks has had (their meetings' steps)
+        self.local_groups: Counter[tuple[int, ...]] = Counter()
         self.broken = False
 
     @contextlib.contextmanager
@@ -652,6 +656,25 @@ class DistTransport(TransportBase):
         child = self.local_subgroup(part)
         self._end(record, None)
         return child
+
+    def agree_on_local_group(self, ranks: Sequence[int], name: str, location: str) -> None:
+        """The members ``ranks`` (global) of a group made by its members only
+        (``new_group(..., use_local_synchronization=True)``) compare the name torch gave it, in
+        the world's store, before it is made; a :class:`CollectiveMismatchError` on every member
+        when they named it differently, as on virtual ranks (checked mode compares in its own
+        store: :meth:`real.checked.Checker.agree_on_local_group`). gloo's own members would wait
+        for each other under different names forever."""
+        key = tuple(sorted(ranks))
+        step = self._cache.local_groups[key]
+        self._cache.local_groups[key] += 1
+        world = self._cache.world_group
+        store = c10d._world.pg_map[world][1]
+        prefix = f"simcomm-local-group/{'.'.join(map(str, key))}/{step}/"
+        store.set(prefix + str(dist.get_rank(world)), pickle.dumps((name, location)))
+        entries = [pickle.loads(store.get(prefix + str(rank))) for rank in ranks]
+        text = local_group_mismatch(ranks, step, entries)
+        if text is not None:
+            raise CollectiveMismatchError(text)
 
     def local_subgroup(self, part: Sequence[int]) -> DistTransport:
         """The transport of the group of ``part`` (group-local ranks, this rank among them),

@@ -123,6 +123,21 @@ def local_group_call(ranks: Sequence[int], name: str) -> str:
     return f"new_group(name={name[:8]}, ranks={list(ranks)}, use_local_synchronization=True)"
 
 
+def local_group_mismatch(ranks: Sequence[int], step: int, entries: Sequence[tuple[str, str]]) -> str | None:
+    """The :class:`~simcomm.errors.CollectiveMismatchError` text when the members ``ranks`` of a
+    group made by its members only named it differently at their ``step``-th such meeting
+    (``entries``: each member's ``(name, location)``, in the order of ``ranks``); None when
+    they agree. Virtual ranks and unchecked real workers word it so; checked mode formats the
+    same text from its own records."""
+    if len({name for name, _ in entries}) < 2:
+        return None
+    calls: dict[tuple[str, str], list[int]] = {}
+    for rank, (name, where) in zip(ranks, entries):
+        calls.setdefault((local_group_call(ranks, name), where), []).append(rank)
+    return mismatch_message(ranks, step, [(members, text, where) for (text, where), members in calls.items()],
+                            LOCAL_GROUP_NAMES)
+
+
 # -- handles never waited on ------------------------------------------------------------------
 
 def unwaited_message(rank: int, issued: Sequence[tuple[str, str]]) -> str:

@@ -114,6 +114,28 @@ def test_a_torch_distributed_misuse_is_the_same_named_error_on_both_backends(clu
     assert cluster.run(lambda comm: dist.get_rank()) == list(range(WORLD))   # the workers serve on
 
 
+def test_a_local_group_named_apart_is_the_same_error_on_unchecked_workers():
+    """Members of a use_local_synchronization group that torch named differently would wait for
+    each other forever under torchrun; unchecked workers compare the names in the world's store
+    as virtual ranks do, and raise the same error, then serve on (a run that agrees after it)."""
+    import real
+
+    _, want_pattern = MISUSES["local group named apart"][1:]
+    sim_error, sim_text = _outcome(simcomm.World(WORLD).run, local_group_named_apart)
+    with real.Cluster(WORLD, backend="gloo", timeout=60.0, checked=False) as cluster:
+        real_error, real_text = _outcome(cluster.run, local_group_named_apart)
+        assert sim_error is real_error is CollectiveMismatchError, (sim_text, real_text)
+        assert re.search(want_pattern, real_text) and __file__ in real_text, real_text
+        assert cluster.run(agreeing) == simcomm.World(WORLD).run(agreeing) == [[3.0, 3.0]] * WORLD
+
+
+def agreeing(comm):
+    pair = dist.new_group([0, 1], use_local_synchronization=True)
+    out = torch.ones(2) * (dist.get_rank() + 1)
+    dist.all_reduce(out, group=pair)
+    return out.tolist()
+
+
 # -- one sequence, one trace -------------------------------------------------------------
 
 def mixed_collective(comm):

@@ -39,7 +39,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..communicator import Communicator
 from ..errors import CollectiveMismatchError
-from ..reports import LOCAL_GROUP_NAMES, local_group_call, mismatch_message
+from ..reports import local_group_mismatch
 from ..sim.rendezvous import Group
 from ..sim.scheduler import Aborted, RunState
 from ..sim.transport import SimTransport
@@ -245,13 +245,9 @@ class _RankContext:
         step = meeting._next_step()
 
         def compare(entries: list) -> list:
-            if len({entry_name for entry_name, _ in entries}) > 1:
-                calls: dict[tuple[str, str], list[int]] = {}
-                for rank, (entry_name, where) in zip(ranks, entries):
-                    calls.setdefault((local_group_call(ranks, entry_name), where), []).append(rank)
-                self.state.abort(CollectiveMismatchError(mismatch_message(
-                    ranks, step, [(members, text, where) for (text, where), members in calls.items()],
-                    LOCAL_GROUP_NAMES)))
+            text = local_group_mismatch(ranks, step, entries)
+            if text is not None:
+                self.state.abort(CollectiveMismatchError(text))
                 raise Aborted from None
             return [None] * len(entries)
 
