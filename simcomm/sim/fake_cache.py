@@ -68,6 +68,14 @@ __all__ = ["QUERIES", "dispatch", "cache_info", "cache_clear"]
 _ENTRIES: dict[tuple, Any] = {}
 _UNCACHED = object()
 _COMPUTED = object()        # torch's cache has a negative entry: the fake mode computes it each time
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+class _StridedView(tuple):
+    """The entry of an ``aten._unsafe_view``: ``(size, stride, storage offset, dtype,
+    requires_grad, conj, neg)`` of what torch's fake mode returns for the key: a tensor on its
+    input's storage that is not a view of it (own version counter, no base). torch keeps a
+    negative entry for the op ("unsafe view") and computes it each time."""
 _COUNTS = {"hits": 0, "misses": 0, "uncached": 0, "computed": 0}
 
 #: argument types keyed by their type and value (as torch's key does: 1 and 1.0 differ)
@@ -198,6 +206,27 @@ class _outside_fake_mode:
             torch._C._set_dispatch_mode(self.previous)
 
 
+def _aliases_its_input(output: Any, tensor: Any) -> bool:
+    """Whether ``output`` is a fake tensor on ``tensor``'s storage and not a view of it (what the
+    fake mode's ``_unsafe_view`` returns), so that :func:`_on_storage_of` rebuilds it."""
+    return (isinstance(output, FakeTensor) and isinstance(tensor, FakeTensor) and not output._is_view()
+            and output.untyped_storage()._cdata == tensor.untyped_storage()._cdata)
+
+
+def _on_storage_of(tensor: FakeTensor, entry: _StridedView, mode: FakeTensorMode) -> FakeTensor:
+    """A new fake tensor of ``mode`` on ``tensor``'s storage with the metadata of ``entry``, as
+    :func:`_build` makes a view op's output (``set_`` on a meta tensor: no base, own version)."""
+    size, stride, offset, dtype, requires_grad, conj, neg = entry
+    with torch._C._DisableTorchDispatch():
+        empty = torch.empty_strided(size, stride, dtype=dtype, device="meta", requires_grad=requires_grad)
+        if conj:
+            torch._C._set_conj(empty, True)
+        if neg:
+            torch._C._set_neg(empty, True)
+        empty.set_(tensor.untyped_storage(), offset, size, stride)
+    return _fake_tensor(mode, empty, tensor.fake_device)
+
+
 def _learn(key: tuple, func, args, kwargs: dict, mode: FakeTensorMode) -> Any:
     """A first sight of ``key``: dispatch to the fake mode and file torch's entry under ``key``."""
     torch_key = None
@@ -209,7 +238,11 @@ def _learn(key: tuple, func, args, kwargs: dict, mode: FakeTensorMode) -> Any:
         bypass = False
     output = func(*args, **kwargs)
     entry = FakeTensorMode.cache.get(torch_key) if torch_key is not None else None
-    if isinstance(entry, _fake._DispatchCacheValidEntry):
+    if func is _UNSAFE_VIEW and _aliases_its_input(output, args[0]):
+        _ENTRIES[key] = _StridedView((tuple(output.shape), output.stride(), output.storage_offset(), output.dtype,
+                                      output.requires_grad, output.is_conj(), output.is_neg()))
+        _COUNTS["misses"] += 1
+    elif isinstance(entry, _fake._DispatchCacheValidEntry):
         _ENTRIES[key] = entry
         _COUNTS["misses"] += 1
     else:
@@ -249,6 +282,8 @@ def dispatch(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode) -> An
         _COUNTS["uncached"] += 1
         return func(*args, **kwargs)
     _COUNTS["hits"] += 1
+    if type(entry) is _StridedView:     # an unsafe view: on this rank's own input's storage
+        return _on_storage_of(args[0], entry, mode)
     return _build(entry, func, args, mode)
 
 
