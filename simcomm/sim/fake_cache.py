@@ -64,18 +64,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 __all__ = ["QUERIES", "dispatch", "cache_info", "cache_clear"]
 
-#: cheap key -> torch's cache entry for it (a ``_DispatchCacheValidEntry``), ``_COMPUTED`` or ``_UNCACHED``
+#: cheap key -> torch's cache entry for it (a ``_DispatchCacheValidEntry``), an :class:`_UnsafeView`,
+#: ``_COMPUTED`` or ``_UNCACHED``
 _ENTRIES: dict[tuple, Any] = {}
 _UNCACHED = object()
 _COMPUTED = object()        # torch's cache has a negative entry: the fake mode computes it each time
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
-
-
-class _StridedView(tuple):
-    """The entry of an ``aten._unsafe_view``: ``(size, stride, storage offset, dtype,
-    requires_grad, conj, neg)`` of what torch's fake mode returns for the key: a tensor on its
-    input's storage that is not a view of it (own version counter, no base). torch keeps a
-    negative entry for the op ("unsafe view") and computes it each time."""
 _COUNTS = {"hits": 0, "misses": 0, "uncached": 0, "computed": 0}
 
 #: argument types keyed by their type and value (as torch's key does: 1 and 1.0 differ)
@@ -144,19 +138,25 @@ def _build(entry, func, args, mode: FakeTensorMode) -> Any:
         if metadata is None:
             outputs.append(info.constant_value)      # None or a number
             continue
-        with torch._C._DisableTorchDispatch():
-            empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype,
-                                        layout=metadata.layout, device="meta",
-                                        requires_grad=metadata.requires_grad)
-            if metadata.is_conj:
-                torch._C._set_conj(empty, True)
-            if metadata.is_neg:
-                torch._C._set_neg(empty, True)
-            if info.view_idx is not None:            # a view: of the asking rank's input storage
-                empty.set_(args[info.view_idx].untyped_storage(), metadata.storage_offset,
-                           metadata.shape, metadata.stride)
-        outputs.append(_fake_tensor(mode, empty, metadata.device))
+        # a view: on the asking rank's input storage
+        storage = args[info.view_idx].untyped_storage() if info.view_idx is not None else None
+        outputs.append(_fake_tensor(mode, _meta(metadata, storage), metadata.device))
     return tuple(outputs) if entry.is_output_tuple else outputs[0]
+
+
+def _meta(metadata, storage: torch.UntypedStorage | None) -> torch.Tensor:
+    """A meta tensor of ``metadata`` (torch's ``TensorMetadata``): on ``storage`` when given,
+    with ``set_``, which makes it no view of what else lies there and gives it its own version."""
+    with torch._C._DisableTorchDispatch():
+        empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype,
+                                    layout=metadata.layout, device="meta", requires_grad=metadata.requires_grad)
+        if metadata.is_conj:
+            torch._C._set_conj(empty, True)
+        if metadata.is_neg:
+            torch._C._set_neg(empty, True)
+        if storage is not None:
+            empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
+    return empty
 
 
 #: per device, the attributes ``FakeTensor.__new__`` gives a plain output (its device, empty
@@ -206,25 +206,23 @@ class _outside_fake_mode:
             torch._C._set_dispatch_mode(self.previous)
 
 
+class _UnsafeView:
+    """The entry of an ``aten._unsafe_view``: the metadata (torch's ``TensorMetadata``) of what
+    torch's fake mode returns for the key, a tensor on its input's storage that is not a view of
+    it (no base, its own version counter). torch keeps a negative entry for the op ("unsafe
+    view") and computes it each time."""
+
+    __slots__ = ("metadata",)
+
+    def __init__(self, metadata):
+        self.metadata = metadata
+
+
 def _aliases_its_input(output: Any, tensor: Any) -> bool:
     """Whether ``output`` is a fake tensor on ``tensor``'s storage and not a view of it (what the
-    fake mode's ``_unsafe_view`` returns), so that :func:`_on_storage_of` rebuilds it."""
+    fake mode's ``_unsafe_view`` returns), so that :func:`_meta` on that storage rebuilds it."""
     return (isinstance(output, FakeTensor) and isinstance(tensor, FakeTensor) and not output._is_view()
             and output.untyped_storage()._cdata == tensor.untyped_storage()._cdata)
-
-
-def _on_storage_of(tensor: FakeTensor, entry: _StridedView, mode: FakeTensorMode) -> FakeTensor:
-    """A new fake tensor of ``mode`` on ``tensor``'s storage with the metadata of ``entry``, as
-    :func:`_build` makes a view op's output (``set_`` on a meta tensor: no base, own version)."""
-    size, stride, offset, dtype, requires_grad, conj, neg = entry
-    with torch._C._DisableTorchDispatch():
-        empty = torch.empty_strided(size, stride, dtype=dtype, device="meta", requires_grad=requires_grad)
-        if conj:
-            torch._C._set_conj(empty, True)
-        if neg:
-            torch._C._set_neg(empty, True)
-        empty.set_(tensor.untyped_storage(), offset, size, stride)
-    return _fake_tensor(mode, empty, tensor.fake_device)
 
 
 def _learn(key: tuple, func, args, kwargs: dict, mode: FakeTensorMode) -> Any:
@@ -239,8 +237,7 @@ def _learn(key: tuple, func, args, kwargs: dict, mode: FakeTensorMode) -> Any:
     output = func(*args, **kwargs)
     entry = FakeTensorMode.cache.get(torch_key) if torch_key is not None else None
     if func is _UNSAFE_VIEW and _aliases_its_input(output, args[0]):
-        _ENTRIES[key] = _StridedView((tuple(output.shape), output.stride(), output.storage_offset(), output.dtype,
-                                      output.requires_grad, output.is_conj(), output.is_neg()))
+        _ENTRIES[key] = _UnsafeView(_fake.extract_tensor_metadata(output))
         _COUNTS["misses"] += 1
     elif isinstance(entry, _fake._DispatchCacheValidEntry):
         _ENTRIES[key] = entry
@@ -282,8 +279,9 @@ def dispatch(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode) -> An
         _COUNTS["uncached"] += 1
         return func(*args, **kwargs)
     _COUNTS["hits"] += 1
-    if type(entry) is _StridedView:     # an unsafe view: on this rank's own input's storage
-        return _on_storage_of(args[0], entry, mode)
+    if type(entry) is _UnsafeView:      # on this rank's own input's storage
+        metadata = entry.metadata
+        return _fake_tensor(mode, _meta(metadata, args[0].untyped_storage()), metadata.device)
     return _build(entry, func, args, mode)
 
 
