@@ -309,3 +309,48 @@ def test_a_run_of_many_ranks_gives_the_process_a_futex_hash_for_its_threads():
     slots = prctl(scheduler._PR_FUTEX_HASH, scheduler._PR_FUTEX_HASH_GET_SLOTS, 0, 0, 0)
     assert slots >= 1024 and slots & (slots - 1) == 0, slots
     assert scheduler.widen_futex_hash(10) == slots           # never shrunk
+
+
+def test_a_shape_only_run_keeps_its_rank_threads_on_one_cpu_and_the_caller_on_its_own():
+    """One rank runs at a time, and a hand-off that wakes a rank on another CPU costs an
+    interrupt and that CPU's cold cache: a shape-only run starts its rank threads on one CPU
+    (the highest the caller may use) and sets the caller's CPUs again. A real-valued run's
+    ranks run where a process would, on every CPU the caller may use (their compute uses
+    torch's threads, which inherit a rank thread's CPUs)."""
+    import os
+
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs os.sched_setaffinity and two CPUs to run on")
+    caller = os.sched_getaffinity(0)
+
+    def cpus(comm):
+        return sorted(os.sched_getaffinity(0))
+
+    assert simcomm.World(4, tensors="shape").run(cpus) == [[max(caller)]] * 4
+    assert os.sched_getaffinity(0) == caller
+    assert simcomm.World(4).run(cpus) == [sorted(caller)] * 4
+    assert os.sched_getaffinity(0) == caller
+
+    def fails(comm):
+        raise ValueError(comm.rank)
+
+    with pytest.raises(simcomm.RankError):
+        simcomm.World(3, tensors="shape").run(fails)
+    assert os.sched_getaffinity(0) == caller
+
+
+def test_one_cpu_is_a_no_op_where_the_caller_has_one_cpu(monkeypatch):
+    import os
+
+    from simcomm.sim.scheduler import OneCpu
+
+    if not hasattr(os, "sched_setaffinity"):
+        with OneCpu():
+            pass
+        return
+    calls = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: calls.append(cpus))
+    with OneCpu():
+        pass
+    assert calls == []

@@ -25,7 +25,7 @@ from ..trace import Trace
 from . import shape as _shape
 from .cuda_map import CudaAsDevice, cuda_answers
 from .flops import FlopCounter
-from .scheduler import Aborted, RunState, widen_futex_hash
+from .scheduler import Aborted, OneCpu, RunState, widen_futex_hash
 from .transport import SimTransport
 
 __all__ = ["World"]
@@ -194,8 +194,11 @@ class World:
         collections = _FullCollectionsDeferred(active=shape_only)
         try:
             collections.__enter__()
-            for thread in threads:
-                thread.start()
+            # a shape-only run's rank threads on one CPU (OneCpu: the caller's own CPUs are set
+            # again once they are started)
+            with OneCpu() if shape_only else _NO_MODE:
+                for thread in threads:
+                    thread.start()
             state.start()
             if not state.done.wait(timeout):
                 with state.lock:
