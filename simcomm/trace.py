@@ -44,6 +44,8 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .collector import FullCollectionsDeferred
+
 _perf_counter = time.perf_counter
 
 __all__ = ["TraceEvent", "Trace", "Record", "Recorder", "backward_phase", "current_phase", "issued_as", "peer_bytes"]
@@ -345,9 +347,10 @@ class Trace:
     def events(self) -> list[TraceEvent]:
         """The events, ordered by start time (then rank)."""
         if self._events is None:
-            events = [item if isinstance(item, TraceEvent) else TraceEvent.from_record(item)
-                      for item in self._items]
-            self._events = sorted(events, key=lambda e: (e.start, e.rank))
+            with FullCollectionsDeferred():     # every event built stays alive
+                events = [item if isinstance(item, TraceEvent) else TraceEvent.from_record(item)
+                          for item in self._items]
+                self._events = sorted(events, key=lambda e: (e.start, e.rank))
             self._items = []
         return self._events
 

@@ -632,3 +632,49 @@ def test_async_point_to_point_overlaps_compute():
     for rank in (0, 1):
         assert timeline.ranks[rank].communication == pytest.approx(hop)  # send and recv run together
         assert timeline.ranks[rank].exposed == 0.0
+
+
+def _pairwise_overlap(intervals, others):
+    """The definition: the union of every pairwise intersection of positive length."""
+    pieces = sorted((max(a, c), min(b, d)) for a, b in intervals for c, d in others if min(b, d) > max(a, c))
+    total, reach = 0.0, float("-inf")
+    for start, end in pieces:
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def test_exposed_time_is_the_length_of_the_intersection_of_the_two_unions():
+    from simcomm.model.overlap import _overlap
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        def intervals(count):
+            starts = torch.randint(0, 40, (count,), generator=generator).tolist()
+            lengths = torch.randint(0, 12, (count,), generator=generator).tolist()   # some of length 0
+            return [(float(s), float(s + n)) for s, n in zip(starts, lengths)]
+        waits, busy = intervals(trial % 7), intervals(trial % 5 + 1)
+        assert _overlap(waits, busy) == _pairwise_overlap(waits, busy), (waits, busy)
+    assert _overlap([(0.0, 4.0), (2.0, 6.0)], [(5.0, 9.0), (1.0, 1.5)]) == 1.5
+    assert _overlap([(0.0, 1.0)], [(1.0, 2.0)]) == 0.0
+
+
+def test_the_timeline_and_the_trace_events_hold_off_full_collections_only_while_they_are_built(monkeypatch):
+    import gc
+
+    from simcomm.model import overlap
+
+    before = gc.get_threshold()
+    seen = []
+    build = overlap._layout
+    monkeypatch.setattr(overlap, "_layout", lambda trace: seen.append(gc.get_threshold()) or build(trace))
+    world = simcomm.World(4)
+    world.run(lambda comm: comm.all_reduce(torch.ones(3)))
+    timeline = cost.modelled_timeline(world.trace, "h100-nvswitch")
+    assert len(timeline) == 4 and seen[0][:2] == before[:2] and seen[0][2] >= 10**6
+    assert gc.get_threshold() == before
+    with pytest.raises(ValueError, match="no modelled duration"):
+        overlap.layout(Trace([TraceEvent(op="all_reduce", group=(0, 1), rank=0, step=0, phase="forward",
+                                         shape=(3,), dtype="float32", nbytes=12, start=0.0)]))
+    assert gc.get_threshold() == before

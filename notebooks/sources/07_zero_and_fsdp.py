@@ -223,8 +223,11 @@ assert fsdp_calls.count(("all_gather", "backward")) == 8 and checkpoint_calls.co
 print("ZeRO-3: both ways 9 reduce-scatters in backward; FSDP's way re-gathers 8 layers in backward, "
       "checkpointing re-runs 9 forwards")
 assert all(torch.equal(a, b) for way in results for a, b in zip(way, results[0])), "every way: the same step"
+# Adam's first step moves a weight by lr * g / (|g| + eps): where a gradient is as small as eps (this
+# deep stack's first layer has some of 4e-9), fp32 rounding of g moves that step by a few percent of
+# lr = 1e-2; a wrong step (a gradient not reduced, a stale shard) moves weights by about lr itself
 print(assert_close(results, [fsdp.adam_reference(deep, steps=1)] * len(ways),
-                   "every way, fp32 against float64 Adam", atol=1e-4))
+                   "every way, fp32 against float64 Adam", atol=1e-3))
 
 # %% tags=["nbval-ignore-output"]
 for name, report in peaks.items():

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import gc
 import math
 import sys
 import threading
@@ -16,6 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import memory as _memory
+from ..collector import FullCollectionsDeferred
 from ..c10d import rank_process_group
 from ..c10d.work import wait_returned
 from ..communicator import Communicator
@@ -118,7 +118,7 @@ class World:
           (``torch.autograd.set_multithreading_enabled(False)``), on any device.
 
         While the ranks of a shape-only run run, Python's full garbage collections wait
-        (the oldest generation's threshold is raised to :data:`DEFERRED_FULL_COLLECTIONS`;
+        (the oldest generation's threshold is raised to :data:`simcomm.collector.DEFERRED_FULL_COLLECTIONS`;
         the young generations collect as usual; ``gc.get_threshold()`` shows it): thousands
         of live ranks made each full collection walk all of them. The thresholds are set
         back when the run ends. A real-valued run leaves them as they are, as a process would.
@@ -191,7 +191,7 @@ class World:
         answers = cuda_answers(self.world_size) if self.map_cuda else _NO_MODE
         answers.__enter__()
         # shape-only runs only: a real-valued program sees the thresholds a process has
-        collections = _FullCollectionsDeferred(active=shape_only)
+        collections = FullCollectionsDeferred(active=shape_only)
         try:
             collections.__enter__()
             # a shape-only run's rank threads on one CPU (OneCpu: the caller's own CPUs are set
@@ -417,46 +417,6 @@ def _caused_by_abort(error: BaseException | None) -> bool:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
-
-
-# -- Python's garbage collector during a run ------------------------------------------------------
-
-#: the oldest generation's threshold while ranks run (Python's default is 10)
-DEFERRED_FULL_COLLECTIONS = 10**6
-
-
-class _FullCollectionsDeferred:
-    """Defers Python's full garbage collections (the oldest generation) while a run's ranks
-    run, by raising that generation's threshold; the young generations collect as before.
-
-    Thousands of rank threads keep their frames, autograd graphs and tensors alive for the
-    whole run, so each full collection walks all of them, and their number grows with the
-    ranks: 17 % of a 4096-rank shape-only run's CPU went to them (12 full collections, 3.8 s
-    of 30 s). Garbage is still freed by reference counting and the young collections; cycles
-    that outlive both wait for the first full collection after the run. The previous
-    thresholds are set again when the run ends, unless the program changed them meanwhile.
-
-    Only in shape-only runs (``active``): there no tensor holds values and the run plans,
-    while a real-valued program's ``gc.get_threshold()`` and the moments its cycles are
-    freed must be those of a process.
-    """
-
-    def __init__(self, active: bool = True):
-        self.saved: tuple[int, ...] | None = None
-        self.active = active
-
-    def __enter__(self) -> None:
-        if not self.active:
-            return
-        first, second, third = gc.get_threshold()
-        self.saved = (first, second, third)
-        self.deferred = (first, second, max(third, DEFERRED_FULL_COLLECTIONS))
-        gc.set_threshold(*self.deferred)
-
-    def __exit__(self, *exc_info) -> None:
-        if self.saved is not None and gc.get_threshold() == self.deferred:
-            gc.set_threshold(*self.saved)
-        self.saved = None
 
 
 # -- ending a run ------------------------------------------------------------------------------

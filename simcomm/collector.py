@@ -1,0 +1,47 @@
+"""Python's garbage collector around work that builds many long-lived objects.
+
+A full collection (the oldest generation) walks every object the process has
+tracked, and Python starts one each time the objects that survived the younger
+generations grow by a quarter. Work that builds hundreds of thousands of
+objects that all stay alive (the live frames and graphs of thousands of
+shape-only ranks; a trace's events, their modelled timeline) meets one full
+collection after another, each longer than the last, though none of them can
+free anything the work built. :class:`FullCollectionsDeferred` holds them off
+for the length of a ``with`` block.
+"""
+from __future__ import annotations
+
+import gc
+
+__all__ = ["DEFERRED_FULL_COLLECTIONS", "FullCollectionsDeferred"]
+
+#: the oldest generation's threshold inside the block (Python's default is 10)
+DEFERRED_FULL_COLLECTIONS = 10**6
+
+
+class FullCollectionsDeferred:
+    """Defers Python's full garbage collections inside a ``with`` block by raising the oldest
+    generation's threshold; the young generations collect as before and reference counting
+    frees garbage at once, so only cycles that outlive the young collections wait, until the
+    first full collection after the block. The previous thresholds are set again at the end
+    of the block, unless something inside it changed them meanwhile. ``active=False``: a
+    block that leaves the thresholds alone. Blocks nest (an inner block finds the raised
+    threshold and keeps it)."""
+
+    def __init__(self, active: bool = True):
+        self.active = active
+        self.saved: tuple[int, int, int] | None = None
+        self.deferred: tuple[int, int, int] | None = None
+
+    def __enter__(self) -> FullCollectionsDeferred:
+        if self.active:
+            first, second, third = gc.get_threshold()
+            self.saved = (first, second, third)
+            self.deferred = (first, second, max(third, DEFERRED_FULL_COLLECTIONS))
+            gc.set_threshold(*self.deferred)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.saved is not None and gc.get_threshold() == self.deferred:
+            gc.set_threshold(*self.saved)
+        self.saved = None
