@@ -112,6 +112,46 @@ def test_the_fast_constructor_matches_fake_tensors_own():
     assert (fast.shape, fast.stride(), fast.dtype, fast.device) == (slow.shape, slow.stride(), slow.dtype, slow.device)
 
 
+@pytest.mark.parametrize("size, stride, dtype", [((3, 5), (5, 1), torch.bfloat16), ((3, 5), (1, 3), torch.int64),
+                                                 ((), (), torch.float32), ((2, 0, 4), (4, 4, 1), torch.bool)])
+def test_a_received_tensor_built_directly_is_what_empty_strided_returns_in_the_rank_mode(size, stride, dtype):
+    mode = shape.rank_mode()
+    cpu = torch.device("cpu")
+    with mode, shape.FunctionalCollectives(mode):
+        assert shape._rank_fake_mode_alone() is mode
+        dispatched = torch.empty_strided(size, stride, dtype=dtype, device=cpu)
+        direct = fake_cache.empty(mode, size, stride, dtype, cpu)
+        received = shape.own(torch.empty_strided(size, stride, dtype=dtype, device="meta"), cpu)
+    assert _describe(direct, ()) == _describe(dispatched, ()) == _describe(received, ())
+    assert direct.fake_mode is received.fake_mode is mode
+    assert direct.untyped_storage().nbytes() == dispatched.untyped_storage().nbytes()
+    assert direct.untyped_storage()._cdata != dispatched.untyped_storage()._cdata
+
+
+def test_a_received_tensor_goes_through_the_dispatch_when_another_mode_is_set():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    mode = shape.rank_mode()
+    meta = torch.empty(2, 3, device="meta")
+    with mode, shape.FunctionalCollectives(mode):
+        with Seen() as seen:                                # a program's own mode sees the allocation
+            assert shape._rank_fake_mode_alone() is None
+            out = shape.own(meta, torch.device("cpu"))
+        assert torch.ops.aten.empty_strided.default in seen.ops and out.fake_mode is mode
+        with torch.inference_mode():
+            assert shape._rank_fake_mode_alone() is None
+    assert shape._rank_fake_mode_alone() is None            # outside a rank
+
+
 def test_arguments_the_key_cannot_hold_and_a_disabled_cache_go_to_the_fake_mode():
     shape.dispatch_cache_clear()
     mode = shape.rank_mode()

@@ -62,7 +62,7 @@ import torch
 from torch._subclasses import fake_tensor as _fake
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-__all__ = ["QUERIES", "dispatch", "cache_info", "cache_clear"]
+__all__ = ["QUERIES", "dispatch", "empty", "cache_info", "cache_clear"]
 
 #: cheap key -> torch's cache entry for it (a ``_DispatchCacheValidEntry``), an :class:`_UnsafeView`,
 #: ``_COMPUTED`` or ``_UNCACHED``
@@ -98,7 +98,7 @@ def _add(parts: list, values, mode: FakeTensorMode) -> bool:
                 return False
             try:
                 parts.extend((value.shape, value.stride(), value.storage_offset(),
-                              value.untyped_storage().nbytes(), value.dtype, value.fake_device,
+                              value.untyped_storage().nbytes(), value.dtype, value._fake_device,
                               value.requires_grad, _dispatch_keys(value).raw_repr()))
             except RuntimeError:   # sparse and other layouts without strides or storage
                 return False
@@ -186,6 +186,16 @@ def _fake_tensor(mode: FakeTensorMode, elem: torch.Tensor, device: torch.device)
     attributes.update(template)
     attributes["fake_mode"] = mode
     return tensor
+
+
+def empty(mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device: torch.device) -> FakeTensor:
+    """What ``torch.empty_strided(shape, stride, dtype=dtype, device=device)`` returns under
+    ``mode`` (a new fake tensor of its own meta storage, no gradient), without the dispatch:
+    ``device`` normalized, and no other dispatch mode set (``tests/test_sim_fake_cache.py``
+    compares the two)."""
+    with torch._C._DisableTorchDispatch():
+        elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return _fake_tensor(mode, elem, device)
 
 
 class _outside_fake_mode:

@@ -203,17 +203,20 @@ def fake_arguments(args: tuple, kwargs: dict, mode: FakeTensorMode, device: torc
     return pytree.tree_unflatten(out, spec)
 
 
-def _meta(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-
-
-def _to_meta(value: Any) -> Any:
+def _to_meta(value: Any, made: dict) -> Any:
+    """``value`` with every tensor replaced by a meta tensor of its shape, strides and dtype;
+    ``made`` holds the meta tensors made so far by that metadata, and tensors alike get the
+    same one (a meta tensor holds nothing a collective's math could change)."""
     if isinstance(value, torch.Tensor):
-        return _meta(value)
+        key = (value.shape, value.stride(), value.dtype)
+        meta = made.get(key)
+        if meta is None:
+            meta = made[key] = torch.empty_strided(value.shape, key[1], dtype=value.dtype, device="meta")
+        return meta
     if isinstance(value, tuple):
-        return tuple(_to_meta(item) for item in value)
+        return tuple(_to_meta(item, made) for item in value)
     if isinstance(value, list):
-        return [_to_meta(item) for item in value]
+        return [_to_meta(item, made) for item in value]
     return value
 
 
@@ -232,9 +235,28 @@ def compute_on_meta(compute: Callable[[list], list], inputs: list) -> list:
     tensors with the metadata of ``inputs`` (fake tensors of several ranks' modes): the
     outputs are meta tensors of the shapes and dtypes a real-valued run produces. No dispatch
     mode sees the math (as no mode of a real process sees its backend's reduction): the rank's
-    own modes would only pass meta tensors on."""
+    own modes would only pass meta tensors on. Inputs alike (the same shape, strides and
+    dtype: every member of a data-parallel group) share one meta tensor, made once."""
+    made: dict = {}
     with _no_fake_mode(), torch.no_grad(), torch._C._DisableTorchDispatch():
-        return compute([_to_meta(entry) for entry in inputs])
+        return compute([_to_meta(entry, made) for entry in inputs])
+
+
+_stack_length = torch._C._len_torch_dispatch_stack
+_stack_at = torch._C._get_dispatch_stack_at
+_get_dispatch_mode = torch._C._get_dispatch_mode
+
+
+def _rank_fake_mode_alone() -> FakeTensorMode | None:
+    """The rank's fake mode when it and the rank's :class:`FunctionalCollectives` above it are
+    the only dispatch modes set (no program's own mode, memory tracker, tracing or inference
+    mode); otherwise None."""
+    # the stack counts the fake mode (set in its own slot, below every mode pushed) as one
+    if _stack_length() != 2 or torch.is_inference_mode_enabled():
+        return None
+    top = _stack_at(1)
+    mode = top.fake_mode if type(top) is FunctionalCollectives else None
+    return mode if mode is not None and _get_dispatch_mode(_FAKE_KEY) is mode else None
 
 
 def own(value: Any, device: torch.device) -> Any:
@@ -242,10 +264,16 @@ def own(value: Any, device: torch.device) -> Any:
 
     Meta tensors (a collective's outputs) and other ranks' fake tensors (a message
     in flight) are rebuilt from their metadata; anything else passes through.
-    Called on the receiving rank's thread, inside its mode.
+    Called on the receiving rank's thread, inside its mode: what ``torch.empty_strided``
+    returns there, built directly (:func:`simcomm.sim.fake_cache.empty`) while the rank's
+    own two modes are all that is set, as a native backend makes its output where no
+    Python mode sees it.
     """
     if isinstance(value, torch.Tensor):
         if value.is_meta or isinstance(value, FakeTensor):
+            mode = _rank_fake_mode_alone() if device.type == "cpu" else None
+            if mode is not None:
+                return _fake_cache.empty(mode, value.shape, value.stride(), value.dtype, device)
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
         return value
     if isinstance(value, tuple):
