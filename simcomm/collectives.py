@@ -129,7 +129,7 @@ def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum", factors: 
     if inputs[0].is_meta and _alike(inputs) and not inputs[0].requires_grad:
         # shape-only ranks: N alike meta tensors reduce to what two do, whose metadata is
         # learnt once per reduction and input metadata (torch's meta kernels of elementwise
-        # math run in Python: a fifth of a millisecond per reduction)
+        # math run in Python: about 0.1 ms for one add of two)
         first = inputs[0]
         key = (name, first.shape, first.stride(), first.dtype)
         known = _META_REDUCTIONS.get(key)

@@ -153,15 +153,6 @@ def _members(key: tuple, groups: GroupIndex) -> tuple[int, ...]:
     return key[1:3] if key[0] == "p2p" else groups.members[key[2]]
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of ``intervals`` as disjoint intervals of positive length, in order."""
     merged: list[list[float]] = []
@@ -173,6 +164,10 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             merged.append([start, end])
     return [(start, end) for start, end in merged]
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in _union(intervals))
 
 
 def _overlap(intervals: list[tuple[float, float]], others: list[tuple[float, float]]) -> float:
