@@ -126,19 +126,19 @@ def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum", factors: 
         return reduce([premultiply(tensor, factor) for tensor, factor in zip(inputs, factors)], "sum")
     if len(inputs) == 1:
         return inputs[0].clone()
-    if inputs[0].is_meta and _alike(inputs) and not inputs[0].requires_grad:
-        # shape-only ranks: N alike meta tensors reduce to what two do, whose metadata is
-        # learnt once per reduction and input metadata (torch's meta kernels of elementwise
-        # math run in Python: about 0.1 ms for one add of two)
+    if inputs[0].is_meta and _alike(inputs):
+        # shape-only ranks: N alike meta tensors reduce to what two do; without a gradient the
+        # result's metadata is learnt once per reduction and input metadata (torch's meta
+        # kernels of elementwise math run in Python: about 0.1 ms for one add of two)
         first = inputs[0]
+        if first.requires_grad:
+            return _reduce(inputs[:2], name)
         key = (name, first.shape, first.stride(), first.dtype)
         known = _META_REDUCTIONS.get(key)
         if known is None:
             out = _reduce(inputs[:2], name)
             known = _META_REDUCTIONS[key] = (out.shape, out.stride(), out.dtype)
         return torch.empty_strided(known[0], known[1], dtype=known[2], device="meta")
-    if len(inputs) > 2 and inputs[0].is_meta and _alike(inputs):
-        inputs = inputs[:2]      # alike meta tensors that need a gradient: what two give
     return _reduce(inputs, name)
 
 

@@ -190,9 +190,9 @@ def _fake_tensor(mode: FakeTensorMode, elem: torch.Tensor, device: torch.device)
 
 def empty(mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device: torch.device) -> FakeTensor:
     """What ``torch.empty_strided(shape, stride, dtype=dtype, device=device)`` returns under
-    ``mode`` (a new fake tensor of its own meta storage, no gradient), without the dispatch:
-    ``device`` normalized, and no other dispatch mode set (``tests/test_sim_fake_cache.py``
-    compares the two)."""
+    ``mode`` (a new fake tensor of its own meta storage, no gradient), without the dispatch.
+    For a ``device`` that needs no normalizing (one with its index, or the CPU) and no other
+    dispatch mode set (``tests/test_sim_fake_cache.py`` compares the two)."""
     with torch._C._DisableTorchDispatch():
         elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     return _fake_tensor(mode, elem, device)

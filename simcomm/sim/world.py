@@ -15,9 +15,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import memory as _memory
-from ..collector import FullCollectionsDeferred
 from ..c10d import rank_process_group
 from ..c10d.work import wait_returned
+from ..collector import FullCollectionsDeferred
 from ..communicator import Communicator
 from ..errors import RankError, RunTimeoutError
 from ..reports import format_ranks, program_location
