@@ -47,6 +47,11 @@ issues the call to the backend once the other ranks agree, so the program's
 computation and its other groups go on as unchecked, and a mismatch moves no
 data (both sides raise it in ``wait()``). A group's collectives, and a
 channel's point-to-point calls, reach the backend in the program's order.
+Such a call's input tensors are copied when the program makes the call, on its
+own thread (:func:`_taken_now`): the program may change or free its tensor at
+once, as with an unchecked call, and the backend still gets what it passed;
+the copies count on the rank (:mod:`simcomm.memory`) until the program waits,
+as an unchecked call's copy does.
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from simcomm import memory
 from simcomm.checks import check_splits
 from simcomm.errors import CollectiveMismatchError, DeadlockError
 from simcomm.handles import Handle
@@ -197,14 +203,11 @@ def _p2p_op(op) -> Call:
     """One entry of ``batch_isend_irecv``: a :class:`simcomm.P2POp` (``op`` ``"isend"``/``"irecv"``,
     ``data`` a tensor or ``(size, dtype)``, ``peer``) or an object with ``op`` (a name or the
     function), ``peer`` and either ``tensor`` or ``shape`` and ``dtype`` (torch's ``P2POp`` fits)."""
-    name = getattr(op, "op", None)
-    name = getattr(name, "__name__", name)
+    name = _op_name(op)
     peer = getattr(op, "peer")
-    tensor = getattr(op, "tensor", None)
+    tensor = _op_tensor(op)
     data = getattr(op, "data", None)
-    if tensor is None and isinstance(data, torch.Tensor):
-        tensor = data
-    if "recv" in str(name):
+    if "recv" in name:
         if isinstance(tensor, torch.Tensor):
             shape, dtype = tuple(tensor.shape), tensor.dtype
         elif data is not None:
@@ -212,9 +215,22 @@ def _p2p_op(op) -> Call:
         else:
             shape, dtype = tuple(op.shape), op.dtype
         return Call("recv", "irecv", (("shape", shape), ("dtype", dtype)), peer=peer)
-    if "send" in str(name):
+    if "send" in name:
         return Call("send", "isend", _tensor(tensor), peer=peer)
     raise TypeError(f"batch_isend_irecv: unknown op {name!r}")
+
+
+def _op_name(op) -> str:
+    """A batch op's kind as a string (``"isend"``, or the name of torch's function)."""
+    name = getattr(op, "op", None)
+    return str(getattr(name, "__name__", name))
+
+
+def _op_tensor(op) -> torch.Tensor | None:
+    """A batch op's tensor (``tensor``, else ``data`` when it is one)."""
+    tensor = getattr(op, "tensor", None)
+    data = getattr(op, "data", None)
+    return data if tensor is None and isinstance(data, torch.Tensor) else tensor
 
 
 #: primitive name -> function with its signature returning the calls to compare
@@ -565,7 +581,7 @@ class CheckedTransport:
         location = program_location(sys._getframe(2))
         if calls[0].kind == "collective":
             if kwargs.get("async_op", False):
-                return self._deferred(method, args, kwargs, calls[0], location)
+                return self._deferred(name, method, args, kwargs, calls[0], location)
             self._checker.after_issued(inner)      # the group's earlier async calls go first
             self._checker.collective(inner, calls[0], location)
             out = method(*args, **kwargs)
@@ -586,6 +602,7 @@ class CheckedTransport:
         # mismatched pair moves nothing and leaves both processes fit for the next run
         checker = self._checker
         previous = [checker.last_issue[item.channel] for item in checked if item.channel in checker.last_issue]
+        args, kwargs, kept = _taken_now(inner, name, args, kwargs)
 
         def check(view: Checker) -> None:
             for item in checked:
@@ -593,7 +610,7 @@ class CheckedTransport:
 
         work = _Deferred(checker, check, previous, lambda: method(*args, **kwargs),
                          lambda: checker.announce_pair(checked[0]) if checked else None,
-                         _pending_of(inner), (" + ".join(describe(call) for call in calls), location))
+                         _pending_of(inner), (" + ".join(describe(call) for call in calls), location), kept)
         for item in checked:
             checker.last_issue[item.channel] = work
         if name == "batch_isend_irecv":
@@ -613,12 +630,17 @@ class _Deferred:
 
     ``check(checker)`` runs on the thread with a checker of its own store connection;
     ``issue()`` then makes the call; ``announce()`` writes the waiting record when the
-    program waits before the call is issued.
+    program waits before the call is issued. ``kept``: the copies :func:`_taken_now` made of the
+    call's inputs (one entry per op of a batch), held until the program waits on the call, so
+    they are freed at that wait, as an unchecked call's are, and not whenever the thread
+    happens to issue the call.
     """
 
     def __init__(self, checker: Checker, check, previous: Sequence[_Deferred], issue, announce,
-                 pending: dict | None = None, what: tuple[str, str] | None = None):
+                 pending: dict | None = None, what: tuple[str, str] | None = None,
+                 kept: list | None = None):
         self._checker, self._check = checker, check
+        self.kept = kept if kept is not None else []   # the call's copies of its inputs, until the wait
         self._pending = pending
         if pending is not None:              # unwaited until the program waits (GroupCache.pending)
             pending[id(self)] = what
@@ -658,6 +680,7 @@ class _Deferred:
 
     def wait(self):
         self.join()
+        self.kept = []           # the input copies are freed before the output counts, as unchecked
         output = self.handle.wait()
         self.handle = None       # the checker keeps this object as the group's last issue: not its output
         self.finished()
@@ -689,6 +712,7 @@ class _Part:
 
     def wait(self):
         self._work.join()
+        self._work.kept[self._index] = None      # as _Deferred.wait
         handles = self._work.handle
         output = handles[self._index].wait()
         handles[self._index] = None    # as _Deferred.wait: the checker keeps the batch, not its output
@@ -702,13 +726,56 @@ class _Part:
         return handle is None or handle.is_completed()
 
 
-def _deferred(self, method, args: tuple, kwargs: dict, call: Call, location: str) -> Handle:
+def _taken_now(inner, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
+    """``args`` and ``kwargs`` of an async call with each input tensor replaced by a private copy
+    made now, on the program's thread, and the copies (one entry per op of a batch, ``None`` for
+    an ``irecv``). The call reaches the backend later, from the thread of its check, and must move
+    what the program passed, not what its tensor holds by then: the program may change its
+    tensor at once (``comm.isend``, an ``async_op=True`` collective). A copy is made as the
+    unchecked call makes its own (``inner._local_copy``), under the same label: a collective's
+    under :func:`simcomm.memory.communicating`, a send's under the program's label."""
+    local_copy = getattr(inner, "_local_copy", None) or (lambda tensor: tensor.detach().clone())
+    if name == "batch_isend_irecv":
+        ops = list(kwargs.pop("ops") if "ops" in kwargs else args[0])
+        kept: list = []
+        for index, op in enumerate(ops):
+            tensor = _op_tensor(op) if "send" in _op_name(op) else None
+            kept.append(None if tensor is None else local_copy(tensor))
+            if tensor is not None:
+                ops[index] = _with_tensor(op, kept[-1])
+        return (ops,), kwargs, kept
+    in_kwargs = "tensor" in kwargs
+    tensor = kwargs["tensor"] if in_kwargs else (args[0] if args else None)
+    if not isinstance(tensor, torch.Tensor):      # a recv, a barrier, a scatter off its source
+        return args, kwargs, []
+    with memory.communicating() if name != "send" else contextlib.nullcontext():
+        private = local_copy(tensor)
+    if in_kwargs:
+        kwargs = {**kwargs, "tensor": private}
+    else:
+        args = (private, *args[1:])
+    return args, kwargs, [private]
+
+
+def _with_tensor(op, tensor: torch.Tensor):
+    """The batch op ``op`` sending ``tensor`` instead (a :class:`simcomm.P2POp`, or an object
+    with ``tensor`` or ``data``)."""
+    field = "tensor" if isinstance(getattr(op, "tensor", None), torch.Tensor) else "data"
+    if hasattr(op, "_replace"):
+        return op._replace(**{field: tensor})
+    op = copy.copy(op)
+    setattr(op, field, tensor)
+    return op
+
+
+def _deferred(self, name: str, method, args: tuple, kwargs: dict, call: Call, location: str) -> Handle:
     checker, inner = self._checker, self._inner
     posted = checker.post_collective(inner, call, location)
     key = _group_key(inner)
     previous = [checker.last_issue[key]] if key in checker.last_issue else []
+    args, kwargs, kept = _taken_now(inner, name, args, kwargs)
     work = _Deferred(checker, lambda view: view.compare(posted), previous, lambda: method(*args, **kwargs),
-                     lambda: checker.announce(posted), _pending_of(inner), (describe(call), location))
+                     lambda: checker.announce(posted), _pending_of(inner), (describe(call), location), kept)
     checker.last_issue[key] = work
     return Handle(work)
 

@@ -328,7 +328,10 @@ class _DistWork:
         if held is not None and memory.current_bytes() is not None:   # as DistTransport._released
             self.work = _Done()
             _wait_released(held)
-        out = _output(self.result(), self.into)
+        del held          # the call's copy of its input is freed before its output counts, as in the simulator
+        with memory.untracked():    # the output (not what making it takes) counts from here, in _output
+            result = self.result()
+        out = _output(result, self.into)
         self.into = None
         record = self.record
         if record is not None:
@@ -426,11 +429,14 @@ class DistTransport(TransportBase):
         tensor the program frees right after the call would otherwise die on that thread, later, and
         the memory count (``Cluster(memory=True)``) would see it alive at the program's next
         allocation where the simulator frees it at once. An async call's handle waits the same way
-        once the call is done. Only while this rank's memory is tracked."""
+        once the call is done. Only while this rank's memory is tracked. What the backend allocates
+        for an async call at its issue counts on no rank (gloo's all-gather gathers into a buffer
+        of its own before it fills the output): the simulator has no such buffer."""
         if async_op:     # the handle made next waits for them after its wait (_DistWork.wait); a
             self._held = _references(tensors)   # checked call is issued on a thread that is not tracked
             try:
-                yield
+                with memory.untracked():
+                    yield
             except BaseException:
                 self._held = None
                 raise
@@ -441,6 +447,13 @@ class DistTransport(TransportBase):
         held = _references(tensors)
         yield
         _wait_released(held)
+
+    @staticmethod
+    def _buffers(async_op: bool) -> contextlib.AbstractContextManager:
+        """Around the allocation of the buffers an async call's backend writes its output into:
+        untracked, so that output counts on this rank from the wait (:meth:`_DistWork.wait`), as
+        the simulator counts an async call's output; a blocking call's count from their allocation."""
+        return memory.untracked() if async_op else contextlib.nullcontext()
 
     def _local_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A private contiguous copy of ``tensor`` on this transport's device (the input stays untouched)."""
@@ -548,7 +561,8 @@ class DistTransport(TransportBase):
         shape = (self.world_size * moved.shape[0], *moved.shape[1:])   # (P*d, *rest)
         buffer = self._backend_buffer(into, self.world_size * moved.numel(), moved.dtype, async_op)
         in_place = buffer is not None and dim % max(tensor.dim(), 1) == 0   # the blocks are into's rows
-        flat = buffer.view(shape) if in_place else moved.new_empty(shape)
+        with self._buffers(async_op):
+            flat = buffer.view(shape) if in_place else moved.new_empty(shape)
         written = self._written_in_place(into) if in_place else None
         with self._calling(), self._released(async_op, flat, moved):   # rank r's block at rows r*d:(r+1)*d
             work = _all_gather_single(flat, moved, group=self.group, async_op=async_op)
@@ -568,7 +582,8 @@ class DistTransport(TransportBase):
         shape = (shard, *moved.shape[1:])                        # (d/P, *rest)
         buffer = self._backend_buffer(into, math.prod(shape), moved.dtype, async_op)
         in_place = buffer is not None and dim % max(tensor.dim(), 1) == 0   # the chunks are rows
-        out = buffer.view(shape) if in_place else moved.new_empty(shape)
+        with self._buffers(async_op):
+            out = buffer.view(shape) if in_place else moved.new_empty(shape)
         written = self._written_in_place(into) if in_place else None
         works: list = []
 
@@ -581,7 +596,8 @@ class DistTransport(TransportBase):
                 work = works[0]
                 result = written if in_place else (lambda: out.movedim(0, dim).contiguous())  # chunk r
             else:
-                full = moved.clone()                             # (d, *rest)
+                with self._buffers(async_op):
+                    full = moved.clone()                         # (d, *rest)
                 work, divide = self._all_reduce_into(full, op, async_op)
 
                 def result() -> torch.Tensor:
@@ -597,7 +613,8 @@ class DistTransport(TransportBase):
                              args={"scatter_dim": scatter_dim, "gather_dim": gather_dim}, async_op=async_op)
         world = self.world_size
         moved = self._on_device(tensor.movedim(scatter_dim, 0), async_op)  # (S, *rest): chunk j to rank j
-        received = torch.empty_like(moved)                       # (S, *rest): chunk i came from rank i
+        with self._buffers(async_op):
+            received = torch.empty_like(moved)                   # (S, *rest): chunk i came from rank i
         with self._calling(), self._released(async_op, received, moved):
             work = dist.all_to_all_single(received, moved, group=self.group, async_op=async_op)
 
@@ -614,7 +631,8 @@ class DistTransport(TransportBase):
         record = self._begin("gather", self._next_step(), tensor, root=dst, args={"dst": dst, "dim": dim},
                              async_op=async_op)
         local = self._on_device(tensor, async_op)
-        parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == dst else None
+        with self._buffers(async_op):
+            parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == dst else None
         with self._calling(), self._released(async_op, local, *(parts or [])):
             work = dist.gather(local, parts, dst=self.ranks[dst], group=self.group, async_op=async_op)
         # (.., P*d at dim, ..) on dst
@@ -638,7 +656,8 @@ class DistTransport(TransportBase):
 
     def barrier(self, async_op: bool = False) -> Handle | None:
         record = self._begin("barrier", self._next_step(), None, args={}, async_op=async_op)
-        with self._calling():
+        # untracked: torch's barrier allocates a 1-byte tensor of its own, which no simulator call makes
+        with self._calling(), memory.untracked():
             if self.backend == "nccl" and self.device.type == "cuda":
                 work = dist.barrier(group=self.group, async_op=async_op, device_ids=[self.device.index])
             else:
@@ -698,7 +717,10 @@ class DistTransport(TransportBase):
 
     @_communicating
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, async_op: bool = False) -> Any:
-        out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        """An ``irecv``'s buffer counts on this rank once waited on, as in the simulator, which
+        has no buffer before the message arrives (:mod:`simcomm.memory`)."""
+        with memory.untracked() if async_op else contextlib.nullcontext():
+            out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         record = self._p2p_begin("recv", src, None, out.numel() * out.element_size(), async_op)
         with self._calling("recv", self.ranks[src]), self._released(async_op, out):
             if async_op:
@@ -717,25 +739,28 @@ class DistTransport(TransportBase):
                 record = self._p2p_begin("send", op.peer, op.data, async_op=True)
                 buffer = self._local_copy(op.data)
                 torch_ops.append(dist.P2POp(dist.isend, buffer, global_peer, self.group))
-                finishes.append((record, lambda: None, ("send", global_peer)))
+                finishes.append((record, lambda: None, ("send", global_peer), _references([buffer])))
             else:
                 shape, dtype = op.data
-                buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+                with memory.untracked():         # counted once waited on, as recv's
+                    buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
                 record = self._p2p_begin("recv", op.peer, None, buffer.numel() * buffer.element_size(),
                                          async_op=True)
                 torch_ops.append(dist.P2POp(dist.irecv, buffer, global_peer, self.group))
-                finishes.append((record, lambda buffer=buffer: buffer, ("recv", global_peer)))
+                finishes.append((record, lambda buffer=buffer: buffer, ("recv", global_peer),
+                                 _references([buffer])))
         try:
             works = dist.batch_isend_irecv(torch_ops)
         except BaseException:
             self._cache.broken = True
             raise
-        for _, _, (kind, peer) in finishes:
+        for _, _, (kind, peer), _ in finishes:
             self._cache.calls[(tuple(sorted(self.ranks)), kind, peer)] += 1
         if len(works) != len(finishes):      # a coalescing backend (NCCL): one work for the batch
             works = [works[-1]] * len(finishes)
-        return [Handle(_DistWork(self, record, work, result))
-                for (record, result, _), work in zip(finishes, works)]
+        # each handle frees its op's buffer at its wait (_DistWork.wait), as the simulator's does
+        return [Handle(_DistWork(self, record, work, result, held))
+                for (record, result, _, held), work in zip(finishes, works)]
 
     # -- rooted and uneven collectives --
 
@@ -785,8 +810,9 @@ class DistTransport(TransportBase):
             dist.broadcast(shape, src=root, group=self.group)
             full = shape.tolist()
             shard = full[source_dim] // self.world_size
-            out = torch.empty((*full[:source_dim], shard, *full[source_dim + 1:]),
-                              dtype=_DTYPES[dtype_index], device=self.device)
+            with self._buffers(async_op):
+                out = torch.empty((*full[:source_dim], shard, *full[source_dim + 1:]),
+                                  dtype=_DTYPES[dtype_index], device=self.device)
             chunks = None
             if is_src:
                 local = self._on_device(tensor)
@@ -826,7 +852,8 @@ class DistTransport(TransportBase):
                     f"dtype and the same sizes after dim 0")
         check_splits("all_to_all_single", [entry[:world] for entry in table],
                      [entry[world:2 * world] for entry in table])
-        out = local.new_empty((sum(outputs), *local.shape[1:]))    # (rows received, *rest)
+        with self._buffers(async_op):
+            out = local.new_empty((sum(outputs), *local.shape[1:]))    # (rows received, *rest)
         with self._calling(), self._released(async_op, out, local):
             work = dist.all_to_all_single(out, local, outputs, inputs_, group=self.group, async_op=async_op)
         return self._done(record, work, lambda: out)

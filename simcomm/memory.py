@@ -42,8 +42,11 @@ The simulator's transport calls :func:`untracked` around the collective math it
 runs for the whole group and :func:`received` on each rank's output, so the
 output is counted once, on the rank that gets it, under that rank's active
 label (``"communication"`` when none is active); a received message (``recv``,
-or an ``irecv`` once waited on) counts on the receiver, the sender keeping only
-its own tensor.
+or an ``irecv`` once waited on) counts on the receiver. An async call's copy of
+its input (an ``isend``'s message, an ``async_op=True`` collective's input)
+counts on the caller from the call until its handle's ``wait()``, as a real
+backend's ``Work`` holds what it sends until then; its output from the wait.
+Real workers count the same (:mod:`real.transport`, :mod:`real.checked`).
 
 Cost: every aten op on a tracked rank goes through one Python call, so
 tracking is off unless asked for (``World(n, memory=True)``);
@@ -68,7 +71,8 @@ from torch.utils._python_dispatch import (
 
 __all__ = [
     "LABELS", "DEFAULT_LABEL", "COMMUNICATION",
-    "label", "communicating", "tag", "mark", "track", "received", "untracked", "current_bytes", "run_tracked",
+    "label", "communicating", "tag", "mark", "track", "received", "untracked", "any_tracked", "current_bytes",
+    "run_tracked",
     "Snapshot", "RankMemory", "MemoryReport",
 ]
 
@@ -393,6 +397,12 @@ def untracked() -> contextlib.AbstractContextManager:
     """
     tracker = _local.tracker if not _active else _tracker()   # nothing tracked: one lookup
     return _NOTHING if tracker is None else _Paused(tracker)
+
+
+def any_tracked() -> bool:
+    """Whether any rank of this process is tracked now (a transport then gives each receiver a
+    storage of its own, which counts on it alone)."""
+    return _active > 0
 
 
 def received(output: Any) -> Any:

@@ -408,19 +408,19 @@ def _isend_then_recv(comm):
         tensor = torch.ones(128, dtype=torch.float64)
         handle = comm.isend(tensor, 1)
         del tensor
-        in_flight = memory.current_bytes() - base       # the send still holds its tensor (not a copy too)
+        in_flight = memory.current_bytes() - base       # the send's copy, the program's tensor freed
         comm.barrier()
         comm.barrier()
-        delivered = memory.current_bytes() - base       # delivered: released before wait()
+        delivered = memory.current_bytes() - base       # delivered, not waited on: the copy is held
         handle.wait()
-        return in_flight, delivered
+        return in_flight, delivered, memory.current_bytes() - base
     comm.barrier()
     got = comm.recv((128,), torch.float64, src=0)
     comm.barrier()
     return memory.current_bytes() - base, got.numel()
 
 
-def test_an_isend_holds_its_tensor_until_delivered_and_its_copy_counts_on_the_receiver():
+def test_an_isend_copy_counts_on_the_sender_until_its_wait_and_the_receiver_holds_its_own():
     outs = simcomm.World(2, memory=True).run(_isend_then_recv)
-    assert outs[0] == (1024, 0)
+    assert outs[0] == (1024, 1024, 0)
     assert outs[1] == (1024, 128)

@@ -219,26 +219,22 @@ def test_simulated_memory_per_stage_1f1b_below_gpipe_and_zero_bubble(batch):
 
 @pytest.mark.real
 def test_activation_bytes_on_real_workers_against_the_simulator(batch):
-    """The same step on gloo workers: ZB-H1's bytes are the simulator's to the byte; elsewhere a real
-    worker holds at most what the simulator counts (gloo finishes a small isend once the bytes are on
-    the socket, the simulator once the receiver takes them, as NCCL does), and 1F1B holds less than
-    GPipe on every stage on both backends."""
+    """The same step on gloo workers, checked and unchecked: every stage's bytes are the
+    simulator's to the byte under every schedule (an isend's copy counts on its sender until
+    the step waits on it, on both backends), and 1F1B holds less than GPipe on every stage."""
     import real
 
     x, y = batch
     world = simcomm.World(4, memory=True)
-    with real.Cluster(4, backend="gloo", memory=True, timeout=120) as cluster:
-        for name in ("gpipe", "1f1b", "zb-h1"):
-            sim = [o["activation_bytes"] for o in world.run(pp.pipeline_step, x, y, name, 8)]
-            got = [o["activation_bytes"] for o in cluster.run(pp.pipeline_step, x, y, name, 8)]
-            if name == "zb-h1":
-                assert got == sim
-            assert all(g <= s for g, s in zip(got, sim, strict=True)), (name, got, sim)
-            if name == "gpipe":
-                gpipe = (sim, got)
-            elif name == "1f1b":
-                assert all(a < b for a, b in zip(sim, gpipe[0], strict=True))
-                assert all(a < b for a, b in zip(got, gpipe[1], strict=True))
+    sim = {name: [o["activation_bytes"] for o in world.run(pp.pipeline_step, x, y, name, 8)]
+           for name in ("gpipe", "1f1b", "zb-h1")}
+    assert all(a < b for a, b in zip(sim["1f1b"], sim["gpipe"], strict=True))
+    for checked in (True, False):
+        with real.Cluster(4, backend="gloo", memory=True, timeout=120, checked=checked) as cluster:
+            for name, want in sim.items():
+                for _ in range(2):           # a second step in the same workers: the same bytes
+                    got = [o["activation_bytes"] for o in cluster.run(pp.pipeline_step, x, y, name, 8)]
+                    assert got == want, (checked, name, got, want)
 
 
 @pytest.mark.parametrize("schedule_class", sorted(pp.TORCH_MULTISTAGE))

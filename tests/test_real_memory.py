@@ -158,13 +158,12 @@ def _freed_right_after_the_wait(comm, kind: str, rounds: int):
 def test_outputs_freed_after_a_call_are_freed_at_once_on_workers_as_on_virtual_ranks(kind, checked):
     """A backend's worker thread keeps an async call's tensors (the call's own tensor object,
     not another view of its storage) a moment after the wait returned: the handle waits for it
-    to let go, as a blocking call does, so every mark counts 0 bytes on both backends.
+    to let go, as a blocking call does, so every mark counts 0 bytes on both backends. The whole
+    reports are the same, peaks included, checked or not: an async call's copy of its input
+    counts from the call to the wait, its output from the wait (6,240 B at the peak).
 
     Not held here: an async all_reduce in checked mode (issued from the check's own thread),
-    whose output still dies on gloo's thread after the wait in about 2 marks of 1,500; and the
-    peak of an unchecked async call, whose private input copy and output buffer workers count
-    from the issue (8,320 B against 6,240 B on virtual ranks), so the whole reports are compared
-    in checked mode only."""
+    whose output still dies on gloo's thread after the wait in about 2 marks of 1,500."""
     world_size, rounds = 2, 25
     sim = simcomm.World(world_size, memory=True)
     sim.run(_freed_right_after_the_wait, kind, rounds)
@@ -173,8 +172,7 @@ def test_outputs_freed_after_a_call_are_freed_at_once_on_workers_as_on_virtual_r
     for report in (sim.memory, cluster.memory):
         for rank in range(world_size):
             assert [m.total for m in report.ranks[rank].marks] == [0] * rounds, (kind, rank)
-    if checked:
-        assert [_by_label(r) for r in cluster.memory.ranks] == [_by_label(r) for r in sim.memory.ranks]
+    assert [_by_label(r) for r in cluster.memory.ranks] == [_by_label(r) for r in sim.memory.ranks]
 
 
 def _dist_collectives_in_place(comm, n: int = 1 << 14):
@@ -220,3 +218,57 @@ def test_dist_collectives_write_their_buffers_without_a_copy_on_both_backends():
         for rank in range(world_size):
             marks = {m.name: (m.total, m.peak) for m in report.ranks[rank].marks}
             assert marks == {"buffers": (buffers, buffers), "after the calls": (buffers, buffers)}, (name, rank)
+
+
+def _point_to_point_bytes(comm):
+    """isend, irecv and batch_isend_irecv, with this rank's live bytes (above its start) at every
+    step: an isend's copy counts on its sender from the call to its wait, a received message on
+    its receiver from its recv (an irecv's: from its wait)."""
+    base, seen = memory.current_bytes(), []
+    note = lambda: seen.append(memory.current_bytes() - base)   # noqa: E731
+    peer = 1 - comm.rank
+    if comm.rank == 0:
+        with memory.label("activations"):
+            tensor = torch.ones(128, dtype=torch.float64)
+        handle = comm.isend(tensor, 1)
+        del tensor
+        note()                                    # the copy (the program's tensor is freed)
+        comm.barrier()                            # rank 1 posts its recv and gets the message
+        comm.barrier()
+        note()                                    # delivered, not waited on: the copy is held
+        handle.wait()
+        note()
+    else:
+        handle = comm.irecv((128,), torch.float64, 0)
+        note()                                    # nothing before the wait
+        comm.barrier()
+        got = handle.wait()
+        note()
+        comm.barrier()
+        del got, handle                           # a waited handle keeps its output
+    ops = [simcomm.P2POp("isend", torch.full((64,), float(comm.rank)), peer),
+           simcomm.P2POp("irecv", ((64,), torch.float32), peer)]
+    send, recv = comm.batch_isend_irecv(ops)
+    del ops
+    note()                                        # the batch's send copy only
+    got = recv.wait()
+    note()
+    send.wait()
+    note()
+    assert torch.equal(got, torch.full((64,), float(peer)))
+    return seen
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_point_to_point_bytes_are_the_same_on_workers_and_virtual_ranks(checked):
+    """The counts of :func:`_point_to_point_bytes` to the byte, and the whole reports by label:
+    a checked call issued from its check's thread counts as an unchecked one does."""
+    want = simcomm.World(2, memory=True).run(_point_to_point_bytes)
+    assert want == [[1024, 1024, 0, 256, 512, 256], [0, 1024, 256, 512, 256]]
+    sim = simcomm.World(2, memory=True)
+    sim.run(_point_to_point_bytes)
+    with real.Cluster(2, backend="gloo", memory=True, checked=checked) as cluster:
+        for _ in range(3):
+            assert list(cluster.run(_point_to_point_bytes)) == want
+    assert [_by_label(r)["peak_bytes"] for r in cluster.memory.ranks] == \
+        [_by_label(r)["peak_bytes"] for r in sim.memory.ranks]

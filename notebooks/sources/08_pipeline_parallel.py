@@ -126,12 +126,12 @@ print("activation bytes per stage (measured):", nbytes)
 
 # %% [markdown]
 # The bytes are everything the step holds beyond what the rank held before it, measured after each
-# action: activations, and the send buffers not yet delivered. A stage waits on a send (releasing
-# its buffer) once the neighbour has certainly taken it: when a message arrives that the neighbour
-# sent after receiving ours. On the simulator a send buffer is held until the receiver takes it (as
-# NCCL's send completes only when the receiver has the data); gloo finishes a small send as soon as
-# its bytes are in the socket, so on real workers the counts can be lower where messages queue (the
-# last stage's gradients under GPipe, most of all). The order of the schedules is the same on both.
+# action: activations, and the send buffers not yet waited on. An `isend` copies its tensor, and
+# the copy is held until the program waits on the send, as a real backend's `Work` holds what it
+# sends until then. A stage waits on a send once the neighbour has certainly taken it: when a
+# message arrives that the neighbour sent after receiving ours, so the wait returns at once. Real
+# gloo workers count the same bytes per stage, to the byte, under every schedule
+# (`tests/test_parallel_pipeline.py`).
 
 # %% [markdown]
 # ## 4. Why the sends are `isend`

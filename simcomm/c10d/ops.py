@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed import ReduceOp
 
+from .. import memory
 from ..checks import check_avg_dtype, check_premul_factor, reduce_op_and_factor
 from ..sim.rendezvous import set_versions, write_into
 from ..sim.transport import SimTransport
@@ -384,9 +385,11 @@ def _no_tag(c10d_op: str, tag: int) -> None:
 def send(transport: SimTransport, tensors: list[torch.Tensor], dst: int, tag: int,
          async_op: bool) -> Issued:
     """``dist.send``/``isend``: complete once rank ``dst`` has received the data (an
-    ``isend`` copies the tensor when issued)."""
+    ``isend`` copies the tensor when issued). The copy counts on no rank (:mod:`simcomm.memory`):
+    torch's ``isend`` sends the program's tensor itself, which its ``Work`` holds until the wait."""
     _no_tag("send", tag)
-    calls = [transport.send(_rows(tensor), dst, async_op=async_op) for tensor in tensors]
+    with memory.untracked():
+        calls = [transport.send(_rows(tensor), dst, async_op=async_op) for tensor in tensors]
     return Issued(calls, lambda results: list(tensors))
 
 

@@ -107,6 +107,7 @@ class PendingMessage:
         else:
             state.lock.release()
         out = message.tensor if message.kind == "recv" else None
+        message.tensor = None        # an isend's copy is freed here, as a real backend's Work frees it
         if out is not None and transport.state.shape_only:
             out = _shape.own(out, transport.state.device)
         out = memory.received(out)   # the message's bytes now count on this, the receiving, rank

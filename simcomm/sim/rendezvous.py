@@ -187,14 +187,14 @@ class Slot:
 class Message:
     """A posted send or recv waiting for its partner.
 
-    ``owned``: ``tensor`` is a private copy made at issue (an ``isend``), handed
-    over without another copy; ``keep``: the isend's own tensor, held (and counted on its rank, as
-    a real worker's send holds it) until the message is delivered. ``blocked``: the poster is blocked on this message
+    ``owned``: ``tensor`` is a private copy made at issue (an ``isend``) that the receiver takes
+    without another copy (memory is not tracked: else the sender's handle holds its copy, counted
+    on the sender, until its wait). ``blocked``: the poster is blocked on this message
     (a blocking call, or a ``wait()``) and must be woken when it completes.
     """
 
     __slots__ = ("kind", "rank", "tensor", "shape", "dtype", "frame", "owned", "blocked", "done",
-                 "moved", "keep")
+                 "moved")
 
     def __init__(self, kind: str, rank: int, tensor, shape, dtype, frame, owned: bool = False):
         self.kind, self.rank, self.tensor, self.shape, self.dtype, self.frame = (
@@ -203,7 +203,6 @@ class Message:
         self.blocked = False
         self.done = False
         self.moved = 0.0
-        self.keep = None
 
 
 class Group:

@@ -250,16 +250,14 @@ class SimTransport(TransportBase):
         """Blocking: returns once the matching recv has taken the data. ``async_op``: an
         ``isend``, whose copy of ``tensor`` is taken now and handed over when matched.
 
-        Memory (:mod:`simcomm.memory`) counts what real workers hold: the copy counts on no rank
-        until the receiver gets it, and ``tensor`` itself is kept alive until the message is
-        delivered, as a real worker's pending send holds the tensor it sends."""
+        Memory (:mod:`simcomm.memory`) counts what real workers hold: an ``isend``'s copy counts
+        on the sender, under its active label, from the call until its handle's ``wait()``, as a
+        real backend's ``Work`` holds what it sends until then; the receiver counts a storage of
+        its own once it has the message (a ``recv``, or an ``irecv``'s ``wait()``)."""
         record = self._p2p_begin("send", dst, tensor, async_op=async_op)
-        original = tensor if async_op else None
         if async_op:
-            with memory.untracked():
-                tensor = tensor.clone()
-        return self._p2p("send", dst, (self.rank, dst), tensor, tensor.shape, tensor.dtype, record, async_op,
-                         keep=original)
+            tensor = tensor.clone()
+        return self._p2p("send", dst, (self.rank, dst), tensor, tensor.shape, tensor.dtype, record, async_op)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, async_op: bool = False):
         shape = torch.Size(shape)
@@ -273,11 +271,13 @@ class SimTransport(TransportBase):
                 else self.recv(op.data[0], op.data[1], op.peer, async_op=True) for op in ops]
 
     def _p2p(self, kind: str, peer: int, key: tuple[int, int], tensor, shape, dtype,
-             record: Record | None, async_op: bool, keep: torch.Tensor | None = None):
+             record: Record | None, async_op: bool):
         """Match this send/recv with its partner on the (sender, receiver) channel, or post it.
 
-        A blocking call blocks until matched; an asynchronous one returns a handle. ``keep`` (an
-        isend's own tensor) is held by a posted message until it is delivered.
+        A blocking call blocks until matched; an asynchronous one returns a handle (an ``isend``'s
+        holds its copy until the wait). While memory is tracked the receiver gets a copy of its
+        own, made untracked and counted where it receives it; else an ``isend``'s copy is handed
+        over as it is.
         """
         state, group = self.state, self.group
         frame = program_location(sys._getframe(2)) if async_op else sys._getframe(2)
@@ -289,7 +289,7 @@ class SimTransport(TransportBase):
             if partner.shape != shape or partner.dtype != dtype:
                 self._p2p_mismatch_and_release(Message(kind, me, tensor, shape, dtype, frame), partner)
             if kind == "send":
-                if async_op or state.shape_only:
+                if state.shape_only or (async_op and not memory.any_tracked()):
                     partner.tensor = tensor
                 else:
                     with memory.untracked():     # counted on the receiver, which claims it
@@ -301,18 +301,21 @@ class SimTransport(TransportBase):
                 state.lock.release()
                 if state.shape_only:   # the sender's fake tensor, rebuilt in this rank's mode
                     out = _shape.own(partner.tensor, state.device)
-                else:
-                    out = partner.tensor if partner.owned else partner.tensor.clone()  # the sender waits
+                elif partner.owned:
+                    out = partner.tensor
+                else:                  # the sender waits, or holds its isend's copy until its wait
+                    with memory.untracked():     # counted once received (memory.received)
+                        out = partner.tensor.clone()
                 with state.lock:
                     self._deliver_locked(partner)
             if not async_op:
                 self._end(record, out)
                 return out
-            message = Message(kind, me, out, shape, dtype, frame)   # complete at issue
+            # complete at issue; an isend's handle holds its copy until the wait
+            message = Message(kind, me, out if kind == "recv" else tensor, shape, dtype, frame)
             message.done, message.moved = True, partner.moved
             return self._handle(PendingMessage(self, message, record, peer))
-        message = Message(kind, me, tensor, shape, dtype, frame, owned=async_op)
-        message.keep = keep
+        message = Message(kind, me, tensor, shape, dtype, frame, owned=async_op and not memory.any_tracked())
         channel.append(message)
         if async_op:
             state.lock.release()
@@ -328,7 +331,6 @@ class SimTransport(TransportBase):
     def _deliver_locked(self, message: Message) -> None:
         """A posted message found its partner: mark it done, wake its rank if blocked on it."""
         message.done = True
-        message.keep = None
         message.moved = time.perf_counter() - self.state.clock_zero
         if message.blocked:
             message.blocked = False
