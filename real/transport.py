@@ -100,11 +100,28 @@ def _references(tensors: Iterable[torch.Tensor | None]) -> list[tuple[Any, int]]
     return [(obj, _use_count(obj)) for obj in held]
 
 
-def _wait_released(held: list[tuple[Any, int]]) -> None:
-    """Wait (at most :data:`RELEASE_WAIT_S`) until no count of :func:`_references` is higher."""
+def _wait_released(held: list[tuple[Any, int]], future: Any = None) -> None:
+    """Wait (at most :data:`RELEASE_WAIT_S`) until no count of :func:`_references` is higher, but
+    for the references of ``future`` (a completed ``Work``'s future, which this thread holds)."""
+    if future is not None:
+        held = _allowing(held, future)
     deadline = time.monotonic() + RELEASE_WAIT_S
     while any(_use_count(obj) > count for obj, count in held) and time.monotonic() < deadline:
         time.sleep(20e-6)
+
+
+def _allowing(held: list[tuple[Any, int]], future: Any) -> list[tuple[Any, int]]:
+    """``held`` with each count raised by the references ``future``'s value holds to it."""
+    try:
+        value = future.value()
+    except Exception:                 # the call failed: its future holds no tensors
+        return held
+    values = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
+    tensors = [obj for obj, _ in held if isinstance(obj, torch.Tensor)]
+    others = [v for v in values if not any(v is t for t in tensors)]   # views of their own: a storage reference
+    return [(obj, count + (sum(v is obj for v in values) if isinstance(obj, torch.Tensor) else
+                           sum(v.untyped_storage()._cdata == obj._cdata for v in others)))
+            for obj, count in held]
 
 
 def _output(result: torch.Tensor | Any, into: torch.Tensor | None) -> Any:
@@ -294,7 +311,7 @@ class _DistWork:
     ``Work`` is done (a move of dims, a division, a concatenation).
     """
 
-    __slots__ = ("transport", "record", "work", "result", "moved", "held", "into")
+    __slots__ = ("transport", "record", "work", "result", "moved", "held", "into", "future")
 
     def __init__(self, transport: DistTransport, record: Record | None, work: dist.Work,
                  result: Callable[[], Any], held: list[tuple[Any, int]] | None = None,
@@ -303,6 +320,16 @@ class _DistWork:
         self.held = held         # the call's tensors and their counts before it (memory tracked)
         self.into = into         # the buffer the output is written into at the wait (the call's into)
         self.moved: list[float | None] = [None]   # when the data moved; the future's callback writes it
+        # memory tracked: the Work's future, held here so that it dies on this thread at the wait. A
+        # future keeps weak references to its output's storages, and a storage counts until the
+        # last of those goes: dying on the backend's thread, a moment after the wait, it kept an
+        # output the program had freed at once counted a moment longer (1 mark in about 100).
+        self.future = None
+        if held is not None and memory.current_bytes() is not None:
+            try:
+                self.future = work.get_future()
+            except (RuntimeError, AttributeError):   # a Work without a future
+                pass
         if not getattr(_issuing, "deferred", False):    # a checked call registers its own handle
             transport.cache.pending[id(self)] = (transport.describe_last(), program_location(sys._getframe(1)))
         if record is not None:
@@ -325,10 +352,11 @@ class _DistWork:
             self.transport._cache.broken = True
             raise
         held, self.held = self.held, None
+        future, self.future = self.future, None
         if held is not None and memory.current_bytes() is not None:   # as DistTransport._released
             self.work = _Done()
-            _wait_released(held)
-        del held          # the call's copy of its input is freed before its output counts, as in the simulator
+            _wait_released(held, future)
+        del held, future  # the call's copy of its input is freed before its output counts, as in the simulator
         with memory.untracked():    # the output (not what making it takes) counts from here, in _output
             result = self.result()
         out = _output(result, self.into)
