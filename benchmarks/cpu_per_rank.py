@@ -13,6 +13,9 @@ round; each figure is the minimum over rounds. Every side's process gets the fut
 * ``ring``     - a bare handoff ring: one thread per rank, a lock each, a token
   passed round the ring K times (no torch): the floor of any simulator whose
   ranks take turns, one handoff per rank per collective;
+* ``ring_sem`` - the same ring with the turn handed on by simcomm's compiled hand-off
+  (:func:`simcomm.sim.scheduler.handoff`: the interpreter lock dropped before the next rank is
+  woken, so it wakes once), the hand-off ``comm`` and ``dist`` use where it was built;
 * ``rendezvous`` - the least a simulator whose ranks take turns does per collective, on the
   ring's threads and locks: each rank appends its 1 KiB tensor to a shared list under a lock and
   hands the turn on; the last to arrive sums the stack and gives every other rank a copy (one
@@ -54,7 +57,7 @@ import fsdp_step     # sibling modules: this file runs as a script
 import threaded_pg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIDES = ("ring", "rendezvous", "comm", "dist", "threaded", "noop")
+SIDES = ("ring", "ring_sem", "rendezvous", "comm", "dist", "threaded", "noop")
 NUMEL = 256                      # 1 KiB of float32
 
 
@@ -82,6 +85,30 @@ def ring_run(world_size: int, calls: int) -> None:
         thread.start()
     if calls:
         locks[0].release()
+    for thread in threads:
+        thread.join()
+
+
+def ring_sem_run(world_size: int, calls: int) -> None:
+    from simcomm.sim.scheduler import HANDOFF, handoff, new_waiter
+    if HANDOFF != "semaphore":
+        raise RuntimeError("simcomm's compiled hand-off is not built here (pip install -e . with a C compiler)")
+    waiters = [new_waiter() for _ in range(world_size)]
+
+    def rank(me: int) -> None:
+        mine, following = waiters[me], waiters[(me + 1) % world_size]
+        if not calls:
+            return
+        mine.acquire()                 # wait for the token
+        for _ in range(calls - 1):
+            handoff(following, mine)   # hand it on, wait for it again
+        following.release()
+
+    threads = [threading.Thread(target=rank, args=(me,)) for me in range(world_size)]
+    for thread in threads:
+        thread.start()
+    if calls:
+        waiters[0].release()
     for thread in threads:
         thread.join()
 
@@ -266,7 +293,7 @@ def breakdown(calls: int = 20000) -> dict[str, float]:
     return result
 
 
-RUNS = {"ring": ring_run, "rendezvous": rendezvous_run, "comm": comm_run, "dist": dist_run, "threaded": threaded_run,
+RUNS = {"ring": ring_run, "ring_sem": ring_sem_run, "rendezvous": rendezvous_run, "comm": comm_run, "dist": dist_run, "threaded": threaded_run,
         "noop": noop_run, "fsdp": fsdp_run, "fsdp_threaded": fsdp_threaded_run, "fsdp_single": fsdp_single_run}
 
 
@@ -346,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[world_size] = row
         print(f"{world_size:>5}" + "".join(f"{row[name]['cpu']:>{width[name]}.1f}{row[name]['wall']:>8.1f}"
                                            for name, _ in sides), flush=True)
-    ratios = [("comm", "threaded"), ("comm", "ring"), ("rendezvous", "ring"), ("comm", "rendezvous"),
+    ratios = [("comm", "threaded"), ("comm", "ring"), ("ring_sem", "ring"), ("comm", "ring_sem"),
+              ("rendezvous", "ring"), ("comm", "rendezvous"),
               ("dist", "comm"), ("dist", "threaded"),
               ("comm", "comm@base"), ("dist", "dist@base")]
     names = {name for name, _ in sides}

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 import threading
 import time
@@ -56,10 +57,43 @@ from .process_state import RankProcessState
 from .rendezvous import Group
 from .waits import Wait, describe_deadlock, describe_ranks, describe_waits
 
-__all__ = ["Aborted", "OneCpu", "RunState", "widen_futex_hash"]
+__all__ = ["Aborted", "OneCpu", "RunState", "widen_futex_hash", "new_waiter", "handoff", "HANDOFF"]
 
 
 _get_ident = threading.get_ident
+
+
+def _locked() -> threading.Lock:
+    """A waiter made of a Python lock: taken at once, so ``acquire()`` blocks until a ``release()``."""
+    waiter = threading.Lock()
+    waiter.acquire()
+    return waiter
+
+
+def _handoff_with_locks(wake, wait) -> None:
+    wake.release()
+    wait.acquire()
+
+
+try:   # the compiled hand-off (simcomm/sim/_handoff.c, built at install where a C compiler is)
+    from ._handoff import Waiter as _Waiter, handoff as _handoff
+
+    _Waiter()   # unnamed POSIX semaphores work here (sem_init raises OSError where they do not)
+except (ImportError, OSError):
+    _Waiter, _handoff = None, None
+if os.environ.get("SIMCOMM_HANDOFF") == "lock":   # to compare the two, or to rule the compiled one out
+    _Waiter, _handoff = None, None
+
+#: ``new_waiter()``: a rank's waiter, on which ``acquire()`` blocks until another thread calls
+#: ``release()`` (one release per acquire); ``handoff(wake, wait)``: release ``wake``, then wait on
+#: ``wait``. Compiled: a POSIX semaphore, and a hand-off that drops the interpreter lock before it
+#: wakes the next rank, which so wakes once, to a free interpreter lock. With Python locks the next
+#: rank wakes while the caller still holds the interpreter lock, sleeps on it, and wakes again when
+#: the caller blocks (about twice the CPU time per hand-off: docs/benchmarks.md).
+new_waiter = _Waiter if _Waiter is not None else _locked
+handoff = _handoff if _handoff is not None else _handoff_with_locks
+#: which hand-off this process uses: ``"semaphore"`` (compiled) or ``"lock"``
+HANDOFF = "semaphore" if _Waiter is not None else "lock"
 
 #: Linux's prctl for the process's own futex hash (kernel 6.16 on): its option and sub-options
 _PR_FUTEX_HASH, _PR_FUTEX_HASH_SET_SLOTS, _PR_FUTEX_HASH_GET_SLOTS = 78, 1, 2
@@ -122,8 +156,6 @@ class OneCpu:
         self.saved: set[int] | None = None
 
     def __enter__(self) -> None:
-        import os
-
         setaffinity = getattr(os, "sched_setaffinity", None)
         if setaffinity is None:
             return
@@ -139,8 +171,6 @@ class OneCpu:
             self.saved = allowed
 
     def __exit__(self, *exc_info) -> None:
-        import os
-
         if self.saved is not None:
             saved, self.saved = self.saved, None
             try:
@@ -179,9 +209,7 @@ class RunState:
         self.lock = threading.RLock()   # knows its owner: see the module docstring
         self.world_size = world_size
         self.device = device
-        self.waiters = [threading.Lock() for _ in range(world_size)]
-        for waiter in self.waiters:
-            waiter.acquire()
+        self.waiters = [new_waiter() for _ in range(world_size)]   # acquire() blocks until released
         self.threads: list[threading.Thread | None] = [None] * world_size
         self.thread_ids: list[int | None] = [None] * world_size
         self.started: set[int] = set()
@@ -329,9 +357,10 @@ class RunState:
         self.lock.release()
         if deadlock:
             raise Aborted
-        if next_rank is not None:
-            self.waiters[next_rank].release()
-        self.waiters[rank].acquire()
+        if next_rank is not None:   # one wake-up: the next rank finds the interpreter lock free
+            handoff(self.waiters[next_rank], self.waiters[rank])
+        else:
+            self.waiters[rank].acquire()
         if self.error is not None:
             raise Aborted
         random.take_turn(rank)

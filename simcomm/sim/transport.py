@@ -41,7 +41,7 @@ from ..transport import TransportBase
 from . import shape as _shape
 from .pending import Pending, PendingCollective, PendingMessage
 from .rendezvous import Group, Message, Slot, call_site, copy_small_shared, failure, format_args, materialize
-from .scheduler import Aborted, RunState
+from .scheduler import Aborted, RunState, handoff
 from .waits import Wait, p2p_detail
 
 __all__ = ["SimTransport"]
@@ -473,7 +473,7 @@ class SimTransport(TransportBase):
                 raise_aborted = False
                 state.ready.append(me)
                 state.random.hand_off(me)   # this rank's random streams, argv, __main__: kept
-                state.waiters[state.ready.popleft()].release()
+                next_rank = state.ready.popleft()
             else:
                 self._fruitless_polls += 1
                 if self._fruitless_polls >= FRUITLESS_POLLS:
@@ -487,7 +487,7 @@ class SimTransport(TransportBase):
                     return
         if not raise_aborted:
             self._fruitless_polls = 0
-            state.waiters[me].acquire()
+            handoff(state.waiters[next_rank], state.waiters[me])
             if state.error is None:
                 state.random.take_turn(me)
         if state.error is not None:
