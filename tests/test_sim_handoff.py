@@ -130,3 +130,67 @@ def test_a_run_is_the_same_with_either_hand_off():
     assert with_semaphores["outs"] == with_locks["outs"]
     assert with_semaphores["order"] == with_locks["order"]
     assert len(with_locks["order"]) >= 4 * 3
+
+
+_MISUSE = r"""
+import json, threading, time, torch, simcomm
+from simcomm.sim.scheduler import HANDOFF
+
+def deadlock(comm):
+    if comm.rank == 0:
+        comm.recv((2,), torch.float32, src=1)      # nobody sends
+    comm.barrier()
+
+def raises(comm):
+    comm.all_reduce(torch.ones(2))
+    if comm.rank == 2:
+        raise ValueError("rank 2 fails")
+    comm.all_reduce(torch.ones(2))
+
+def mismatch(comm):
+    comm.all_reduce(torch.ones(2 if comm.rank else 3))
+
+def spins(comm):
+    comm.all_reduce(torch.ones(2))
+    deadline = time.monotonic() + 5
+    while comm.rank == 1 and time.monotonic() < deadline:
+        pass
+    comm.all_reduce(torch.ones(2))
+
+seen = []
+for program, kwargs in ((deadlock, {}), (raises, {}), (mismatch, {}), (spins, {"timeout": 0.3})):
+    started = time.monotonic()
+    try:
+        simcomm.World(4).run(program, **kwargs)
+        seen.append(["returned", 0.0])
+    except Exception as error:
+        seen.append([type(error).__name__, time.monotonic() - started])
+deadline = time.monotonic() + 8
+while any(t.name.startswith("simcomm-rank") for t in threading.enumerate()) and time.monotonic() < deadline:
+    time.sleep(0.05)
+left = [t.name for t in threading.enumerate() if t.name.startswith("simcomm-rank")]
+print(json.dumps({"handoff": HANDOFF, "seen": seen, "left": left}))
+"""
+
+
+@compiled
+def test_errors_reach_every_rank_with_either_hand_off():
+    """A deadlock, a rank's error, a mismatch and a timeout end the run with the same error
+    either way, at once (a timeout within its limit), and no rank thread is left: an abort
+    wakes the ranks blocked in the hand-off."""
+    results = {}
+    for handoff in (None, "lock"):
+        env = dict(os.environ)
+        env.pop("SIMCOMM_HANDOFF", None)
+        if handoff is not None:
+            env["SIMCOMM_HANDOFF"] = handoff
+        done = subprocess.run([sys.executable, "-c", _MISUSE], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[handoff] = json.loads(done.stdout.strip().splitlines()[-1])
+    for result in results.values():
+        names = [name for name, _ in result["seen"]]
+        assert names == ["DeadlockError", "RankError", "CollectiveMismatchError", "RunTimeoutError"], result
+        assert all(seconds < 5 for _, seconds in result["seen"]), result
+        assert result["left"] == [], result
+    assert results[None]["handoff"] == "semaphore" and results["lock"]["handoff"] == "lock"
