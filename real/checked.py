@@ -131,7 +131,7 @@ def _all_gather(tensor, dim, async_op=False, into=None):
     return _collective("all_gather", *_tensor(tensor), ("dim", dim))
 
 
-def _reduce_scatter(tensor, dim, op, async_op=False, factor=None, into=None):
+def _reduce_scatter(tensor, dim, op, async_op=False, factor=None, into=None, separately=False):
     return _collective("reduce_scatter", *_tensor(tensor), ("dim", dim), ("op", str(op)))
 
 

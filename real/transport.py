@@ -600,7 +600,13 @@ class DistTransport(TransportBase):
 
     @_communicating
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False, *,
-                       factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None) -> Any:
+                       factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None,
+                       separately: bool = False) -> Any:
+        """``separately``: the backend's list form, each rank's chunk an entry of its own (gloo
+        all-reduces each entry by itself, so its sums round as the simulator's ``separately``);
+        AVG, where the list form lacks it, is its SUM, then a division."""
+        if separately:
+            return self._reduce_scatter_list(tensor, dim, op, async_op, factor, into)
         self._check_avg("reduce_scatter", tensor, op)
         record = self._begin("reduce_scatter", self._next_step(), tensor, args={"dim": dim, "op": op},
                              async_op=async_op)
@@ -632,6 +638,37 @@ class DistTransport(TransportBase):
                     chunk = full.narrow(0, self.rank * shard, shard)   # (d/P, *rest): this rank's
                     chunk = chunk / self.world_size if divide else chunk
                     return chunk.movedim(0, dim).contiguous()    # chunk r along dim
+        return self._done(record, work, result, into)
+
+    def _reduce_scatter_list(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool,
+                             factor: float | torch.Tensor | None, into: torch.Tensor | None) -> Any:
+        """:meth:`reduce_scatter` with ``separately``: ``dist.reduce_scatter`` of the chunks."""
+        self._check_avg("reduce_scatter", tensor, op)
+        record = self._begin("reduce_scatter", self._next_step(), tensor, args={"dim": dim, "op": op},
+                             async_op=async_op)
+        tensor, op = on_the_wire(tensor, op, factor)   # PREMUL_SUM (gloo has none): premultiplied, then SUM
+        moved = self._on_device(tensor.movedim(dim, 0), async_op)   # (d, *rest): dim first
+        entries = list(moved.chunk(self.world_size))                 # P x (d/P, *rest): entry r for rank r
+        with self._buffers(async_op):
+            out = torch.empty_like(entries[0])                       # (d/P, *rest)
+        works: list = []
+
+        def call(reduction: str) -> None:
+            works.append(dist.reduce_scatter(out, entries, to_reduce_op(reduction), group=self.group,
+                                             async_op=async_op))
+
+        with self._calling(), self._released(async_op, out, moved):
+            divide = not self._native("reduce_scatter_list", op, lambda: call(op))
+            if divide and op != "avg":
+                raise NotImplementedError(f"reduce_scatter: the backend's list form on rank {self.rank} "
+                                          f"has no ReduceOp.{op.upper()}")
+            if divide:
+                call("sum")                                          # AVG: SUM, then a division
+        work = works[0]
+
+        def result() -> torch.Tensor:
+            chunk = out / self.world_size if divide else out
+            return chunk.movedim(0, dim).contiguous()                # chunk r along dim
         return self._done(record, work, result, into)
 
     @_communicating

@@ -210,13 +210,14 @@ def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tenso
 
 def reduce_scatter_list(transport: SimTransport, outputs: Sequence[torch.Tensor],
                         input_lists: Sequence[Sequence[torch.Tensor]], opts, async_op: bool) -> Issued:
-    """``dist.reduce_scatter``: rank ``r`` gets the reduction of every rank's ``input_list[r]``."""
+    """``dist.reduce_scatter``: rank ``r`` gets the reduction of every rank's ``input_list[r]``,
+    each entry reduced by itself (gloo all-reduces each one: the order of its sums)."""
     name, factor = _reduction("reduce_scatter", opts, transport, [t for inputs in input_lists for t in inputs])
     calls = []
     for inputs in input_lists:
         _one_per_rank("reduce_scatter", "input_list", inputs, transport)
         stacked = torch.stack([_rows(t) for t in inputs])  # (world, *shape)
-        calls.append(transport.reduce_scatter(stacked, 0, name, async_op=async_op, factor=factor))
+        calls.append(transport.reduce_scatter(stacked, 0, name, async_op=async_op, factor=factor, separately=True))
 
     def finish(results: list) -> list[torch.Tensor]:
         for output, value in zip(outputs, results, strict=True):

@@ -205,11 +205,14 @@ class SimTransport(TransportBase):
                                 lambda inputs: collectives.all_gather(inputs, dim), async_op=async_op, into=into)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False, *,
-                       factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None):
+                       factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None,
+                       separately: bool = False):
+        """``separately``: each rank's chunk is reduced as a buffer of its own, in its own order
+        (:func:`simcomm.collectives.reduce_scatter`; c10d's list form, as gloo runs it)."""
         sent, wire = collectives.on_the_wire(tensor, op, factor)
         return self._collective("reduce_scatter", sent, self._sig(tensor, dim=dim, op=op),
-                                lambda inputs: collectives.reduce_scatter(inputs, dim, wire), async_op=async_op,
-                                reduction=op, into=into)
+                                lambda inputs: collectives.reduce_scatter(inputs, dim, wire, separately=separately),
+                                async_op=async_op, reduction=op, into=into)
 
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False):
         return self._collective("all_to_all", tensor,
