@@ -238,8 +238,7 @@ def _ring_reduce(inputs: Sequence[torch.Tensor], name: str, order: str) -> torch
         out = _fold_by_chunk([flat(t) for t in inputs], name, chunk, grad)
     else:
         stacked = torch.stack(list(inputs))                                  # (world, *shape)
-        stacked = (torch.view_as_real(stacked) if as_real else stacked).reshape(world, numel)
-        out = _fold_stacked(stacked, name, chunk, grad)
+        out = _fold_stacked(torch.view_as_real(stacked) if as_real else stacked, name, chunk, grad)
     if as_real:
         out = torch.view_as_complex(out.view(*first.shape, 2))      # (*shape, 2) -> (*shape) complex
     out = out.view(first.shape)
@@ -273,21 +272,21 @@ def _fold_by_chunk(flats: Sequence[torch.Tensor], name: str, chunk: int, grad: b
 
 
 def _fold_stacked(stacked: torch.Tensor, name: str, chunk: int, grad: bool) -> torch.Tensor:
-    """The ring's folds of short chunks, from the ranks' flat inputs stacked ``(world, numel)``:
-    every chunk's parts put in ring order by one index, then ``world - 1`` operations, each on
-    every chunk at once."""
-    world, numel = stacked.shape
+    """The ring's folds of short chunks, from the ranks' inputs stacked ``(world, ...)``
+    (contiguous): every chunk's parts put in ring order by one index, then ``world - 1``
+    operations, each on every chunk at once. Returns the flat result, ``numel`` long."""
+    world = stacked.shape[0]
+    numel = stacked.numel() // world
     chunks = _ceil_div(numel, chunk)                        # the chunks that hold elements
     if chunks * chunk > numel:                              # the last chunk short: padded, the pad dropped after
-        stacked = torch.nn.functional.pad(stacked, (0, chunks * chunk - numel))
-    stacked = stacked.reshape(world * chunks, chunk)        # (rank * chunk, element)
+        stacked = torch.nn.functional.pad(stacked.view(world, numel), (0, chunks * chunk - numel))
+    stacked = stacked.view(world * chunks, chunk)           # (rank * chunk, element)
     ordered = stacked.index_select(0, _ring_order(world, chunks, stacked.device))
-    steps = ordered.view(world, chunks, chunk).unbind(0)    # world x (chunk, element): step k's part of each chunk
+    steps = ordered.view(world, chunks * chunk)             # (step, chunk * element): row k, step k's parts
     combine, combine_ = (torch.mul, torch.Tensor.mul_) if name == "product" else (torch.add, torch.Tensor.add_)
-    out = combine(steps[0], steps[1])                       # (chunk, element)
-    for step in steps[2:]:
-        out = combine(out, step) if grad else combine_(out, step)
-    out = out.view(-1)                                      # (chunks * chunk,)
+    out = combine(steps[0], steps[1])                       # (chunks * chunk,)
+    for step in range(2, world):
+        out = combine(out, steps[step]) if grad else combine_(out, steps[step])
     return out[:numel].clone() if chunks * chunk > numel else out    # its own storage, numel long
 
 
