@@ -110,12 +110,14 @@ print(json.dumps({"handoff": HANDOFF, "outs": outs, "order": order}))
 """
 
 
-def _run_with(handoff: str | None) -> dict:
+def _run_with(handoff: str | None, script: str = _PROGRAM) -> dict:
+    """``script``'s last line of output (JSON) in a fresh process using ``handoff`` (None: the
+    compiled one)."""
     env = dict(os.environ)
     env.pop("SIMCOMM_HANDOFF", None)
     if handoff is not None:
         env["SIMCOMM_HANDOFF"] = handoff
-    done = subprocess.run([sys.executable, "-c", _PROGRAM], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -178,16 +180,7 @@ def test_errors_reach_every_rank_with_either_hand_off():
     """A deadlock, a rank's error, a mismatch and a timeout end the run with the same error
     either way, at once (a timeout within its limit), and no rank thread is left: an abort
     wakes the ranks blocked in the hand-off."""
-    results = {}
-    for handoff in (None, "lock"):
-        env = dict(os.environ)
-        env.pop("SIMCOMM_HANDOFF", None)
-        if handoff is not None:
-            env["SIMCOMM_HANDOFF"] = handoff
-        done = subprocess.run([sys.executable, "-c", _MISUSE], env=env, capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        results[handoff] = json.loads(done.stdout.strip().splitlines()[-1])
+    results = {handoff: _run_with(handoff, _MISUSE) for handoff in (None, "lock")}
     for result in results.values():
         names = [name for name, _ in result["seen"]]
         assert names == ["DeadlockError", "RankError", "CollectiveMismatchError", "RunTimeoutError"], result
