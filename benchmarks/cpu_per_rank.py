@@ -80,11 +80,17 @@ def ring_run(world_size: int, calls: int) -> None:
             mine.acquire()             # wait for the token
             following.release()        # hand it on
 
+    _pass_the_token(rank, world_size, locks[0] if calls else None)
+
+
+def _pass_the_token(rank, world_size: int, first) -> None:
+    """Run ``rank(me)`` on a thread per rank, give ``first`` (rank 0's waiter, or None) the token,
+    and wait for every thread."""
     threads = [threading.Thread(target=rank, args=(me,)) for me in range(world_size)]
     for thread in threads:
         thread.start()
-    if calls:
-        locks[0].release()
+    if first is not None:
+        first.release()
     for thread in threads:
         thread.join()
 
@@ -104,13 +110,7 @@ def ring_sem_run(world_size: int, calls: int) -> None:
             handoff(following, mine)   # hand it on, wait for it again
         following.release()
 
-    threads = [threading.Thread(target=rank, args=(me,)) for me in range(world_size)]
-    for thread in threads:
-        thread.start()
-    if calls:
-        waiters[0].release()
-    for thread in threads:
-        thread.join()
+    _pass_the_token(rank, world_size, waiters[0] if calls else None)
 
 
 def rendezvous_run(world_size: int, calls: int) -> None:
