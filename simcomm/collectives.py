@@ -63,6 +63,11 @@ _NEEDS_FLOAT = ("avg", PREMUL_SUM)   # reductions check_avg_dtype refuses for in
 _ACCUMULATE_FROM = 1 << 16  # elements per rank from which large reductions accumulate in place
 
 
+def _combiners(name: str) -> tuple:
+    """``(combine, combine_in_place)`` of a SUM, AVG (summed, then divided) or PRODUCT."""
+    return (torch.mul, torch.Tensor.mul_) if name == "product" else (torch.add, torch.Tensor.add_)
+
+
 def _reduce_accumulate(inputs: Sequence[torch.Tensor], name: str) -> torch.Tensor:
     """Fold the inputs into one new tensor in place, in rank order (integers, bools, MAX, MIN:
     exact in any order): every input is read once and no ``(world, ...)`` stack is allocated
@@ -73,8 +78,8 @@ def _reduce_accumulate(inputs: Sequence[torch.Tensor], name: str) -> torch.Tenso
         for tensor in inputs[2:]:
             combine(out, tensor, out=out)
         return out
-    out = inputs[0] + inputs[1] if name != "product" else inputs[0] * inputs[1]
-    combine_ = torch.Tensor.mul_ if name == "product" else torch.Tensor.add_
+    combine, combine_ = _combiners(name)
+    out = combine(inputs[0], inputs[1])
     for tensor in inputs[2:]:
         combine_(out, tensor)
     return out
@@ -250,7 +255,7 @@ def _fold_by_chunk(flats: Sequence[torch.Tensor], name: str, chunk: int, grad: b
     stack; without a gradient, in place in the output. ``world * (world - 1)`` operations at most,
     each on ``chunk`` elements."""
     world, numel = len(flats), flats[0].numel()
-    combine, combine_ = (torch.mul, torch.Tensor.mul_) if name == "product" else (torch.add, torch.Tensor.add_)
+    combine, combine_ = _combiners(name)
     out = None if grad else torch.empty_like(flats[0], memory_format=torch.contiguous_format)
     pieces = []
     for start in range(0, numel, chunk):
@@ -283,7 +288,7 @@ def _fold_stacked(stacked: torch.Tensor, name: str, chunk: int, grad: bool) -> t
     stacked = stacked.view(world * chunks, chunk)           # (rank * chunk, element)
     ordered = stacked.index_select(0, _ring_order(world, chunks, stacked.device))
     steps = ordered.view(world, chunks * chunk)             # (step, chunk * element): row k, step k's parts
-    combine, combine_ = (torch.mul, torch.Tensor.mul_) if name == "product" else (torch.add, torch.Tensor.add_)
+    combine, combine_ = _combiners(name)
     out = combine(steps[0], steps[1])                       # (chunks * chunk,)
     for step in range(2, world):
         out = combine(out, steps[step]) if grad else combine_(out, steps[step])
