@@ -19,29 +19,39 @@ before the backend is called, so the words are the same on both):
   ``RuntimeError`` from the cast; here a ``ValueError`` on every rank before
   any data moves, as the real transport's own check words it).
 
-:func:`check` is the one check; :data:`TABLES` the measured data.
+:func:`check` is the one check; :data:`TABLES` the measured data, gathered from the rows of
+:data:`simcomm.specs.SPECS` (``refuses``, ``reducing``) and
+:data:`~simcomm.specs.EVERY_COLLECTIVE_REFUSES`.
 """
 from __future__ import annotations
 
 import torch
 
+from .specs import EVERY_COLLECTIVE_REFUSES, SPECS
+
 __all__ = ["TABLES", "check", "table_for"]
 
-_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "broadcast", "reduce",
-                "scatter", "all_to_all_single")
+#: the collectives the tables apply to (those that carry data)
+_COLLECTIVES = tuple(name for name, spec in SPECS.items() if spec.dtype_checked)
 
-#: backend -> {(op, dtype): why refused}; op ``"*"`` is every collective
-TABLES: dict[str, dict[tuple[str, torch.dtype], str]] = {
-    "gloo": {("*", torch.int16): "Invalid scalar type",
-             ("gather", torch.complex64): "Invalid scalar type",
-             ("gather", torch.complex128): "Invalid scalar type"},
-    "nccl": {("*", torch.int16): "Unsupported data type for NCCL process group"},
-}
+
+def _tables() -> dict[str, dict[tuple[str, torch.dtype], str]]:
+    tables: dict[str, dict[tuple[str, torch.dtype], str]] = {}
+    for backend, dtype, why in EVERY_COLLECTIVE_REFUSES:
+        tables.setdefault(backend, {})[("*", dtype)] = why
+    for name in _COLLECTIVES:
+        for backend, dtype, why in SPECS[name].refuses:
+            tables.setdefault(backend, {})[(name, dtype)] = why
+    return tables
+
+
+#: backend -> {(op, dtype): why refused}; op ``"*"`` is every collective (the rows' ``refuses``)
+TABLES: dict[str, dict[tuple[str, torch.dtype], str]] = _tables()
 
 #: reductions torch.distributed runs on complex tensors (as real views)
 _COMPLEX_REDUCTIONS = ("sum", "avg", "premul_sum")
 #: ops with a reduction, and the error class torch raises for an unsupported complex one
-_REDUCING = {"all_reduce": ValueError, "reduce_scatter": RuntimeError, "reduce": RuntimeError}
+_REDUCING = {name: spec.reducing for name, spec in SPECS.items() if spec.reducing is not None}
 
 
 def table_for(device: torch.device | str) -> str:

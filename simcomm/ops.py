@@ -1,5 +1,5 @@
-"""The names of the operations, in one place: what a trace records, what the cost model and
-``real.bench`` measure, and the spellings people type for them.
+"""The names of the operations, read from the rows of :data:`simcomm.specs.SPECS`: what a trace
+records, what the cost model and ``real.bench`` measure, and the spellings people type for them.
 
 * :data:`TRACE_OPS`: the ``op`` of a :class:`~simcomm.trace.TraceEvent`, one per transport
   call (``send`` and ``recv`` are the two ends of one message; ``compute`` is declared work).
@@ -19,28 +19,23 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+from .specs import COST_SPECS, SPECS
+
 __all__ = ["TRACE_OPS", "COST_OPS", "COLLECTIVE_OPS", "P2P_OPS", "ALIASES", "canonical_op", "cost_op"]
 
 #: collectives: every rank of the group takes part in the same call
-COLLECTIVE_OPS: tuple[str, ...] = (
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_single",
-    "broadcast", "reduce", "gather", "scatter", "barrier", "subgroup")
+COLLECTIVE_OPS: tuple[str, ...] = tuple(name for name, spec in SPECS.items() if spec.kind == "collective")
 #: the two ends of a point-to-point message
-P2P_OPS: tuple[str, ...] = ("send", "recv")
+P2P_OPS: tuple[str, ...] = tuple(name for name, spec in SPECS.items() if spec.kind == "p2p" and spec.traced)
 #: every ``op`` a trace event can carry
-TRACE_OPS: tuple[str, ...] = COLLECTIVE_OPS + P2P_OPS + ("compute",)
+TRACE_OPS: tuple[str, ...] = tuple(name for name, spec in SPECS.items() if spec.traced)
 #: what the cost model and ``real.bench`` measure (nccl-tests' operations)
-COST_OPS: tuple[str, ...] = (
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_single",
-    "broadcast", "reduce", "gather", "scatter", "send_recv")
+COST_OPS: tuple[str, ...] = tuple(COST_SPECS)
+#: the name both ends of a message are priced as
+_PAIR = SPECS[P2P_OPS[0]].priced_as
 
 #: other spellings of the canonical names (looked up after lower-casing, with ``-`` and spaces as ``_``)
-ALIASES: dict[str, str] = {
-    "allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
-    "alltoall": "all_to_all", "all2all": "all_to_all", "alltoallsingle": "all_to_all_single",
-    "all_to_all_v": "all_to_all_single", "alltoallv": "all_to_all_single",
-    "sendrecv": "send_recv", "send/recv": "send_recv", "bcast": "broadcast",
-}
+ALIASES: dict[str, str] = {alias: spec.priced_as for spec in SPECS.values() for alias in spec.aliases}
 
 _KNOWN = tuple(dict.fromkeys(TRACE_OPS + COST_OPS))
 
@@ -64,8 +59,8 @@ def canonical_op(name: str, allowed: Iterable[str] | None = None, *, where: str 
     key = ALIASES.get(key, ALIASES.get(key.replace("_", ""), key))
     if key in choices:
         return key
-    if key in P2P_OPS and "send_recv" in choices:      # one end of a message, where only pairs are named
-        return "send_recv"
+    if key in P2P_OPS and _PAIR in choices:            # one end of a message, where only pairs are named
+        return _PAIR
     spellings = sorted(alias for alias, op in ALIASES.items() if op in choices)
     close = difflib.get_close_matches(key, list(choices) + spellings, n=1)
     hint = f" (did you mean {ALIASES.get(close[0], close[0])!r}?)" if close else ""
@@ -75,4 +70,4 @@ def canonical_op(name: str, allowed: Iterable[str] | None = None, *, where: str 
 
 def cost_op(trace_op: str) -> str:
     """The cost-model operation a traced call is timed as: ``send`` and ``recv`` are a ``send_recv``."""
-    return "send_recv" if trace_op in P2P_OPS else canonical_op(trace_op, COST_OPS, where="cost_op")
+    return _PAIR if trace_op in P2P_OPS else canonical_op(trace_op, COST_OPS, where="cost_op")
