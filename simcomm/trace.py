@@ -15,22 +15,9 @@ process (real), shared by all their groups; it builds a :class:`Record` per
 call on the hot path, and :class:`Trace` turns records into events on first use.
 
 Bytes per peer follow each op's *definition* as a direct exchange, not a
-particular algorithm (ring, tree): with ``b`` bytes per rank on ``n`` ranks,
-
-=================  =========================================================
-all_gather         each rank sends its ``b`` to every other rank
-reduce_scatter     each rank sends peer ``j`` the chunk ``j`` owns: ``b/n``
-all_reduce         reduce-scatter then all-gather: ``2 b/n`` to every peer
-all_to_all         ``b/n`` to every peer
-broadcast          the source sends ``b`` to every other rank
-gather             every other rank sends its ``b`` to the destination
-reduce             every other rank sends its ``b`` to the destination
-scatter            the source sends chunk ``j`` (``b/n``) to each other rank ``j``
-all_to_all_single  ``input_split_sizes[j]`` rows to peer ``j``, ``output_split_sizes[j]``
-                   rows from it (the event's args hold both lists)
-send / recv        ``b`` from sender to receiver
-barrier, subgroup  nothing
-=================  =========================================================
+particular algorithm (ring, tree); each op's row of :data:`simcomm.specs.SPECS`
+holds its rule (:meth:`~simcomm.specs.CollectiveSpec.peer_bytes`; the table is
+in :mod:`simcomm.specs`), which the cost model reads too.
 """
 from __future__ import annotations
 
@@ -45,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .collector import FullCollectionsDeferred
+from .specs import SPECS
 
 _perf_counter = time.perf_counter
 
@@ -103,37 +91,10 @@ def peer_bytes(op: str, nbytes: int, ranks: tuple[int, ...], rank: int, root: in
     ``args`` the call's arguments and ``row_bytes`` the bytes of one dim-0 row
     (``all_to_all_single``: bytes per peer from the split sizes).
     """
-    world_size = len(ranks)
-    peers = [peer for peer in ranks if peer != rank]
-    if op == "reduce":
-        return ({}, dict.fromkeys(peers, nbytes)) if rank == root else ({root: nbytes}, {})
-    if op == "scatter":
-        if rank == root:
-            return dict.fromkeys(peers, nbytes // world_size), {}
-        return {}, {root: out_nbytes or 0}
-    if op == "all_to_all_single":
-        sent_rows = (args or {}).get("input_split_sizes") or [0] * world_size
-        received_rows = (args or {}).get("output_split_sizes") or [0] * world_size
-        row = row_bytes or 0
-        return ({peer: sent_rows[i] * row for i, peer in enumerate(ranks) if peer != rank},
-                {peer: received_rows[i] * row for i, peer in enumerate(ranks) if peer != rank})
-    if op == "all_gather":
-        return dict.fromkeys(peers, nbytes), dict.fromkeys(peers, nbytes)
-    if op in ("reduce_scatter", "all_to_all"):
-        share = nbytes // world_size
-        return dict.fromkeys(peers, share), dict.fromkeys(peers, share)
-    if op == "all_reduce":
-        share = 2 * nbytes // world_size
-        return dict.fromkeys(peers, share), dict.fromkeys(peers, share)
-    if op == "broadcast":
-        return (dict.fromkeys(peers, nbytes), {}) if rank == root else ({}, {root: nbytes})
-    if op == "gather":
-        return ({}, dict.fromkeys(peers, nbytes)) if rank == root else ({root: nbytes}, {})
-    if op == "send":
-        return {root: nbytes}, {}
-    if op == "recv":
-        return {}, {root: nbytes}
-    return {}, {}
+    spec = SPECS.get(op)
+    if spec is None:
+        return {}, {}
+    return spec.peer_bytes(nbytes, ranks, rank, root, args=args, out_nbytes=out_nbytes, row_bytes=row_bytes)
 
 
 def _itemsize(dtype: str) -> int:
