@@ -46,6 +46,7 @@ import operator
 from dataclasses import dataclass
 
 from ..ops import COST_OPS, canonical_op, cost_op
+from ..specs import COST_SPECS, SPECS
 from ..trace import Trace, TraceEvent
 from . import overlap
 from .topology import (
@@ -65,19 +66,8 @@ __all__ = ["Estimate", "estimate", "busbw_factor", "nccl_size", "nccl_counts", "
            "annotate", "modelled_timeline", "validation_table", "ALGORITHMS", "OPS", "Topology", "Reference",
            "PRESETS", "PROTOCOLS", "CALIBRATIONS", "CROSS_CHECKS", "get_topology", "GB"]
 
-#: the algorithms each op can be modelled with; ring is preferred on ties
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("ring", "tree", "nvls"),
-    "all_gather": ("ring",),
-    "reduce_scatter": ("ring",),
-    "all_to_all": ("direct",),
-    "all_to_all_single": ("direct",),
-    "broadcast": ("ring",),
-    "reduce": ("ring",),
-    "gather": ("direct",),
-    "scatter": ("direct",),
-    "send_recv": ("p2p",),
-}
+#: the algorithms each op can be modelled with (each row's ``algorithms``); ring is preferred on ties
+ALGORITHMS: dict[str, tuple[str, ...]] = {name: spec.algorithms for name, spec in COST_SPECS.items()}
 OPS = COST_OPS
 assert set(ALGORITHMS) == set(COST_OPS), "the cost model and simcomm.ops disagree on the ops"
 
@@ -100,11 +90,7 @@ def busbw_factor(op: str, world_size: int) -> float:
     n = _integer(world_size)
     if n is None or n < 1:
         raise ValueError(f"busbw_factor({op!r}): world_size must be a positive int, got {world_size!r}")
-    if name == "all_reduce":
-        return 2 * (n - 1) / n
-    if name in ("all_gather", "reduce_scatter", "all_to_all", "all_to_all_single", "gather", "scatter"):
-        return (n - 1) / n
-    return 1.0
+    return COST_SPECS[name].busbw(n)
 
 
 def nccl_size(op: str, input_nbytes: int, world_size: int) -> int:
@@ -114,7 +100,7 @@ def nccl_size(op: str, input_nbytes: int, world_size: int) -> int:
     one place the convention is written; :func:`nccl_counts` is its inverse.
     """
     name = cost_op(_op(op, "nccl_size"))
-    return input_nbytes * world_size if name in ("all_gather", "gather") else input_nbytes
+    return input_nbytes * world_size if COST_SPECS[name].nccl_size == "output" else input_nbytes
 
 
 def nccl_counts(op: str, size: int, world_size: int, itemsize: int) -> tuple[int, int]:
@@ -123,11 +109,11 @@ def nccl_counts(op: str, size: int, world_size: int, itemsize: int) -> tuple[int
     Rounded down to whole elements per rank (at least one), as nccl-tests does;
     for scatter the input is the root's.
     """
-    name = cost_op(_op(op, "nccl_counts"))
-    if name in ("all_gather", "gather", "reduce_scatter", "scatter", "all_to_all", "all_to_all_single"):
+    convention = COST_SPECS[cost_op(_op(op, "nccl_counts"))].nccl_size
+    if convention != "buffer":              # the whole output or input: split over the ranks
         per_rank = max(1, size // (itemsize * world_size))
         total = per_rank * world_size
-        return total, per_rank if name in ("all_gather", "gather") else total
+        return total, per_rank if convention == "output" else total
     count = max(1, size // itemsize)
     return count, count
 
@@ -355,6 +341,9 @@ def validation_table() -> list[dict]:
 # traces
 
 
+_A2AV = SPECS["all_to_all_single"]
+
+
 def all_to_all_single_size(events: list[TraceEvent]) -> int:
     """The nccl-tests size an uneven ``all_to_all_single`` call counts as: the busiest rank's.
 
@@ -372,10 +361,12 @@ def all_to_all_single_size(events: list[TraceEvent]) -> int:
         rows = event.shape[0] if event.shape else 0
         row_bytes = event.nbytes / rows if rows else 0.0
         me = event.group.index(event.rank)
-        sent = _splits(event, "input_split_sizes", rows, n)
-        received = _splits(event, "output_split_sizes", rows, n)
-        leaving = sum(s for j, s in enumerate(sent) if j != me) * row_bytes
-        arriving = sum(s for j, s in enumerate(received) if j != me) * row_bytes
+        splits = {"input_split_sizes": _splits(event, "input_split_sizes", rows, n),
+                  "output_split_sizes": _splits(event, "output_split_sizes", rows, n)}
+        # the bytes per peer of the trace's rule (group-local ranks), with even splits filled in
+        sent, received = _A2AV.peer_bytes(event.nbytes, range(n), me, args=splits, row_bytes=row_bytes)
+        leaving = sum(sent.values())
+        arriving = sum(received.values())
         busiest = max(busiest, leaving, arriving)
     return round(busiest * n / (n - 1)) if n > 1 else 0
 

@@ -36,6 +36,7 @@ from ..checks import PREMUL_SUM, check_splits
 from ..errors import CollectiveMismatchError, DeadlockError, SimcommError
 from ..handles import Handle, P2POp, UnwaitedHandleError
 from ..reports import mismatch_message, program_location, unwaited_message
+from ..specs import SPECS
 from ..trace import Record, Recorder
 from ..transport import TransportBase
 from . import shape as _shape
@@ -43,6 +44,9 @@ from .pending import Pending, PendingCollective, PendingMessage
 from .rendezvous import Group, Message, Slot, call_site, copy_small_shared, failure, format_args, materialize
 from .scheduler import Aborted, RunState, handoff
 from .waits import Wait, p2p_detail
+
+#: op -> what its ranks must pass alike (:meth:`simcomm.specs.CollectiveSpec.agreed_fields`)
+_AGREED = {name: spec.agreed_fields for name, spec in SPECS.items() if spec.kind == "collective"}
 
 __all__ = ["SimTransport"]
 
@@ -184,9 +188,8 @@ class SimTransport(TransportBase):
             ([ranks[self.rank]], f"{op}({format_args(sig)})", call_site(frame))])
         self.state.abort_and_release(CollectiveMismatchError(message))
 
-    @staticmethod
-    def _sig(tensor: torch.Tensor, **args) -> tuple:
-        return (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype), *args.items())
+    # ``sig``: what every member must pass alike, from the op's row of simcomm.specs (checked mode
+    # on real workers compares the same fields: real.checked_calls)
 
     # ``into`` (all_reduce, all_gather, reduce_scatter, broadcast): see _collective
 
@@ -194,14 +197,13 @@ class SimTransport(TransportBase):
                    factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None):
         # PREMUL_SUM: premultiplied, summed
         sent, wire = (tensor, op) if op != PREMUL_SUM else collectives.on_the_wire(tensor, op, factor)
-        return self._collective("all_reduce", sent, (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype),
-                                                     ("op", op)),
+        return self._collective("all_reduce", sent, _AGREED["all_reduce"](tensor.shape, tensor.dtype, op),
                                 lambda inputs: collectives.all_reduce(inputs, wire), async_op=async_op,
                                 reduction=op, into=into)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False, *,
                    into: torch.Tensor | None = None):
-        return self._collective("all_gather", tensor, self._sig(tensor, dim=dim),
+        return self._collective("all_gather", tensor, _AGREED["all_gather"](tensor.shape, tensor.dtype, dim),
                                 lambda inputs: collectives.all_gather(inputs, dim), async_op=async_op, into=into)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False, *,
@@ -210,28 +212,28 @@ class SimTransport(TransportBase):
         """``separately``: each rank's chunk is reduced as a buffer of its own, in its own order
         (:func:`simcomm.collectives.reduce_scatter`; c10d's list form, as gloo runs it)."""
         sent, wire = collectives.on_the_wire(tensor, op, factor)
-        return self._collective("reduce_scatter", sent, self._sig(tensor, dim=dim, op=op),
+        return self._collective("reduce_scatter", sent, _AGREED["reduce_scatter"](tensor.shape, tensor.dtype, dim, op),
                                 lambda inputs: collectives.reduce_scatter(inputs, dim, wire, separately=separately),
                                 async_op=async_op, reduction=op, into=into)
 
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False):
         return self._collective("all_to_all", tensor,
-                                self._sig(tensor, scatter_dim=scatter_dim, gather_dim=gather_dim),
+                                _AGREED["all_to_all"](tensor.shape, tensor.dtype, scatter_dim, gather_dim),
                                 lambda inputs: collectives.all_to_all(inputs, scatter_dim, gather_dim),
                                 async_op=async_op)
 
     def gather(self, tensor: torch.Tensor, dst: int, dim: int, async_op: bool = False):
-        return self._collective("gather", tensor, self._sig(tensor, dst=dst, dim=dim),
+        return self._collective("gather", tensor, _AGREED["gather"](tensor.shape, tensor.dtype, dst, dim),
                                 lambda inputs: collectives.gather(inputs, dst, dim), root=dst, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, *,
                   into: torch.Tensor | None = None):
-        return self._collective("broadcast", tensor, self._sig(tensor, src=src),
+        return self._collective("broadcast", tensor, _AGREED["broadcast"](tensor.shape, tensor.dtype, src),
                                 lambda inputs: collectives.broadcast(inputs, src), root=src, async_op=async_op,
                                 into=into)
 
     def barrier(self, async_op: bool = False):
-        return self._collective("barrier", None, (), lambda inputs: [None] * len(inputs), async_op=async_op)
+        return self._collective("barrier", None, _AGREED["barrier"](None, None), lambda inputs: [None] * len(inputs), async_op=async_op)
 
     def subgroup(self, groups: tuple[tuple[int, ...], ...]) -> SimTransport:
         parent, step = self.group, self._step
@@ -244,7 +246,7 @@ class SimTransport(TransportBase):
                     members[rank] = (group, position)
             return members
 
-        group, position = self._collective("subgroup", None, (("groups", groups),), split)
+        group, position = self._collective("subgroup", None, _AGREED["subgroup"](None, None, groups), split)
         return SimTransport(self.state, group, position, self.pending, self._recorder)
 
     # -- point to point --
@@ -355,7 +357,7 @@ class SimTransport(TransportBase):
                factor: float | torch.Tensor | None = None):
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks."""
         sent, wire = collectives.on_the_wire(tensor, op, factor)
-        return self._collective("reduce", sent, self._sig(tensor, dst=dst, op=op),
+        return self._collective("reduce", sent, _AGREED["reduce"](tensor.shape, tensor.dtype, dst, op),
                                 lambda inputs: collectives.reduce_to(inputs, dst, wire), root=dst, async_op=async_op,
                                 reduction=op)
 
@@ -387,9 +389,10 @@ class SimTransport(TransportBase):
             return out
 
         entry = (tensor.clone() if async_op and tensor is not None else tensor, requires_grad, dim)
+        sig = _AGREED["scatter"](None, None, src)
         if async_op:
-            return Handle(self._issue("scatter", step, entry, (("src", src),), compute, event), arrived)
-        out = arrived(self._rendezvous("scatter", step, entry, (("src", src),), compute))
+            return Handle(self._issue("scatter", step, entry, sig, compute, event), arrived)
+        out = arrived(self._rendezvous("scatter", step, entry, sig, compute))
         self._end(event, out[0])
         return out
 
@@ -402,7 +405,7 @@ class SimTransport(TransportBase):
         event = self._begin("all_to_all_single", step, tensor,
                             args={"input_split_sizes": inputs_, "output_split_sizes": outputs},
                             async_op=async_op)
-        sig = (("dtype", tensor.dtype), ("shape[1:]", tuple(tensor.shape[1:])))
+        sig = _AGREED["all_to_all_single"](tensor.shape, tensor.dtype, rows_label="shape[1:]")
 
         def compute(entries: list) -> list:
             try:
