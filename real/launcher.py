@@ -87,7 +87,7 @@ from simcomm.memory import MemoryReport
 from simcomm.trace import Trace
 
 from . import messages, pickling, startup
-from .checked import find_deadlock
+from .checked_store import find_deadlock
 from .messages import Close, EncodedError, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import pick_backend
 from .stacks import describe_stacks

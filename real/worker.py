@@ -72,7 +72,8 @@ from simcomm.sim.process_state import reset_python_and_numpy
 from simcomm.sim.rank_random import FRESH_SEED
 
 from . import messages, pickling, startup
-from .checked import CheckedTransport, Checker
+from .checked import CheckedTransport
+from .checked_store import Checker
 from .checked_pg import run_process_groups
 from .messages import Close, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import device_for

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 import real
-import real.checked
+import real.checked_store
 import simcomm
-from real.checked import CheckedTransport, Checker
+from real.checked import CheckedTransport
+from real.checked_store import Checker
 
 pytestmark = pytest.mark.real
 
@@ -194,13 +195,13 @@ def test_ranks_waiting_on_each_other_are_found():
         except Exception as error:  # the store's timeout ends the threads
             outcomes[rank] = error
 
-    assert real.checked.find_deadlock(store, [0, 1]) is None     # nobody waits yet
+    assert real.checked_store.find_deadlock(store, [0, 1]) is None     # nobody waits yet
     threads = [threading.Thread(target=both_send_first, args=(rank,)) for rank in (0, 1)]
     for thread in threads:
         thread.start()
     message = None
     for _ in range(100):
-        message = real.checked.find_deadlock(store, [0, 1])
+        message = real.checked_store.find_deadlock(store, [0, 1])
         if message is not None:
             break
         threading.Event().wait(0.02)
@@ -294,7 +295,7 @@ def test_every_extractor_has_the_signature_of_its_transport_primitive():
     the transport's signatures exactly, or checked mode silently checks nothing."""
     import inspect
 
-    from real.checked import EXTRACTORS
+    from real.checked_calls import EXTRACTORS
     from real.transport import DistTransport
 
     for name, extractor in EXTRACTORS.items():
