@@ -14,8 +14,8 @@ compares what every rank of the group is about to do:
 
 * a collective: its name, the tensor's shape and dtype, its root (``src``/``dst``)
   and reduction, and its other arguments (``dim``, ``groups`` ...); for
-  ``all_to_all_single``, that what rank i sends to rank j is what j expects
-  from i;
+  an uneven all-to-all, that what rank i sends to rank j is what j expects
+  from i (each collective's fields are its row's of :data:`simcomm.specs.SPECS`);
 * a point-to-point pair: the shape and dtype of the n-th send from i to j and
   of the n-th recv on j from i.
 

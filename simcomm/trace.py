@@ -89,7 +89,7 @@ def peer_bytes(op: str, nbytes: int, ranks: tuple[int, ...], rank: int, root: in
     has one, and the peer for ``send``/``recv``. ``out_nbytes`` is the size of
     the rank's output (``scatter``: what a non-source rank receives);
     ``args`` the call's arguments and ``row_bytes`` the bytes of one dim-0 row
-    (``all_to_all_single``: bytes per peer from the split sizes).
+    (the uneven all-to-all: bytes per peer from the split sizes).
     """
     spec = SPECS.get(op)
     if spec is None:
