@@ -101,12 +101,12 @@ class CollectiveSpec:
         ``dtype``, per :attr:`tensor`), then :attr:`agreed` paired with ``values`` in order.
         ``rows_label``: the name of a ``"rows"`` op's row shape (the simulator writes it
         ``shape[1:]``, checked mode ``row_shape``)."""
-        pairs = tuple(zip(self.agreed, values))
-        if self.tensor == "whole":
-            return (("shape", tuple(shape)), ("dtype", dtype), *pairs)
-        if self.tensor == "rows":
-            return (("dtype", dtype), (rows_label, tuple(shape[1:])), *pairs)
-        return pairs
+        tensor = self.tensor
+        if tensor == "whole":
+            return (("shape", tuple(shape)), ("dtype", dtype), *zip(self.agreed, values))
+        if tensor == "rows":
+            return (("dtype", dtype), (rows_label, tuple(shape[1:])), *zip(self.agreed, values))
+        return tuple(zip(self.agreed, values))
 
     def peer_bytes(self, nbytes: int, ranks: tuple[int, ...], rank: int, root: int | None = None,
                    *, args: dict | None = None, out_nbytes: int | None = None, row_bytes: int | None = None
