@@ -176,6 +176,21 @@ def test_both_rules_read_the_row(op):
     assert _rule_drift(op, SPECS[op]) == []
 
 
+def test_a_send_and_its_recv_agree_on_the_rows_fields_on_both_rules():
+    assert SPECS["send"].agreed_fields((2,), torch.float32) == SPECS["recv"].agreed_fields((2,), torch.float32)
+    assert sim_transport._PAIRED((2,), torch.float32) == EXTRACTORS["recv"]((2,), torch.float32, 0)[0].compared
+    assert EXTRACTORS["send"](torch.ones(2), 1)[0].compared == EXTRACTORS["recv"]((2,), torch.float32, 0)[0].compared
+
+    def program(comm):
+        if comm.rank == 0:
+            comm.transport.send(torch.ones(2), 1)
+        else:
+            comm.transport.recv((2,), torch.float64, 0)
+
+    with pytest.raises(simcomm.CollectiveMismatchError, match="send/recv mismatch"):
+        simcomm.World(2).run(program)
+
+
 def test_a_row_that_drifts_from_the_rules_is_reported():
     """Can fail: a row that agrees on one more (or one less) field than both sides compare."""
     spec = SPECS["reduce_scatter"]

@@ -47,6 +47,8 @@ from .waits import Wait, p2p_detail
 
 #: op -> what its ranks must pass alike (:meth:`simcomm.specs.CollectiveSpec.agreed_fields`)
 _AGREED = {name: spec.agreed_fields for name, spec in SPECS.items() if spec.kind == "collective"}
+#: what a send and its recv must agree on (their rows: shape and dtype, as checked mode compares)
+_PAIRED = SPECS["send"].agreed_fields
 
 __all__ = ["SimTransport"]
 
@@ -291,7 +293,7 @@ class SimTransport(TransportBase):
         channel = group.channels.setdefault(key, deque())
         if channel and channel[0].kind != kind:
             partner = channel.popleft()
-            if partner.shape != shape or partner.dtype != dtype:
+            if _PAIRED(partner.shape, partner.dtype) != _PAIRED(shape, dtype):   # the send/recv rows' rule
                 self._p2p_mismatch_and_release(Message(kind, me, tensor, shape, dtype, frame), partner)
             if kind == "send":
                 if state.shape_only or (async_op and not memory.any_tracked()):
