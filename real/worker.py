@@ -65,11 +65,10 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from simcomm import memory
-from simcomm.c10d.rank_state import install_init_join
+from simcomm.c10d.init_join import install_init_join
 from simcomm.c10d.work import wait_returned
 from simcomm.communicator import Communicator
-from simcomm.sim.process_state import reset_python_and_numpy
-from simcomm.sim.rank_random import FRESH_SEED
+from simcomm.fresh_state import FRESH_SEED, reset_python_and_numpy
 
 from . import messages, pickling, startup
 from .checked import CheckedTransport, Checker
@@ -84,7 +83,7 @@ __all__ = ["worker_main", "FRESH_PROCESS_SEED", "reset_random_state", "die_with_
 _PARENT_POLL_S = 0.2
 
 #: The seed every run starts from, here and on the simulator's virtual ranks
-#: (:data:`simcomm.sim.rank_random.FRESH_SEED`, c10's ``default_rng_seed_val``), so a
+#: (:data:`simcomm.fresh_state.FRESH_SEED`, c10's ``default_rng_seed_val``), so a
 #: program draws the same numbers on both backends and in every run.
 FRESH_PROCESS_SEED = FRESH_SEED
 
@@ -92,7 +91,7 @@ FRESH_PROCESS_SEED = FRESH_SEED
 def reset_random_state() -> None:
     """Start a run from the state every virtual rank starts from: the default CPU generator
     (and every CUDA generator, lazily) as a fresh one, Python's ``random`` and NumPy's global
-    ``np.random`` seeded as :func:`simcomm.sim.process_state.reset_python_and_numpy` seeds them."""
+    ``np.random`` seeded as :func:`simcomm.fresh_state.reset_python_and_numpy` seeds them."""
     torch.manual_seed(FRESH_PROCESS_SEED)
     reset_python_and_numpy()
 

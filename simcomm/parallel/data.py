@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .. import ReduceOp
+from torch.distributed import ReduceOp
 from ..communicator import Communicator
 from ..handles import Handle
 from ..model.cost import modelled_timeline
