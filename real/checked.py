@@ -76,7 +76,9 @@ from simcomm.handles import Handle
 from simcomm.reports import LOCAL_GROUP_NAMES, mismatch_message, program_location
 from simcomm.trace import current_phase, issued_as
 
-from .transport import RELEASE_WAIT_S, GroupCache, issuing_deferred
+from .call_memory import RELEASE_WAIT_S
+from .dist_work import issuing_deferred
+from .groups import GroupCache
 
 __all__ = ["Call", "Checker", "CheckedTransport", "EXTRACTORS", "describe", "find_deadlock"]
 
@@ -687,7 +689,7 @@ class _Deferred:
         return output
 
     def finished(self) -> None:
-        """Wait (at most :data:`real.transport.RELEASE_WAIT_S`) until the issuing thread is gone:
+        """Wait (at most :data:`real.call_memory.RELEASE_WAIT_S`) until the issuing thread is gone:
         it has issued the call and only exits, but what it held (the call's output among it) is
         let go only as it exits, on that thread; the memory count would see it alive a moment
         after the program freed it (``Cluster(memory=True)``)."""

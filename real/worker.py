@@ -18,7 +18,7 @@ breaks (the parent has gone):
   device, run ``program(comm, *args, **kwargs)`` and reply
   :class:`~real.messages.Finished` with the result (every tensor detached, on
   the CPU) or the exception, the trace records, the books
-  (:meth:`real.transport.GroupCache.books`), what the program printed and
+  (:meth:`real.groups.GroupCache.books`), what the program printed and
   whether the default group is still there. With ``check_port`` the
   communicator's transport is a :class:`real.checked.CheckedTransport` over
   that run's store.
@@ -32,7 +32,7 @@ The file has no name, so nothing is left behind when a worker is killed.
 ends PyTorch's tensor-parallel examples). That ends the program's use of it,
 as under torchrun; the next run gets a fresh default group, made in this
 process on the Cluster's store under a new prefix (generation ``n``), with a
-fresh :class:`~real.transport.GroupCache`.
+fresh :class:`~real.groups.GroupCache`.
 
 **A program may start processes** (``DataLoader(num_workers=2)``): workers are
 not daemonic. They die with the Cluster's process anyway, whatever they are
@@ -75,7 +75,8 @@ from .checked import CheckedTransport, Checker
 from .checked_pg import run_process_groups
 from .messages import Close, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import device_for
-from .transport import DistTransport, GroupCache
+from .groups import GroupCache
+from .transport import DistTransport
 
 __all__ = ["worker_main", "FRESH_PROCESS_SEED", "reset_random_state", "die_with_parent"]
 
