@@ -103,7 +103,7 @@ class DistWork:
         try:
             self.work.wait()
         except BaseException:
-            self.transport._cache.broken = True
+            self.transport.cache.broken = True
             raise
         held, self.held = self.held, None
         future, self.future = self.future, None

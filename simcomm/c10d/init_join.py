@@ -23,8 +23,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from .process_group import BACKEND_NAME, install_group_tags
 
-__all__ = ["install_init_join", "check_init_arguments", "JOINABLE_BACKENDS", "ThreadJoin",
-           "original_init_process_group"]
+__all__ = ["install_init_join", "uninstall_init_join", "check_init_arguments", "JOINABLE_BACKENDS",
+           "ThreadJoin", "original_init_process_group"]
 
 #: torch's own ``init_process_group`` (what the joining one calls outside a run)
 original_init_process_group = c10d.init_process_group
@@ -56,7 +56,7 @@ def install_init_join(*, process_world: bool = False, thread_join: ThreadJoin | 
         _process_world_joins = True
     if thread_join is not None:
         _thread_join = thread_join
-    if dist.init_process_group is not init_process_group:
+    if dist.init_process_group is not init_process_group:    # simcomm.patches: "init-process-group"
         dist.init_process_group = init_process_group
         c10d.init_process_group = init_process_group
 

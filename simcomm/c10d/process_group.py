@@ -366,7 +366,7 @@ def _register_pg_in_world(pg, *args, **kwargs):
 def install_group_tags() -> None:
     """Put :func:`_register_pg_in_world` in c10d's place (once per process)."""
     if _torch_register_pg_in_world is not None and c10d._register_pg_in_world is not _register_pg_in_world:
-        c10d._register_pg_in_world = _register_pg_in_world
+        c10d._register_pg_in_world = _register_pg_in_world   # simcomm.patches: "group-tags"
 
 
 def register(rank_groups: Callable[[], Any]) -> None:
@@ -378,7 +378,7 @@ def register(rank_groups: Callable[[], Any]) -> None:
     it raises outside a run."""
     global _rank_groups
     _rank_groups = rank_groups
-    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:    # simcomm.patches: "backend-name"
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 

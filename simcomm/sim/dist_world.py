@@ -189,7 +189,7 @@ class _RankContext:
         global _active, _multithreading_ctx
         self.world = _RankWorld()
         with _install_lock:
-            if _active == 0:
+            if _active == 0:           # simcomm.patches: "c10d-thread-isolation"
                 torch._C._distributed_c10d._set_thread_isolation_mode(True)
                 if self.state.device.type != "cpu":
                     # backward must run on the rank thread that called it, as on one process
@@ -202,7 +202,7 @@ class _RankContext:
         it and calls ``init_process_group`` once more (as a process may)."""
         # init_process_group also sets process-wide things (sys.excepthook with a rank
         # prefix, the module's _backend): keep them as they were for the rest of the process
-        saved = (sys.excepthook, c10d._backend, c10d._default_pg_init_method)
+        saved = (sys.excepthook, c10d._backend, c10d._default_pg_init_method)   # simcomm.patches: "c10d-init-globals"
         store = _groups_of(self.state).store
         # The run is the default group's rendezvous: every rank is in it from the start.
         # So c10d's store barrier at the end of init (TORCH_DIST_INIT_BARRIER=1) passes at
@@ -286,7 +286,7 @@ def _install() -> None:
         if c10d._world is not _switch:
             register(current_context)
             _switch = _WorldSwitch(c10d._world)
-            c10d._world = _switch
+            c10d._world = _switch          # simcomm.patches: "c10d-world"
         _install_mesh_identity()
     install_init_join(thread_join=_join_on_rank_thread)
 
@@ -331,7 +331,7 @@ def _install_mesh_identity() -> None:
             self._thread_id = mesh_identity(context.transport.global_rank)
             self._hash = None   # computed lazily from _thread_id too
 
-    DeviceMesh.__init__ = __init__
+    DeviceMesh.__init__ = __init__          # simcomm.patches: "mesh-identity"
     _mesh_identity_installed = True
 
 

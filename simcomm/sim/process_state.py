@@ -285,7 +285,7 @@ class RankProcessState:
             self._live_print = self._fingerprint()
         argv = self.argv[rank]
         if sys.argv is not argv:
-            sys.argv = argv
+            sys.argv = argv          # simcomm.patches: "rank-argv-main"
         main = self.main[rank]
         if main is not None:
             sys.modules["__main__"] = main
@@ -405,7 +405,7 @@ def rank_environ(variables: Mapping[str, str]) -> Iterator[None]:
     with _env_lock:
         if _env_users == 0:
             _real_environ = os.environ
-            os.environ = _RankEnviron(_real_environ)
+            os.environ = _RankEnviron(_real_environ)   # simcomm.patches: "rank-environ"
         _env_users += 1
         mine = dict(_real_environ)
     mine.update(variables)
