@@ -14,7 +14,8 @@ from .communicator import DeviceCommunicatorBase
 from .launcher import Cluster, RemoteError, ResultError, Results, WorkerError, run
 from .process_group import device_for, init_from_env, pick_backend
 from .startup import interactive, prestart
-from .transport import DistTransport, GroupCache
+from .groups import GroupCache
+from .transport import DistTransport
 
 __all__ = [
     "run", "Cluster", "prestart", "Results", "WorkerError", "ResultError", "RemoteError", "init_from_env",

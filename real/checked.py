@@ -76,7 +76,9 @@ from simcomm.trace import current_phase, issued_as
 
 from .checked_calls import EXTRACTORS, Call, batch_op_name, batch_op_tensor, describe
 from .checked_store import Checker, group_key
-from .transport import RELEASE_WAIT_S, GroupCache, issuing_deferred
+from .call_memory import RELEASE_WAIT_S
+from .dist_work import issuing_deferred
+from .groups import GroupCache
 
 __all__ = ["CheckedTransport"]
 
@@ -102,6 +104,11 @@ class CheckedTransport:
     def inner(self):
         """The transport that moves the data."""
         return self._inner
+
+    @property
+    def checker(self) -> Checker:
+        """What compares this transport's calls with the peers' (shared by its subgroups)."""
+        return self._checker
 
     def local_subgroup(self, part):
         """The inner transport's :meth:`~real.transport.DistTransport.local_subgroup`, checked."""
@@ -239,7 +246,7 @@ class _Deferred:
         return output
 
     def finished(self) -> None:
-        """Wait (at most :data:`real.transport.RELEASE_WAIT_S`) until the issuing thread is gone:
+        """Wait (at most :data:`real.call_memory.RELEASE_WAIT_S`) until the issuing thread is gone:
         it has issued the call and only exits, but what it held (the call's output among it) is
         let go only as it exits, on that thread; the memory count would see it alive a moment
         after the program freed it (``Cluster(memory=True)``)."""

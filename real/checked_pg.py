@@ -24,7 +24,7 @@ The call chain::
 
 ``dist.new_group`` is answered by the default group (c10d delegates to it):
 a checked ``subgroup`` of the world whose gloo group comes from the worker's
-:class:`real.transport.GroupCache` (kept for the next run, so a run that
+:class:`real.groups.GroupCache` (kept for the next run, so a run that
 makes groups leaks nothing; each call of a run gets a group of its own).
 What the program sees is unchanged: ``dist.get_backend()`` is ``"gloo"``,
 group names and ranks are torch's (``group.name()`` is ``"simcomm"``, as on
@@ -50,7 +50,7 @@ from simcomm.c10d import ops
 from simcomm.c10d.ops import Issued
 from simcomm.c10d.process_group import SimcommProcessGroup
 
-from real.transport import hide_from_program
+from real.groups import hide_from_program
 
 __all__ = ["RealProcessGroup", "run_process_groups"]
 
@@ -114,7 +114,7 @@ class RealProcessGroup(SimcommProcessGroup):
         return RealProcessGroup(transport, self._backend)
 
     def _local_subgroup(self, ranks: list[int], name: str, location: str) -> RealProcessGroup:
-        checker = getattr(self.transport, "_checker", None)   # the names agree first
+        checker = getattr(self.transport, "checker", None)   # the names agree first
         if checker is not None:
             checker.agree_on_local_group(ranks, self.transport.ranks[self.transport.rank], name, location)
         else:
@@ -188,7 +188,7 @@ _installed: RealProcessGroup | None = None
 def _install(transport) -> RealProcessGroup:
     """Make a :class:`RealProcessGroup` over ``transport`` c10d's default group, in place of the
     worker's own (which stays in the c10d tables its data moves through, hidden from the
-    program's: :func:`real.transport.hide_from_program`)."""
+    program's: :func:`real.groups.hide_from_program`)."""
     global _installed
     world = c10d._world
     original = world.default_pg

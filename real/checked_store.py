@@ -128,7 +128,7 @@ class Checker:
     def agree_on_local_group(self, ranks: Sequence[int], me: int, name: str, location: str) -> None:
         """Compare the name torch gave a group its members make by themselves
         (``use_local_synchronization=True``) on every member before it is made, as the simulator's
-        members meet to make it (:meth:`simcomm.c10d.rank_state._RankContext.agree_on_local_group`):
+        members meet to make it (each virtual rank's ``agree_on_local_group``):
         members that named it differently would make two groups and wait in them forever."""
         ranks = tuple(ranks)
         meeting = _Meeting(ranks, ranks.index(me), "creating/" + ".".join(map(str, sorted(ranks))))

@@ -57,7 +57,7 @@ when the run exceeds its timeout, every worker is killed and reaped and the
 store's port is closed before the error is raised; the Cluster starts fresh
 workers at its next run (also after :meth:`Cluster.close`). One exception
 keeps the workers: every rank raised and their books
-(:meth:`real.transport.GroupCache.books`) show each collective and each send
+(:meth:`real.groups.GroupCache.books`) show each collective and each send
 completed on all its ranks, as when every rank fails the same argument check
 or a checked mismatch stops every rank before any data moved.
 """
@@ -91,7 +91,7 @@ from .checked_store import find_deadlock
 from .messages import Close, EncodedError, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import pick_backend
 from .stacks import describe_stacks
-from .transport import books_agree
+from .groups import books_agree
 from .worker import worker_main
 
 __all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteError"]

@@ -97,7 +97,7 @@ class Finished:
     result: bytes | None
     error: EncodedError | None
     events: list = field(default_factory=list)   # trace records, in the transports' format
-    books: tuple = (False, {})                   # real.transport.GroupCache.books()
+    books: tuple = (False, {})                   # real.groups.GroupCache.books()
     output: str = ""                             # what the program printed
     memory: dict | None = None                   # simcomm.memory.RankMemory.to_dict(), when tracked
     shared: SharedStorages | None = None         # the result's large storages; their file follows

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from simcomm.communicator import Communicator
 
-from .transport import DistTransport, GroupCache
+from .groups import GroupCache
+from .transport import DistTransport
 
 __all__ = ["pick_backend", "device_for", "init_from_env"]
 

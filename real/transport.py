@@ -23,14 +23,9 @@ all-reduces and keeps this rank's chunk.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import pickle
-import sys
-import threading
-import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,336 +33,21 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from simcomm import dtypes, memory
+from simcomm.buffers import set_versions, write_into
 from simcomm.checks import check_splits, to_reduce_op
 from simcomm.collectives import on_the_wire
 from simcomm.errors import CollectiveMismatchError
-from simcomm.handles import Handle, P2POp, UnwaitedHandleError
-from simcomm.reports import local_group_mismatch, program_location, unwaited_message
-from simcomm.sim.rendezvous import set_versions, write_into
+from simcomm.handles import Handle, P2POp
+from simcomm.reports import local_group_mismatch
 from simcomm.trace import Record, Recorder, Trace
 from simcomm.transport import TransportBase
 
-__all__ = ["DistTransport", "GroupCache", "books_agree", "issuing_deferred"]
+from .call_memory import communicating, output, references, wait_released
+from .dist_base import DTYPES, all_gather_single, is_unsupported, reduce_scatter_single
+from .dist_work import DistWork
+from .groups import GroupCache
 
-_issuing = threading.local()      # .deferred: a checked call's thread is issuing (real.checked)
-
-
-@contextlib.contextmanager
-def issuing_deferred() -> Iterator[None]:
-    """The calls made in the block are a checked call's own (its handle is registered as pending)."""
-    _issuing.deferred = True
-    try:
-        yield
-    finally:
-        _issuing.deferred = False
-
-# The names torch gives its single-tensor collectives changed over releases.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-#: every dtype this torch knows, in a fixed order: a scatter header names one by its index
-_DTYPES = tuple(dict.fromkeys(value for _, value in sorted(vars(torch).items(), key=lambda item: item[0])
-                              if isinstance(value, torch.dtype)))
-
-#: the longest a blocking call waits for the backend's worker to drop its references to the call's
-#: tensors (measured: microseconds; the bound keeps a backend that holds them longer from hanging)
-RELEASE_WAIT_S = 0.5
-
-
-def _communicating(call: Callable) -> Callable:
-    """A transport call whose output buffers count as the simulator counts a collective's output
-    (:func:`simcomm.memory.communicating`): under the program's label, else ``"communication"``."""
-    @functools.wraps(call)
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        with memory.communicating():
-            return call(*args, **kwargs)
-    return counted
-
-
-def _use_count(held: torch.Tensor | torch.UntypedStorage) -> int:
-    """How many references (the backend's too) hold a tensor or a storage. A backend that keeps
-    the call's tensor itself holds its TensorImpl, not another reference to its storage, so a
-    blocking call waits on both counts."""
-    if isinstance(held, torch.Tensor):
-        return held._use_count()
-    return torch._C._storage_Use_Count(held._cdata)
-
-
-def _references(tensors: Iterable[torch.Tensor | None]) -> list[tuple[Any, int]]:
-    """Each tensor and its storage with its reference count now, before a backend takes them."""
-    held = [t for t in tensors if t is not None]
-    held += [t.untyped_storage() for t in held]
-    return [(obj, _use_count(obj)) for obj in held]
-
-
-def _wait_released(held: list[tuple[Any, int]], future: Any = None) -> None:
-    """Wait (at most :data:`RELEASE_WAIT_S`) until no count of :func:`_references` is higher, but
-    for the references of ``future`` (a completed ``Work``'s future, which this thread holds)."""
-    if future is not None:
-        held = _allowing(held, future)
-    deadline = time.monotonic() + RELEASE_WAIT_S
-    while any(_use_count(obj) > count for obj, count in held) and time.monotonic() < deadline:
-        time.sleep(20e-6)
-
-
-def _allowing(held: list[tuple[Any, int]], future: Any) -> list[tuple[Any, int]]:
-    """``held`` with each count raised by the references ``future``'s value holds to it."""
-    try:
-        value = future.value()
-    except Exception:                 # the call failed: its future holds no tensors
-        return held
-    values = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
-    tensors = [obj for obj, _ in held if isinstance(obj, torch.Tensor)]
-    others = [v for v in values if not any(v is t for t in tensors)]   # views of their own: a storage reference
-    return [(obj, count + (sum(v is obj for v in values) if isinstance(obj, torch.Tensor) else
-                           sum(v.untyped_storage()._cdata == obj._cdata for v in others)))
-            for obj, count in held]
-
-
-def _output(result: torch.Tensor | Any, into: torch.Tensor | None) -> Any:
-    """A call's output: ``result`` counted on this rank as the simulator counts a call's output;
-    with a buffer ``into``, ``result`` copied into it (unless it is that buffer) and ``into``."""
-    if into is None:
-        return memory.received(result)
-    if result is not into:
-        write_into(into, result)
-    return into
-
-
-def _moved(cell: list, now: Callable[[], float], _future) -> None:
-    """A Work's future completed: the time its data moved, in ``cell``."""
-    cell[0] = now()
-
-
-class _Done:
-    """What a :class:`_DistWork` holds instead of its ``Work`` once waited on (the backend's
-    references to the call's tensors are then the only ones left, and they are waited for)."""
-
-    @staticmethod
-    def is_completed() -> bool:
-        return True
-
-    @staticmethod
-    def wait() -> None:
-        return None
-
-
-_UNSUPPORTED = ("not supported", "unsupported", "does not support", "cannot use", "not implemented")
-
-
-def _is_unsupported(error: BaseException) -> bool:
-    text = str(error).lower()
-    return any(phrase in text for phrase in _UNSUPPORTED)
-
-
-class GroupCache:
-    """The process groups one process has created, by their global ranks.
-
-    ``torch.distributed`` names a group created with
-    ``use_local_synchronization=True`` after its ranks, so creating the same
-    set of ranks twice would collide in the rendezvous store. The cache makes
-    every set of ranks a single process group for the life of the process
-    (reused across :meth:`DistTransport.subgroup` calls and across runs of a
-    :class:`real.Cluster`). It also remembers which (op, reduction) pairs the
-    backend turned down, so the fallback is chosen once.
-
-    And it keeps the books a :class:`real.Cluster` needs to reuse its workers
-    after a program raised: how many collectives this process completed on
-    each group, how many tensors it sent to and received from each peer, and
-    whether a call into the backend ever failed (``broken``). When every rank
-    raised and the books of all ranks agree, no message is half delivered and
-    the process groups can serve the next run.
-    """
-
-    def __init__(self, world_group: dist.ProcessGroup | None = None):
-        self.world_group = world_group if world_group is not None else dist.group.WORLD
-        self._groups: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
-        self._made: Counter[tuple[int, ...]] = Counter()
-        self.unsupported: set[tuple[str, str]] = set()
-        #: the async calls of this run not waited on yet: id -> (what, where)
-        self.pending: dict[int, tuple[str, str]] = {}
-        self.calls: Counter[tuple] = Counter()
-        #: how many groups made by their members only each set of ranks has had (their meetings' steps)
-        self.local_groups: Counter[tuple[int, ...]] = Counter()
-        self.broken = False
-
-    @contextlib.contextmanager
-    def calling(self, key: tuple) -> Iterator[None]:
-        """Count one completed backend call under ``key``; a call that raises marks the cache broken."""
-        try:
-            yield
-        except BaseException:
-            self.broken = True
-            raise
-        self.calls[key] += 1
-
-    def books(self) -> tuple[bool, dict[tuple, int]]:
-        """``(broken, calls)``: what :func:`books_agree` compares across ranks."""
-        return self.broken, dict(self.calls)
-
-    def begin_run(self) -> None:
-        """A run starts: its subgroups take the cached groups from the first again."""
-        self._made.clear()
-        self.pending.clear()
-
-    def check_all_waited(self, rank: int) -> None:
-        """Raise :class:`~simcomm.handles.UnwaitedHandleError` if this run issued an async call
-        (a handle, a c10d Work) that was never waited on, as the simulator does."""
-        if self.pending:
-            raise UnwaitedHandleError(unwaited_message(rank, list(self.pending.values())))
-
-    def group(self, ranks: tuple[int, ...]) -> tuple[dist.ProcessGroup, str]:
-        """A process group of exactly ``ranks`` (global, any order) of its own, and its name.
-
-        The n-th group of a run with these ranks is the n-th cached one (created on first
-        use), so every subgroup of a run is a group of its own, also one with the same
-        ranks as another or as the world, and a Cluster's later runs reuse them: creating
-        groups in every run leaks nothing. Only the members call this (they alone meet in
-        the store), so a subgroup of a subgroup needs no cooperation from the rest of the world.
-        """
-        key = tuple(sorted(ranks))
-        ordinal = self._made[key]
-        self._made[key] += 1
-        name = "simcomm:" + ".".join(map(str, key)) + f":{ordinal}"
-        group = self._groups.get((key, ordinal))
-        if group is None:
-            group = self._groups[(key, ordinal)] = self._create(key, name)
-        return group, name
-
-    def _create(self, ranks: tuple[int, ...], name: str) -> dist.ProcessGroup:
-        world = self.world_group
-        backend = dist.get_backend(world)
-        store = c10d._world.pg_map[world][1]
-        saved = c10d._world.default_pg
-        c10d._world.default_pg = world      # a run's own default group must not see this
-        try:
-            group, _ = c10d._new_process_group_helper(
-                len(ranks), ranks.index(dist.get_rank(world)), list(ranks), backend, store, name,
-                timeout=c10d._get_default_timeout(backend), device_id=world.bound_device_id)
-        finally:
-            c10d._world.default_pg = saved
-        c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
-        hide_from_program(group)
-        return group
-
-    def close(self) -> None:
-        """Shut down the groups this cache made and its world group: after a program destroyed
-        the default group, whose ``destroy_process_group`` shuts down only the groups a program
-        can see (:func:`hide_from_program`)."""
-        for group in [*self._groups.values(), self.world_group]:
-            with contextlib.suppress(Exception):
-                group.shutdown()
-        self._groups.clear()
-
-
-def hide_from_program(group: dist.ProcessGroup) -> None:
-    """Take a worker's own process group out of the c10d tables a program can read.
-
-    A program under torchrun sees its own groups only, and it can tell: torch names a
-    ``new_group(..., use_local_synchronization=True)`` after the number of groups in
-    ``_world.pg_names`` (``group.group_name``), and the functional collectives pick a group
-    for a list of ranks from ``_world.tags_to_pg``. The group stays in the tables that
-    ``dist.*`` calls on it read (``pg_map``, ``pg_group_ranks``, ``pg_backend_config``).
-    """
-    world = c10d._world
-    world.pg_names.pop(group, None)
-    tag = world.pg_to_tag.pop(group, None)
-    for key in {tag, ""} - {None}:
-        tagged = world.tags_to_pg.get(key)
-        if tagged is not None and group in tagged:
-            tagged.remove(group)
-            if not tagged:
-                del world.tags_to_pg[key]
-
-
-def books_agree(books: dict[int, tuple[bool, dict[tuple, int]]]) -> bool:
-    """Whether the ranks' :meth:`GroupCache.books` show no half-finished communication.
-
-    ``books`` maps every global rank to its books. True when no call failed,
-    every member of each group completed as many collectives on it as the
-    others, and every rank received from each peer as many tensors as that
-    peer sent it.
-    """
-    if any(broken for broken, _ in books.values()):
-        return False
-    for rank, (_, calls) in books.items():
-        for (group, kind, peer), count in calls.items():
-            if kind == "collective":
-                if any(books[member][1].get((group, kind, None), 0) != count for member in group):
-                    return False
-            elif kind == "send":
-                if books[peer][1].get((group, "recv", rank), 0) != count:
-                    return False
-            elif kind == "recv":
-                if books[peer][1].get((group, "send", rank), 0) != count:
-                    return False
-    return True
-
-
-class _DistWork:
-    """What the handle of an asynchronous ``torch.distributed`` call waits on.
-
-    ``result()`` turns the backend's buffers into the call's output once the
-    ``Work`` is done (a move of dims, a division, a concatenation).
-    """
-
-    __slots__ = ("transport", "record", "work", "result", "moved", "held", "into", "future")
-
-    def __init__(self, transport: DistTransport, record: Record | None, work: dist.Work,
-                 result: Callable[[], Any], held: list[tuple[Any, int]] | None = None,
-                 into: torch.Tensor | None = None):
-        self.transport, self.record, self.work, self.result = transport, record, work, result
-        self.held = held         # the call's tensors and their counts before it (memory tracked)
-        self.into = into         # the buffer the output is written into at the wait (the call's into)
-        self.moved: list[float | None] = [None]   # when the data moved; the future's callback writes it
-        # memory tracked: the Work's future, held here so that it dies on this thread at the wait. A
-        # future keeps weak references to its output's storages, and a storage counts until the
-        # last of those goes: dying on the backend's thread, a moment after the wait, it kept an
-        # output the program had freed at once counted a moment longer (1 mark in about 100).
-        self.future = None
-        if held is not None and memory.current_bytes() is not None:
-            try:
-                self.future = work.get_future()
-            except (RuntimeError, AttributeError):   # a Work without a future
-                pass
-        if not getattr(_issuing, "deferred", False):    # a checked call registers its own handle
-            transport.cache.pending[id(self)] = (transport.describe_last(), program_location(sys._getframe(1)))
-        if record is not None:
-            try:
-                # the callback holds the cell and the clock only: the backend's thread runs it and
-                # drops it a moment later, and it must not keep this object (and the call's tensors) alive
-                work.get_future().add_done_callback(functools.partial(_moved, self.moved, transport.recorder.now))
-            except (RuntimeError, AttributeError):   # a Work without a future: moved = waited
-                pass
-
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self) -> Any:
-        self.transport.cache.pending.pop(id(self), None)
-        try:
-            self.work.wait()
-        except BaseException:
-            self.transport._cache.broken = True
-            raise
-        held, self.held = self.held, None
-        future, self.future = self.future, None
-        if held is not None and memory.current_bytes() is not None:   # as DistTransport._released
-            self.work = _Done()
-            _wait_released(held, future)
-        del held, future  # the call's copy of its input is freed before its output counts, as in the simulator
-        with memory.untracked():    # the output (not what making it takes) counts from here, in _output
-            result = self.result()
-        out = _output(result, self.into)
-        self.into = None
-        record = self.record
-        if record is not None:
-            recorder = self.transport.recorder
-            recorder.moved(record, out, at=self.moved[0])
-            recorder.waited(record)
-        return out
-
+__all__ = ["DistTransport"]
 
 class DistTransport(TransportBase):
     """Raw collectives of this process within ``group`` (a ``torch.distributed`` ProcessGroup).
@@ -446,13 +126,13 @@ class DistTransport(TransportBase):
         return f"{op}(step {step}, group {list(self.ranks)})"
 
     def _calling(self, kind: str = "collective", peer: int | None = None):
-        """Count this call in the books of :class:`GroupCache` (key: group, kind, global peer)."""
+        """Count this call in the books of :class:`~real.groups.GroupCache` (key: group, kind, global peer)."""
         return self._cache.calling((tuple(sorted(self.ranks)), kind, peer))
 
     @contextlib.contextmanager
     def _released(self, async_op: bool, *tensors: torch.Tensor | None) -> Iterator[None]:
         """Around a blocking call that hands ``tensors`` to the backend: on exit, wait (at most
-        :data:`RELEASE_WAIT_S`) until the backend's worker thread has dropped its references to
+        :data:`~real.call_memory.RELEASE_WAIT_S`) until the backend's worker thread has dropped its references to
         them. gloo's worker holds each call's tensors until a moment after the call completes; a
         tensor the program frees right after the call would otherwise die on that thread, later, and
         the memory count (``Cluster(memory=True)``) would see it alive at the program's next
@@ -460,8 +140,8 @@ class DistTransport(TransportBase):
         once the call is done. Only while this rank's memory is tracked. What the backend allocates
         for an async call at its issue counts on no rank (gloo's all-gather gathers into a buffer
         of its own before it fills the output): the simulator has no such buffer."""
-        if async_op:     # the handle made next waits for them after its wait (_DistWork.wait); a
-            self._held = _references(tensors)   # checked call is issued on a thread that is not tracked
+        if async_op:     # the handle made next waits for them after its wait (DistWork.wait); a
+            self._held = references(tensors)   # checked call is issued on a thread that is not tracked
             try:
                 with memory.untracked():
                     yield
@@ -472,14 +152,14 @@ class DistTransport(TransportBase):
         if memory.current_bytes() is None:
             yield
             return
-        held = _references(tensors)
+        held = references(tensors)
         yield
-        _wait_released(held)
+        wait_released(held)
 
     @staticmethod
     def _buffers(async_op: bool) -> contextlib.AbstractContextManager:
         """Around the allocation of the buffers an async call's backend writes its output into:
-        untracked, so that output counts on this rank from the wait (:meth:`_DistWork.wait`), as
+        untracked, so that output counts on this rank from the wait (:meth:`real.dist_work.DistWork.wait`), as
         the simulator counts an async call's output; a blocking call's count from their allocation."""
         return memory.untracked() if async_op else contextlib.nullcontext()
 
@@ -507,7 +187,7 @@ class DistTransport(TransportBase):
             call()
             return True
         except (RuntimeError, ValueError, NotImplementedError) as error:
-            if not _is_unsupported(error):
+            if not is_unsupported(error):
                 raise
             self._cache.unsupported.add((op, reduction))
             return False
@@ -515,13 +195,13 @@ class DistTransport(TransportBase):
     def _done(self, record: Record | None, work: dist.Work | None, result: Callable[[], Any],
               into: torch.Tensor | None = None) -> Any:
         """A blocking call (``work`` is ``None``) has completed: its output (written into
-        ``into`` when given, :func:`_output`). An async one: a handle, which writes it at the wait."""
+        ``into`` when given, :func:`~real.call_memory.output`). An async one: a handle, which writes it at the wait."""
         if work is None:
-            out = _output(result(), into)
+            out = output(result(), into)
             self._end(record, out)
             return out
         held, self._held = self._held, None
-        return Handle(_DistWork(self, record, work, result, held, into))
+        return Handle(DistWork(self, record, work, result, held, into))
 
     @staticmethod
     def _written_in_place(into: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -560,7 +240,7 @@ class DistTransport(TransportBase):
             return dist.all_reduce(out, to_reduce_op("sum"), group=self.group, async_op=async_op), True
         return dist.all_reduce(out, to_reduce_op(reduction), group=self.group, async_op=async_op), False
 
-    @_communicating
+    @communicating
     def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool = False, *,
                    factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None) -> Any:
         self._check_avg("all_reduce", tensor, op)
@@ -581,7 +261,7 @@ class DistTransport(TransportBase):
             return self._done(record, work, written, into)
         return self._done(record, work, lambda: out.div_(self.world_size) if divide else out, into)
 
-    @_communicating
+    @communicating
     def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False, *,
                    into: torch.Tensor | None = None) -> Any:
         record = self._begin("all_gather", self._next_step(), tensor, args={"dim": dim}, async_op=async_op)
@@ -593,12 +273,12 @@ class DistTransport(TransportBase):
             flat = buffer.view(shape) if in_place else moved.new_empty(shape)
         written = self._written_in_place(into) if in_place else None
         with self._calling(), self._released(async_op, flat, moved):   # rank r's block at rows r*d:(r+1)*d
-            work = _all_gather_single(flat, moved, group=self.group, async_op=async_op)
+            work = all_gather_single(flat, moved, group=self.group, async_op=async_op)
         if in_place:
             return self._done(record, work, written, into)
         return self._done(record, work, lambda: flat.movedim(0, dim).contiguous(), into)  # concat along dim
 
-    @_communicating
+    @communicating
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, op: str, async_op: bool = False, *,
                        factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None,
                        separately: bool = False) -> Any:
@@ -622,7 +302,7 @@ class DistTransport(TransportBase):
         works: list = []
 
         def native() -> None:
-            works.append(_reduce_scatter_single(out, moved, to_reduce_op(op), group=self.group,
+            works.append(reduce_scatter_single(out, moved, to_reduce_op(op), group=self.group,
                                                 async_op=async_op))
 
         with self._calling(), self._released(async_op, out, moved):
@@ -671,7 +351,7 @@ class DistTransport(TransportBase):
             return chunk.movedim(0, dim).contiguous()                # chunk r along dim
         return self._done(record, work, result, into)
 
-    @_communicating
+    @communicating
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False
                    ) -> Any:
         record = self._begin("all_to_all", self._next_step(), tensor,
@@ -691,7 +371,7 @@ class DistTransport(TransportBase):
             return pieces.flatten(gather_dim, gather_dim + 1).contiguous()  # (..., P*G, ...): rank order
         return self._done(record, work, result)
 
-    @_communicating
+    @communicating
     def gather(self, tensor: torch.Tensor, dst: int, dim: int, async_op: bool = False) -> Any:
         record = self._begin("gather", self._next_step(), tensor, root=dst, args={"dst": dst, "dim": dim},
                              async_op=async_op)
@@ -703,7 +383,7 @@ class DistTransport(TransportBase):
         # (.., P*d at dim, ..) on dst
         return self._done(record, work, lambda: torch.cat(parts, dim) if parts is not None else None)
 
-    @_communicating
+    @communicating
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, *,
                   into: torch.Tensor | None = None) -> Any:
         record = self._begin("broadcast", self._next_step(), tensor, root=src, args={"src": src},
@@ -780,7 +460,7 @@ class DistTransport(TransportBase):
                 work = dist.send(data, dst=self.ranks[dst], group=self.group)
         return self._done(record, work, lambda: None)
 
-    @_communicating
+    @communicating
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, async_op: bool = False) -> Any:
         """An ``irecv``'s buffer counts on this rank once waited on, as in the simulator, which
         has no buffer before the message arrives (:mod:`simcomm.memory`)."""
@@ -804,7 +484,7 @@ class DistTransport(TransportBase):
                 record = self._p2p_begin("send", op.peer, op.data, async_op=True)
                 buffer = self._local_copy(op.data)
                 torch_ops.append(dist.P2POp(dist.isend, buffer, global_peer, self.group))
-                finishes.append((record, lambda: None, ("send", global_peer), _references([buffer])))
+                finishes.append((record, lambda: None, ("send", global_peer), references([buffer])))
             else:
                 shape, dtype = op.data
                 with memory.untracked():         # counted once waited on, as recv's
@@ -813,7 +493,7 @@ class DistTransport(TransportBase):
                                          async_op=True)
                 torch_ops.append(dist.P2POp(dist.irecv, buffer, global_peer, self.group))
                 finishes.append((record, lambda buffer=buffer: buffer, ("recv", global_peer),
-                                 _references([buffer])))
+                                 references([buffer])))
         try:
             works = dist.batch_isend_irecv(torch_ops)
         except BaseException:
@@ -823,13 +503,13 @@ class DistTransport(TransportBase):
             self._cache.calls[(tuple(sorted(self.ranks)), kind, peer)] += 1
         if len(works) != len(finishes):      # a coalescing backend (NCCL): one work for the batch
             works = [works[-1]] * len(finishes)
-        # each handle frees its op's buffer at its wait (_DistWork.wait), as the simulator's does
-        return [Handle(_DistWork(self, record, work, result, held))
+        # each handle frees its op's buffer at its wait (DistWork.wait), as the simulator's does
+        return [Handle(DistWork(self, record, work, result, held))
                 for (record, result, _, held), work in zip(finishes, works)]
 
     # -- rooted and uneven collectives --
 
-    @_communicating
+    @communicating
     def reduce(self, tensor: torch.Tensor, dst: int, op: str, async_op: bool = False, *,
                factor: float | torch.Tensor | None = None) -> Any:
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks
@@ -850,7 +530,7 @@ class DistTransport(TransportBase):
             return out.div_(self.world_size) if op == "avg" else out
         return self._done(record, work, result)
 
-    @_communicating
+    @communicating
     def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
                 async_op: bool = False) -> Any:
         """``(chunk r of src's tensor along dim, whether src said requires_grad)``; ``tensor`` is
@@ -866,7 +546,7 @@ class DistTransport(TransportBase):
         with self._calling():
             header = torch.zeros(4, dtype=torch.int64, device=self.device)   # ndim, dtype, dim, flag
             if is_src:
-                header.copy_(torch.tensor([tensor.dim(), _DTYPES.index(tensor.dtype), dim,
+                header.copy_(torch.tensor([tensor.dim(), DTYPES.index(tensor.dtype), dim,
                                            int(requires_grad)]))
             dist.broadcast(header, src=root, group=self.group)
             ndim, dtype_index, source_dim, flag = header.tolist()
@@ -877,7 +557,7 @@ class DistTransport(TransportBase):
             shard = full[source_dim] // self.world_size
             with self._buffers(async_op):
                 out = torch.empty((*full[:source_dim], shard, *full[source_dim + 1:]),
-                                  dtype=_DTYPES[dtype_index], device=self.device)
+                                  dtype=DTYPES[dtype_index], device=self.device)
             chunks = None
             if is_src:
                 local = self._on_device(tensor)
@@ -892,7 +572,7 @@ class DistTransport(TransportBase):
         args["dtype"] = str(out.dtype).removeprefix("torch.")
         return self._done(record, work, lambda: (out, bool(flag)))
 
-    @_communicating
+    @communicating
     def all_to_all_single(self, tensor: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], async_op: bool = False) -> Any:
         """Uneven all-to-all along dim 0. The ranks first all-gather their split lists (and row
@@ -903,16 +583,16 @@ class DistTransport(TransportBase):
                              async_op=async_op)
         world = self.world_size
         local = self._on_device(tensor, async_op)
-        row = [local.shape[1:].numel(), _DTYPES.index(local.dtype)]   # elements per row, dtype
+        row = [local.shape[1:].numel(), DTYPES.index(local.dtype)]   # elements per row, dtype
         with self._calling():
             mine = torch.tensor(inputs_ + outputs + row, dtype=torch.int64, device=self.device)
             table = mine.new_empty(world * mine.numel())
-            _all_gather_single(table, mine, group=self.group)
+            all_gather_single(table, mine, group=self.group)
         table = table.reshape(world, 2 * world + 2).tolist()   # (P, 2P + 2): rank r's inputs, outputs, row, dtype
         for rank, entry in enumerate(table):
             if entry[2 * world:] != table[self.rank][2 * world:]:
                 raise ValueError(
-                    f"all_to_all_single: rank {rank} has {_DTYPES[entry[-1]]} rows of {entry[-2]} elements but "
+                    f"all_to_all_single: rank {rank} has {DTYPES[entry[-1]]} rows of {entry[-2]} elements but "
                     f"rank {self.rank} has {local.dtype} {tuple(local.shape)}; every rank must pass the same "
                     f"dtype and the same sizes after dim 0")
         check_splits("all_to_all_single", [entry[:world] for entry in table],

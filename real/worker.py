@@ -18,7 +18,7 @@ breaks (the parent has gone):
   device, run ``program(comm, *args, **kwargs)`` and reply
   :class:`~real.messages.Finished` with the result (every tensor detached, on
   the CPU) or the exception, the trace records, the books
-  (:meth:`real.transport.GroupCache.books`), what the program printed and
+  (:meth:`real.groups.GroupCache.books`), what the program printed and
   whether the default group is still there. With ``check_port`` the
   communicator's transport is a :class:`real.checked.CheckedTransport` over
   that run's store.
@@ -32,7 +32,7 @@ The file has no name, so nothing is left behind when a worker is killed.
 ends PyTorch's tensor-parallel examples). That ends the program's use of it,
 as under torchrun; the next run gets a fresh default group, made in this
 process on the Cluster's store under a new prefix (generation ``n``), with a
-fresh :class:`~real.transport.GroupCache`.
+fresh :class:`~real.groups.GroupCache`.
 
 **A program may start processes** (``DataLoader(num_workers=2)``): workers are
 not daemonic. They die with the Cluster's process anyway, whatever they are
@@ -65,11 +65,10 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from simcomm import memory
-from simcomm.c10d.rank_state import install_init_join
+from simcomm.c10d.init_join import install_init_join
 from simcomm.c10d.work import wait_returned
 from simcomm.communicator import Communicator
-from simcomm.sim.process_state import reset_python_and_numpy
-from simcomm.sim.rank_random import FRESH_SEED
+from simcomm.fresh_state import FRESH_SEED, reset_python_and_numpy
 
 from . import messages, pickling, startup
 from .checked import CheckedTransport
@@ -77,7 +76,8 @@ from .checked_store import Checker
 from .checked_pg import run_process_groups
 from .messages import Close, Finished, Ready, Run, StartFailed, WorkerSpec
 from .process_group import device_for
-from .transport import DistTransport, GroupCache
+from .groups import GroupCache
+from .transport import DistTransport
 
 __all__ = ["worker_main", "FRESH_PROCESS_SEED", "reset_random_state", "die_with_parent"]
 
@@ -85,7 +85,7 @@ __all__ = ["worker_main", "FRESH_PROCESS_SEED", "reset_random_state", "die_with_
 _PARENT_POLL_S = 0.2
 
 #: The seed every run starts from, here and on the simulator's virtual ranks
-#: (:data:`simcomm.sim.rank_random.FRESH_SEED`, c10's ``default_rng_seed_val``), so a
+#: (:data:`simcomm.fresh_state.FRESH_SEED`, c10's ``default_rng_seed_val``), so a
 #: program draws the same numbers on both backends and in every run.
 FRESH_PROCESS_SEED = FRESH_SEED
 
@@ -93,7 +93,7 @@ FRESH_PROCESS_SEED = FRESH_SEED
 def reset_random_state() -> None:
     """Start a run from the state every virtual rank starts from: the default CPU generator
     (and every CUDA generator, lazily) as a fresh one, Python's ``random`` and NumPy's global
-    ``np.random`` seeded as :func:`simcomm.sim.process_state.reset_python_and_numpy` seeds them."""
+    ``np.random`` seeded as :func:`simcomm.fresh_state.reset_python_and_numpy` seeds them."""
     torch.manual_seed(FRESH_PROCESS_SEED)
     reset_python_and_numpy()
 

@@ -249,7 +249,8 @@ def _storage_resized(storage: torch.UntypedStorage) -> None:
 
 def _install_storage_resize(on: bool) -> None:
     """Route ``UntypedStorage.resize_`` through :func:`_resize_storage` while any rank of this
-    process is tracked (``on``), and back to torch's own method when none is; under ``_lock``."""
+    process is tracked (``on``), and back to torch's own method when none is; under ``_lock``
+    (simcomm.patches: "storage-resize")."""
     if on:
         torch.UntypedStorage.resize_ = _resize_storage
     elif torch.UntypedStorage.__dict__.get("resize_") is _resize_storage:

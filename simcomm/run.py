@@ -20,7 +20,7 @@ torchrun run has to itself, each rank has:
 * its own torch, Python ``random`` and NumPy random state, every rank
   starting from the same fresh state (:mod:`simcomm.sim.process_state`);
 * torch.distributed: ``dist.init_process_group(...)`` joins the run's world
-  (:func:`simcomm.c10d.rank_state.install_init_join`), and every ``dist.*``
+  (:func:`simcomm.c10d.init_join.install_init_join`), and every ``dist.*``
   call works from the script's top level;
 * an exit status: ``sys.exit(n)`` ends the rank as a process exit would.
 

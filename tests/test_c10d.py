@@ -30,7 +30,7 @@ def rank_threads() -> list[threading.Thread]:
 
 def assert_clean() -> None:
     """No rank thread, no process group and no per-thread registry left behind."""
-    from simcomm.c10d import rank_state as c10d_world
+    from simcomm.sim import dist_world as c10d_world
     assert rank_threads() == []
     assert not dist.is_initialized()
     assert c10d_world._active == 0

@@ -1,4 +1,4 @@
-"""DeviceMeshes on virtual ranks are each rank's own (simcomm.c10d.rank_state.mesh_identity).
+"""DeviceMeshes on virtual ranks are each rank's own (simcomm.sim.dist_world.mesh_identity).
 
 Process-wide caches keyed on a mesh (DTensor's sharding propagation,
 ``redistribute``'s transform infos and planners) must not hand one rank's

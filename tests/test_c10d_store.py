@@ -1,4 +1,4 @@
-"""The c10d store of a run on virtual ranks (simcomm.c10d.store), and c10d's store barrier.
+"""The c10d store of a run on virtual ranks (simcomm.sim.store), and c10d's store barrier.
 
 The reference for the store's answers is torch's own in-process ``HashStore``;
 for the barrier (``TORCH_DIST_INIT_BARRIER=1``), the single-device sums and gloo

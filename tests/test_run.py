@@ -95,7 +95,7 @@ def test_python_numpy_and_torch_random_state_are_per_rank(capsys):
 
 
 def test_unseeded_draws_start_from_the_same_fresh_state_on_every_rank():
-    from simcomm.sim.process_state import NUMPY_FRESH_SEED, PYTHON_FRESH_SEED
+    from simcomm.fresh_state import NUMPY_FRESH_SEED, PYTHON_FRESH_SEED
 
     def program(comm):
         comm.barrier()

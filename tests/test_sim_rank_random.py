@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import simcomm
-from simcomm.sim.rank_random import FRESH_SEED, fresh_cpu_state
+from simcomm.fresh_state import FRESH_SEED, fresh_cpu_state
 
 
 def reference_draws(seed: int | None, count: int, shape=(3,)) -> list[torch.Tensor]:

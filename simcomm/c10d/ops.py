@@ -1,8 +1,8 @@
-"""One translation function per c10d operation: c10d's buffers in, simulator calls, buffers out.
+"""One translation function per c10d operation: c10d's buffers in, transport calls, buffers out.
 
-Every function takes the rank's :class:`~simcomm.sim.transport.SimTransport` for the
-group, c10d's arguments as the ProcessGroup received them (``src``/``dst``/
-``rootRank`` are group-local ranks) and ``async_op``. It *issues* the
+Every function takes the rank's :class:`~simcomm.transport.Transport` for the
+group (the simulator's, or a real worker's), c10d's arguments as the
+ProcessGroup received them (``src``/``dst``/``rootRank`` are group-local ranks) and ``async_op``. It *issues* the
 transport primitives of the op (with ``async_op=True`` each returns a
 :class:`~simcomm.handles.Handle` at once; without, each blocks until this
 rank's part is done) and returns an :class:`Issued`: those calls, and the
@@ -30,8 +30,8 @@ from torch.distributed import ReduceOp
 
 from .. import memory
 from ..checks import check_avg_dtype, check_premul_factor, reduce_op_and_factor
-from ..sim.rendezvous import set_versions, write_into
-from ..sim.transport import SimTransport
+from ..buffers import set_versions, write_into
+from ..transport import Transport
 
 
 __all__ = ["Issued", "all_reduce", "all_gather_list", "all_gather_into_tensor", "reduce_scatter_list",
@@ -53,7 +53,7 @@ class Issued(NamedTuple):
 _PLAIN_REDUCTIONS = tuple((getattr(ReduceOp, name.upper()), name) for name in ("sum", "avg", "max", "min", "product"))
 
 
-def _reduction(c10d_op: str, opts, transport: SimTransport, tensors: Sequence[torch.Tensor]
+def _reduction(c10d_op: str, opts, transport: Transport, tensors: Sequence[torch.Tensor]
                ) -> tuple[str, float | torch.Tensor | None]:
     """The canonical reduction name of ``opts.reduceOp`` (:func:`simcomm.checks.reduce_op_and_factor`)
     and the transport's ``factor`` for it: ``f`` for ``PREMUL_SUM(f)`` (the factor
@@ -128,7 +128,7 @@ def _check_numel(c10d_op: str, argument: str, tensor: torch.Tensor, expected: in
                          f"{tuple(tensor.shape)}; it must have {expected} ({why})")
 
 
-def _one_per_rank(c10d_op: str, argument: str, tensors: Sequence, transport: SimTransport) -> None:
+def _one_per_rank(c10d_op: str, argument: str, tensors: Sequence, transport: Transport) -> None:
     if len(tensors) != transport.world_size:
         raise ValueError(f"{c10d_op}: rank {transport.rank}'s {argument} has {len(tensors)} "
                          f"tensors; it must have one per rank ({transport.world_size})")
@@ -136,7 +136,7 @@ def _one_per_rank(c10d_op: str, argument: str, tensors: Sequence, transport: Sim
 
 # -- reductions and gathers ------------------------------------------------------------------
 
-def all_reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
+def all_reduce(transport: Transport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.all_reduce`` (and its coalesced form): each tensor reduced in place."""
     name, factor = _reduction("all_reduce", opts, transport, tensors)
     calls = [transport.all_reduce(_own(tensor), name, async_op=async_op, factor=factor, into=tensor)
@@ -150,7 +150,7 @@ def all_reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async
     return Issued(calls, finish)
 
 
-def all_gather_into_tensor(transport: SimTransport, outputs: Sequence[torch.Tensor],
+def all_gather_into_tensor(transport: Transport, outputs: Sequence[torch.Tensor],
                            inputs: Sequence[torch.Tensor], async_op: bool) -> Issued:
     """``dist.all_gather_into_tensor``: ``output`` holds the ranks' inputs back to back."""
     for output, input_ in zip(outputs, inputs, strict=True):
@@ -168,7 +168,7 @@ def all_gather_into_tensor(transport: SimTransport, outputs: Sequence[torch.Tens
     return Issued(calls, finish)
 
 
-def all_gather_list(transport: SimTransport, output_lists: Sequence[Sequence[torch.Tensor]],
+def all_gather_list(transport: Transport, output_lists: Sequence[Sequence[torch.Tensor]],
                     inputs: Sequence[torch.Tensor], async_op: bool) -> Issued:
     """``dist.all_gather``: ``output_list[r]`` gets rank ``r``'s tensor."""
     for outputs in output_lists:
@@ -187,7 +187,7 @@ def all_gather_list(transport: SimTransport, output_lists: Sequence[Sequence[tor
     return Issued(calls, finish)
 
 
-def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tensor],
+def reduce_scatter_tensor(transport: Transport, outputs: Sequence[torch.Tensor],
                           inputs: Sequence[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.reduce_scatter_tensor``: rank ``r`` gets block ``r`` of the reduced input."""
     name, factor = _reduction("reduce_scatter_tensor", opts, transport, inputs)
@@ -208,7 +208,7 @@ def reduce_scatter_tensor(transport: SimTransport, outputs: Sequence[torch.Tenso
     return Issued(calls, finish)
 
 
-def reduce_scatter_list(transport: SimTransport, outputs: Sequence[torch.Tensor],
+def reduce_scatter_list(transport: Transport, outputs: Sequence[torch.Tensor],
                         input_lists: Sequence[Sequence[torch.Tensor]], opts, async_op: bool) -> Issued:
     """``dist.reduce_scatter``: rank ``r`` gets the reduction of every rank's ``input_list[r]``,
     each entry reduced by itself (gloo all-reduces each one: the order of its sums)."""
@@ -227,7 +227,7 @@ def reduce_scatter_list(transport: SimTransport, outputs: Sequence[torch.Tensor]
     return Issued(calls, finish)
 
 
-def broadcast(transport: SimTransport, tensors: list[torch.Tensor], root: int, async_op: bool) -> Issued:
+def broadcast(transport: Transport, tensors: list[torch.Tensor], root: int, async_op: bool) -> Issued:
     """``dist.broadcast``: every rank's tensor becomes the root's, in place."""
     # the root's tensor is not written: a blocking call sends it as it is (the copy into it writes
     # the values it holds); an async one would write there at the wait what it held at the issue
@@ -244,7 +244,7 @@ def broadcast(transport: SimTransport, tensors: list[torch.Tensor], root: int, a
     return Issued(calls, finish)
 
 
-def reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
+def reduce(transport: Transport, tensors: list[torch.Tensor], opts, async_op: bool) -> Issued:
     """``dist.reduce``: the root's tensor becomes the reduction; the others' stay as they are
     (traced as ``reduce``: every other rank sends its bytes to the root)."""
     (name, factor), root = _reduction("reduce", opts, transport, tensors), opts.rootRank
@@ -259,7 +259,7 @@ def reduce(transport: SimTransport, tensors: list[torch.Tensor], opts, async_op:
     return Issued(calls, finish)
 
 
-def gather(transport: SimTransport, output_lists: Sequence[Sequence[torch.Tensor]],
+def gather(transport: Transport, output_lists: Sequence[Sequence[torch.Tensor]],
            inputs: Sequence[torch.Tensor], root: int, async_op: bool) -> Issued:
     """``dist.gather``: the root's ``gather_list[r]`` gets rank ``r``'s tensor."""
     if transport.rank == root:
@@ -281,7 +281,7 @@ def gather(transport: SimTransport, output_lists: Sequence[Sequence[torch.Tensor
     return Issued(calls, finish)
 
 
-def scatter(transport: SimTransport, outputs: Sequence[torch.Tensor],
+def scatter(transport: Transport, outputs: Sequence[torch.Tensor],
             input_lists: Sequence[Sequence[torch.Tensor]], root: int, async_op: bool) -> Issued:
     """``dist.scatter``: rank ``r``'s tensor becomes the root's ``scatter_list[r]`` (traced
     as ``scatter``: the root sends each other rank its one piece)."""
@@ -311,7 +311,7 @@ def _even_splits(c10d_op: str, argument: str, size: int, world_size: int, rank: 
     return [size // world_size] * world_size
 
 
-def all_to_all_single(transport: SimTransport, output: torch.Tensor, input_: torch.Tensor,
+def all_to_all_single(transport: Transport, output: torch.Tensor, input_: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       async_op: bool) -> Issued:
     """``dist.all_to_all_single``: rows ``input_split_sizes[j]`` of the input go to rank ``j``;
@@ -346,7 +346,7 @@ def all_to_all_single(transport: SimTransport, output: torch.Tensor, input_: tor
     return Issued(calls, finish)
 
 
-def all_to_all_list(transport: SimTransport, outputs: Sequence[torch.Tensor],
+def all_to_all_list(transport: Transport, outputs: Sequence[torch.Tensor],
                     inputs: Sequence[torch.Tensor], async_op: bool) -> Issued:
     """``dist.all_to_all``: ``inputs[j]`` goes to rank ``j``; ``outputs[i]`` comes from rank ``i``
     (one flat ``all_to_all_single`` of the concatenated inputs)."""
@@ -372,7 +372,7 @@ def all_to_all_list(transport: SimTransport, outputs: Sequence[torch.Tensor],
 
 # -- control and point to point ---------------------------------------------------------------
 
-def barrier(transport: SimTransport, async_op: bool) -> Issued:
+def barrier(transport: Transport, async_op: bool) -> Issued:
     """``dist.barrier``: complete once every rank of the group has called it."""
     return Issued([transport.barrier(async_op=async_op)], lambda results: [])
 
@@ -383,7 +383,7 @@ def _no_tag(c10d_op: str, tag: int) -> None:
                                   f"backend: messages between two ranks match in order")
 
 
-def send(transport: SimTransport, tensors: list[torch.Tensor], dst: int, tag: int,
+def send(transport: Transport, tensors: list[torch.Tensor], dst: int, tag: int,
          async_op: bool) -> Issued:
     """``dist.send``/``isend``: complete once rank ``dst`` has received the data (an
     ``isend`` copies the tensor when issued). The copy counts on no rank (:mod:`simcomm.memory`):
@@ -394,7 +394,7 @@ def send(transport: SimTransport, tensors: list[torch.Tensor], dst: int, tag: in
     return Issued(calls, lambda results: list(tensors))
 
 
-def recv(transport: SimTransport, tensors: list[torch.Tensor], src: int, tag: int,
+def recv(transport: Transport, tensors: list[torch.Tensor], src: int, tag: int,
          async_op: bool) -> Issued:
     """``dist.recv``/``irecv``: fill the tensor with what rank ``src`` sends (same shape and
     dtype); an ``irecv``'s buffer is written when its Work is waited on."""

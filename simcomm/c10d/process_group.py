@@ -3,8 +3,9 @@
 c10d hands a backend output buffers to fill in place (``dist.all_reduce(t)``
 overwrites ``t``). Each method of :class:`SimcommProcessGroup` is a thin
 adapter around ONE translation function of :mod:`simcomm.c10d.ops`, which
-issues the call on the rank's :class:`~simcomm.sim.transport.SimTransport` for the
-group. The simulator therefore traces the call, checks that every rank
+issues the call on the rank's transport for the group (any
+:class:`~simcomm.transport.Transport`: the simulator's on virtual ranks, a real worker's in
+:mod:`real.checked_pg`). The simulator therefore traces the call, checks that every rank
 issues the same one (CollectiveMismatchError) and sees every wait
 (DeadlockError), exactly as for the communicator's own calls.
 
@@ -25,15 +26,31 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from collections.abc import Callable
+from typing import Any
+
 from ..reports import program_location
-from ..sim.transport import SimTransport
 from ..trace import backward_phase
+from ..transport import Transport
 from . import ops
 from .dispatch import dispatched, modes_active
-from .rank_state import BACKEND_NAME, current_context
 from .work import SimcommWork, done
 
-__all__ = ["SimcommProcessGroup", "register"]
+__all__ = ["SimcommProcessGroup", "register", "install_group_tags", "BACKEND_NAME"]
+
+BACKEND_NAME = "simcomm"
+
+#: the calling rank thread's group maker (``register``'s argument: the simulator's per-rank
+#: context, with ``transport_for`` and ``agree_on_local_group``); None until registered
+_rank_groups: Callable[[], Any] | None = None
+
+
+def _current_groups() -> Any:
+    """The calling rank thread's group maker (raises outside a run of virtual ranks)."""
+    if _rank_groups is None:
+        raise RuntimeError(f"the {BACKEND_NAME!r} torch.distributed backend only runs inside "
+                           f"simcomm.World.run, on a rank thread")
+    return _rank_groups()
 
 #: the code of ``dist.send``/``dist.recv``: they issue ``isend``/``irecv`` and wait at once
 _BLOCKING_P2P = frozenset(inspect.unwrap(function).__code__ for function in (c10d.send, c10d.recv))
@@ -65,7 +82,7 @@ class SimcommProcessGroup(dist.ProcessGroup):
     ``transport`` is the rank's simulator transport in this group.
     """
 
-    def __init__(self, transport: SimTransport):
+    def __init__(self, transport: Transport):
         super().__init__(transport.rank, transport.world_size)
         self.transport = transport
         self._name = ""
@@ -151,7 +168,7 @@ class SimcommProcessGroup(dist.ProcessGroup):
     def _local_subgroup(self, ranks: list[int], name: str, location: str) -> SimcommProcessGroup:
         """The process group of ``ranks`` made by its members only (``use_local_synchronization``),
         once they have met and agree on its name."""
-        context = current_context()
+        context = _current_groups()
         context.agree_on_local_group(ranks, name, location)
         transport = context.transport_for(ranks, ranks.index(self.transport.global_rank), name)
         return type(self)(transport)
@@ -316,7 +333,7 @@ def _requested_backend(frame) -> str | None:
 
 def _create(backend_options, _pg_options) -> SimcommProcessGroup:
     """c10d's backend constructor (extended API: it gets the group's global ranks)."""
-    context = current_context()
+    context = _current_groups()
     transport = context.transport_for(list(backend_options.global_ranks_in_group),
                                       backend_options.group_rank, backend_options.group_id)
     return SimcommProcessGroup(transport)
@@ -349,12 +366,19 @@ def _register_pg_in_world(pg, *args, **kwargs):
 def install_group_tags() -> None:
     """Put :func:`_register_pg_in_world` in c10d's place (once per process)."""
     if _torch_register_pg_in_world is not None and c10d._register_pg_in_world is not _register_pg_in_world:
-        c10d._register_pg_in_world = _register_pg_in_world
+        c10d._register_pg_in_world = _register_pg_in_world   # simcomm.patches: "group-tags"
 
 
-def register() -> None:
-    """Make ``"simcomm"`` a torch.distributed backend name (once per process)."""
-    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+def register(rank_groups: Callable[[], Any]) -> None:
+    """Make ``"simcomm"`` a torch.distributed backend name (once per process).
+
+    ``rank_groups()``: the calling rank thread's group maker, which makes the transport of
+    each group (``transport_for(global_ranks, group_rank, group_name)``) and lets the members
+    of a group made by its members only meet (``agree_on_local_group(ranks, name, location)``);
+    it raises outside a run."""
+    global _rank_groups
+    _rank_groups = rank_groups
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:    # simcomm.patches: "backend-name"
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 

@@ -29,8 +29,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
-from .. import ReduceOp
 from ..communicator import Communicator
 from ..handles import Handle
 from ..model.cost import modelled_timeline

@@ -211,7 +211,7 @@ def _mapped_module_to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch
 @contextlib.contextmanager
 def cuda_answers(world_size: int) -> Iterator[None]:
     """Patch ``torch.cuda``'s queries (module docstring), and ``Module.cuda`` / ``Module.to`` on
-    mapped rank threads, for the block; restore them after."""
+    mapped rank threads, for the block; restore them after (simcomm.patches: "cuda-answers")."""
     saved = {name: getattr(torch.cuda, name) for name in _answers(world_size)}
     try:
         for name, value in _answers(world_size).items():

@@ -17,7 +17,8 @@ loads its own (:meth:`RankProcessState.take_turn`). Swapped at each handoff:
 
 Every rank starts every run from the same fresh state: torch's generators as
 a fresh ``torch.Generator``, Python's ``random`` seeded with
-:data:`PYTHON_FRESH_SEED` and NumPy's with :data:`NUMPY_FRESH_SEED`, and the
+:data:`~simcomm.fresh_state.PYTHON_FRESH_SEED` and NumPy's with
+:data:`~simcomm.fresh_state.NUMPY_FRESH_SEED` (:mod:`simcomm.fresh_state`), and the
 caller's ``sys.argv`` and ``__main__``. (A new interpreter seeds Python's and
 NumPy's generators from the operating system, so unseeded numbers differ from
 process to process; ``real`` workers reset to these same seeds at the start of
@@ -63,27 +64,15 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .rank_random import FRESH_SEED, RankRandomState, cpu_raw
+from ..fresh_state import NUMPY_FRESH_SEED, PYTHON_FRESH_SEED
+from .rank_random import RankRandomState, cpu_raw
 
-__all__ = ["PYTHON_FRESH_SEED", "NUMPY_FRESH_SEED", "RankProcessState", "reset_python_and_numpy",
-           "rank_environ"]
-
-#: the seed Python's ``random`` starts every run from, on virtual ranks and real workers
-PYTHON_FRESH_SEED: int = FRESH_SEED
-#: the seed NumPy's global ``np.random`` starts every run from (it takes 32 bits)
-NUMPY_FRESH_SEED: int = FRESH_SEED & 0xFFFF_FFFF
+__all__ = ["RankProcessState", "rank_environ"]
 
 try:
     import numpy as _np
 except ImportError:   # NumPy is optional: then there is no NumPy state to keep per rank
     _np = None
-
-
-def reset_python_and_numpy() -> None:
-    """Seed Python's ``random`` and NumPy's global ``np.random`` as every run starts them."""
-    _random.seed(PYTHON_FRESH_SEED)
-    if _np is not None:
-        _np.random.seed(NUMPY_FRESH_SEED)
 
 
 # -- fingerprints: the raw bytes of a generator's state, read without building Python objects --
@@ -296,7 +285,7 @@ class RankProcessState:
             self._live_print = self._fingerprint()
         argv = self.argv[rank]
         if sys.argv is not argv:
-            sys.argv = argv
+            sys.argv = argv          # simcomm.patches: "rank-argv-main"
         main = self.main[rank]
         if main is not None:
             sys.modules["__main__"] = main
@@ -416,7 +405,7 @@ def rank_environ(variables: Mapping[str, str]) -> Iterator[None]:
     with _env_lock:
         if _env_users == 0:
             _real_environ = os.environ
-            os.environ = _RankEnviron(_real_environ)
+            os.environ = _RankEnviron(_real_environ)   # simcomm.patches: "rank-environ"
         _env_users += 1
         mine = dict(_real_environ)
     mine.update(variables)

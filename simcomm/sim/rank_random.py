@@ -9,7 +9,8 @@ the rank holding the turn: a rank saves the generator's state when it hands
 the turn on and loads its own state when it gets the turn back. Seeding or
 drawing on one rank therefore never changes another rank's numbers.
 
-**Where a rank starts.** Every rank starts every run from :data:`FRESH_SEED`,
+**Where a rank starts.** Every rank starts every run from
+:data:`simcomm.fresh_state.FRESH_SEED`,
 the seed torch gives a generator nobody has seeded (``torch.Generator()``,
 c10's ``default_rng_seed_val``), on the CPU and, in a CUDA World, on the
 World's device. (torch 2.13 seeds a new interpreter's default generator from
@@ -39,15 +40,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["FRESH_SEED", "fresh_cpu_state", "RankRandomState", "RawState", "cpu_raw"]
+from ..fresh_state import FRESH_SEED, fresh_cpu_state
 
-#: the seed of a generator nobody has seeded (c10's ``default_rng_seed_val``)
-FRESH_SEED: int = torch.Generator().initial_seed()
-
-
-def fresh_cpu_state() -> torch.Tensor:
-    """The default CPU generator state each rank starts a run with."""
-    return torch.Generator().get_state()
+__all__ = ["RankRandomState", "RawState", "cpu_raw"]
 
 
 class RankRandomState:

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import memory
+from ..buffers import write_into
 from ..reports import program_location
 from . import shape as _shape
 
 if TYPE_CHECKING:
     from .scheduler import RunState
 
-__all__ = ["Slot", "Message", "Group", "copy_small_shared", "materialize", "write_into", "format_args",
+__all__ = ["Slot", "Message", "Group", "copy_small_shared", "materialize", "format_args",
            "call_site"]
 
 
@@ -116,20 +117,6 @@ def materialize(slot: Slot, rank: int, state: RunState):
         write_into(into, out)
         return into
     return memory.received(out)
-
-
-#: set tensors' version counters (torch's; as torch.autograd._unsafe_preserve_version_counter does)
-set_versions = torch._C._autograd._unsafe_set_version_counter
-
-
-def write_into(buffer: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy ``value`` (as many elements) into ``buffer``, invisibly to autograd: through a
-    detached alias, the version counter left where it was (as
-    ``torch.autograd._unsafe_preserve_version_counter`` does, inline)."""
-    version = buffer._version
-    (buffer.detach() if buffer.requires_grad else buffer).copy_(
-        value if value.shape == buffer.shape else value.reshape(buffer.shape))
-    set_versions((buffer,), (version,))
 
 
 def failure(slot: Slot, rank: int) -> BaseException:

@@ -168,6 +168,16 @@ class SimTransport(TransportBase):
         self._complete(slot, step, compute)
         return materialize(slot, self.rank, state)
 
+    def meet(self, op: str, value: tuple, compare: Callable[[int, list], list], frame=None):
+        """Meet this group's other members once, untraced, at the group's next step: a blocking
+        rendezvous of ``value`` (no tensor); the last member to arrive calls ``compare(step,
+        entries)`` (every member's ``value``), which returns each member's answer or aborts the
+        run. ``frame``: the program's frame that called (default: the caller's caller)."""
+        step = self._next_step()
+        if frame is None:
+            frame = sys._getframe(2)
+        return self._rendezvous(op, step, value, (), lambda entries: compare(step, entries), frame)
+
     def _issue(self, op: str, step: int, tensor, sig: tuple, compute: Callable[[list], list],
                record: Record | None, into=None) -> Handle:
         """An asynchronous collective: arrive without blocking (completing the collective

@@ -130,7 +130,7 @@ def describe_waits(blocked: dict[int, Wait], world_size: int) -> list[str]:
 def _c10d_local_name(slot) -> str | None:
     """The name torch gave the group of ``slot`` when the group was made with
     ``new_group(..., use_local_synchronization=True)`` (its key is ``("c10d", name, ranks)``,
-    :mod:`simcomm.c10d.rank_state`), else None."""
+    :mod:`simcomm.sim.dist_world`), else None."""
     key = getattr(getattr(slot, "group", None), "key", None)
     if isinstance(key, tuple) and len(key) == 3 and key[0] == "c10d" and isinstance(key[1], str):
         return key[1]

@@ -15,7 +15,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import memory as _memory
-from ..c10d import rank_process_group
 from ..c10d.work import wait_returned
 from ..collector import FullCollectionsDeferred
 from ..communicator import Communicator
@@ -24,6 +23,7 @@ from ..reports import format_ranks, program_location
 from ..trace import Trace
 from . import shape as _shape
 from .cuda_map import CudaAsDevice, cuda_answers
+from .dist_world import rank_process_group
 from .flops import FlopCounter
 from .scheduler import Aborted, OneCpu, RunState, widen_futex_hash
 from .transport import SimTransport
@@ -253,10 +253,6 @@ def _check_timeout(timeout: Any) -> float | None:
 
 
 # -- each rank's own copy of the arguments ---------------------------------------------------
-
-def _is_copied(leaf: Any) -> bool:
-    return isinstance(leaf, (torch.Tensor, torch.nn.Module))
-
 
 _IMMUTABLE_LEAVES = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis), range,
                      torch.dtype, torch.device, torch.Size, torch.memory_format, torch.layout)

@@ -1,4 +1,4 @@
-"""Per-rank torch.distributed state: each virtual rank thread sees its own c10d world.
+"""The simulator's per-rank torch.distributed world: each virtual rank thread sees its own c10d world.
 
 ``torch.distributed`` keeps its process groups in one module-level object,
 ``torch.distributed.distributed_c10d._world``, and its C++ group registry
@@ -20,8 +20,8 @@ ends (returns, raises or is aborted): nothing survives into the next run.
 
 A program's own ``dist.init_process_group(...)`` (every torchrun script has
 one) joins the rank's world when its arguments agree with the run, and raises
-naming what disagrees otherwise (:func:`install_init_join`; real workers
-install the same rule). Top-level code of a script run as ``__main__`` on a
+naming what disagrees otherwise
+(:func:`simcomm.c10d.init_join.install_init_join`; real workers install the same rule). Top-level code of a script run as ``__main__`` on a
 rank thread gets the rank's state; only modules being imported get the
 process's (:func:`_from_module_body`).
 """
@@ -37,18 +37,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ..c10d.init_join import check_init_arguments, install_init_join, original_init_process_group
+from ..c10d.process_group import BACKEND_NAME, register
 from ..communicator import Communicator
 from ..errors import CollectiveMismatchError
 from ..reports import local_group_mismatch
-from ..sim.rendezvous import Group
-from ..sim.scheduler import Aborted, RunState
-from ..sim.transport import SimTransport
+from .rendezvous import Group
+from .scheduler import Aborted, RunState
 from .store import RunStore
+from .transport import SimTransport
 
-__all__ = ["rank_process_group", "BACKEND_NAME", "install_init_join", "check_init_arguments",
-           "JOINABLE_BACKENDS", "mesh_identity"]
-
-BACKEND_NAME = "simcomm"
+__all__ = ["rank_process_group", "mesh_identity", "current_context"]
 
 _local = threading.local()          # .rank: the _RankContext of a rank thread with a program running
 _install_lock = threading.Lock()
@@ -190,7 +189,7 @@ class _RankContext:
         global _active, _multithreading_ctx
         self.world = _RankWorld()
         with _install_lock:
-            if _active == 0:
+            if _active == 0:           # simcomm.patches: "c10d-thread-isolation"
                 torch._C._distributed_c10d._set_thread_isolation_mode(True)
                 if self.state.device.type != "cpu":
                     # backward must run on the rank thread that called it, as on one process
@@ -203,7 +202,7 @@ class _RankContext:
         it and calls ``init_process_group`` once more (as a process may)."""
         # init_process_group also sets process-wide things (sys.excepthook with a rank
         # prefix, the module's _backend): keep them as they were for the rest of the process
-        saved = (sys.excepthook, c10d._backend, c10d._default_pg_init_method)
+        saved = (sys.excepthook, c10d._backend, c10d._default_pg_init_method)   # simcomm.patches: "c10d-init-globals"
         store = _groups_of(self.state).store
         # The run is the default group's rendezvous: every rank is in it from the start.
         # So c10d's store barrier at the end of init (TORCH_DIST_INIT_BARRIER=1) passes at
@@ -212,7 +211,7 @@ class _RankContext:
         # c10d names the default group by its world's group count (_process_group_name).
         store.set(f"{c10d.STORE_BASED_BARRIER_PREFIX}:{c10d._world.group_count}:last_worker", "1")
         try:
-            _original_init_process_group(BACKEND_NAME, rank=self.transport.global_rank,
+            original_init_process_group(BACKEND_NAME, rank=self.transport.global_rank,
                                          world_size=len(self.state.world.ranks), store=store)
         finally:
             sys.excepthook, c10d._backend, c10d._default_pg_init_method = saved
@@ -242,16 +241,15 @@ class _RankContext:
             group = _groups_of(self.state).group((("creating", ranks),), ranks)
             meeting = self.meetings[ranks] = SimTransport(
                 self.state, group, ranks.index(self.transport.global_rank), self.transport.pending, None)
-        step = meeting._next_step()
 
-        def compare(entries: list) -> list:
+        def compare(step: int, entries: list) -> list:
             text = local_group_mismatch(ranks, step, entries)
             if text is not None:
                 self.state.abort(CollectiveMismatchError(text))
                 raise Aborted from None
             return [None] * len(entries)
 
-        meeting._rendezvous("new_group", step, (name, location), (), compare)
+        meeting.meet("new_group", (name, location), compare, sys._getframe(1))
 
     def close(self) -> None:
         global _active, _multithreading_ctx
@@ -286,12 +284,11 @@ def _install() -> None:
     global _switch
     with _install_lock:
         if c10d._world is not _switch:
-            from .process_group import register
-            register()
+            register(current_context)
             _switch = _WorldSwitch(c10d._world)
-            c10d._world = _switch
+            c10d._world = _switch          # simcomm.patches: "c10d-world"
         _install_mesh_identity()
-    install_init_join()
+    install_init_join(thread_join=_join_on_rank_thread)
 
 
 # -- each rank's DeviceMeshes are its own --------------------------------------------------------
@@ -334,106 +331,27 @@ def _install_mesh_identity() -> None:
             self._thread_id = mesh_identity(context.transport.global_rank)
             self._hash = None   # computed lazily from _thread_id too
 
-    DeviceMesh.__init__ = __init__
+    DeviceMesh.__init__ = __init__          # simcomm.patches: "mesh-identity"
     _mesh_identity_installed = True
 
 
 # -- init_process_group inside a run ------------------------------------------------------------
 
-_original_init_process_group = c10d.init_process_group
-#: the backend names a program may ask for: every one is served by the run's own world
-#: (the simulator on virtual ranks; the worker's gloo or NCCL group on real workers)
-JOINABLE_BACKENDS = ("gloo", "nccl", BACKEND_NAME, "undefined")
-_process_world_joins = False     # a real worker: the process's default group is the run's world
-
-
-def install_init_join(*, process_world: bool = False) -> None:
-    """Make ``dist.init_process_group`` join the run a program runs in, as under torchrun.
-
-    On a virtual rank's thread the rank's world already stands (created on first
-    use); on a real worker (``process_world=True``, called once by the worker after
-    it joined its group) the process's default group is the run's world. There, a
-    call whose arguments agree with the run (see :func:`check_init_arguments`)
-    returns at once, having joined it; one that disagrees raises ``ValueError``
-    naming what disagrees. Everywhere else the call is torch's own.
-    """
-    global _process_world_joins
-    from .process_group import install_group_tags
-    install_group_tags()
-    if process_world:
-        _process_world_joins = True
-    if dist.init_process_group is not init_process_group:
-        dist.init_process_group = init_process_group
-        c10d.init_process_group = init_process_group
-
-
-def check_init_arguments(backend: Any, world_size: int, rank: int, init_method: Any,
-                         run_rank: int, run_world_size: int, nccl: bool = True) -> None:
-    """Raise ``ValueError`` unless ``init_process_group(backend, world_size=, rank=,
-    init_method=)`` on rank ``run_rank`` agrees with a run of ``run_world_size`` ranks.
-
-    ``world_size``/``rank`` of ``-1`` (torch's default: read them from the environment,
-    which the launcher set to agree) are accepted; ``backend`` may be ``None``, one of
-    :data:`JOINABLE_BACKENDS`, or a device map such as ``"cpu:gloo,cuda:nccl"``;
-    ``init_method`` may be ``None`` or any URL (``env://``, ``tcp://``, ``file://``):
-    the run is the rendezvous. ``nccl=False`` (a torch without NCCL, real tensors on
-    the CPU) refuses ``"nccl"`` with ``RuntimeError`` as torchrun's processes would.
-    """
-    where = f"init_process_group on rank {run_rank}"
-    if backend is not None:
-        if not isinstance(backend, str):
-            raise ValueError(f"{where}: backend={backend!r} must be a backend name (a str) or None")
-        for piece in backend.lower().split(","):
-            name = piece.split(":", 1)[-1].strip()
-            if name not in JOINABLE_BACKENDS:
-                raise ValueError(
-                    f"{where}: backend={backend!r}: {name!r} cannot be served here; the run's world "
-                    f"stands for any of {list(JOINABLE_BACKENDS[:3])} (alone or as a device map "
-                    f"such as 'cpu:gloo,cuda:nccl')")
-            if name == "nccl" and not nccl:
-                raise RuntimeError(
-                    f"{where}: backend={backend!r} needs NCCL, and this torch has none "
-                    f"(dist.is_nccl_available() is False): under torchrun its processes fail "
-                    f"the same way (\"Distributed package doesn't have NCCL built in\"). Use "
-                    f"'gloo', or plan the GPU run shape-only (--tensors shape)")
-    if init_method is not None and not isinstance(init_method, str):
-        raise ValueError(f"{where}: init_method={init_method!r} must be a URL string or None")
-    if world_size not in (-1, None) and world_size != run_world_size:
-        raise ValueError(
-            f"{where}: world_size={world_size!r} disagrees with the run, which has "
-            f"{run_world_size} ranks; pass world_size={run_world_size} or leave it out "
-            f"(torchrun's WORLD_SIZE)")
-    if rank not in (-1, None) and rank != run_rank:
-        raise ValueError(
-            f"{where}: rank={rank!r} disagrees with the run: this is rank {run_rank} of "
-            f"{run_world_size}; pass rank={run_rank} (e.g. int(os.environ['RANK'])) or leave it out")
-
-
-@functools.wraps(_original_init_process_group)
-def init_process_group(backend: str | None = None, init_method: str | None = None, timeout=None,
-                       world_size: int = -1, rank: int = -1, store: dist.Store | None = None,
-                       group_name: str = "", pg_options: Any = None, device_id: Any = None,
-                       **kwargs: Any) -> None:
-    """torch's ``init_process_group``, which inside a run joins the run's world
-    (:func:`install_init_join`); ``timeout``, ``store``, ``group_name``, ``pg_options``
-    and ``device_id`` are then accepted and have no effect."""
+def _join_on_rank_thread(backend: Any, world_size: int, rank: int, init_method: Any) -> bool:
+    """A program's ``init_process_group`` on a virtual rank's thread joins the rank's world
+    (:func:`simcomm.c10d.init_join.install_init_join`): True when the caller is a rank thread."""
     context = getattr(_local, "rank", None)
-    if context is not None:
-        state = context.state
-        check_init_arguments(backend, world_size, rank, init_method, context.transport.global_rank,
-                             len(state.world.ranks), nccl=dist.is_nccl_available()
-                             or state.device.type == "cuda" or state.shape_only)
-        if context.world is None:
-            context.initialize()
-        elif context.world.default_pg is None:
-            context.create_default_group()
-        return None
-    if _process_world_joins and c10d.is_initialized():
-        check_init_arguments(backend, world_size, rank, init_method, dist.get_rank(),
-                             dist.get_world_size(), nccl=dist.is_nccl_available())
-        return None
-    return _original_init_process_group(backend, init_method, timeout, world_size, rank, store,
-                                        group_name, pg_options, device_id, **kwargs)
+    if context is None:
+        return False
+    state = context.state
+    check_init_arguments(backend, world_size, rank, init_method, context.transport.global_rank,
+                         len(state.world.ranks), nccl=dist.is_nccl_available()
+                         or state.device.type == "cuda" or state.shape_only)
+    if context.world is None:
+        context.initialize()
+    elif context.world.default_pg is None:
+        context.create_default_group()
+    return True
 
 
 class rank_process_group:  # noqa: N801 - used as a function: ``with rank_process_group(comm):``

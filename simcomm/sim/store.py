@@ -37,8 +37,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..sim.scheduler import RunState
-from ..sim.waits import Wait
+from .scheduler import RunState
+from .waits import Wait
 
 __all__ = ["RunStore"]
 

@@ -1,0 +1,281 @@
+"""Every process-wide change simcomm makes to torch, ``os``, ``sys`` and the interpreter: one table.
+
+Virtual ranks are threads of one process, and torch.distributed, ``torch.cuda``,
+``os.environ`` and ``sys.argv`` are process-wide; so the simulator changes
+some of them, for as long as it needs and no longer. This module is the one
+list of those changes (:data:`PATCHES`) and of the places that decide what to
+do by looking at the caller's stack (:data:`STACK_DECISIONS`). It changes
+nothing itself; the code that makes each change names its row here, and
+``tests/test_patches.py`` checks the table against the code (every assignment
+to an attribute of torch, ``os`` or ``sys`` in ``simcomm/`` and ``real/`` is a
+row's ``code``; after a run, every attribute a run-long row changed is torch's
+own again, and every one a process-long row changed is still simcomm's and
+listed). ``docs/process_patches.md`` is the page for users.
+
+Lifetimes (``Patch.lifetime``):
+
+* ``"process"``: installed on first use, then kept for the life of the process
+  (it forwards to torch's own behaviour on every thread that is not a rank
+  thread with a program running, so other code sees no difference);
+* ``"run"``: for the length of one :meth:`simcomm.World.run` (or
+  :func:`simcomm.run.run_script`), put back when it ends, also after an error;
+* ``"tracked"``: while some rank of this process has its memory tracked;
+* ``"call"``: around one torch call, put back when it returns;
+* ``"thread"``: per rank thread (the thread-local state of a rank), never another thread's;
+* ``"worker"``: in the worker processes :mod:`real` starts (never the caller's process).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Patch", "StackDecision", "PATCHES", "STACK_DECISIONS", "STACK_NAMING", "TORCH_CHECKED",
+           "LIFETIMES", "patch"]
+
+#: the torch releases every row was checked on (torch's private names move between releases)
+TORCH_CHECKED = ("2.13.0",)
+
+LIFETIMES = ("process", "run", "tracked", "call", "thread", "worker")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One process-wide change: ``what`` changes, made by module ``by``, ``why``, ``installed``
+    and ``removed`` when; ``code``: the targets the module assigns (as the source writes them:
+    ``tests/test_patches.py`` finds every such assignment and looks it up here);
+    ``attributes``: the importable dotted names whose value it replaces (checked at run time;
+    a name ending in ``.*`` stands for every attribute of that object it replaces)."""
+
+    name: str
+    what: str
+    by: str
+    why: str
+    installed: str
+    removed: str
+    lifetime: str
+    code: tuple[str, ...]
+    attributes: tuple[str, ...] = ()
+    checked_on: tuple[str, ...] = TORCH_CHECKED
+
+
+@dataclass(frozen=True)
+class StackDecision:
+    """A function that decides what to do by reading the caller's frames (``sys._getframe``)."""
+
+    where: str          # module:function
+    decides: str
+    why: str
+    checked_on: tuple[str, ...] = TORCH_CHECKED
+
+
+_C10D = "torch.distributed.distributed_c10d"
+
+PATCHES: tuple[Patch, ...] = (
+    # -- torch.distributed on virtual ranks ----------------------------------------------------
+    Patch(
+        "c10d-world", f"``{_C10D}._world``: replaced by a switch that forwards every read and write "
+        "to the calling rank thread's own c10d world", "simcomm.sim.dist_world",
+        "torch.distributed keeps its process groups in this one module-level object; virtual ranks "
+        "are threads of one process, so each rank needs its own (a module body being imported, and "
+        "every thread that is not a rank's, gets the process's own object)",
+        "the first World.run (each rank's rank_process_group), and again if other code (PyTorch's "
+        "threaded process group) replaced it since", "never: stays for the process", "process",
+        ("c10d._world",), (f"{_C10D}._world",)),
+    Patch(
+        "c10d-init-globals", f"``sys.excepthook``, ``{_C10D}._backend``, ``_default_pg_init_method``: "
+        "saved and put back around torch's init_process_group of a rank's default group",
+        "simcomm.sim.dist_world",
+        "torch's init_process_group sets them process-wide (a rank-prefixed excepthook); a virtual "
+        "rank's group must not change them for the rest of the process",
+        "each rank's default group creation", "when that call returns", "call",
+        ("sys.excepthook", "c10d._backend", "c10d._default_pg_init_method")),
+    Patch(
+        "c10d-thread-isolation", "torch's C++ process-group registry made per thread "
+        "(``torch._C._distributed_c10d._set_thread_isolation_mode(True)``); on a CUDA World also "
+        "autograd's device threads off (``torch.autograd.set_multithreading_enabled(False)``)",
+        "simcomm.sim.dist_world",
+        "the functional collectives find groups by name in that registry; each rank's names are its "
+        "own. A backward pass must run on the rank thread that started it, as on one process",
+        "when the first rank thread of any run initialises torch.distributed",
+        "when the last such rank thread ends its program", "run",
+        ("torch._C._distributed_c10d._set_thread_isolation_mode()",
+         "torch.autograd.set_multithreading_enabled()")),
+    Patch(
+        "mesh-identity", "``torch.distributed.device_mesh.DeviceMesh.__init__``: wrapped; a mesh made "
+        "on a rank thread gets that rank's negative ``_thread_id``", "simcomm.sim.dist_world",
+        "meshes compare and hash by their ranks and layout, and process-wide caches keyed on them "
+        "(DTensor's sharding propagation, redistribute's plans) would hand one rank's answer to "
+        "every other rank; torch sets ``_thread_id`` only for its own threaded backend",
+        "the first World.run", "never: stays for the process (meshes made elsewhere are unchanged)",
+        "process", ("DeviceMesh.__init__",), ("torch.distributed.device_mesh.DeviceMesh.__init__",)),
+    Patch(
+        "init-process-group", "``torch.distributed.init_process_group`` (and c10d's): a program's own "
+        "call joins the run it runs in, as under torchrun", "simcomm.c10d.init_join",
+        "every torchrun script calls it; inside a run the run's world already stands, so a call whose "
+        "arguments agree returns at once and one that disagrees raises naming what disagrees; "
+        "everywhere else it is torch's own call",
+        "the first World.run; in a real worker once it joined its group",
+        "never: stays for the process (uninstall_init_join puts torch's back)", "process",
+        ("dist.init_process_group", "c10d.init_process_group"),
+        ("torch.distributed.init_process_group", f"{_C10D}.init_process_group")),
+    Patch(
+        "group-tags", f"``{_C10D}._register_pg_in_world``: a group a simcomm default group made is "
+        "tagged as c10d tags one it makes itself", "simcomm.c10d.process_group",
+        "c10d registers a group made by a default group's new_group under its name's tag only; the "
+        "functional collectives look groups up by the default tag "
+        "(``funcol.all_reduce(t, 'sum', group=[0, 1])``). Groups of other backends are unchanged",
+        "with init-process-group", "never: stays for the process", "process",
+        ("c10d._register_pg_in_world",), (f"{_C10D}._register_pg_in_world",)),
+    Patch(
+        "backend-name", "``torch.distributed.Backend``: the backend name ``\"simcomm\"`` registered",
+        "simcomm.c10d.process_group",
+        "c10d creates a default group through a registered backend's constructor",
+        "the first World.run", "never (torch has no unregister)", "process",
+        ("dist.Backend.register_backend()",)),
+    Patch(
+        "rank-thread-autograd", "autograd's device threads off on each rank thread "
+        "(``torch.autograd.set_multithreading_enabled(False)``, thread-local)", "simcomm.sim.world",
+        "backward runs on the rank thread, where the scheduler sees its waits", "each rank thread's start",
+        "with the thread", "thread", ("torch.autograd.set_multithreading_enabled()",)),
+    # -- what each process has to itself, given to each virtual rank ---------------------------
+    Patch(
+        "rank-argv-main", "``sys.argv`` and ``sys.modules['__main__']`` (and torch's, Python's and "
+        "NumPy's default generator states, written in place): swapped at each turn handoff",
+        "simcomm.sim.process_state",
+        "each process of a real run has its own; the rank holding the turn has its own here",
+        "each World.run (the caller's saved first)", "when the run ends: the caller's put back", "run",
+        ("sys.argv", "sys.modules['__main__']")),
+    Patch(
+        "rank-environ", "``os.environ``: a view resolving to the calling rank thread's own "
+        "variables", "simcomm.sim.process_state",
+        "torchrun gives each process RANK, LOCAL_RANK, WORLD_SIZE...; python -m simcomm.run gives "
+        "each rank thread its own (C code's getenv still sees the process's one environment)",
+        "while any rank_environ block is active (simcomm.run's ranks)",
+        "when the last one ends: the process's os.environ object is put back", "run", ("os.environ",)),
+    Patch(
+        "cuda-answers", "``torch.cuda``'s queries (is_available, device_count, current_device, "
+        "set_device, memory_allocated, Stream, Event, ...) and ``torch.nn.Module.cuda``/``.to``",
+        "simcomm.sim.cuda_map",
+        "World(map_cuda=True): a GPU script runs unchanged; torch.cuda answers as one GPU per rank "
+        "and a module's .cuda() stays on the World's device",
+        "each World(map_cuda=True).run", "when the run ends", "run",
+        ("setattr(torch.cuda)", "torch.nn.Module.cuda", "torch.nn.Module.to"),
+        ("torch.cuda.is_available", "torch.cuda.device_count", "torch.cuda.current_device",
+         "torch.cuda.set_device", "torch.cuda.synchronize", "torch.cuda.empty_cache",
+         "torch.cuda.reset_peak_memory_stats", "torch.cuda.reset_max_memory_allocated",
+         "torch.cuda.memory_allocated", "torch.cuda.max_memory_allocated", "torch.cuda.memory_reserved",
+         "torch.cuda.max_memory_reserved", "torch.cuda.get_device_name", "torch.cuda.get_device_properties",
+         "torch.cuda.get_device_capability", "torch.cuda.is_bf16_supported", "torch.cuda.Stream",
+         "torch.cuda.Event", "torch.cuda.current_stream", "torch.cuda.default_stream", "torch.cuda.stream",
+         "torch.nn.Module.cuda", "torch.nn.Module.to")),
+    Patch(
+        "storage-resize", "``torch.UntypedStorage.resize_``: the same call, then the counted size "
+        "follows the storage", "simcomm.memory",
+        "FSDP2 frees and re-allocates unsharded parameters with resize_, outside the dispatcher, "
+        "where the memory count would not see it",
+        "when the first rank of the process starts being tracked (World(memory=True), "
+        "Cluster(memory=True))", "when the last tracked rank ends (torch's own method again)", "tracked",
+        ("torch.UntypedStorage.resize_", "del torch.UntypedStorage.resize_"),
+        ("torch.UntypedStorage.resize_",)),
+    Patch(
+        "mesh-values", "``DeviceMesh``'s methods and ``init_device_mesh`` (in every torch.distributed "
+        "module that imported it by name): run with the rank's fake mode set aside",
+        "simcomm.sim.shape",
+        "on shape-only ranks a DeviceMesh keeps its rank table as a real integer tensor (bookkeeping, "
+        "not model data); outside a fake mode the wrappers change nothing",
+        "the first shape-only World.run", "never: stays for the process", "process",
+        ("setattr(mesh_class)", "module.init_device_mesh"),
+        ("torch.distributed.device_mesh.init_device_mesh", "torch.distributed.init_device_mesh",
+         "torch.distributed.device_mesh.DeviceMesh.get_group", "torch.distributed.device_mesh.DeviceMesh.*")),
+    Patch(
+        "futex-hash", "the process's futex hash (Linux ``prctl(PR_FUTEX_HASH)``): widened to at least "
+        "two slots per rank", "simcomm.sim.scheduler",
+        "each waiting rank thread sleeps on a futex; with thousands of ranks a small hash made every "
+        "hand-off walk hundreds of sleeping threads in the kernel",
+        "each World.run (Linux 6.16 on; older kernels refuse it, harmlessly)", "never: not shrunk",
+        "process", ("prctl()",)),
+    Patch(
+        "one-cpu", "the CPU affinity of the thread starting a shape-only run's rank threads",
+        "simcomm.sim.scheduler",
+        "rank threads of a shape-only run are started on one CPU (they take turns; one CPU's caches)",
+        "while the rank threads are started", "at once after: the caller's own CPUs", "call",
+        ("os.sched_setaffinity()",)),
+    Patch(
+        "gc-thresholds", "Python's garbage collector thresholds: the oldest generation's raised",
+        "simcomm.collector",
+        "a full collection walks every object; shape-only runs of thousands of ranks and trace "
+        "building make many, and only cycles wait",
+        "each shape-only World.run and each trace's events and timeline built",
+        "at the end of the block (unless something inside changed them)", "run",
+        ("gc.set_threshold()",)),
+    Patch(
+        "run-script", "``sys.stdout``/``sys.stderr`` (rank-tagged streams), ``sys.argv`` per rank, "
+        "``sys.path`` (the script's folder first), ``torch.set_num_threads`` (torchrun's "
+        "OMP_NUM_THREADS)", "simcomm.run",
+        "python -m simcomm.run / run_script runs a torchrun script on virtual ranks as torchrun "
+        "would: each rank's output tagged, its own argv, imports from the script's folder, one "
+        "compute thread per rank",
+        "each run_script launch", "when the launch ends", "run",
+        ("sys.stdout", "sys.stderr", "sys.argv", "sys.path.insert()", "sys.path.remove()",
+         "torch.set_num_threads()")),
+    Patch(
+        "plotly-renderer", "plotly's renderers: a ``\"simcomm\"`` renderer registered and made the "
+        "default", "simcomm.viz.render",
+        "figures shown in JupyterLab also survive an HTML export of the notebook",
+        "use_export_renderer() (simcomm.viz in a Jupyter kernel)", "never: stays for the process",
+        "process", ("pio.renderers[RENDERER]", "pio.renderers.default")),
+    # -- the worker processes real starts (never the caller's process) --------------------------
+    Patch(
+        "worker-process", "SIGINT ignored, ``GLOO_SOCKET_IFNAME``, faulthandler on SIGUSR1, "
+        "``torch.set_num_threads``, SIGKILL when the Cluster's process dies (``PR_SET_PDEATHSIG``)",
+        "real.worker",
+        "Ctrl-C in a notebook is the Cluster's to handle; stuck workers' stacks on demand; the "
+        "threads a Cluster asks for; no worker outlives its Cluster", "at a worker's start",
+        "with the worker", "worker",
+        ("signal.signal()", "os.environ['GLOO_SOCKET_IFNAME']", "faulthandler.register()",
+         "torch.set_num_threads()", "libc.prctl()")),
+    Patch(
+        "worker-default-group", "c10d's default group (and its tables) in a worker: a "
+        "RealProcessGroup over the run's transport", "real.checked_pg",
+        "every c10d call of a program on a worker is checked, traced and one sequence with comm.*",
+        "each run on a worker", "the groups a run made are removed when it ends; the default group "
+        "object stays (modules a run imported keep it)", "worker",
+        ("world.pg_map[group]", "world.pg_names[group]", "world.pg_group_ranks[group]",
+         "world.pg_backend_config[group]", "world.pg_to_tag[group]", "world.default_pg",
+         "world.group_count", "del world.tags_to_pg[tag]")),
+    Patch(
+        "worker-groups", "c10d's tables in a worker: the worker's own groups hidden from the program, "
+        "the default group swapped while one is created", "real.groups",
+        "a program under torchrun sees its own groups only (group names count them)",
+        "each group a worker creates", "stays for the worker", "worker",
+        ("c10d._world.default_pg", "c10d._world.pg_group_ranks[group]", "del world.tags_to_pg[key]")),
+)
+
+STACK_DECISIONS: tuple[StackDecision, ...] = (
+    StackDecision("simcomm.sim.dist_world:_forwarded.get", "whether a read of c10d's state is a module "
+                  "body's (the process's state) or a rank's",
+                  "torch evaluates ``group=group.WORLD`` defaults when a module is imported; a module "
+                  "imported on a rank thread must not capture that rank's group"),
+    StackDecision("simcomm.sim.dist_world:_from_module_body", "the same, for every other attribute: "
+                  "a module being imported (importlib's frame), not a script's top level run as __main__",
+                  "see _forwarded"),
+    StackDecision("simcomm.c10d.process_group:_p2p_async", "whether a send/recv came from "
+                  "dist.send/dist.recv (blocking) or anywhere else (async)",
+                  "c10d calls the same ProcessGroup method for both"),
+    StackDecision("simcomm.c10d.process_group:_requested_backend", "the backend dist.new_group asked for "
+                  "(c10d's _new_group_with_tag local ``backend``)",
+                  "c10d does not pass it on to a default group's new_group"),
+    StackDecision("simcomm.c10d.process_group:_register_pg_in_world", "the ``pg_tag`` new_group was "
+                  "given (c10d's _new_group_with_tag local)", "see the group-tags patch"),
+)
+
+#: functions that read frames only to name where a program is, in messages and reports
+STACK_NAMING = ("simcomm.reports:program_frame", "simcomm.reports:program_location",
+                "simcomm.sim.waits:describe_waits")
+
+
+def patch(name: str) -> Patch:
+    """The row of :data:`PATCHES` named ``name``."""
+    for row in PATCHES:
+        if row.name == name:
+            return row
+    raise KeyError(f"no process-wide patch named {name!r}; known: {[row.name for row in PATCHES]}")
