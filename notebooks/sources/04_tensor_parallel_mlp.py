@@ -30,6 +30,7 @@ from simcomm.model import cost
 from simcomm.lessons import foundations as lessons
 from simcomm import viz
 from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, hidden, ffn = 4, 3, 8, 16
 world = simcomm.configured_backend(world_size)

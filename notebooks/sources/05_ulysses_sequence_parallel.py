@@ -32,6 +32,7 @@ import simcomm
 from simcomm.lessons import foundations as lessons
 from simcomm import viz
 from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, seq, heads, head_dim = 4, 1, 8, 4, 2
 world = simcomm.configured_backend(world_size)
