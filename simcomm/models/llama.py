@@ -10,14 +10,17 @@ the Llama 3 paper's shapes) and its building blocks are one set
 (:func:`rms_norm`, :func:`rotate_pairs`, :func:`share_kv_heads`). Two forms
 use them, and compute differently on purpose:
 
-===========================  ========================================================================
-functional (``params`` dict) :func:`loss` on one device and :func:`tp_loss`: tensor + sequence +
-                             vocabulary (+ context) parallel, written with the communicator; angles
-                             in float64, attention written out (lessons 14, ``parallel.llama_*``)
-module (:class:`Llama`)      an ``nn.Module`` with ``scaled_dot_product_attention`` and float32 RoPE
-                             tables, for ``torch.distributed`` wrappers (FSDP2:
-                             :mod:`simcomm.planning.fsdp2_step`)
-===========================  ========================================================================
+==============================  =====================================================================
+form                            what it is for
+==============================  =====================================================================
+functional (a ``params`` dict)  :func:`loss` on one device and :func:`tp_loss`: tensor + sequence +
+                                vocabulary (+ context) parallel, written with the communicator;
+                                angles in float64, attention written out (lesson 14,
+                                :mod:`simcomm.models.llama_training`)
+module (:class:`Llama`)         an ``nn.Module`` with ``scaled_dot_product_attention`` and float32
+                                RoPE tables, for ``torch.distributed`` wrappers (FSDP2:
+                                :mod:`simcomm.planning.fsdp2_step`)
+==============================  =====================================================================
 
 The functional form:
 
@@ -53,7 +56,8 @@ from ..communicator import Communicator
 from ..parallel.tensor import join_grads, split_params
 from ..parallel.vocab import vocab_parallel_cross_entropy, vocab_range
 
-__all__ = ["Config", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "parameter_count", "init_params", "loss", "logits", "shard_params", "tp_loss", "embed", "block", "head",
+__all__ = ["Config", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "parameter_count", "init_params", "loss", "logits",
+           "shard_params", "tp_loss", "embed", "block", "head",
            "layer_names", "assemble_grads", "context_chunk", "REPLICATED", "rms_norm", "rotate_pairs",
            "share_kv_heads", "Llama", "TransformerBlock", "Attention", "FeedForward", "RMSNorm", "rope_tables",
            "apply_rope"]

@@ -20,8 +20,7 @@ cluster (:func:`tp_block`)  lesson 15: :class:`Block` sizes, bias-free, ``scaled
                             (:mod:`simcomm.planning.cluster_step`)
 ==========================  ===============================================================================
 
-The checked block
------------------
+**The checked block.**
 The block (pre-LayerNorm, causal attention, GELU MLP), on ``x (B, S, H)``::
 
     h   = x + (attention(LN1(x)) @ wo.T + bo)
@@ -60,8 +59,7 @@ the single-device block. :mod:`simcomm.planning.cluster_step` steps the
 cluster form on the same mesh: a stack of whole blocks per stage, many
 micro-batches (GPipe) and data-parallel all-reduces overlapping the backward.
 
-The recompute layer
--------------------
+**The recompute layer.**
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models") count the bytes a GPT layer keeps for its backward pass
 (:mod:`simcomm.planning.activations` has their table).
@@ -91,8 +89,7 @@ The layers declare their flops (``comm.compute``) so a modelled timeline shows
 what the recomputation costs: full recomputation runs the forward twice,
 ``4/3`` of the compute of forward + backward (backward = 2 x forward).
 
-The cluster block
------------------
+**The cluster block.**
 :func:`tp_block` is one pre-norm block of :class:`Block`'s sizes, tensor-parallel
 over a group (Megatron: heads and MLP units split, the input ``copy_to_group``-ed,
 the attention projection and the second MLP layer ending in ``reduce_from_group``);

@@ -2,7 +2,8 @@
 
 ``step(comm, layout, block)`` is one SPMD training step of a stack of
 pre-norm transformer blocks (the cluster form of :mod:`simcomm.models.transformer`:
-:class:`~simcomm.models.transformer.Block` sizes, :func:`~simcomm.models.transformer.tp_block`) on the ``pp * dp * tp`` ranks of a
+:class:`~simcomm.models.transformer.Block` sizes, :func:`~simcomm.models.transformer.tp_block`)
+on the ``pp * dp * tp`` ranks of a
 :class:`simcomm.parallel.mesh.Layout` ``Layout(pp=..., dp=..., tp=...)``:
 
 * **tensor parallel** (Megatron): inside each block, attention heads and the
