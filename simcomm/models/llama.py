@@ -98,11 +98,13 @@ class Config:
         return replace(self, **changes)
 
 
-#: the shapes of the Llama 3 paper (Table 3; Meta's published configuration, torchtitan's ``llama3_8b``)
+#: Llama 3 8B (the Llama 3 paper, Table 3; Meta's published configuration, torchtitan's ``llama3_8b``)
 LLAMA3_8B = Config(vocab=128256, hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=32, rope_base=500000.0,
                    eps=1e-5, name="Llama 3 8B")
+#: Llama 3 70B (the Llama 3 paper, Table 3)
 LLAMA3_70B = Config(vocab=128256, hidden=8192, heads=64, kv_heads=8, ffn=28672, layers=80, rope_base=500000.0,
                     eps=1e-5, name="Llama 3 70B")
+#: Llama 3 405B (the Llama 3 paper, Table 3)
 LLAMA3_405B = Config(vocab=128256, hidden=16384, heads=128, kv_heads=8, ffn=53248, layers=126, rope_base=500000.0,
                      eps=1e-5, name="Llama 3 405B")
 
@@ -405,7 +407,7 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     """``tokens (b, s) -> logits (b, s, vocab)``. ``checkpoint``: each block under per-op
-    selective activation checkpointing (:func:`_selective_policy`)."""
+    selective activation checkpointing (``_selective_contexts``)."""
 
     def __init__(self, config: Config, checkpoint: bool = False):
         super().__init__()

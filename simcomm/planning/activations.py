@@ -86,7 +86,8 @@ def activation_run(comm: Communicator, x: torch.Tensor, weights: torch.Tensor,
                    stack: list[dict[str, torch.Tensor]], heads: int, recompute: str = "none",
                    p: float = DROPOUT, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Forward and backward of ``len(stack)`` layers with tensor + sequence parallelism over the
-    whole world (``t = comm.world_size``; ``t = 1`` runs :func:`layer` itself), in ``dtype``.
+    whole world (``t = comm.world_size``; ``t = 1`` runs :func:`~simcomm.models.transformer.layer`
+    itself), in ``dtype``.
 
     Memory: the layers' forward runs under the label ``"activations"``; marks
     ``"forward, layer i"`` after each layer, ``"after forward"``, and ``"backward, layer i"``

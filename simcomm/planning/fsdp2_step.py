@@ -37,7 +37,7 @@ def flops_per_token(config: Config, seq_len: int) -> float:
 
 def fsdp_train_step(comm, config: Config, batch_size: int, seq_len: int, steps: int = 2,
                     checkpoint: bool = True, lr: float = 3e-4) -> dict:
-    """``steps`` AdamW steps of :class:`Llama` under FSDP2 on every rank (collective; blocks).
+    """``steps`` AdamW steps of :class:`~simcomm.models.llama.Llama` under FSDP2 on every rank (collective; blocks).
 
     Each rank draws its own ``(batch_size, seq_len)`` tokens (on shape-only ranks they are fake).
     Memory labels: the sharded fp32 parameters as ``parameters`` (created under it; the full

@@ -32,7 +32,9 @@ from ..sim.world import World
 
 __all__ = ["NVLINK_NODE", "IB_CLUSTER", "TOPOLOGIES", "measure_layout", "layout_table"]
 
+#: one H100 NVSwitch node: every group inside NVLink
 NVLINK_NODE: Topology = get_topology("h100-nvswitch")
+#: the H100 NDR cluster with the ranks spread 2 per node, one NIC each
 IB_CLUSTER: Topology = dataclasses.replace(
     get_topology("h100-ndr-cluster"), name="h100-ndr-2-per-node", gpus_per_node=2, nics_per_node=2, nodes=64,
     reference=None)
