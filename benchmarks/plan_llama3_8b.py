@@ -1,6 +1,6 @@
 """Plan Llama 3.1 8B on 8 H100s before renting them: memory per rank and modelled throughput, shape-only.
 
-One process, ``torch.set_num_threads(1)``: :func:`simcomm.parallel.llama3_fsdp.fsdp_train_step`
+One process, ``torch.set_num_threads(1)``: :func:`simcomm.planning.fsdp2_step.fsdp_train_step`
 (FSDP2 on every block + norm/output + root, fp32 parameters, bf16 mixed precision, fp32
 reduction with ``PREMUL_SUM(1.0)``, per-op selective activation checkpointing, AdamW) on
 ``World(8, tensors="shape", memory=True, count_flops=True)``, local batch 2, sequence 8192,
@@ -47,12 +47,13 @@ def main() -> None:
 
     import simcomm
     from simcomm.model import cost, topology
-    from simcomm.parallel import llama3_fsdp as llama
+    from simcomm.models import llama
+    from simcomm.planning import fsdp2_step
 
     config = llama.LLAMA3_8B.scaled(layers=args.layers)
     world = simcomm.World(args.ranks, tensors="shape", memory=True, count_flops=True)
     wall, cpu = time.perf_counter(), time.process_time()
-    world.run(llama.fsdp_train_step, config, args.batch, args.seq, steps=args.steps,
+    world.run(fsdp2_step.fsdp_train_step, config, args.batch, args.seq, steps=args.steps,
               checkpoint=not args.no_checkpoint)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
@@ -89,7 +90,7 @@ def main() -> None:
     print()
     counted = world.flops[0]
     tokens = args.batch * args.seq * args.steps
-    formula = llama.flops_per_token(config, args.seq)
+    formula = fsdp2_step.flops_per_token(config, args.seq)
     peak = topology.H100_NVSWITCH.compute_flops
     print("2. FLOPs and modelled throughput per GPU (H100 dense BF16 peak "
           f"{peak / 1e12:.0f} TFLOP/s, simcomm.model.topology.H100_NVSWITCH)")

@@ -2,7 +2,7 @@
 
 Each measurement runs in its own fresh Python process with ``torch.set_num_threads(1)``:
 
-* ``3d``: one training step of a 3-D parallel transformer (:mod:`simcomm.parallel.cluster_step`,
+* ``3d``: one training step of a 3-D parallel transformer (:mod:`simcomm.planning.cluster_step`,
   tensor x pipeline x data = 8 x 4 x 32 = 1024 ranks by default, GPT-2-medium
   blocks: hidden 1024, 16 heads, seq 1024, bf16) on ``World(1024, tensors="shape")``:
   wall and CPU time (``time.process_time``) of ``World.run``, the process's peak resident
@@ -32,7 +32,7 @@ _CHILD = """
 import json, resource, sys, time, torch
 torch.set_num_threads(1)
 import simcomm
-from simcomm.parallel import cluster_step as t3d
+from simcomm.planning import cluster_step as t3d
 from simcomm.parallel.mesh import Layout
 kind, ranks, tensors, layout, block, warm = json.loads(sys.argv[1])
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from render_gallery import render
 
 import simcomm
-from simcomm.parallel import cluster_step as t3d
+from simcomm.planning import cluster_step as t3d
 from simcomm.parallel.mesh import Layout
 from simcomm.viz.cluster_plan import cluster, link_table, plan_figure
 

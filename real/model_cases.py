@@ -1,7 +1,7 @@
 """The model cases of ``real.verify``: tensor-parallel MLP, Ulysses attention, a 2D (tp x dp) program.
 
 Each program is compared with the same model computed on one device in
-float64 (:func:`simcomm.models.mlp`, :func:`simcomm.models.attention`).
+float64 (:func:`simcomm.parallel.tensor.mlp`, :func:`simcomm.parallel.sequence.attention`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ _PARAM_NAMES = ("w1", "b1", "w2", "b2")
 
 
 def _shard_grads(grads: dict[str, torch.Tensor], rank: int, world_size: int) -> list[torch.Tensor]:
-    """Rank ``rank``'s part of full-model gradients, as :func:`simcomm.models.shard_mlp` shards."""
+    """Rank ``rank``'s part of full-model gradients, as :func:`simcomm.parallel.tensor.shard_mlp` shards."""
     shard = grads["w1"].shape[0] // world_size
     rows = slice(rank * shard, (rank + 1) * shard)
     return [grads["w1"][rows], grads["b1"][rows], grads["w2"][:, rows], grads["b2"]]

@@ -5,9 +5,9 @@ import torch
 
 from simcomm.lessons import llama_4d as checks
 from simcomm.lessons.verdicts import HINT_OFFER, NOT_ANSWERED
-from simcomm.parallel import llama
-from simcomm.parallel import llama_pipeline as lp
-from simcomm.parallel import llama_training as lt
+from simcomm.models import llama
+from simcomm.models import llama_pipeline as lp
+from simcomm.models import llama_training as lt
 from simcomm.parallel.mesh import Layout
 
 CONFIG = llama.Config()

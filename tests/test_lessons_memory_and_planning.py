@@ -6,8 +6,10 @@ import torch
 
 from simcomm.lessons import memory_and_planning as mp_checks
 from simcomm.lessons.verdicts import HINT_OFFER, NOT_ANSWERED
-from simcomm.parallel import activations, mixed_precision, planner
-from simcomm.parallel.planner import GiB, LLAMA3_8B, LLAMA3_70B
+from simcomm.parallel import mixed_precision
+from simcomm.planning import activations, planner
+from simcomm.models.llama import LLAMA3_8B, LLAMA3_70B
+from simcomm.planning.planner import GiB
 
 SIZE = (256, 1, 128, 8, 4)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from simcomm.lessons import scaling as sl
 from simcomm.parallel.mesh import Layout
-from simcomm.parallel.transformer3d import make_block
+from simcomm.models.transformer import make_block
 
 
 def not_implemented(*args):
@@ -235,7 +235,8 @@ def test_check_layout_choice(answer, kind, hint):
 
 
 def test_layout_table_rows_are_checked_and_fastest_fitting():
-    from simcomm.parallel.layout_choice import TOPOLOGIES, fastest_fitting, layout_table
+    from simcomm.planning.layout_choice import TOPOLOGIES, layout_table
+    from simcomm.planning.planner import fastest_fitting
     gen = torch.Generator().manual_seed(0)
     x, w = (torch.randn(4, 8, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     rows = layout_table(x, w, make_block(8, 16), 4)

@@ -6,7 +6,8 @@ import torch
 
 import simcomm
 from simcomm.model.cost import modelled_timeline
-from simcomm.parallel import activations as act
+from simcomm.models import transformer
+from simcomm.planning import activations as act
 
 
 def _data(s, b, h, layers, seed=5):
@@ -59,7 +60,7 @@ def test_dropout_is_applied_and_recomputed_identically():
     assert not torch.isclose(with_dropout, without)
     for mode in act.RECOMPUTE:
         assert act.stack_loss(x, weights, stack, heads, recompute=mode) == with_dropout
-    keep = act.dropout_mask((1000, 100), seed=3)
+    keep = transformer.dropout_mask((1000, 100), seed=3)
     assert keep.dtype == torch.bool and abs(keep.float().mean().item() - (1 - act.DROPOUT)) < 0.01
 
 

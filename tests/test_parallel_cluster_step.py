@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import simcomm
-from simcomm.parallel import cluster_step
+from simcomm.planning import cluster_step
 from simcomm.parallel.mesh import Layout
 
 SMALL = cluster_step.Block(hidden=16, heads=2, seq=4, micro_batches=2, layers=1, dtype=torch.float32)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import simcomm
-from simcomm.parallel import llama
+from simcomm.models import llama
 
 CONFIG = llama.Config()
 
@@ -101,7 +101,7 @@ def test_the_shared_blocks_against_independent_formulas():
 
 
 def test_the_planning_model_takes_the_same_config():
-    from simcomm.parallel import llama3_fsdp
+    from simcomm.models import llama as llama3_fsdp
 
     assert isinstance(llama3_fsdp.LLAMA3_8B, llama.Config)
     assert llama3_fsdp.LLAMA3_8B.scaled(layers=2) == llama.Config(

@@ -1,4 +1,4 @@
-"""The Llama-3-style model and its FSDP2 planning step (simcomm.parallel.llama3_fsdp) at toy sizes:
+"""The Llama-3-style model and its FSDP2 planning step (simcomm.models.llama) at toy sizes:
 the code path of benchmarks/plan_llama3_8b.py, checked against one device."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 import simcomm
-from simcomm.parallel import llama3_fsdp as llama
+from simcomm.models import llama
+from simcomm.planning import fsdp2_step
 from simcomm.sim.shape import trace_signature
 
 TOY = llama.LLAMA3_8B.scaled(hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, vocab=128)
@@ -71,7 +72,7 @@ def test_fsdp_step_shape_only_traces_as_real_values_and_counts_flop_counter_mode
     signatures, flops = [], []
     for tensors in ("real", "shape"):
         world = simcomm.World(WORLD, tensors=tensors, memory=True, count_flops=True)
-        outs = world.run(llama.fsdp_train_step, TOY, BATCH, SEQ, steps=1, checkpoint=checkpoint)
+        outs = world.run(fsdp2_step.fsdp_train_step, TOY, BATCH, SEQ, steps=1, checkpoint=checkpoint)
         assert outs[0]["loss"].shape == ()
         signatures.append(trace_signature(world.trace))
         flops.append(world.flops)

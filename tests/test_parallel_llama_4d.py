@@ -1,6 +1,6 @@
 """The small Llama trained with FSDP/HSDP, a 1F1B pipeline, context and tensor parallelism, against one device.
 
-Every step's loss is compared with :func:`simcomm.parallel.llama_training.reference_losses`
+Every step's loss is compared with :func:`simcomm.models.llama_training.reference_losses`
 (one device, no communication, float64)."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import simcomm
-from simcomm.parallel import llama, llama_fsdp
-from simcomm.parallel import llama_training as lt
+from simcomm.models import llama
+from simcomm.parallel import llama_fsdp
+from simcomm.models import llama_training as lt
 from simcomm.parallel.mesh import Layout
 
 CONFIG = llama.Config()

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import simcomm
-from simcomm.parallel import llama, llama_training as lt
+from simcomm.models import llama
+from simcomm.models import llama_training as lt
 from simcomm.parallel.mesh import Layout
 
 CONFIG = llama.Config()

@@ -5,8 +5,9 @@ import pytest
 
 import simcomm
 from simcomm.parallel import mixed_precision as mp
-from simcomm.parallel import planner
-from simcomm.parallel.planner import GiB, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+from simcomm.planning import planner
+from simcomm.models.llama import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+from simcomm.planning.planner import GiB
 
 
 def test_parameter_counts_match_the_published_sizes():

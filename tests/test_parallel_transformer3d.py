@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import simcomm
 from simcomm.parallel.mesh import Layout
-from simcomm.parallel.transformer3d import assemble_grads, block_step, layouts, make_block, shard_block
+from simcomm.models.transformer import assemble_grads, block_step, layouts, make_block, shard_block
 
 HEADS = 4
 

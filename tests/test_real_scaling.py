@@ -9,7 +9,7 @@ import real
 import simcomm
 from simcomm.parallel.context import unshard_sequence
 from simcomm.parallel.mesh import Layout
-from simcomm.parallel.transformer3d import assemble_grads, block_step
+from simcomm.models.transformer import assemble_grads, block_step
 from tests.test_parallel_context import _reference as attention_reference
 from tests.test_parallel_context import _ring_program, qkvw
 from tests.test_parallel_expert import _program as moe_program

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import simcomm
 import simcomm.sim.shape
 from simcomm.errors import CollectiveMismatchError, DeadlockError, RankError
-from simcomm.parallel import cluster_step as t3d
+from simcomm.planning import cluster_step as t3d
 from simcomm.parallel.mesh import Layout
 from simcomm.parallel import sequence as sequence_parallel
 from simcomm.parallel import tensor as tensor_parallel

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from simcomm.parallel.layout_choice import TOPOLOGIES
+from simcomm.planning.layout_choice import TOPOLOGIES
 from simcomm.parallel.mesh import Layout
-from simcomm.parallel.transformer3d import make_block
+from simcomm.models.transformer import make_block
 from simcomm.viz import scaling as figures
 
 

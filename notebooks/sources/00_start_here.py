@@ -41,6 +41,7 @@ import simcomm
 import real
 from simcomm.lessons import foundations as lessons
 from simcomm import viz
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 
 # %% [markdown]

@@ -34,6 +34,7 @@ import torch
 import simcomm
 from simcomm import ReduceOp, viz
 from simcomm.lessons import foundations as lessons
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
 world = simcomm.configured_backend(world_size)

@@ -31,6 +31,7 @@ from simcomm.model import cost
 from simcomm.lessons import foundations as lessons
 from simcomm import viz
 from simcomm.viz import allreduce_steps
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
 world = simcomm.configured_backend(world_size)

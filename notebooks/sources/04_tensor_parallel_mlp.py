@@ -30,6 +30,7 @@ from simcomm.model import cost
 from simcomm.lessons import foundations as lessons
 from simcomm import viz
 from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, hidden, ffn = 4, 3, 8, 16
 world = simcomm.configured_backend(world_size)
@@ -98,7 +99,7 @@ assert all(lessons.max_error(p, reference) > 1e-3 for p in partials), "no single
 # * **g** = `reduce_from_group` where the partial sums leave: all-reduce forward, identity
 #   backward.
 #
-# `simcomm.models.tp_mlp(comm, x, shards, conjugate=True)` is exactly that (read its source with
+# `simcomm.parallel.tensor.tp_mlp(comm, x, shards, conjugate=True)` is exactly that (read its source with
 # `tp_mlp??`). Now compare everything with the single-device MLP.
 
 # %% expect=["output on every rank: matches the reference", "x.grad on every rank: matches the reference", "every shard's gradient: matches the reference"]

@@ -32,6 +32,7 @@ import simcomm
 from simcomm.lessons import foundations as lessons
 from simcomm import viz
 from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, seq, heads, head_dim = 4, 1, 8, 4, 2
 world = simcomm.configured_backend(world_size)
@@ -81,7 +82,7 @@ viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(batch, shar
 # %% [markdown]
 # ## 2. Ulysses attention equals single-device attention
 #
-# `simcomm.models.ulysses_attention(comm, q, k, v)` is three all-to-alls (q, k, v to head
+# `simcomm.parallel.sequence.ulysses_attention(comm, q, k, v)` is three all-to-alls (q, k, v to head
 # shards), ordinary attention over the whole sequence for `h/P` heads, and one all-to-all back.
 # Each rank's output shard is its own part of the output, so the per-rank losses add up to the
 # loss of the whole output: the sum-of-losses convention holds with no extra care.

@@ -32,6 +32,7 @@ from simcomm.model import cost
 from simcomm.parallel import data as dp
 from simcomm.lessons import training as tl
 from simcomm.lessons.foundations import assert_close, max_error
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
 world = simcomm.configured_backend(world_size)

@@ -32,6 +32,7 @@ from simcomm import viz
 from simcomm.parallel import zero, fsdp
 from simcomm.lessons import training as tl
 from simcomm.lessons.foundations import assert_close
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
 world = simcomm.configured_backend(world_size, memory=True)   # measure every rank's bytes

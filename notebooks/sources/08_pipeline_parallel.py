@@ -31,6 +31,7 @@ from simcomm import viz
 from simcomm.parallel import data as dp, pipeline as pp
 from simcomm.lessons import training as tl
 from simcomm.lessons.foundations import assert_close, expect_error
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 stages = 4
 world = simcomm.configured_backend(stages, memory=True)

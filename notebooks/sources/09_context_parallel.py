@@ -35,6 +35,7 @@ from simcomm.viz import scaling as figures
 from simcomm.lessons import scaling as checks
 from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
 from simcomm.parallel.context import (all_gather_kv_attention, block_attention, lse_merge, ring_attention, shard_sequence, unshard_sequence)
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, seq, heads, head_dim = 4, 1, 16, 2, 4
 world = simcomm.configured_backend(world_size)

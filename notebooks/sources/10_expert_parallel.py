@@ -41,6 +41,8 @@ from simcomm.viz import scaling as figures
 from simcomm.lessons import scaling as checks
 from simcomm.parallel.expert import (capacity, expert_parallel_moe, load_balancing_loss, load_imbalance, make_moe,
                                      moe, route, shard_experts, train_router, train_router_reference)
+from simcomm.viz import use_export_renderer
+use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, num_experts, top_k, tokens, hidden, ffn = 4, 8, 2, 8, 8, 16
 world = simcomm.configured_backend(world_size)

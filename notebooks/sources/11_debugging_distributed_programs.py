@@ -37,6 +37,7 @@ from simcomm import viz
 from simcomm.lessons import scaling as checks
 from simcomm.lessons.debugging import assert_replicated, error_summary
 from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
+viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
 sim = simcomm.World(world_size)                        # the bugs run here: they fail at once

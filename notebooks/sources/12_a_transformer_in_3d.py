@@ -31,11 +31,13 @@
 import torch
 import simcomm
 from simcomm.lessons import foundations as lessons
-from simcomm.parallel import layout_choice
+from simcomm.planning import layout_choice
 from simcomm.viz import scaling as figures
 from simcomm.lessons import scaling as checks
 from simcomm.parallel.mesh import Layout
-from simcomm.parallel.transformer3d import assemble_grads, block_step, loss, make_block
+from simcomm.models.transformer import assemble_grads, block_step, loss, make_block
+from simcomm.viz import use_export_renderer
+use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, seq, hidden, ffn, heads = 8, 8, 32, 128, 512, 8
 world = simcomm.configured_backend(world_size)

@@ -32,10 +32,13 @@ import torch
 from simcomm import World, configured_backend
 from simcomm.lessons import memory_and_planning as checks
 from simcomm.model.cost import modelled_timeline
-from simcomm.parallel import activations as act, mixed_precision as mp
+from simcomm.parallel import mixed_precision as mp
+from simcomm.planning import activations as act
 from simcomm.parallel.zero import MLP
 from simcomm.viz.memory import memory_figure
 from simcomm.viz.recompute import activation_curve, trade_figure
+from simcomm.viz import use_export_renderer
+use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 tp = 4
 world = configured_backend(tp, memory=True)      # SIMCOMM_BACKEND: virtual ranks or real processes

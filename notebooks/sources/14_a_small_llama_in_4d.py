@@ -33,10 +33,12 @@ import torch
 from simcomm import configured_backend
 from simcomm.backend import backend_name
 from simcomm.lessons import llama_4d as checks
-from simcomm.parallel import llama, llama_training as lt
+from simcomm.models import llama, llama_training as lt
 from simcomm.parallel.mesh import Layout
 from simcomm.parallel.pipeline import schedule
+from simcomm.viz import use_export_renderer
 from simcomm.viz.loss_curves import loss_curves
+use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 torch.set_num_threads(1)          # matrices of 32 x 64: one thread is fastest, and the cores are shared
 sim = backend_name() == "sim"
@@ -49,8 +51,8 @@ world = configured_backend(layout.world_size)      # SIMCOMM_BACKEND: virtual ra
 # %% [markdown]
 # ## 1. The model, the corpus and the oracle
 #
-# `llama` is a Llama-style decoder written for this course (`simcomm/parallel/llama.py`, about
-# 250 lines): RMSNorm, rotary position embeddings, grouped-query attention (4 query heads share
+# `llama` is a Llama-style decoder written for this course (`simcomm/models/llama.py`; its
+# functional form is about 250 lines): RMSNorm, rotary position embeddings, grouped-query attention (4 query heads share
 # 2 key/value heads), a SwiGLU feed-forward, an untied output layer. Its single-device form
 # `llama.loss` is the oracle; `llama.tp_loss` is the same function with Megatron's tensor +
 # sequence parallelism, including a **vocabulary-parallel embedding and cross-entropy**: each

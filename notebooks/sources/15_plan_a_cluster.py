@@ -29,11 +29,14 @@
 import time
 from simcomm import World
 from simcomm.lessons import memory_and_planning as checks
-from simcomm.parallel import cluster_step, planner
+from simcomm.planning import cluster_step, planner
 from simcomm.parallel.mesh import Layout
-from simcomm.parallel.planner import GiB, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+from simcomm.models.llama import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+from simcomm.planning.planner import GiB
 from simcomm.viz.cluster_plan import cluster, plan_figure
 from simcomm.viz.planning import layout_memory_figure
+from simcomm.viz import use_export_renderer
+use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 LIMIT = 80 * GiB
 
@@ -69,7 +72,7 @@ plan_figure(shape_world.trace, cluster("h100-ndr-cluster", layout.world_size)).u
 
 # %% [markdown]
 # That is exact for the program traced, and costs seconds per 16 ranks on this machine: a
-# thousand ranks and every layout would take hours. So the planner (`simcomm.parallel.planner`)
+# thousand ranks and every layout would take hours. So the planner (`simcomm.planning.planner`)
 # applies the same accounting as formulas, per GPU, to every layout at once:
 #
 # * **model states** (lesson 13's `mp.expected_bytes`): bf16 parameters, fp32 `main_grad`

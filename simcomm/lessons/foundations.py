@@ -461,7 +461,7 @@ def check_tp_mlp(layer: Callable, *, world_size: int = 4, batch: int = 3, hidden
     """Lesson 04: ``layer(comm, x, shards)`` must be the tensor-parallel MLP for a replicated loss.
 
     Compares the output, the input gradient and every shard's gradient with
-    the single-device MLP (:func:`simcomm.models.mlp`) in float64.
+    the single-device MLP (:func:`simcomm.parallel.tensor.mlp`) in float64.
     """
     params = make_mlp(hidden, ffn, seed=7)
     x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(8), dtype=torch.float64)

@@ -6,7 +6,7 @@ placeholder, ``Not yet: ...`` for a wrong, partial or malformed answer,
 ``Correct: ...`` for a right one; the hint comes with ``show_hint=True``.
 Programs a checker runs go to the simulator. The right answers come from the
 single-device computation (the norm of the whole gradient) and from
-:func:`simcomm.parallel.llama_training.held_numel`.
+:func:`simcomm.models.llama_training.held_numel`.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..parallel import llama, llama_pipeline
-from ..parallel import llama_training as lt
+from ..models import llama, llama_pipeline
+from ..models import llama_training as lt
 from ..parallel.mesh import Layout
 from ..sim.world import World
 from .verdicts import NOT_ANSWERED, as_number, attempt, hint_on_request, is_correct, is_placeholder, not_yet

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
-from ..parallel import activations, mixed_precision
-from ..parallel import planner as plan
+from ..models.llama import Config
+from ..parallel import mixed_precision
+from ..planning import activations
+from ..planning import planner as plan
 from ..sim.world import World
 from .verdicts import NOT_ANSWERED, as_number, attempt, hint_on_request, is_correct, is_placeholder, not_yet
 
@@ -143,7 +145,7 @@ def _layout(answer: Any) -> tuple[int, ...] | None:
 
 @hint_on_request
 def check_plan_choice(answer: Any, rows: list[dict], limit: float) -> str:
-    """``answer``: the ``(tp, cp, pp, dp)`` of ``rows`` (:func:`simcomm.parallel.planner.plan`) with the
+    """``answer``: the ``(tp, cp, pp, dp)`` of ``rows`` (:func:`simcomm.planning.planner.plan`) with the
     shortest modelled step whose memory per GPU fits ``limit`` bytes."""
     if is_placeholder(answer):
         return NOT_ANSWERED
@@ -163,7 +165,7 @@ def check_plan_choice(answer: Any, rows: list[dict], limit: float) -> str:
     return f"Correct: {got} is the fastest layout that fits {limit / 2**30:.0f} GiB per GPU."
 
 
-def _grown_dimension(model: plan.Model, gpus: int, seq: int, limit: float, **kwargs: Any) -> str:
+def _grown_dimension(model: Config, gpus: int, seq: int, limit: float, **kwargs: Any) -> str:
     """The dimension (``"tp"``, ``"cp"``, ``"pp"`` or ``"dp"``) the best fitting layout grows when the
     sequence doubles (the planner run at both lengths)."""
     before = plan.fastest_fitting(plan.plan(model, gpus, seq=seq, **kwargs), limit)
@@ -173,10 +175,10 @@ def _grown_dimension(model: plan.Model, gpus: int, seq: int, limit: float, **kwa
 
 
 @hint_on_request
-def check_sequence_doubling(answer: Any, model: plan.Model, gpus: int, seq: int, limit: float,
+def check_sequence_doubling(answer: Any, model: Config, gpus: int, seq: int, limit: float,
                             **kwargs: Any) -> str:
     """``answer``: which of ``"tp"``, ``"cp"``, ``"pp"``, ``"dp"`` the planner's best layout grows when
-    ``seq`` doubles (``kwargs`` go to :func:`simcomm.parallel.planner.plan`)."""
+    ``seq`` doubles (``kwargs`` go to :func:`simcomm.planning.planner.plan`)."""
     if is_placeholder(answer):
         return NOT_ANSWERED
     if not isinstance(answer, str) or answer.strip().lower() not in plan.DIMENSIONS:

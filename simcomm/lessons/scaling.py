@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..errors import DeadlockError, RankError, RunTimeoutError, SimcommError
 from ..parallel.context import block_attention, chunk_ids
 from ..parallel.expert import keep_mask, switch_aux_loss
-from ..parallel.layout_choice import fastest_fitting
+from ..planning.planner import fastest_fitting
 from ..parallel.mesh import Layout
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
@@ -447,7 +447,7 @@ def check_mesh_coords(coords: Callable) -> str:
 def check_layout_choice(choice: Any, rows: list[dict], memory_limit: int, topology: str) -> str:
     """``choice``: the ``Layout(pp=, dp=, tp=)`` with the shortest ``topology`` step time whose peak memory
     per rank fits ``memory_limit`` bytes, read from ``rows``
-    (:func:`simcomm.parallel.layout_choice.layout_table`)."""
+    (:func:`simcomm.planning.layout_choice.layout_table`)."""
     if is_placeholder(choice):
         return NOT_ANSWERED
     if not isinstance(choice, Layout) or choice.cp != 1:

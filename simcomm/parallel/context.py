@@ -23,7 +23,7 @@ pairs. Each block is declared as ``comm.compute(flops=...)``: the trace
 measures the work per rank, and the modelled timeline shows the ring's
 transfers overlapping it.
 
-The single-device reference is :func:`simcomm.models.attention`.
+The single-device reference is :func:`simcomm.parallel.sequence.attention`.
 """
 from __future__ import annotations
 

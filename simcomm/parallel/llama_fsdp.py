@@ -26,7 +26,7 @@ the gather of one tensor without autograd, for checkpoints.
 This is the mechanism of ``torch.distributed.fsdp.fully_shard`` (FSDP2:
 ``Shard(0)`` pieces, all-gather before forward, reduce-scatter after
 backward) without its module hooks, so it composes with the hand-written
-tensor, context and pipeline parallelism of :mod:`simcomm.parallel.llama`.
+tensor, context and pipeline parallelism of :mod:`simcomm.models.llama`.
 """
 from __future__ import annotations
 

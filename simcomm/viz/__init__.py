@@ -19,8 +19,9 @@ element by the rank it came from.
 ``bucket_overlap_figure``  exposed vs hidden communication per DDP bucket size; ``bucket_slider``
 =========================  =====================================================
 
-Imported in a Jupyter kernel, this package makes :mod:`simcomm.viz.render`'s
-``"simcomm"`` renderer plotly's default, so figures also survive an HTML export.
+Importing this package changes nothing outside it. A lesson's first cell asks for
+:mod:`simcomm.viz.render`'s ``"simcomm"`` renderer with ``viz.use_export_renderer()``
+(it becomes plotly's default, so figures also survive an HTML export).
 """
 from .algorithms import allreduce_figure, allreduce_steps, ring_allreduce_figure, tree_allreduce_figure
 from .buckets import bucket_overlap_figure, bucket_slider
@@ -32,7 +33,7 @@ from .matrix import comm_matrix_figure
 from .memory import memory_figure
 from .pipeline import pipeline_figure
 from .provenance import decode, describe, provenance_base, provenance_tensor, provenance_tensors
-from .render import in_kernel, use_export_renderer
+from .render import use_export_renderer
 from .sharding import tp_mlp_shards_figure
 from .timeline import human_bytes, timeline_figure
 
@@ -45,6 +46,3 @@ __all__ = [
     "decode", "describe", "provenance_base", "provenance_tensor", "provenance_tensors",
     "use_export_renderer", "tp_mlp_shards_figure",
 ]
-
-if in_kernel():   # figures then survive an HTML export; see simcomm.viz.render
-    use_export_renderer()

@@ -1,6 +1,6 @@
 """Figures of lesson 15: memory per GPU by label and modelled step time, one bar per layout.
 
-:func:`layout_memory_figure` draws the rows of :func:`simcomm.parallel.planner.plan`
+:func:`layout_memory_figure` draws the rows of :func:`simcomm.planning.planner.plan`
 (sorted by step time, the fastest first): stacked bars of bytes per GPU by
 label, a dashed line at the memory limit, and the modelled step time as
 markers on a second axis. Plain plotly; text at least 14 px; 1000 px wide.
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from ..parallel.planner import LABELS, GiB, key
+from ..planning.planner import LABELS, GiB, key
 from .memory import LABEL_COLOURS
 from .style import BODY_FONT_PX, TITLE_FONT_PX
 

@@ -1,7 +1,7 @@
 """Figures of lesson 13: activation bytes through a step, and the memory/compute trade of recomputation.
 
 * :func:`activation_curve`: one line per recomputation mode, the activation
-  bytes a rank holds at each mark of :func:`simcomm.parallel.activations.activation_run`
+  bytes a rank holds at each mark of :func:`simcomm.planning.activations.activation_run`
   (after each layer's forward, then as each layer's backward finishes);
 * :func:`trade_figure`: one point per mode, activation bytes per layer against
   the compute of a step relative to no recomputation.

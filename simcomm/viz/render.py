@@ -14,9 +14,9 @@ cannot represent it, so an exported lesson loses every figure. The
   exported lesson holds plotly.js once, not once per figure, and needs no
   network (no CDN, no MathJax).
 
-:func:`use_export_renderer` makes it the default; ``import simcomm.viz``
-calls it when running inside a Jupyter kernel (nowhere else, so a script's
-``fig.show()`` keeps plotly's own default).
+:func:`use_export_renderer` makes it the default. Nothing calls it at import:
+each lesson's first cell does (``viz.use_export_renderer()``), so a script or a
+kernel that only imports :mod:`simcomm.viz` keeps plotly's own default.
 """
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def _plotly_output(fig: go.Figure) -> dict:
 
 class LayoutExplorer:
     """Widgets to pick a layout and a topology; each change runs the step
-    (:func:`simcomm.parallel.layout_choice.measure_layout`, checked against one device) and redraws the
+    (:func:`simcomm.planning.layout_choice.measure_layout`, checked against one device) and redraws the
     modelled timeline, titled with the step time and the peak memory per rank.
 
     Display ``explorer.panel``; ``explorer.figure`` is the figure drawn last (the default one
@@ -118,7 +118,7 @@ class LayoutExplorer:
                  topologies: dict, *, layout: Layout | None = None):
         import ipywidgets as widgets
 
-        from ..parallel.layout_choice import measure_layout
+        from ..planning.layout_choice import measure_layout
         from . import timeline_figure
 
         self._measure, self._timeline = measure_layout, timeline_figure

@@ -2,7 +2,7 @@
 
 Megatron's tensor-parallel MLP (lesson 04) splits ``w1`` ``(ffn, hidden)`` by
 rows and ``w2`` ``(hidden, ffn)`` by columns, exactly as
-:func:`simcomm.models.shard_mlp` does; the figure colours every weight by the
+:func:`simcomm.parallel.tensor.shard_mlp` does; the figure colours every weight by the
 rank that holds it, in the rank colours of every other figure.
 """
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """A 3-D parallel transformer training step: tensor x pipeline x data parallelism.
 
 ``step(comm, layout, block)`` is one SPMD training step of a stack of
-pre-norm transformer blocks on the ``pp * dp * tp`` ranks of a
+pre-norm transformer blocks (the cluster form of :mod:`simcomm.models.transformer`:
+:class:`~simcomm.models.transformer.Block` sizes, :func:`~simcomm.models.transformer.tp_block`)
+on the ``pp * dp * tp`` ranks of a
 :class:`simcomm.parallel.mesh.Layout` ``Layout(pp=..., dp=..., tp=...)``:
 
 * **tensor parallel** (Megatron): inside each block, attention heads and the
@@ -24,7 +26,7 @@ program declares its compute (``comm.compute(flops=...)``) for the modelled
 timeline. Meant for shape-only runs (``World(n, tensors="shape")``) at cluster
 scale; with real tensors it runs too (small sizes).
 
-It models a different thing from :mod:`simcomm.parallel.transformer3d` (lesson
+It models a different thing from the checked block of :mod:`simcomm.models.transformer` (lesson
 12's block, checked against one device in float64, with sequence parallelism
 and a pipeline cut between the two sublayers): here whole blocks per stage,
 Megatron tensor parallelism without sequence parallelism, many micro-batches
@@ -34,62 +36,14 @@ reference values; what it is for is the trace and the memory at scale.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..communicator import Communicator
-from .mesh import Layout
+from ..models.transformer import Block, block_flops, block_parameters, tp_block
+from ..parallel.mesh import Layout
 
-__all__ = ["Block", "partition", "step"]
-
-
-@dataclass(frozen=True)
-class Block:
-    """Sizes of the model and the batch: GPT-2 medium's block by default."""
-
-    hidden: int = 1024
-    heads: int = 16
-    seq: int = 1024
-    micro_batch: int = 1
-    micro_batches: int = 1
-    layers: int = 1                # blocks per pipeline stage
-    dtype: torch.dtype = torch.bfloat16
-
-
-def _parameters(block: Block, tp: int) -> dict[str, torch.Tensor]:
-    h, ffn = block.hidden, 4 * block.hidden
-    scale = 0.02
-    shapes = {"ln1": (h,), "qkv": (3 * h // tp, h), "proj": (h, h // tp),
-              "ln2": (h,), "fc1": (ffn // tp, h), "fc2": (h, ffn // tp)}
-    return {name: (torch.randn(shape, dtype=block.dtype) * scale).requires_grad_()
-            for name, shape in shapes.items()}
-
-
-def _block(tensor: Communicator, x: torch.Tensor, params: dict[str, torch.Tensor], block: Block
-           ) -> torch.Tensor:
-    """One pre-norm transformer block, tensor-parallel over ``tensor``; ``x`` is ``(b, s, h)``."""
-    b, s, h = x.shape
-    heads = block.heads // tensor.world_size
-    head_dim = h // block.heads
-    y = tensor.copy_to_group(F.layer_norm(x, (h,), params["ln1"]))
-    qkv = (y @ params["qkv"].T).view(b, s, 3, heads, head_dim)          # (b, s, 3, heads/tp, d)
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)                        # each (b, heads/tp, s, d)
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)      # (b, heads/tp, s, d)
-    attn = attn.transpose(1, 2).reshape(b, s, heads * head_dim)         # (b, s, h/tp)
-    x = x + tensor.reduce_from_group(attn @ params["proj"].T)           # (b, s, h)
-    y = tensor.copy_to_group(F.layer_norm(x, (h,), params["ln2"]))
-    y = F.gelu(y @ params["fc1"].T)                                      # (b, s, 4h/tp)
-    return x + tensor.reduce_from_group(y @ params["fc2"].T)            # (b, s, h)
-
-
-def _flops(block: Block, tp: int) -> float:
-    """Forward flops of one block on one tensor-parallel rank for one micro-batch."""
-    tokens, h = block.micro_batch * block.seq, block.hidden
-    matmuls = 2 * tokens * (3 * h * h + h * h + 8 * h * h) / tp
-    attention = 4 * block.micro_batch * block.seq ** 2 * h / tp
-    return matmuls + attention
+__all__ = ["partition", "step"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,9 +77,9 @@ def step(comm: Communicator, layout: Layout, block: Block = Block()) -> dict[str
     data = comm.subgroup(partition(layout, "dp"))
     stage = layout.coordinate(comm.rank, "pp")
     first, last = stage == 0, stage == layout.pp - 1
-    stack = [_parameters(block, layout.tp) for _ in range(block.layers)]
+    stack = [block_parameters(block, layout.tp) for _ in range(block.layers)]
     shape = (block.micro_batch, block.seq, block.hidden)
-    flops = _flops(block, layout.tp)
+    flops = block_flops(block, layout.tp)
     runs = []                                             # per micro-batch: (input, output) of each block
     for _ in range(block.micro_batches):                  # forward, stage by stage
         if first:
@@ -136,7 +90,7 @@ def step(comm: Communicator, layout: Layout, block: Block = Block()) -> dict[str
         for index, params in enumerate(stack):
             # each block's input is a leaf, so backward can run block by block
             inp = x.detach().requires_grad_() if (index or not first) else x
-            x = _block(tensor, inp, params, block)
+            x = tp_block(tensor, inp, params, block)
             comm.compute(flops=flops)
             pairs.append((inp, x))
         if not last:

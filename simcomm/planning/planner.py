@@ -1,6 +1,7 @@
 """Plan a cluster: memory per GPU and modelled step time of every 4-D layout of a GPU budget.
 
-For a Llama-style model (:class:`Model`; the Llama 3 shapes are given) on
+For a Llama (:class:`simcomm.models.llama.Config`; the Llama 3 shapes
+:data:`~simcomm.models.llama.LLAMA3_8B`, ``LLAMA3_70B``, ``LLAMA3_405B``) on
 ``gpus = tp * cp * pp * dp`` GPUs, ranks placed on the project's one mesh
 (:class:`simcomm.parallel.mesh.Layout`, :func:`mesh`: pipeline outermost,
 then data, context and tensor parallelism innermost, ``init_device_mesh``'s
@@ -39,15 +40,15 @@ would take minutes per layout on a laptop to do.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 from ..model.cost import estimate
 from ..model.topology import Topology, get_topology
-from .mesh import Layout
-from .mixed_precision import expected_bytes
+from ..models.llama import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, Config
+from ..parallel.mesh import Layout
+from ..parallel.mixed_precision import expected_bytes
 
-__all__ = ["Model", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "DIMENSIONS", "LABELS", "layouts", "mesh", "plan",
+__all__ = ["DIMENSIONS", "LABELS", "layouts", "mesh", "plan",
            "memory_per_gpu", "step_time", "layer_activation_bytes", "fastest_fitting", "key", "sized", "GiB",
            "published_layouts"]
 
@@ -57,34 +58,6 @@ GiB = 2 ** 30
 DIMENSIONS = ("tp", "cp", "pp", "dp")
 #: the memory labels of a row
 LABELS = ("parameters", "gradients", "optimizer_state", "activations")
-
-
-@dataclass(frozen=True)
-class Model:
-    """A Llama-style decoder: RMSNorm, grouped-query attention, SwiGLU, untied embedding and output."""
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-
-    @property
-    def layer_parameters(self) -> int:
-        h, kv = self.hidden, self.hidden * self.kv_heads // self.heads
-        return h * h + 2 * h * kv + h * h + 3 * h * self.ffn + 2 * h      # q, k and v, o, SwiGLU, two norms
-
-    @property
-    def parameters(self) -> int:
-        return self.layers * self.layer_parameters + 2 * self.vocab * self.hidden + self.hidden
-
-
-#: the shapes of the Llama 3 paper (Table 3): 8B, 70B and 405B
-LLAMA3_8B = Model("Llama 3 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-LLAMA3_70B = Model("Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
-LLAMA3_405B = Model("Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
 
 
 def key(row: dict) -> tuple[int, int, int, int]:
@@ -110,7 +83,7 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def layouts(model: Model, gpus: int, *, global_batch: int, micro_batch: int = 1, max_tp: int = 8,
+def layouts(model: Config, gpus: int, *, global_batch: int, micro_batch: int = 1, max_tp: int = 8,
             max_cp: int = 16, max_pp: int = 16) -> list[tuple[int, int, int, int]]:
     """Every ``(tp, cp, pp, dp)`` of powers of two with ``tp * cp * pp * dp == gpus``: ``tp`` divides the
     KV heads, ``pp`` is at most the layers (a stage holds ``ceil(layers / pp)``), ``dp * micro_batch``
@@ -135,7 +108,7 @@ def sized(preset: str | Topology, gpus: int) -> Topology:
     return topology if nodes == topology.nodes else dataclasses.replace(topology, nodes=nodes)
 
 
-def layer_activation_bytes(model: Model, seq: int, micro_batch: int, tp: int, cp: int, recompute: str) -> float:
+def layer_activation_bytes(model: Config, seq: int, micro_batch: int, tp: int, cp: int, recompute: str) -> float:
     """Bytes one Llama layer keeps for backward on one GPU (bf16; flash attention keeps no ``s x s``
     scores): the two RMSNorm inputs, the QKV input, Q, K and V (``kv_heads / heads`` of Q each), the
     attention output (the projection's input), the MLP input, and the four SwiGLU tensors (gate, up,
@@ -149,7 +122,7 @@ def layer_activation_bytes(model: Model, seq: int, micro_batch: int, tp: int, cp
     return 2 * sb * (6 * h + 2 * h * model.kv_heads / model.heads + 4 * model.ffn) / (tp * cp)
 
 
-def memory_per_gpu(model: Model, layout: tuple[int, int, int, int], *, seq: int, micro_batch: int = 1,
+def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], *, seq: int, micro_batch: int = 1,
                    global_batch: int, zero: int = 1, gradients: str = "fp32 main_grad",
                    recompute: str = "selective") -> dict[str, float]:
     """Bytes by label on the pipeline stage that needs the most (module docstring), and ``stage``."""
@@ -175,7 +148,7 @@ def memory_per_gpu(model: Model, layout: tuple[int, int, int, int], *, seq: int,
     return best
 
 
-def step_time(model: Model, layout: tuple[int, int, int, int], topology: Topology, *, seq: int,
+def step_time(model: Config, layout: tuple[int, int, int, int], topology: Topology, *, seq: int,
               micro_batch: int = 1, global_batch: int, zero: int = 1, recompute: str = "selective",
               efficiency: float = 0.4) -> dict[str, float]:
     """The modelled step (seconds) and its parts: ``compute``, ``bubble``, ``tp_comm``, ``cp_comm``,
@@ -217,7 +190,7 @@ def step_time(model: Model, layout: tuple[int, int, int, int], topology: Topolog
             "micro_batches": m}
 
 
-def plan(model: Model, gpus: int, *, seq: int = 8192, global_batch: int | None = None, micro_batch: int = 1,
+def plan(model: Config, gpus: int, *, seq: int = 8192, global_batch: int | None = None, micro_batch: int = 1,
          zero: int = 1, gradients: str = "fp32 main_grad", recompute: str = "selective",
          topology: str | Topology = "h100-ndr-cluster", efficiency: float = 0.4, **limits: int) -> list[dict]:
     """One row per layout of :func:`layouts`: ``tp, cp, pp, dp``, bytes per GPU by label and ``total``,
@@ -238,10 +211,23 @@ def plan(model: Model, gpus: int, *, seq: int = 8192, global_batch: int | None =
     return rows
 
 
-def fastest_fitting(rows: list[dict], limit: float) -> tuple[int, int, int, int] | None:
-    """The ``(tp, cp, pp, dp)`` with the shortest ``step_time`` among rows whose ``total`` fits ``limit``."""
-    fitting = [row for row in rows if row["total"] <= limit]
-    return key(min(fitting, key=lambda row: row["step_time"])) if fitting else None
+def fastest_fitting(rows: list[dict], limit: float, time: str = "step_time"
+                    ) -> tuple[int, int, int, int] | Layout | None:
+    """The layout of the row with the shortest ``row[time]`` among ``rows`` whose memory per GPU fits
+    ``limit`` bytes; ``None`` when none fits. Two kinds of rows, one rule:
+
+    * :func:`plan`'s rows (modelled; they hold a ``total``): memory ``total``, time ``step_time``;
+      the layout returned is the row's ``(tp, cp, pp, dp)`` (:func:`key`);
+    * :func:`simcomm.planning.layout_choice.layout_table`'s rows (measured): memory ``peak_bytes``,
+      a time per topology name (``time="NVLink node"``); the layout returned is the row's
+      ``Layout(pp=, dp=, tp=)``."""
+    modelled = bool(rows) and "total" in rows[0]
+    memory = "total" if modelled else "peak_bytes"
+    fitting = [row for row in rows if row[memory] <= limit]
+    if not fitting:
+        return None
+    best = min(fitting, key=lambda row: row[time])
+    return key(best) if modelled else Layout(pp=best["pp"], dp=best["dp"], tp=best["tp"])
 
 
 def published_layouts() -> list[dict]:

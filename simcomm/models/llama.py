@@ -1,4 +1,28 @@
-"""A small Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) and its tensor + sequence parallel form.
+"""The Llama of the project: one :class:`Config`, one set of blocks, in two forms.
+
+The architecture (Llama 3, as torchtitan trains it; written here from the
+architecture, not copied): token embedding, ``layers`` decoder layers of
+RMSNorm -> grouped-query attention with rotary position embeddings -> residual
+-> RMSNorm -> SwiGLU feed-forward -> residual, a final RMSNorm and an untied
+output projection. Its sizes are one :class:`Config` (the lesson's small Llama
+by default; :data:`LLAMA3_8B`, :data:`LLAMA3_70B` and :data:`LLAMA3_405B` are
+the Llama 3 paper's shapes) and its building blocks are one set
+(:func:`rms_norm`, :func:`rotate_pairs`, :func:`share_kv_heads`). Two forms
+use them, and compute differently on purpose:
+
+==============================  =====================================================================
+form                            what it is for
+==============================  =====================================================================
+functional (a ``params`` dict)  :func:`loss` on one device and :func:`tp_loss`: tensor + sequence +
+                                vocabulary (+ context) parallel, written with the communicator;
+                                angles in float64, attention written out (lesson 14,
+                                :mod:`simcomm.models.llama_training`)
+module (:class:`Llama`)         an ``nn.Module`` with ``scaled_dot_product_attention`` and float32
+                                RoPE tables, for ``torch.distributed`` wrappers (FSDP2:
+                                :mod:`simcomm.planning.fsdp2_step`)
+==============================  =====================================================================
+
+The functional form:
 
 :func:`loss` is the single-device reference: token ids ``(s,)`` in, the mean
 next-token cross-entropy out. :func:`tp_loss` is the same model on ``t`` ranks
@@ -21,25 +45,28 @@ gradient from this rank's sequence shard (:func:`assemble_grads` sums them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..communicator import Communicator
-from .tensor import join_grads, split_params
-from .vocab import vocab_parallel_cross_entropy, vocab_range
+from ..parallel.tensor import join_grads, split_params
+from ..parallel.vocab import vocab_parallel_cross_entropy, vocab_range
 
-__all__ = ["Config", "init_params", "loss", "logits", "shard_params", "tp_loss", "embed", "block", "head",
+__all__ = ["Config", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "parameter_count", "init_params", "loss", "logits",
+           "shard_params", "tp_loss", "embed", "block", "head",
            "layer_names", "assemble_grads", "context_chunk", "REPLICATED", "rms_norm", "rotate_pairs",
-           "share_kv_heads"]
+           "share_kv_heads", "Llama", "TransformerBlock", "Attention", "FeedForward", "RMSNorm", "rope_tables",
+           "apply_rope"]
 
 
 @dataclass(frozen=True)
 class Config:
-    """Sizes of the model: the lesson's small Llama by default; the planning model of
-    :mod:`simcomm.parallel.llama3_fsdp` takes the same config (``llama3_fsdp.LLAMA3_8B``)."""
+    """Sizes of the model: the lesson's small Llama by default; :data:`LLAMA3_8B` and the larger
+    shapes for planning (:mod:`simcomm.planning`). ``name`` is a label only (not compared)."""
 
     vocab: int = 64
     hidden: int = 32
@@ -49,14 +76,42 @@ class Config:
     layers: int = 2
     rope_base: float = 10000.0
     eps: float = 1e-6
+    name: str = field(default="", compare=False, repr=False)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer: q and o ``(h, h)``, k and v ``(kv, h)``, SwiGLU, two norms."""
+        h, kv = self.hidden, self.hidden * self.kv_heads // self.heads
+        return h * h + 2 * h * kv + h * h + 3 * h * self.ffn + 2 * h
+
+    @property
+    def parameters(self) -> int:
+        """Parameters of the model (embedding and output counted separately: they are not tied)."""
+        return self.layers * self.layer_parameters + 2 * self.vocab * self.hidden + self.hidden
+
     def scaled(self, **changes: Any) -> Config:
         """A copy with ``changes`` (field names as above)."""
         return replace(self, **changes)
+
+
+#: Llama 3 8B (the Llama 3 paper, Table 3; Meta's published configuration, torchtitan's ``llama3_8b``)
+LLAMA3_8B = Config(vocab=128256, hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=32, rope_base=500000.0,
+                   eps=1e-5, name="Llama 3 8B")
+#: Llama 3 70B (the Llama 3 paper, Table 3)
+LLAMA3_70B = Config(vocab=128256, hidden=8192, heads=64, kv_heads=8, ffn=28672, layers=80, rope_base=500000.0,
+                    eps=1e-5, name="Llama 3 70B")
+#: Llama 3 405B (the Llama 3 paper, Table 3)
+LLAMA3_405B = Config(vocab=128256, hidden=16384, heads=128, kv_heads=8, ffn=53248, layers=126, rope_base=500000.0,
+                     eps=1e-5, name="Llama 3 405B")
+
+
+def parameter_count(config: Config) -> int:
+    """Number of parameters (:attr:`Config.parameters`)."""
+    return config.parameters
 
 
 def layer_names(layer: int) -> list[str]:
@@ -95,7 +150,7 @@ def init_params(config: Config, *, seed: int = 0, dtype: torch.dtype = torch.flo
     return params
 
 
-# -- the building blocks (also those of simcomm.parallel.llama3_fsdp's planning model) --------------------------
+# -- the building blocks (of both forms) ------------------------------------------------------------------------
 
 def _at_least_float32(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
@@ -274,3 +329,130 @@ def assemble_grads(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
     """The full gradients from each rank's shard gradients (in rank order): shards concatenated
     as :func:`shard_params` split them, the replicated norms' parts summed."""
     return join_grads(grads, _split_dim)
+
+
+# -- the module form ------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """:func:`rms_norm` with its weight (bf16 is normalised in fp32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(config: Config, seq_len: int, device: torch.device | str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``(seq, head_dim / 2)``: the rotation angle of every position and pair."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / config.rope_base ** (torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (s, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each consecutive pair of ``x``'s last dim (:func:`rotate_pairs`);
+    ``x`` is ``(b, s, h, head_dim)``, ``cos``/``sin`` :func:`rope_tables`."""
+    return rotate_pairs(x, cos[None, :, None, :], sin[None, :, None, :])   # tables (1, s, 1, hd/2) -> (b, s, h, hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.heads, config.kv_heads, config.head_dim
+        self.wq = nn.Linear(config.hidden, config.heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.hidden, config.kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.heads * config.head_dim, config.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)       # (b, s, h, hd)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)    # (b, s, kv, hd)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)    # (b, s, kv, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = share_kv_heads(k, v, self.n_heads, self.n_kv_heads, dim=2)   # (b, s, h, hd) each
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))             # (b, h, s, hd)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, h, s, hd)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))        # (b, s, d)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.w1 = nn.Linear(config.hidden, config.ffn, bias=False)
+        self.w3 = nn.Linear(config.hidden, config.ffn, bias=False)
+        self.w2 = nn.Linear(config.ffn, config.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))             # SwiGLU: (b, s, d)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden, config.eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden, config.eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """``tokens (b, s) -> logits (b, s, vocab)``. ``checkpoint``: each block under per-op
+    selective activation checkpointing (``_selective_contexts``)."""
+
+    def __init__(self, config: Config, checkpoint: bool = False):
+        super().__init__()
+        self.config = config
+        self.checkpoint = checkpoint
+        self.tok_embeddings = nn.Embedding(config.vocab, config.hidden)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.layers))
+        self.norm = RMSNorm(config.hidden, config.eps)
+        self.output = nn.Linear(config.hidden, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(self.config, tokens.shape[1], tokens.device)
+        h = self.tok_embeddings(tokens)                             # (b, s, d)
+        for layer in self.layers:
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, use_reentrant=False,
+                                                      context_fn=_selective_contexts)
+            else:
+                h = layer(h, cos, sin)
+        return self.output(self.norm(h))                            # (b, s, vocab)
+
+
+_ALWAYS_SAVED = {torch.ops.aten._scaled_dot_product_flash_attention.default,
+                 torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                 torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 torch.ops.aten.max.default}
+
+
+def _selective_contexts():
+    """Per-op selective checkpointing as torchtitan's ``selective_ac_option="op"`` decides:
+    save attention's output and every other matmul's (the 1st, 3rd, ... of the block, counted in
+    the forward), recompute the rest. A fresh counter per block call."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in _ALWAYS_SAVED:
+            return CheckpointPolicy.MUST_SAVE
+        if func == torch.ops.aten.mm.default:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            if counts[key] % 2 == 1:      # odd-numbered matmuls are saved
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

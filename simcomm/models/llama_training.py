@@ -16,7 +16,7 @@ innermost, the data dimension ``dp = dp_replicate x dp_shard`` as HSDP's 2-D
 c, t)`` (``d`` the flattened data-parallel index):
 
 1. its sequences are the micro-batches of a 1F1B pipeline over the ``pp``
-   stages (:func:`simcomm.parallel.llama_pipeline.stage_step`), each stage a
+   stages (:func:`simcomm.models.llama_pipeline.stage_step`), each stage a
    tensor + sequence + vocabulary parallel part of the model over the ``tp``
    ranks, each sequence split over the ``cp`` context ranks; every loss
    ``/ global_batch``; backward inside the schedule;
@@ -46,7 +46,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.data import DistributedSampler
 
 from ..communicator import Communicator
-from . import llama, llama_fsdp, llama_pipeline, mesh
+from . import llama, llama_pipeline
+from ..parallel import llama_fsdp, mesh
 
 __all__ = ["corpus", "batches", "train", "held_numel", "reference_losses"]
 
@@ -89,7 +90,7 @@ def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor
     """``steps`` steps on the ``comm.world_size == layout.world_size`` ranks of ``layout`` (a
     :class:`simcomm.parallel.mesh.Layout`; the module docstring). Each data-parallel rank's
     sequences are the micro-batches of a 1F1B pipeline of ``layout.pp`` stages
-    (:func:`simcomm.parallel.llama_pipeline.stage_step`; ``pp = 1`` is one stage); with ``cp > 1``
+    (:func:`simcomm.models.llama_pipeline.stage_step`; ``pp = 1`` is one stage); with ``cp > 1``
     each sequence is split over the context group; with ``dp_shard > 1`` the parameters are FSDP
     pieces (:mod:`simcomm.parallel.llama_fsdp`) gathered before every micro-batch's forward, their
     gradients reduce-scattered over the shard group, then all-reduced over the replicate x context
@@ -165,7 +166,7 @@ def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor
 
 def held_numel(config: llama.Config, layout: mesh.Layout, rank: int) -> int:
     """The parameter elements ``rank`` keeps between steps on ``layout``, from the sizes alone: its
-    stage's parameters (:func:`simcomm.parallel.llama_pipeline.stage_names`), each as its tensor
+    stage's parameters (:func:`simcomm.models.llama_pipeline.stage_names`), each as its tensor
     shard (the norms whole), each cut into ``layout.dp_shard`` pieces padded up
     (:func:`simcomm.parallel.llama_fsdp.piece_numel`). Adam keeps two moments of each element."""
     shapes = {name: param.shape for name, param in llama.init_params(config).items()}

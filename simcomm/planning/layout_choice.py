@@ -1,7 +1,7 @@
 """Choosing a 3-D layout: memory per rank and modelled step time for each ``Layout(pp=, dp=, tp=)``.
 
 :func:`measure_layout` runs one training step of the transformer block
-(:func:`simcomm.parallel.transformer3d.block_step`) on virtual ranks with memory
+(:func:`simcomm.models.transformer.block_step`) on virtual ranks with memory
 tracking, checks its loss and gradients against the single-device block, and
 reads from that one run
 
@@ -14,7 +14,9 @@ reads from that one run
 Two topologies: :data:`NVLINK_NODE` (one H100 NVSwitch node: every group
 inside NVLink) and :data:`IB_CLUSTER` (the H100 NDR cluster with the 8 ranks
 spread 2 per node, one NIC each: a group of ranks ``2i, 2i+1`` stays inside a
-node, anything larger crosses InfiniBand).
+node, anything larger crosses InfiniBand). The fastest layout that fits a memory
+limit is :func:`simcomm.planning.planner.fastest_fitting` of the rows, with a
+topology name as the time (``fastest_fitting(rows, limit, "NVLink node")``).
 """
 from __future__ import annotations
 
@@ -24,14 +26,15 @@ import torch
 
 from ..model import cost
 from ..model.topology import Topology, get_topology
+from ..models.transformer import assemble_grads, block_step, layouts, loss
+from ..parallel.mesh import Layout
 from ..sim.world import World
-from .mesh import Layout
-from .transformer3d import assemble_grads, block_step, layouts, loss
 
-__all__ = ["NVLINK_NODE", "IB_CLUSTER", "TOPOLOGIES", "step_time", "measure_layout", "layout_table",
-           "fastest_fitting"]
+__all__ = ["NVLINK_NODE", "IB_CLUSTER", "TOPOLOGIES", "measure_layout", "layout_table"]
 
+#: one H100 NVSwitch node: every group inside NVLink
 NVLINK_NODE: Topology = get_topology("h100-nvswitch")
+#: the H100 NDR cluster with the ranks spread 2 per node, one NIC each
 IB_CLUSTER: Topology = dataclasses.replace(
     get_topology("h100-ndr-cluster"), name="h100-ndr-2-per-node", gpus_per_node=2, nics_per_node=2, nodes=64,
     reference=None)
@@ -39,7 +42,7 @@ IB_CLUSTER: Topology = dataclasses.replace(
 TOPOLOGIES: dict[str, Topology] = {"NVLink node": NVLINK_NODE, "InfiniBand cluster": IB_CLUSTER}
 
 
-def step_time(trace, topology: Topology | str) -> float:
+def _modelled_end(trace, topology: Topology | str) -> float:
     """Seconds until the last rank's last call ends on the modelled timeline of ``trace``."""
     timeline = cost.modelled_timeline(trace, topology)
     return max(summary.end for summary in timeline.ranks.values())
@@ -74,7 +77,7 @@ def measure_layout(x: torch.Tensor, weights: torch.Tensor, params: dict[str, tor
     row = {"layout": layout, "tp": layout.tp, "dp": layout.dp, "pp": layout.pp,
            "peak_bytes": max(world.memory.peak)}
     for name, topology in TOPOLOGIES.items():
-        row[name] = step_time(world.trace, topology)
+        row[name] = _modelled_end(world.trace, topology)
     row["max_error"] = error
     row["trace"] = world.trace
     return row
@@ -88,13 +91,3 @@ def layout_table(x: torch.Tensor, weights: torch.Tensor, params: dict[str, torch
     fitting = [lay for lay in layouts(world_size)
                if batch % lay.dp == 0 and seq % lay.tp == 0 and heads % lay.tp == 0 and ffn % lay.tp == 0]
     return [measure_layout(x, weights, params, heads, lay) for lay in fitting]
-
-
-def fastest_fitting(rows: list[dict], memory_limit: int, topology: str) -> Layout | None:
-    """The ``Layout(pp=, dp=, tp=)`` with the shortest ``topology`` step time among rows whose peak bytes
-    fit ``memory_limit``; ``None`` when none fits."""
-    fitting = [row for row in rows if row["peak_bytes"] <= memory_limit]
-    if not fitting:
-        return None
-    best = min(fitting, key=lambda row: row[topology])
-    return Layout(pp=best["pp"], dp=best["dp"], tp=best["tp"])

@@ -21,7 +21,7 @@ import torch
 
 from ..communicator import Communicator
 from . import llama
-from .pipeline import schedule
+from ..parallel.pipeline import schedule
 
 __all__ = ["stage_names", "stage_step"]
 
@@ -47,7 +47,7 @@ def stage_step(pipe: Communicator, tensor: Communicator, sequences: list[torch.T
     :func:`stage_names`, or a function returning them, called before each micro-batch's forward
     (FSDP: :func:`simcomm.parallel.llama_fsdp.unshard`, whose backward reduce-scatters into the
     pieces). With a ``context`` group each rank runs its chunk of every sequence
-    (:func:`simcomm.parallel.llama.context_chunk`; the keys and values all-gathered over
+    (:func:`simcomm.models.llama.context_chunk`; the keys and values all-gathered over
     ``context``) and its loss is that chunk's part. Returns the summed loss of the micro-batches
     (each ``/ global_batch``) on the last stage, zero elsewhere. Gradients accumulate in the
     leaves' ``.grad``. Collective over ``pipe``, ``tensor`` (and ``context``); blocks."""
