@@ -38,6 +38,7 @@ from ..handles import Handle, P2POp, UnwaitedHandleError
 from ..reports import mismatch_message, program_location, unwaited_message
 from ..trace import Record, Recorder
 from ..transport import TransportBase
+from . import ring_order
 from . import shape as _shape
 from .pending import Pending, PendingCollective, PendingMessage
 from .rendezvous import Group, Message, Slot, call_site, copy_small_shared, failure, format_args, materialize
@@ -196,7 +197,7 @@ class SimTransport(TransportBase):
         sent, wire = (tensor, op) if op != PREMUL_SUM else collectives.on_the_wire(tensor, op, factor)
         return self._collective("all_reduce", sent, (("shape", tuple(tensor.shape)), ("dtype", tensor.dtype),
                                                      ("op", op)),
-                                lambda inputs: collectives.all_reduce(inputs, wire), async_op=async_op,
+                                lambda inputs: ring_order.all_reduce(inputs, wire), async_op=async_op,
                                 reduction=op, into=into)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False, *,
@@ -208,10 +209,10 @@ class SimTransport(TransportBase):
                        factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None,
                        separately: bool = False):
         """``separately``: each rank's chunk is reduced as a buffer of its own, in its own order
-        (:func:`simcomm.collectives.reduce_scatter`; c10d's list form, as gloo runs it)."""
+        (:func:`simcomm.sim.ring_order.reduce_scatter`; c10d's list form, as gloo runs it)."""
         sent, wire = collectives.on_the_wire(tensor, op, factor)
         return self._collective("reduce_scatter", sent, self._sig(tensor, dim=dim, op=op),
-                                lambda inputs: collectives.reduce_scatter(inputs, dim, wire, separately=separately),
+                                lambda inputs: ring_order.reduce_scatter(inputs, dim, wire, separately=separately),
                                 async_op=async_op, reduction=op, into=into)
 
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False):
@@ -356,7 +357,7 @@ class SimTransport(TransportBase):
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks."""
         sent, wire = collectives.on_the_wire(tensor, op, factor)
         return self._collective("reduce", sent, self._sig(tensor, dst=dst, op=op),
-                                lambda inputs: collectives.reduce_to(inputs, dst, wire), root=dst, async_op=async_op,
+                                lambda inputs: ring_order.reduce_to(inputs, dst, wire), root=dst, async_op=async_op,
                                 reduction=op)
 
     def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
