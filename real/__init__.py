@@ -11,7 +11,9 @@ on :class:`simcomm.World`'s virtual ranks. ``python -m real.verify`` checks a
 node against the single-device reference.
 """
 from .communicator import DeviceCommunicatorBase
-from .launcher import Cluster, RemoteError, ResultError, Results, WorkerError, run
+from simcomm.errors import RemoteError, ResultError, WorkerError
+
+from .launcher import Cluster, Results, run
 from .process_group import device_for, init_from_env, pick_backend
 from .startup import interactive, prestart
 from .transport import DistTransport, GroupCache

@@ -41,7 +41,8 @@ from simcomm import dtypes, memory
 from simcomm.checks import check_splits, to_reduce_op
 from simcomm.collectives import on_the_wire
 from simcomm.errors import CollectiveMismatchError
-from simcomm.handles import Handle, P2POp, UnwaitedHandleError
+from simcomm.errors import UnwaitedHandleError
+from simcomm.handles import Handle, P2POp
 from simcomm.reports import local_group_mismatch, program_location, unwaited_message
 from simcomm.sim.rendezvous import set_versions, write_into
 from simcomm.trace import Record, Recorder, Trace

@@ -41,7 +41,8 @@ from ..communicator import Communicator
 from ..errors import CollectiveMismatchError
 from ..reports import local_group_mismatch
 from ..sim.rendezvous import Group
-from ..sim.scheduler import Aborted, RunState
+from ..errors import Aborted
+from ..sim.scheduler import RunState
 from ..sim.transport import SimTransport
 from .store import RunStore
 

@@ -33,8 +33,8 @@ import torch
 
 from .. import collectives, dtypes, memory
 from ..checks import PREMUL_SUM, check_splits
-from ..errors import CollectiveMismatchError, DeadlockError, SimcommError
-from ..handles import Handle, P2POp, UnwaitedHandleError
+from ..errors import Aborted, CollectiveMismatchError, DeadlockError, SimcommError, UnwaitedHandleError
+from ..handles import Handle, P2POp
 from ..reports import mismatch_message, program_location, unwaited_message
 from ..trace import Record, Recorder
 from ..transport import TransportBase
@@ -42,7 +42,7 @@ from . import ring_order
 from . import shape as _shape
 from .pending import Pending, PendingCollective, PendingMessage
 from .rendezvous import Group, Message, Slot, call_site, copy_small_shared, failure, format_args, materialize
-from .scheduler import Aborted, RunState, handoff
+from .scheduler import RunState, handoff
 from .waits import Wait, p2p_detail
 
 __all__ = ["SimTransport"]
