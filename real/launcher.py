@@ -82,8 +82,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from simcomm.errors import (CollectiveMismatchError, DeadlockError, RankError, RemoteError, RemoteTraceback, ResultError,
-                            RunTimeoutError, WorkerError)
+from simcomm.errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    RankError,
+    RemoteError,
+    RemoteTraceback,
+    ResultError,
+    RunTimeoutError,
+    WorkerError,
+)
 from simcomm.memory import MemoryReport
 from simcomm.trace import Trace
 
