@@ -10,8 +10,10 @@ The program, the communicator's methods and their gradients are the same as
 on :class:`simcomm.World`'s virtual ranks. ``python -m real.verify`` checks a
 node against the single-device reference.
 """
+from simcomm.errors import RemoteError, ResultError, WorkerError
+
 from .communicator import DeviceCommunicatorBase
-from .launcher import Cluster, RemoteError, ResultError, Results, WorkerError, run
+from .launcher import Cluster, Results, run
 from .process_group import device_for, init_from_env, pick_backend
 from .startup import interactive, prestart
 from .groups import GroupCache

@@ -222,7 +222,7 @@ def run_process_groups(transport) -> Iterator[RealProcessGroup]:
     transport, the one ``comm`` holds) for the length of the block; afterwards every group the
     block created is gone from c10d's state. When the block ends normally, an async call
     (handle, Work) the run issued and never waited on is an
-    :class:`~simcomm.handles.UnwaitedHandleError`, as on virtual ranks: wait what the program
+    :class:`~simcomm.errors.UnwaitedHandleError`, as on virtual ranks: wait what the program
     returned first (:func:`simcomm.c10d.work.wait_returned`: a returned tensor is used).
 
     The default group stays the same object from the first run on, its transport replaced by

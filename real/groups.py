@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from simcomm.handles import UnwaitedHandleError
+from simcomm.errors import UnwaitedHandleError
 from simcomm.reports import unwaited_message
 
 __all__ = ["GroupCache", "hide_from_program", "books_agree"]
@@ -71,7 +71,7 @@ class GroupCache:
         self.pending.clear()
 
     def check_all_waited(self, rank: int) -> None:
-        """Raise :class:`~simcomm.handles.UnwaitedHandleError` if this run issued an async call
+        """Raise :class:`~simcomm.errors.UnwaitedHandleError` if this run issued an async call
         (a handle, a c10d Work) that was never waited on, as the simulator does."""
         if self.pending:
             raise UnwaitedHandleError(unwaited_message(rank, list(self.pending.values())))

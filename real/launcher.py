@@ -26,7 +26,7 @@ restart, the OOM killer), every worker dies within a fraction of a second,
 whatever it is running (:func:`real.worker.die_with_parent`).
 
 **After os.fork()** a Cluster belongs to the process that made it: in the child
-its :meth:`Cluster.run` raises :class:`WorkerError` naming the fork (its workers
+its :meth:`Cluster.run` raises :class:`~simcomm.errors.WorkerError` naming the fork (its workers
 serve the parent), its :meth:`Cluster.close` does nothing, and a new Cluster in
 the child works (with a forkserver of its own).
 
@@ -82,7 +82,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from simcomm.errors import CollectiveMismatchError, DeadlockError, RankError, RunTimeoutError, SimcommError
+from simcomm.errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    RankError,
+    RemoteError,
+    RemoteTraceback,
+    ResultError,
+    RunTimeoutError,
+    WorkerError,
+)
 from simcomm.memory import MemoryReport
 from simcomm.trace import Trace
 
@@ -94,7 +103,7 @@ from .stacks import describe_stacks
 from .groups import books_agree
 from .worker import worker_main
 
-__all__ = ["Cluster", "Results", "run", "WorkerError", "ResultError", "RemoteError"]
+__all__ = ["Cluster", "Results", "run"]
 
 #: after the first rank raises, how long to wait for other ranks to report too
 _ERROR_GRACE_S = 1.0
@@ -108,29 +117,6 @@ _LIVE_CLUSTERS: weakref.WeakSet[Cluster] = weakref.WeakSet()
 #: the stores of Clusters a forked child inherited: never destroyed there (their server threads
 #: live in the parent only), kept until the child exits
 _INHERITED_STORES: list = []
-
-
-class WorkerError(SimcommError):
-    """A worker process could not start, died, or could not be reached."""
-
-
-class ResultError(SimcommError):
-    """A rank's result could not be rebuilt in this process (its unpickling raised, the ``__cause__``)."""
-
-
-class RemoteTraceback(Exception):
-    """The traceback text of an exception raised in a worker process (set as its ``__cause__``)."""
-
-    def __init__(self, text: str):
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return "\n" + self.text.rstrip()
-
-
-class RemoteError(Exception):
-    """Stands in for a worker's exception that could not be sent back as itself."""
 
 
 class Results(list):
@@ -411,7 +397,7 @@ class Cluster:
         traceback is in the message and the exception is the ``__cause__``),
         :class:`~simcomm.errors.RunTimeoutError` (``timeout`` passed; the
         message names the ranks still running and where they are),
-        :class:`WorkerError` (a worker died) or :class:`ResultError` (a
+        :class:`~simcomm.errors.WorkerError` (a worker died) or :class:`~simcomm.errors.ResultError` (a
         result cannot be unpickled here). After an error the workers are
         killed and the next run starts new ones, unless every rank raised
         with all its communication completed (then they stay). ``timeout``
@@ -420,7 +406,7 @@ class Cluster:
         A result's tensors of 1 MiB or more come back in shared memory (one
         copy, no pickled bytes): their storages cannot be resized, as those
         :mod:`torch.multiprocessing` delivers. In a child of ``os.fork()``
-        this Cluster's ``run`` raises :class:`WorkerError`: make a new one there.
+        this Cluster's ``run`` raises :class:`~simcomm.errors.WorkerError`: make a new one there.
         """
         if self._forked():
             raise WorkerError(f"Cluster.run: this Cluster was made by process {self._owner_pid}, and this "

@@ -31,9 +31,10 @@ from .errors import (
                      RankError,
                      RunTimeoutError,
                      SimcommError,
+                     UnwaitedHandleError,
                      WrongThreadError,
 )
-from .handles import Handle, P2POp, UnwaitedHandleError
+from .handles import Handle, P2POp
 from .model import cost, topology
 from .sim.world import World
 from .trace import Trace, TraceEvent

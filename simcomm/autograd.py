@@ -5,41 +5,48 @@ argument and work unchanged on both backends. Their forward leaves its input
 untouched and returns a new tensor; their backward calls are traced with phase
 ``"backward"``.
 
-Each backward is looked up by name in a small registry (:data:`BACKWARD_RULES`,
-e.g. ``"all_gather"``), so a test can put a deliberately wrong rule in place
-for a ``with`` block (:func:`replaced_backward`, used by ``real.faults``)
-without touching the Function classes.
+**One path.** Each Function's ``compute(transport, x, ...)`` is its forward's
+values: one transport call (or none). :func:`apply`, the one way in for the
+communicator and for every backward's dual collective, runs ``compute`` alone
+when no gradient can flow, else ``Function.apply``, whose ``forward`` is
+``compute`` plus what the backward reads (kept on autograd's own ``ctx``, which
+belongs to that one call). Each backward is written in its Function.
+:data:`BACKWARD_RULES` names every backward (e.g. ``"all_gather"``), so a test
+can put a deliberately wrong rule in place for a ``with`` block
+(:func:`replaced_backward`, used by ``real.faults``) without touching the
+Function classes: while one is replaced, :func:`apply` runs a subclass of the
+Function with that backward.
 
 **Gradient convention.** Each backward is the exact adjoint (vector-Jacobian
 product) of the forward *when the objective is the sum of the per-rank
 losses*: rank ``r`` computes ``loss_r`` and calls ``loss_r.backward()``, and
 every rank's input gradient is the derivative of ``sum_r loss_r``. When every
 rank instead computes the *same* replicated loss, an all-reduce backward counts
-it ``world_size`` times; the conjugate pair :class:`_CopyToGroup` /
-:class:`_ReduceFromGroup` (Megatron's f and g) is written for that convention.
+it ``world_size`` times; the conjugate pair :class:`CopyToGroup` /
+:class:`ReduceFromGroup` (Megatron's f and g) is written for that convention.
 
 =================  ========================================  ==========================================
 Function           forward                                   backward (adjoint)
 =================  ========================================  ==========================================
-_AllReduce         reduce over ranks                         SUM/AVG: all-reduce of the grads (AVG /n);
+AllReduce          reduce over ranks                         SUM/AVG: all-reduce of the grads (AVG /n);
                                                              MAX/MIN: summed grad to the holder(s) of the
                                                              extreme, split evenly among ties;
                                                              PRODUCT: summed grad x product of the others;
                                                              PREMUL_SUM: summed grad x this rank's factor
-_AllGather         concat along dim                          reduce-scatter (sum) along dim
-_ReduceScatter     reduce, keep chunk r                      all-gather along dim (then as _AllReduce)
-_Slice             keep chunk r of a replicated tensor       all-gather of the grads (/n if scale_grad)
-_AllToAll          split on scatter_dim, concat on gather    the all-to-all with the two dims swapped
-_Broadcast         src's tensor everywhere                   reduce (sum) of the grads onto src, zero
+AllGather          concat along dim                          reduce-scatter (sum) along dim
+ReduceScatter      reduce, keep chunk r                      all-gather along dim (then as AllReduce) 
+Slice              keep chunk r of a replicated tensor       all-gather of the grads (/n if scale_grad)
+AllToAll           split on scatter_dim, concat on gather    the all-to-all with the two dims swapped
+Broadcast          src's tensor everywhere                   reduce (sum) of the grads onto src, zero
                                                              elsewhere
-_Reduce            reduction on dst, zeros elsewhere         broadcast of dst's grad (AVG /n; MAX/MIN/
-                                                             PRODUCT factors as _AllReduce); the other
+Reduce             reduction on dst, zeros elsewhere         broadcast of dst's grad (AVG /n; MAX/MIN/
+                                                             PRODUCT factors as AllReduce); the other 
                                                              ranks' output grads are ignored
-_Scatter           chunk r of src's tensor                   gather of the grads onto src
-_Gather            concat on dst (an empty tensor elsewhere) scatter of dst's grad: chunk r to rank r
-_AllToAllSingle    uneven all-to-all along dim 0             the same with the two split lists swapped
-_CopyToGroup       identity                                  all-reduce (sum) of the grads
-_ReduceFromGroup   all-reduce (sum)                          identity
+Scatter            chunk r of src's tensor                   gather of the grads onto src
+Gather             concat on dst (an empty tensor elsewhere) scatter of dst's grad: chunk r to rank r
+AllToAllSingle     uneven all-to-all along dim 0             the same with the two split lists swapped
+CopyToGroup        identity                                  all-reduce (sum) of the grads
+ReduceFromGroup    all-reduce (sum)                          identity
 =================  ========================================  ==========================================
 
 **PREMUL_SUM.** Forward, every rank gets ``y = sum_s f_s x_s`` (rank ``s``
@@ -82,43 +89,40 @@ from .collectives import premultiply
 from .trace import backward_phase
 from .transport import Transport
 
+__all__ = [
+    "apply", "factor_kwargs", "BACKWARD_RULES", "replaced_backward",
+    "AllReduce", "AllGather", "ReduceScatter", "Slice", "AllToAll", "Broadcast", "CopyToGroup",
+    "ReduceFromGroup", "Reduce", "Scatter", "Gather", "AllToAllSingle",
+]
+
 _NONLINEAR = ("max", "min", "product")
-
-
-class _NoGradContext:
-    """Stands in for autograd's ctx when no gradient can flow: what a rule stores on it
-    is never read (one instance serves every rank and call)."""
-
-    def save_for_backward(self, *tensors) -> None:
-        pass
-
-    def mark_non_differentiable(self, *tensors) -> None:
-        pass
-
-
-_NO_GRAD_CTX = _NoGradContext()
 
 
 def apply(rule: type[torch.autograd.Function], transport: Transport, input_: torch.Tensor, *args: Any
           ) -> Any:
     """``rule.apply`` when a gradient can flow through ``input_`` (or a tensor argument, e.g.
-    a PREMUL_SUM factor); else its forward alone, which computes the same values without
-    autograd's bookkeeping. The public methods use it, and so does every backward for its
-    dual collective: inside a backward, grad mode is on exactly under ``create_graph=True``."""
-    if torch.is_grad_enabled():
-        if input_.requires_grad:
-            return rule.apply(transport, input_, *args)
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and arg.requires_grad:
-                return rule.apply(transport, input_, *args)
-    return rule.forward(_NO_GRAD_CTX, transport, input_, *args)
+    a PREMUL_SUM factor); else ``rule.compute``, the same values without autograd's
+    bookkeeping. The communicator uses it, and so does every backward for its dual
+    collective: inside a backward, grad mode is on exactly under ``create_graph=True``."""
+    if torch.is_grad_enabled() and (input_.requires_grad or any(
+            isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)):
+        backward = BACKWARD_RULES[rule.rule]
+        if backward is not rule.backward:       # replaced_backward: a wrong rule in place
+            rule = type(rule.__name__, (rule,), {"backward": staticmethod(backward)})
+        return rule.apply(transport, input_, *args)
+    return rule.compute(transport, input_, *args)
+
+
+def factor_kwargs(factor: float | torch.Tensor | None) -> dict:
+    """The transport's ``factor=`` keyword, only for PREMUL_SUM (other transports need not know it)."""
+    return {} if factor is None else {"factor": factor.detach() if isinstance(factor, torch.Tensor) else factor}
 
 
 def _others_product(transport: Transport, x: torch.Tensor) -> torch.Tensor:
     """The product of the other ranks' ``x``, differentiable across ranks (for a
     ``create_graph`` backward): an all-gather of the inputs, then a local product that
     leaves this rank's own row out, so zeros need no special case."""
-    stacked = apply(_AllGather, transport, x.unsqueeze(0).contiguous(), 0)   # (world, *x.shape)
+    stacked = apply(AllGather, transport, x.unsqueeze(0).contiguous(), 0)   # (world, *x.shape)
     rank = transport.rank
     return torch.cat([stacked[:rank], stacked[rank + 1:]]).prod(0)
 
@@ -150,36 +154,6 @@ def _local_factor(transport: Transport, op: str, x: torch.Tensor, y_full: torch.
     others_if_nonzero = torch.where(zeros == 0, prod_nonzero / nonzero, torch.zeros_like(prod_nonzero))
     others_if_zero = torch.where(zeros == 1, prod_nonzero, torch.zeros_like(prod_nonzero))
     return torch.where(is_zero, others_if_zero, others_if_nonzero).to(like.dtype)
-
-
-#: name -> backward(ctx, grad) of the Function of that name; see :func:`replaced_backward`
-BACKWARD_RULES: dict[str, Callable[..., tuple]] = {}
-
-
-def _rule(name: str) -> Callable[[Callable], Callable]:
-    def register(backward: Callable) -> Callable:
-        BACKWARD_RULES[name] = backward
-        return backward
-    return register
-
-
-@contextlib.contextmanager
-def replaced_backward(name: str, backward: Callable[..., tuple]) -> Iterator[None]:
-    """Use ``backward(ctx, grad)`` as the backward rule ``name`` inside the block (every
-    thread of this process sees it; for tests that show a wrong rule gets caught)."""
-    if name not in BACKWARD_RULES:
-        raise ValueError(f"replaced_backward: unknown rule {name!r}; known: {sorted(BACKWARD_RULES)}")
-    original = BACKWARD_RULES[name]
-    BACKWARD_RULES[name] = backward
-    try:
-        yield
-    finally:
-        BACKWARD_RULES[name] = original
-
-
-def _factor_kwargs(factor: float | torch.Tensor | None) -> dict:
-    """The transport's ``factor=`` keyword, only for PREMUL_SUM (other transports need not know it)."""
-    return {} if factor is None else {"factor": factor.detach() if isinstance(factor, torch.Tensor) else factor}
 
 
 def _save(ctx: Any, op: str, factor: float | torch.Tensor | None, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -219,195 +193,203 @@ def _through_reduction(ctx: Any, grad: torch.Tensor, full_result) -> torch.Tenso
     return grad * _local_factor(ctx.transport, ctx.op, x, y_full, grad)
 
 
-class _AllReduce(torch.autograd.Function):
+class AllReduce(torch.autograd.Function):
+    rule = "all_reduce"
+
+    @staticmethod
+    def compute(transport: Transport, x: torch.Tensor, op: str,
+                factor: float | torch.Tensor | None = None) -> torch.Tensor:
+        return transport.all_reduce(x, op, **factor_kwargs(factor))
+
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, op: str,
                 factor: float | torch.Tensor | None = None) -> torch.Tensor:
-        if factor is None:
-            y = transport.all_reduce(x, op)
-        else:
-            y = transport.all_reduce(x, op, **_factor_kwargs(factor))
-        if ctx is not _NO_GRAD_CTX:     # what the backward reads; nothing when it never runs
-            ctx.transport, ctx.op = transport, op
-            _save(ctx, op, factor, x, y)
+        y = AllReduce.compute(transport, x, op, factor)
+        ctx.transport, ctx.op = transport, op
+        _save(ctx, op, factor, x, y)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["all_reduce"](ctx, grad)
+        with backward_phase():
+            total = apply(AllReduce, ctx.transport, grad.contiguous(), "sum")
+            factor_grad = _factor_grad(ctx, total)
+            total = _through_reduction(ctx, total, lambda y: y)
+        return None, total, None, factor_grad
 
 
-@_rule("all_reduce")
-def _all_reduce_backward(ctx: Any, grad: torch.Tensor):
-    with backward_phase():
-        total = apply(_AllReduce, ctx.transport, grad.contiguous(), "sum")
-        factor_grad = _factor_grad(ctx, total)
-        total = _through_reduction(ctx, total, lambda y: y)
-    return None, total, None, factor_grad
+class AllGather(torch.autograd.Function):
+    rule = "all_gather"
 
-
-class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.transport, ctx.dim = transport, dim
+    def compute(transport: Transport, x: torch.Tensor, dim: int) -> torch.Tensor:
         return transport.all_gather(x, dim)
 
     @staticmethod
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.transport, ctx.dim = transport, dim
+        return AllGather.compute(transport, x, dim)
+
+    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["all_gather"](ctx, grad)
+        with backward_phase():
+            return None, apply(ReduceScatter, ctx.transport, grad.contiguous(), ctx.dim, "sum"), None
 
 
-@_rule("all_gather")
-def _all_gather_backward(ctx: Any, grad: torch.Tensor):
-    with backward_phase():
-        return None, apply(_ReduceScatter, ctx.transport, grad.contiguous(), ctx.dim, "sum"), None
+class ReduceScatter(torch.autograd.Function):
+    rule = "reduce_scatter"
 
+    @staticmethod
+    def compute(transport: Transport, x: torch.Tensor, dim: int, op: str,
+                factor: float | torch.Tensor | None = None) -> torch.Tensor:
+        return transport.reduce_scatter(x, dim, op, **factor_kwargs(factor))
 
-class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, dim: int, op: str,
                 factor: float | torch.Tensor | None = None) -> torch.Tensor:
-        y = transport.reduce_scatter(x, dim, op, **_factor_kwargs(factor))
+        y = ReduceScatter.compute(transport, x, dim, op, factor)
         ctx.transport, ctx.dim, ctx.op = transport, dim, op
         _save(ctx, op, factor, x, y)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["reduce_scatter"](ctx, grad)
+        transport = ctx.transport
+        with backward_phase():
+            full = apply(AllGather, transport, grad.contiguous(), ctx.dim)
+            factor_grad = _factor_grad(ctx, full)
+            full = _through_reduction(ctx, full, lambda y: transport.all_gather(y, ctx.dim))
+        return None, full, None, None, factor_grad
 
 
-@_rule("reduce_scatter")
-def _reduce_scatter_backward(ctx: Any, grad: torch.Tensor):
-    transport = ctx.transport
-    with backward_phase():
-        full = apply(_AllGather, transport, grad.contiguous(), ctx.dim)
-        factor_grad = _factor_grad(ctx, full)
-        full = _through_reduction(ctx, full, lambda y: transport.all_gather(y, ctx.dim))
-    return None, full, None, None, factor_grad
+class Slice(torch.autograd.Function):
+    rule = "slice"
 
-
-class _Slice(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dim: int, scale_grad: bool) -> torch.Tensor:
-        ctx.transport, ctx.dim, ctx.scale_grad = transport, dim, scale_grad
+    def compute(transport: Transport, x: torch.Tensor, dim: int, scale_grad: bool) -> torch.Tensor:
         shard = x.shape[dim] // transport.world_size
         # a copy even when the chunk is already contiguous: the output never aliases the input
         return x.narrow(dim, transport.rank * shard, shard).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, dim: int, scale_grad: bool) -> torch.Tensor:
+        ctx.transport, ctx.dim, ctx.scale_grad = transport, dim, scale_grad
+        return Slice.compute(transport, x, dim, scale_grad)
+
+    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["slice"](ctx, grad)
+        with backward_phase():
+            full = apply(AllGather, ctx.transport, grad.contiguous(), ctx.dim)
+        if ctx.scale_grad:
+            full = full / ctx.transport.world_size
+        return None, full, None, None
 
 
-@_rule("slice")
-def _slice_backward(ctx: Any, grad: torch.Tensor):
-    with backward_phase():
-        full = apply(_AllGather, ctx.transport, grad.contiguous(), ctx.dim)
-    if ctx.scale_grad:
-        full = full / ctx.transport.world_size
-    return None, full, None, None
+class AllToAll(torch.autograd.Function):
+    rule = "all_to_all"
 
+    @staticmethod
+    def compute(transport: Transport, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        return transport.all_to_all(x, scatter_dim, gather_dim)
 
-class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, scatter_dim: int, gather_dim: int
                 ) -> torch.Tensor:
         ctx.transport, ctx.scatter_dim, ctx.gather_dim = transport, scatter_dim, gather_dim
-        return transport.all_to_all(x, scatter_dim, gather_dim)
+        return AllToAll.compute(transport, x, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["all_to_all"](ctx, grad)
+        with backward_phase():
+            return None, apply(AllToAll, ctx.transport, grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
 
 
-@_rule("all_to_all")
-def _all_to_all_backward(ctx: Any, grad: torch.Tensor):
-    with backward_phase():
-        return None, apply(_AllToAll, ctx.transport, grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
+class Broadcast(torch.autograd.Function):
+    rule = "broadcast"
 
-
-class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, transport: Transport, x: torch.Tensor, src: int) -> torch.Tensor:
-        ctx.transport, ctx.src = transport, src
+    def compute(transport: Transport, x: torch.Tensor, src: int) -> torch.Tensor:
         return transport.broadcast(x, src)
 
     @staticmethod
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor, src: int) -> torch.Tensor:
+        ctx.transport, ctx.src = transport, src
+        return Broadcast.compute(transport, x, src)
+
+    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["broadcast"](ctx, grad)
+        with backward_phase():
+            # broadcast's dual: the reduce (sum) onto src; the other ranks get zeros
+            return None, apply(Reduce, ctx.transport, grad.contiguous(), ctx.src, "sum"), None
 
 
-@_rule("broadcast")
-def _broadcast_backward(ctx: Any, grad: torch.Tensor):
-    with backward_phase():
-        # broadcast's dual: the reduce (sum) onto src; the other ranks get zeros
-        return None, apply(_Reduce, ctx.transport, grad.contiguous(), ctx.src, "sum"), None
-
-
-class _CopyToGroup(torch.autograd.Function):
+class CopyToGroup(torch.autograd.Function):
     """Megatron's *f*: identity forward, all-reduce (sum) backward."""
+
+    rule = "copy_to_group"
+
+    @staticmethod
+    def compute(transport: Transport, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
 
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor) -> torch.Tensor:
         ctx.transport = transport
-        return x.clone()
+        return CopyToGroup.compute(transport, x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["copy_to_group"](ctx, grad)
+        with backward_phase():
+            return None, apply(AllReduce, ctx.transport, grad.contiguous(), "sum")
 
 
-@_rule("copy_to_group")
-def _copy_to_group_backward(ctx: Any, grad: torch.Tensor):
-    with backward_phase():
-        return None, apply(_AllReduce, ctx.transport, grad.contiguous(), "sum")
-
-
-class _ReduceFromGroup(torch.autograd.Function):
+class ReduceFromGroup(torch.autograd.Function):
     """Megatron's *g*: all-reduce (sum) forward, identity backward."""
 
+    rule = "reduce_from_group"
+
     @staticmethod
-    def forward(ctx: Any, transport: Transport, x: torch.Tensor) -> torch.Tensor:
+    def compute(transport: Transport, x: torch.Tensor) -> torch.Tensor:
         return transport.all_reduce(x, "sum")
 
     @staticmethod
+    def forward(ctx: Any, transport: Transport, x: torch.Tensor) -> torch.Tensor:
+        return ReduceFromGroup.compute(transport, x)
+
+    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["reduce_from_group"](ctx, grad)
+        return None, grad
 
 
-@_rule("reduce_from_group")
-def _reduce_from_group_backward(ctx: Any, grad: torch.Tensor):
-    return None, grad
-
-
-class _Reduce(torch.autograd.Function):
+class Reduce(torch.autograd.Function):
     """Reduction onto ``dst``; the other ranks get zeros (a constant: their output grads are ignored)."""
+
+    rule = "reduce"
+
+    @staticmethod
+    def compute(transport: Transport, x: torch.Tensor, dst: int, op: str,
+                factor: float | torch.Tensor | None = None) -> torch.Tensor:
+        return transport.reduce(x, dst, op, **factor_kwargs(factor))
 
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, dst: int, op: str,
                 factor: float | torch.Tensor | None = None) -> torch.Tensor:
-        y = transport.reduce(x, dst, op, **_factor_kwargs(factor))
+        y = Reduce.compute(transport, x, dst, op, factor)
         ctx.transport, ctx.dst, ctx.op = transport, dst, op
         _save(ctx, op, factor, x, y)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["reduce"](ctx, grad)
+        transport = ctx.transport
+        with backward_phase():
+            total = apply(Broadcast, transport, grad.contiguous(), ctx.dst)   # dst's grad, on every rank
+            factor_grad = _factor_grad(ctx, total)
+            total = _through_reduction(ctx, total, lambda y: transport.broadcast(y, ctx.dst))   # dst's result
+        return None, total, None, None, factor_grad
 
 
-@_rule("reduce")
-def _reduce_backward(ctx: Any, grad: torch.Tensor):
-    transport = ctx.transport
-    with backward_phase():
-        total = apply(_Broadcast, transport, grad.contiguous(), ctx.dst)   # dst's grad, on every rank
-        factor_grad = _factor_grad(ctx, total)
-        total = _through_reduction(ctx, total, lambda y: transport.broadcast(y, ctx.dst))   # dst's result
-    return None, total, None, None, factor_grad
-
-
-class _Scatter(torch.autograd.Function):
+class Scatter(torch.autograd.Function):
     """Chunk ``r`` of ``src``'s tensor on rank ``r``.
 
     ``x`` is src's tensor on ``src``; on the other ranks a placeholder that
@@ -416,12 +398,23 @@ class _Scatter(torch.autograd.Function):
     says so in the same call).
     """
 
+    rule = "scatter"
+
+    @staticmethod
+    def scatter(transport: Transport, x: torch.Tensor, src: int, dim: int, requires_grad: bool
+                ) -> tuple[torch.Tensor, bool]:
+        """``(the chunk, whether src's tensor requires grad)``: the transport's scatter."""
+        return transport.scatter(x if transport.rank == src else None, src, dim, requires_grad=requires_grad)
+
+    @staticmethod
+    def compute(transport: Transport, x: torch.Tensor, src: int, dim: int, requires_grad: bool
+                ) -> torch.Tensor:
+        return Scatter.scatter(transport, x, src, dim, requires_grad)[0]
+
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, src: int, dim: int,
                 requires_grad: bool) -> torch.Tensor:
-        is_src = transport.rank == src
-        chunk, source_requires_grad = transport.scatter(x if is_src else None, src, dim,
-                                                        requires_grad=requires_grad)
+        chunk, source_requires_grad = Scatter.scatter(transport, x, src, dim, requires_grad)
         # off src ``dim`` may be negative: name it as src does, for the backward's gather
         ctx.transport, ctx.src, ctx.dim = transport, src, dim % chunk.dim()
         ctx.placeholder_shape = x.shape
@@ -431,30 +424,32 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["scatter"](ctx, grad)
+        transport = ctx.transport
+        with backward_phase():
+            if not torch.is_grad_enabled():
+                full = transport.gather(grad.contiguous(), ctx.src, ctx.dim)   # None off src
+            else:   # create_graph: the gather as a Function; off src its empty output stays in the graph
+                gathered = apply(Gather, transport, grad.contiguous(), ctx.src, ctx.dim)
+                full = gathered if transport.rank == ctx.src else \
+                    torch.zeros(ctx.placeholder_shape, dtype=grad.dtype, device=grad.device) + gathered.sum()
+        return None, full, None, None, None
 
 
-@_rule("scatter")
-def _scatter_backward(ctx: Any, grad: torch.Tensor):
-    transport = ctx.transport
-    with backward_phase():
-        if not torch.is_grad_enabled():
-            full = transport.gather(grad.contiguous(), ctx.src, ctx.dim)   # None off src
-        else:   # create_graph: the gather as a Function; off src its empty output stays in the graph
-            gathered = apply(_Gather, transport, grad.contiguous(), ctx.src, ctx.dim)
-            full = gathered if transport.rank == ctx.src else \
-                torch.zeros(ctx.placeholder_shape, dtype=grad.dtype, device=grad.device) + gathered.sum()
-    return None, full, None, None, None
-
-
-class _Gather(torch.autograd.Function):
+class Gather(torch.autograd.Function):
     """Concatenation on ``dst``; the other ranks get an empty tensor (size 0 along ``dim``)
-    that carries no value but lets them take part in the backward."""
+    that carries no value but lets them take part in the backward (``compute`` alone gives
+    ``None`` there)."""
+
+    rule = "gather"
+
+    @staticmethod
+    def compute(transport: Transport, x: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
+        return transport.gather(x, dst, dim)
 
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, dst: int, dim: int) -> torch.Tensor:
         ctx.transport, ctx.dst, ctx.dim = transport, dst, dim
-        out = transport.gather(x, dst, dim)
+        out = Gather.compute(transport, x, dst, dim)
         if out is None:
             out = x.new_empty((*x.shape[:dim], 0, *x.shape[dim + 1:]))   # size 0 at dim
             ctx.save_for_backward(out)   # a create_graph backward keeps this rank in the graph with it
@@ -462,40 +457,59 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["gather"](ctx, grad)
+        transport = ctx.transport
+        is_dst = transport.rank == ctx.dst
+        with backward_phase():
+            if not torch.is_grad_enabled():
+                chunk, _ = transport.scatter(grad.contiguous() if is_dst else None, ctx.dst, ctx.dim)
+            else:   # create_graph: the scatter as a Function; off dst the saved empty output is its
+                # placeholder, so this rank's double backward runs this gather's scatter again
+                (placeholder,) = (grad.contiguous(),) if is_dst else ctx.saved_tensors
+                chunk = apply(Scatter, transport, placeholder, ctx.dst, ctx.dim, is_dst and grad.requires_grad)
+        return None, chunk, None, None
 
 
-@_rule("gather")
-def _gather_backward(ctx: Any, grad: torch.Tensor):
-    transport = ctx.transport
-    is_dst = transport.rank == ctx.dst
-    with backward_phase():
-        if not torch.is_grad_enabled():
-            chunk, _ = transport.scatter(grad.contiguous() if is_dst else None, ctx.dst, ctx.dim)
-        else:   # create_graph: the scatter as a Function; off dst the saved empty output is its
-            # placeholder, so this rank's double backward runs this gather's scatter again
-            (placeholder,) = (grad.contiguous(),) if is_dst else ctx.saved_tensors
-            chunk = _Scatter.apply(transport, placeholder, ctx.dst, ctx.dim, is_dst and grad.requires_grad)
-    return None, chunk, None, None
+class AllToAllSingle(torch.autograd.Function):
+    rule = "all_to_all_single"
 
+    @staticmethod
+    def compute(transport: Transport, x: torch.Tensor, output_split_sizes: list[int],
+                input_split_sizes: list[int]) -> torch.Tensor:
+        return transport.all_to_all_single(x, output_split_sizes, input_split_sizes)
 
-class _AllToAllSingle(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, transport: Transport, x: torch.Tensor, output_split_sizes: list[int],
                 input_split_sizes: list[int]) -> torch.Tensor:
         ctx.transport = transport
         ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
-        return transport.all_to_all_single(x, output_split_sizes, input_split_sizes)
+        return AllToAllSingle.compute(transport, x, output_split_sizes, input_split_sizes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return BACKWARD_RULES["all_to_all_single"](ctx, grad)
+        with backward_phase():
+            # every row goes back where it came from: the two split lists swap roles
+            back = apply(AllToAllSingle, ctx.transport, grad.contiguous(), ctx.input_split_sizes,
+                         ctx.output_split_sizes)
+        return None, back, None, None
 
 
-@_rule("all_to_all_single")
-def _all_to_all_single_backward(ctx: Any, grad: torch.Tensor):
-    with backward_phase():
-        # every row goes back where it came from: the two split lists swap roles
-        back = apply(_AllToAllSingle, ctx.transport, grad.contiguous(), ctx.input_split_sizes,
-                     ctx.output_split_sizes)
-    return None, back, None, None
+#: name -> the backward(ctx, grad) in use for the Function of that name (its ``rule``): its
+#: own, unless :func:`replaced_backward` put another in place
+BACKWARD_RULES: dict[str, Callable[..., tuple]] = {
+    function.rule: function.backward
+    for function in (AllReduce, AllGather, ReduceScatter, Slice, AllToAll, Broadcast, CopyToGroup,
+                     ReduceFromGroup, Reduce, Scatter, Gather, AllToAllSingle)}
+
+
+@contextlib.contextmanager
+def replaced_backward(name: str, backward: Callable[..., tuple]) -> Iterator[None]:
+    """Use ``backward(ctx, grad)`` as the backward rule ``name`` inside the block (every
+    thread of this process sees it; for tests that show a wrong rule gets caught)."""
+    if name not in BACKWARD_RULES:
+        raise ValueError(f"replaced_backward: unknown rule {name!r}; known: {sorted(BACKWARD_RULES)}")
+    original = BACKWARD_RULES[name]
+    BACKWARD_RULES[name] = backward
+    try:
+        yield
+    finally:
+        BACKWARD_RULES[name] = original

@@ -46,9 +46,6 @@ from .transport import Transport
 __all__ = ["Communicator"]
 
 
-_apply = rules.apply
-
-
 _TAKEN = object()
 
 #: the reductions that need a floating-point (or complex) dtype (checks.check_avg_dtype)
@@ -118,12 +115,12 @@ class Communicator:
         if transport_input is _TAKEN:
             transport_input = input_.detach()
         work = getattr(self.transport, op)(transport_input, *transport_args, async_op=True,
-                                           **rules._factor_kwargs(factor))
+                                           **rules.factor_kwargs(factor))
         transport, grad_enabled = self.transport, torch.is_grad_enabled()
 
         def finish(output: Any) -> Any:
             with torch.set_grad_enabled(grad_enabled):
-                return _apply(rule, _Arrived(transport, op, output), input_, *rule_args)
+                return rules.apply(rule, _Arrived(transport, op, output), input_, *rule_args)
 
         return Handle(work, finish)
 
@@ -147,12 +144,9 @@ class Communicator:
         check_tensor("all_reduce", input_, self.transport.rank)
         op, factor = self._reduction("all_reduce", input_, op)
         if async_op:
-            return self._issue(rules._AllReduce, "all_reduce", input_.contiguous(), (op,), (op, *factor),
+            return self._issue(rules.AllReduce, "all_reduce", input_.contiguous(), (op,), (op, *factor),
                                factor=factor[0] if factor else None)
-        if not factor and not (input_.requires_grad and torch.is_grad_enabled()):
-            # no gradient can flow: the rule's forward alone is this one transport call
-            return self.transport.all_reduce(input_.contiguous(), op)
-        return _apply(rules._AllReduce, self.transport, input_.contiguous(), op, *factor)
+        return rules.apply(rules.AllReduce, self.transport, input_.contiguous(), op, *factor)
 
     def _reduction(self, call: str, input_: torch.Tensor, op: ReduceOp | str) -> tuple[str, tuple]:
         """``op``'s canonical name, checked against ``input_``'s dtype, and ``(factor,)`` for a
@@ -175,8 +169,8 @@ class Communicator:
         check_tensor("all_gather", input_, self.rank)
         dim = normalize_dim("all_gather", input_, dim, self.rank)
         if async_op:
-            return self._issue(rules._AllGather, "all_gather", input_.contiguous(), (dim,), (dim,))
-        return _apply(rules._AllGather, self.transport, input_.contiguous(), dim)
+            return self._issue(rules.AllGather, "all_gather", input_.contiguous(), (dim,), (dim,))
+        return rules.apply(rules.AllGather, self.transport, input_.contiguous(), dim)
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1, op: ReduceOp | str = ReduceOp.SUM,
                        *, async_op: bool = False) -> torch.Tensor | Handle:
@@ -191,9 +185,9 @@ class Communicator:
         check_divisible("reduce_scatter", input_, dim, self.world_size, self.rank)
         op, factor = self._reduction("reduce_scatter", input_, op)
         if async_op:
-            return self._issue(rules._ReduceScatter, "reduce_scatter", input_.contiguous(), (dim, op),
+            return self._issue(rules.ReduceScatter, "reduce_scatter", input_.contiguous(), (dim, op),
                                (dim, op, *factor), factor=factor[0] if factor else None)
-        return _apply(rules._ReduceScatter, self.transport, input_.contiguous(), dim, op, *factor)
+        return rules.apply(rules.ReduceScatter, self.transport, input_.contiguous(), dim, op, *factor)
 
     def slice(self, input_: torch.Tensor, dim: int = -1, *, scale_grad: bool, async_op: bool = False
               ) -> torch.Tensor | Handle:
@@ -207,7 +201,7 @@ class Communicator:
         check_tensor("slice", input_, self.rank)
         dim = normalize_dim("slice", input_, dim, self.rank)
         check_divisible("slice", input_, dim, self.world_size, self.rank)
-        out = _apply(rules._Slice, self.transport, input_, dim, scale_grad)
+        out = rules.apply(rules.Slice, self.transport, input_, dim, scale_grad)
         return Handle.completed(out) if async_op else out
 
     def all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int, *,
@@ -224,8 +218,8 @@ class Communicator:
     def _all_to_all(self, input_: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool):
         if async_op:
             dims = (scatter_dim, gather_dim)
-            return self._issue(rules._AllToAll, "all_to_all", input_.contiguous(), dims, dims)
-        return _apply(rules._AllToAll, self.transport, input_.contiguous(), scatter_dim, gather_dim)
+            return self._issue(rules.AllToAll, "all_to_all", input_.contiguous(), dims, dims)
+        return rules.apply(rules.AllToAll, self.transport, input_.contiguous(), scatter_dim, gather_dim)
 
     def all_to_all_4D(self, input_: torch.Tensor, scatter_dim: int = 2, gather_dim: int = 1, *,
                       async_op: bool = False) -> torch.Tensor | Handle:
@@ -266,8 +260,8 @@ class Communicator:
         check_peer("gather", dst, self.world_size, self.rank, "dst")
         if input_.requires_grad and torch.is_grad_enabled():
             if async_op:
-                return self._issue(rules._Gather, "gather", input_.contiguous(), (dst, dim), (dst, dim))
-            return rules._Gather.apply(self.transport, input_.contiguous(), dst, dim)
+                return self._issue(rules.Gather, "gather", input_.contiguous(), (dst, dim), (dst, dim))
+            return rules.apply(rules.Gather, self.transport, input_.contiguous(), dst, dim)
         return self.transport.gather(input_.detach().contiguous(), dst, dim, async_op=async_op)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0, *, async_op: bool = False
@@ -280,8 +274,8 @@ class Communicator:
         check_tensor("broadcast", input_, self.rank)
         check_peer("broadcast", src, self.world_size, self.rank, "src")
         if async_op:
-            return self._issue(rules._Broadcast, "broadcast", input_.contiguous(), (src,), (src,))
-        return _apply(rules._Broadcast, self.transport, input_.contiguous(), src)
+            return self._issue(rules.Broadcast, "broadcast", input_.contiguous(), (src,), (src,))
+        return rules.apply(rules.Broadcast, self.transport, input_.contiguous(), src)
 
     def copy_to_group(self, input_: torch.Tensor, *, async_op: bool = False) -> torch.Tensor | Handle:
         """Megatron's *f*: identity forward, all-reduce of the gradients backward.
@@ -290,7 +284,7 @@ class Communicator:
         ``async_op=True``: a handle that is complete at once (nothing moves forward).
         """
         check_tensor("copy_to_group", input_, self.rank)
-        out = _apply(rules._CopyToGroup, self.transport, input_.contiguous())
+        out = rules.apply(rules.CopyToGroup, self.transport, input_.contiguous())
         return Handle.completed(out) if async_op else out
 
     def reduce_from_group(self, input_: torch.Tensor, *, async_op: bool = False) -> torch.Tensor | Handle:
@@ -301,8 +295,8 @@ class Communicator:
         """
         check_tensor("reduce_from_group", input_, self.rank)
         if async_op:
-            return self._issue(rules._ReduceFromGroup, "all_reduce", input_.contiguous(), ("sum",), ())
-        return _apply(rules._ReduceFromGroup, self.transport, input_.contiguous())
+            return self._issue(rules.ReduceFromGroup, "all_reduce", input_.contiguous(), ("sum",), ())
+        return rules.apply(rules.ReduceFromGroup, self.transport, input_.contiguous())
 
     def reduce(self, input_: torch.Tensor, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM, *,
                async_op: bool = False) -> torch.Tensor | Handle:
@@ -320,9 +314,9 @@ class Communicator:
         check_peer("reduce", dst, self.world_size, self.rank, "dst")
         op, factor = self._reduction("reduce", input_, op)
         if async_op:
-            return self._issue(rules._Reduce, "reduce", input_.contiguous(), (dst, op), (dst, op, *factor),
+            return self._issue(rules.Reduce, "reduce", input_.contiguous(), (dst, op), (dst, op, *factor),
                                factor=factor[0] if factor else None)
-        return _apply(rules._Reduce, self.transport, input_.contiguous(), dst, op, *factor)
+        return rules.apply(rules.Reduce, self.transport, input_.contiguous(), dst, op, *factor)
 
     def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = -1, *, async_op: bool = False
                 ) -> torch.Tensor | Handle:
@@ -362,11 +356,11 @@ class Communicator:
             if async_op:
                 return Handle(self.transport.scatter(source, src, dim, False, async_op=True),
                               lambda arrived: arrived[0])
-            return self.transport.scatter(source, src, dim, requires_grad=False)[0]
+            return rules.Scatter.compute(self.transport, source, src, dim, False)
         args = (src, dim, is_src)
         if async_op:
-            return self._issue(rules._Scatter, "scatter", rule_input, args, args, transport_input=source)
-        return rules._Scatter.apply(self.transport, rule_input, *args)
+            return self._issue(rules.Scatter, "scatter", rule_input, args, args, transport_input=source)
+        return rules.apply(rules.Scatter, self.transport, rule_input, *args)
 
     def all_to_all_single(self, input_: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
                           input_split_sizes: Sequence[int] | None = None, *, async_op: bool = False
@@ -404,9 +398,9 @@ class Communicator:
             outputs = check_split_sizes(op, output_split_sizes, None, self.rank, "output_split_sizes",
                                         self.world_size)
         if async_op:
-            return self._issue(rules._AllToAllSingle, "all_to_all_single", input_.contiguous(),
+            return self._issue(rules.AllToAllSingle, "all_to_all_single", input_.contiguous(),
                                (outputs, inputs_), (outputs, inputs_))
-        return _apply(rules._AllToAllSingle, self.transport, input_.contiguous(), outputs, inputs_)
+        return rules.apply(rules.AllToAllSingle, self.transport, input_.contiguous(), outputs, inputs_)
 
     # -- point to point and control ----------------------------------------------------
 

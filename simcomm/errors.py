@@ -1,4 +1,6 @@
-"""The errors the simulator raises instead of hanging.
+"""Every error simcomm and ``real`` raise, in one module.
+
+The errors the simulator raises instead of hanging:
 
 Real NCCL shows a mismatched collective or a missing ``recv`` as a job that
 hangs until a watchdog fires minutes later. The simulator sees every rank at
@@ -15,6 +17,23 @@ once, so it names the problem as soon as it exists:
 * :class:`WrongThreadError` - a rank's communicator was called from a thread
   other than that rank's own.
 * :class:`RunTimeoutError` - the run did not finish within its timeout.
+* :class:`UnwaitedHandleError` - a rank's program returned with a handle it
+  issued (``async_op=True``, ``isend``, ``irecv``) never waited on.
+* :class:`ShapeOnlyError` - a program run with ``tensors="shape"`` called an
+  op that needs tensor values.
+
+Those of ``real``'s gloo and NCCL workers (the ones above are raised there too):
+
+* :class:`WorkerError` - a worker process could not start, died, or could not
+  be reached.
+* :class:`ResultError` - a rank's result could not be rebuilt in this process.
+* :class:`RemoteError` - stands in for a worker's exception that could not be
+  sent back as itself; :class:`RemoteTraceback` carries a worker's traceback
+  text as the ``__cause__`` of the exception it raised.
+
+And one that is not an error: :class:`Aborted` unwinds a virtual rank's program
+after its run was aborted (a ``BaseException``, so ``except Exception`` in a
+program does not swallow it).
 """
 from __future__ import annotations
 
@@ -79,6 +98,42 @@ class WrongThreadError(SimcommError):
     a real backend it would be a second, unsynchronised user of the process's
     communicator. The run fails with this error as the rank's error.
     """
+
+
+class UnwaitedHandleError(SimcommError):
+    """A rank's program returned while a handle it issued was never waited on."""
+
+
+class ShapeOnlyError(SimcommError):
+    """A program run with ``tensors="shape"`` called an op that needs tensor values."""
+
+
+class WorkerError(SimcommError):
+    """A worker process could not start, died, or could not be reached."""
+
+
+class ResultError(SimcommError):
+    """A rank's result could not be rebuilt in this process (its unpickling raised, the ``__cause__``)."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an exception raised in a worker process (set as its ``__cause__``)."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n" + self.text.rstrip()
+
+
+class RemoteError(Exception):
+    """Stands in for a worker's exception that could not be sent back as itself."""
+
+
+class Aborted(BaseException):
+    """Unwinds a rank's program after the run was aborted (not an ``Exception``,
+    so a program's ``except Exception`` does not swallow it)."""
 
 
 def _safe_str(error: BaseException) -> str:

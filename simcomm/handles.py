@@ -17,7 +17,7 @@ counted when it is *issued*), the input is not modified before ``wait()``
 (the transports copy it at issue, so it would not change the result, but a
 real backend reading it in place might), and every handle is waited on
 before the program returns; the simulator raises
-:class:`UnwaitedHandleError` naming the rank and the line that issued it.
+:class:`~simcomm.errors.UnwaitedHandleError` naming the rank and the line that issued it.
 """
 from __future__ import annotations
 
@@ -26,13 +26,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .errors import SimcommError
-
-__all__ = ["Handle", "P2POp", "UnwaitedHandleError"]
-
-
-class UnwaitedHandleError(SimcommError):
-    """A rank's program returned while a handle it issued was never waited on."""
+__all__ = ["Handle", "P2POp"]
 
 
 class _Work(Protocol):

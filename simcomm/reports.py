@@ -141,7 +141,7 @@ def local_group_mismatch(ranks: Sequence[int], step: int, entries: Sequence[tupl
 # -- handles never waited on ------------------------------------------------------------------
 
 def unwaited_message(rank: int, issued: Sequence[tuple[str, str]]) -> str:
-    """The text of an :class:`~simcomm.handles.UnwaitedHandleError`: global ``rank`` returned
+    """The text of an :class:`~simcomm.errors.UnwaitedHandleError`: global ``rank`` returned
     from its program with ``issued`` (``(what, where)`` of each call) never waited on."""
     lines = [f"rank {rank}: the program returned without waiting on {len(issued)} handle(s):"]
     lines += [f"  {what} issued at {where}" for what, where in issued]

@@ -55,7 +55,7 @@ import torch
 from .errors import RankError, SimcommError
 from .memory import MemoryReport
 from .sim.process_state import rank_environ
-from .sim.scheduler import Aborted
+from .errors import Aborted
 from .sim.world import World
 from .trace import Trace
 

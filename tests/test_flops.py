@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import simcomm
 from simcomm.model import cost, topology
-from simcomm.sim.shape import ShapeOnlyError
+from simcomm.errors import ShapeOnlyError
 
 
 def _mlp() -> torch.nn.Module:

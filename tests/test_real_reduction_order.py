@@ -1,7 +1,7 @@
 """Floating-point reductions on virtual ranks equal gloo's, bit for bit.
 
 A float sum rounds at every step, so its value depends on the order of the ranks' terms; gloo adds
-them in the order of its ring (:mod:`simcomm.collectives`). One program runs on gloo workers
+them in the order of its ring (:mod:`simcomm.sim.ring_order`). One program runs on gloo workers
 (``real``) and on virtual ranks (``simcomm.World``), and every result must be ``torch.equal``:
 ``dist.all_reduce`` (SUM, PRODUCT), ``dist.reduce`` to every rank, ``dist.reduce_scatter_tensor``
 and ``dist.reduce_scatter``'s list form, each on gloo's own process group (gloo itself) and on the
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 import simcomm
-from simcomm import collectives
+from simcomm.sim import ring_order
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -173,13 +173,13 @@ def test_the_data_tells_the_orders_apart(world_size):
     for dtype in (torch.float32, torch.bfloat16):
         case = Case("all_reduce", "sum", dtype, 1001)
         inputs = [_input(case, rank) for rank in range(world_size)]
-        ring = collectives.reduce(inputs, "sum")
+        ring = ring_order.reduce(inputs, "sum")
         in_rank_order = inputs[0]
         for x in inputs[1:]:
             in_rank_order = in_rank_order + x
         assert (ring != in_rank_order).sum() > 100, dtype            # a tenth of the elements, or more
     case = Case("all_reduce", "sum", torch.float32, PAST_SEGMENTS)
     inputs = [_input(case, rank) for rank in range(world_size)]
-    by_all_reduce = collectives.reduce(inputs, "sum", order="all_reduce")
-    by_reduce = collectives.reduce(inputs, "sum", order="reduce")
+    by_all_reduce = ring_order.reduce(inputs, "sum", order="all_reduce")
+    by_reduce = ring_order.reduce(inputs, "sum", order="reduce")
     assert (by_all_reduce != by_reduce).sum() > 10_000

@@ -1,6 +1,10 @@
 """Every collective's forward and backward on virtual ranks against the float64 single-device reference."""
 from __future__ import annotations
 
+import gc
+import sys
+import types
+
 import pytest
 import torch
 
@@ -316,6 +320,45 @@ def test_a_replaced_backward_rule_is_used_inside_the_block_only():
     with pytest.raises(ValueError, match="unknown rule 'nope'"):
         with autograd.replaced_backward("nope", wrong):
             pass
+
+
+def _holds_a_transport(value, depth: int = 3) -> bool:
+    """Whether ``value``, or what it holds ``depth`` levels down (dict values, list items, an
+    object's attributes), is a transport."""
+    from simcomm.transport import TransportBase
+
+    if isinstance(value, TransportBase):
+        return True
+    if depth == 0 or isinstance(value, (type, types.ModuleType, types.FunctionType, str, bytes, torch.Tensor)):
+        return False
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        items = list(getattr(value, "__dict__", {}).values())
+    return any(_holds_a_transport(item, depth - 1) for item in items)
+
+
+@pytest.mark.parametrize("method", ["all_gather", "all_reduce", "gather", "scatter"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_no_module_level_object_holds_a_transport_after_a_run(method, requires_grad):
+    """A run's transports (and with them its state and trace) are not kept by simcomm's modules:
+    no Function, rule or context writes them anywhere shared, with or without a gradient."""
+    def program(comm):
+        x = torch.ones(2, requires_grad=requires_grad)
+        y = {"all_gather": lambda: comm.all_gather(x, dim=0), "all_reduce": lambda: comm.all_reduce(x),
+             "gather": lambda: comm.gather(x, dst=0, dim=0), "scatter": lambda: comm.scatter(x, src=0, dim=0)}[method]()
+        if requires_grad:
+            y.sum().backward()
+        return None
+
+    simcomm.World(2).run(program)
+    gc.collect()
+    holders = [f"{name}.{attr}" for name, module in list(sys.modules.items())
+               if name.split(".")[0] in ("simcomm", "real")
+               for attr, value in list(vars(module).items()) if _holds_a_transport(value)]
+    assert not holders, holders
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -16,7 +16,7 @@ import torch
 import simcomm
 from simcomm import RankError, RunTimeoutError
 from simcomm.errors import CommunicatorClosedError, SimcommError, WrongThreadError
-from simcomm.sim.scheduler import Aborted
+from simcomm.errors import Aborted
 
 
 def rank_threads() -> list[threading.Thread]:

@@ -16,7 +16,8 @@ from simcomm.parallel.mesh import Layout
 from simcomm.parallel import sequence as sequence_parallel
 from simcomm.parallel import tensor as tensor_parallel
 from simcomm.parallel import zero
-from simcomm.sim.shape import ShapeOnlyError, shapes, trace_signature
+from simcomm.errors import ShapeOnlyError
+from simcomm.sim.shape import shapes, trace_signature
 
 WORLD_SIZES = (4, 8, 16)
 

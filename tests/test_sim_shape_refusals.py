@@ -7,7 +7,7 @@ from torch import nn
 
 import simcomm
 from simcomm import RankError
-from simcomm.sim.shape import ShapeOnlyError
+from simcomm.errors import ShapeOnlyError
 
 
 def _refusal(program) -> ShapeOnlyError:

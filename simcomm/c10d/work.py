@@ -11,7 +11,7 @@ when the call was issued, when its data moved and when the program waited.
 
 A Work never waited on when the program returns is reported as the
 simulator reports a handle never waited on (an
-:class:`~simcomm.handles.UnwaitedHandleError` naming the rank and the line
+:class:`~simcomm.errors.UnwaitedHandleError` naming the rank and the line
 that issued it). A functional collective's result the program returns
 (``return funcol.all_gather_tensor(...)``) is used, not unwaited: the run
 waits it (:func:`wait_returned`), on both backends, before that check.

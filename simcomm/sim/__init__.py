@@ -6,6 +6,7 @@ The call chain of one collective on a virtual rank::
       -> Communicator.all_reduce              checks, autograd (simcomm.communicator, simcomm.autograd)
         -> SimTransport.all_reduce (transport.py)
           -> the group's Slot (rendezvous.py)  the last rank to arrive computes simcomm.collectives
+                                                 (reductions: gloo's ring order, ring_order.py)
           -> RunState.release_and_wait (scheduler.py)   the others block; the turn passes on
 
 ``pending.py`` holds what an asynchronous call's handle waits on, ``waits.py``
@@ -15,8 +16,8 @@ generators, ``process_state.py`` the rest of what each process has to itself
 variables), ``shape.py`` shape-only ranks (fake tensors) and ``fake_cache.py`` the
 dispatch cache they share.
 """
-from .scheduler import Aborted, RunState
+from .scheduler import RunState
 from .transport import SimTransport
 from .world import World
 
-__all__ = ["World", "RunState", "SimTransport", "Aborted"]
+__all__ = ["World", "RunState", "SimTransport"]

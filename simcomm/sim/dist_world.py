@@ -42,8 +42,9 @@ from ..c10d.process_group import BACKEND_NAME, register
 from ..communicator import Communicator
 from ..errors import CollectiveMismatchError
 from ..reports import local_group_mismatch
+from ..errors import Aborted
 from .rendezvous import Group
-from .scheduler import Aborted, RunState
+from .scheduler import RunState
 from .store import RunStore
 from .transport import SimTransport
 

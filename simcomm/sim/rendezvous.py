@@ -123,7 +123,7 @@ def failure(slot: Slot, rank: int) -> BaseException:
     """What a member of a failed slot raises: when the collective's math raised an error
     (on the member that computed it), a copy of that error, so that every member sees the
     failed call as every real rank would; else (the run was aborted) ``Aborted``."""
-    from .scheduler import Aborted
+    from ..errors import Aborted
 
     error = slot.error
     if error is None:

@@ -16,7 +16,7 @@ NCCL shows as a hang:
 
 That error, a :class:`~simcomm.errors.CollectiveMismatchError` found by the
 transport, or a rank's own exception *aborts* the run: every blocked rank is
-woken and unwinds with :class:`Aborted`, and ``World.run`` raises the error.
+woken and unwinds with :class:`~simcomm.errors.Aborted`, and ``World.run`` raises the error.
 
 **The lock.** ``RunState.lock`` guards the scheduler's tables (who is blocked,
 who is ready, the slots and channels). Method names say what they do with it,
@@ -28,7 +28,7 @@ here and in :mod:`simcomm.sim.transport`:
 * every other method takes it itself.
 
 It is a ``threading.RLock`` for one reason: it knows its owner. A timeout or
-Ctrl-C stops the rank holding the turn by raising :class:`Aborted` inside its
+Ctrl-C stops the rank holding the turn by raising :class:`~simcomm.errors.Aborted` inside its
 thread (``World``'s ``_interrupt``), and that exception can land anywhere,
 also between taking the lock and the code that releases it. The rank thread
 then still owns the lock; when it ends it gives it back
@@ -51,13 +51,13 @@ from typing import NoReturn
 import torch
 
 from ..checks import PartitionTable
-from ..errors import CommunicatorClosedError, DeadlockError, WrongThreadError
+from ..errors import Aborted, CommunicatorClosedError, DeadlockError, WrongThreadError
 from ..reports import program_location
 from .process_state import RankProcessState
 from .rendezvous import Group
 from .waits import Wait, describe_deadlock, describe_ranks, describe_waits
 
-__all__ = ["Aborted", "OneCpu", "RunState", "widen_futex_hash", "new_waiter", "handoff", "HANDOFF"]
+__all__ = ["OneCpu", "RunState", "widen_futex_hash", "new_waiter", "handoff", "HANDOFF"]
 
 
 _get_ident = threading.get_ident
@@ -179,11 +179,6 @@ class OneCpu:
                 pass
 
 
-class Aborted(BaseException):
-    """Unwinds a rank's program after the run was aborted (not an ``Exception``,
-    so a program's ``except Exception`` does not swallow it)."""
-
-
 class RunState:
     """Everything the ranks of one run share: the lock, whose turn it is, the first error.
 
@@ -294,7 +289,7 @@ class RunState:
 
     def release_if_held(self) -> None:
         """Called by a rank thread as it ends: give the lock back if this thread still
-        holds it (an :class:`Aborted` raised into it landed while it held the lock)."""
+        holds it (an :class:`~simcomm.errors.Aborted` raised into it landed while it held the lock)."""
         while True:
             try:
                 self.lock.release()
@@ -306,7 +301,7 @@ class RunState:
     def lock_for(self, rank: int, op: str) -> None:
         """Take the lock for a communication call ``op`` of rank ``rank``; return holding it.
 
-        Raises instead, without the lock: :class:`Aborted` on an aborted run's own
+        Raises instead, without the lock: :class:`~simcomm.errors.Aborted` on an aborted run's own
         rank thread; :class:`~simcomm.errors.CommunicatorClosedError` when the run
         has ended; :class:`~simcomm.errors.WrongThreadError` (and the run fails with
         it) when the caller is not rank ``rank``'s thread.
@@ -345,7 +340,7 @@ class RunState:
         Under the lock: record the wait, pick the next ready rank, or see that
         nobody can run (a deadlock: abort). Then, released: wake the next rank,
         sleep on this rank's waiter, and on waking load this rank's random state.
-        Raises :class:`Aborted` if the run was aborted.
+        Raises :class:`~simcomm.errors.Aborted` if the run was aborted.
         """
         self.blocked[rank] = wait
         random = self.random
@@ -367,7 +362,7 @@ class RunState:
 
     def abort_and_release(self, error: BaseException) -> NoReturn:
         """Abort the run with ``error``. Called with the lock held; releases it and
-        raises :class:`Aborted` to unwind the calling rank."""
+        raises :class:`~simcomm.errors.Aborted` to unwind the calling rank."""
         self.abort_locked(error)
         self.lock.release()
         raise Aborted

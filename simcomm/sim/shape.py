@@ -54,17 +54,17 @@ rank tensors (:func:`install_device_mesh_values`).
 
 **Unsupported.** An op that needs values (``.item()``, ``.tolist()``,
 ``bool(t)``, ``.numpy()``, ``torch.nonzero``, a data-dependent split) raises
-:class:`ShapeOnlyError` naming the op and the rank (:func:`data_dependent_error`).
+:class:`~simcomm.errors.ShapeOnlyError` naming the op and the rank (:func:`data_dependent_error`).
 Such programs need the real-valued mode, or the value given as a Python
 number. So does ``dist.all_to_all_single`` with uneven split sizes (the
 simcomm c10d backend reads the longest split with ``.item()``). Changing a
 module's dtype in place (``Module.double()``) works only when torch can swap
 the fake parameters (it refuses when something holds a weak reference to
 them, depending on torch's state in the process); its refusal is a
-:class:`ShapeOnlyError` too: create the module with ``dtype=`` instead.
+:class:`~simcomm.errors.ShapeOnlyError` too: create the module with ``dtype=`` instead.
 ``DistributedDataParallel`` does not run shape-only: its C++ code reads
 parameter and gradient data (the check of parameter shapes across ranks, the
-reducer's buckets); the error is a :class:`ShapeOnlyError` that says so and
+reducer's buckets); the error is a :class:`~simcomm.errors.ShapeOnlyError` that says so and
 names FSDP2 and DTensor, which do run shape-only.
 """
 from __future__ import annotations
@@ -85,10 +85,10 @@ from torch._subclasses.fake_tensor import (
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import SimcommError
+from ..errors import ShapeOnlyError
 from . import fake_cache as _fake_cache
 
-__all__ = ["TENSOR_MODES", "ShapeOnlyError", "check_shape_device", "rank_mode", "dispatch_cache_info", "dispatch_cache_clear",
+__all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_info", "dispatch_cache_clear",
            "fake_arguments",
            "compute_on_meta", "own",
            "shapes", "is_shape_only", "data_dependent_error", "trace_signature", "FunctionalCollectives",
@@ -106,12 +106,8 @@ _VALUE_READS = {"aten._local_scalar_dense.default": "a value read (.item(), .tol
                                                     "aten._local_scalar_dense)"}
 
 
-class ShapeOnlyError(SimcommError):
-    """A program run with ``tensors="shape"`` called an op that needs tensor values."""
-
-
 def check_shape_device(device: torch.device) -> None:
-    """Refuse a shape-only CUDA device where torch cannot fake one: raise :class:`ShapeOnlyError`.
+    """Refuse a shape-only CUDA device where torch cannot fake one: raise :class:`~simcomm.errors.ShapeOnlyError`.
 
     A ``FakeTensorMode`` makes CUDA tensors on any machine (``torch.empty(n, device="cuda")``
     gives a fake tensor whose ``device`` is ``cuda:0``, and most ops run on it), but on a build
@@ -302,7 +298,7 @@ def trace_signature(trace) -> dict[int, list[tuple]]:
 
 
 def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | None:
-    """A :class:`ShapeOnlyError` naming the op and the rank when ``error`` (or what caused it)
+    """A :class:`~simcomm.errors.ShapeOnlyError` naming the op and the rank when ``error`` (or what caused it)
     is torch's refusal to compute a value from a fake tensor; ``None`` otherwise."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:

@@ -14,7 +14,7 @@ issued, so the mismatch check compares what the ranks *issued* at each step: a
 rank arriving with another op or incompatible arguments than the ranks
 already waiting raises :class:`~simcomm.errors.CollectiveMismatchError`. A
 program that returns with a handle it never waited on raises
-:class:`~simcomm.handles.UnwaitedHandleError`, naming the rank and the line
+:class:`~simcomm.errors.UnwaitedHandleError`, naming the rank and the line
 that issued it. When the collective's math refuses the inputs (the last member
 computes it, e.g. MAX of complex tensors), every member raises a copy of that
 error, from the call or from its handle's ``wait()``, as every real rank's call
@@ -33,16 +33,17 @@ import torch
 
 from .. import collectives, dtypes, memory
 from ..checks import PREMUL_SUM, check_splits
-from ..errors import CollectiveMismatchError, DeadlockError, SimcommError
-from ..handles import Handle, P2POp, UnwaitedHandleError
+from ..errors import Aborted, CollectiveMismatchError, DeadlockError, SimcommError, UnwaitedHandleError
+from ..handles import Handle, P2POp
 from ..reports import mismatch_message, program_location, unwaited_message
 from ..specs import SPECS
 from ..trace import Record, Recorder
 from ..transport import TransportBase
+from . import ring_order
 from . import shape as _shape
 from .pending import Pending, PendingCollective, PendingMessage
 from .rendezvous import Group, Message, Slot, call_site, copy_small_shared, failure, format_args, materialize
-from .scheduler import Aborted, RunState, handoff
+from .scheduler import RunState, handoff
 from .waits import Wait, p2p_detail
 
 #: op -> what its ranks must pass alike (:meth:`simcomm.specs.CollectiveSpec.agreed_fields`)
@@ -210,7 +211,7 @@ class SimTransport(TransportBase):
         # PREMUL_SUM: premultiplied, summed
         sent, wire = (tensor, op) if op != PREMUL_SUM else collectives.on_the_wire(tensor, op, factor)
         return self._collective("all_reduce", sent, _AGREED["all_reduce"](tensor.shape, tensor.dtype, op),
-                                lambda inputs: collectives.all_reduce(inputs, wire), async_op=async_op,
+                                lambda inputs: ring_order.all_reduce(inputs, wire), async_op=async_op,
                                 reduction=op, into=into)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, async_op: bool = False, *,
@@ -222,10 +223,10 @@ class SimTransport(TransportBase):
                        factor: float | torch.Tensor | None = None, into: torch.Tensor | None = None,
                        separately: bool = False):
         """``separately``: each rank's chunk is reduced as a buffer of its own, in its own order
-        (:func:`simcomm.collectives.reduce_scatter`; c10d's list form, as gloo runs it)."""
+        (:func:`simcomm.sim.ring_order.reduce_scatter`; c10d's list form, as gloo runs it)."""
         sent, wire = collectives.on_the_wire(tensor, op, factor)
         return self._collective("reduce_scatter", sent, _AGREED["reduce_scatter"](tensor.shape, tensor.dtype, dim, op),
-                                lambda inputs: collectives.reduce_scatter(inputs, dim, wire, separately=separately),
+                                lambda inputs: ring_order.reduce_scatter(inputs, dim, wire, separately=separately),
                                 async_op=async_op, reduction=op, into=into)
 
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False):
@@ -370,7 +371,7 @@ class SimTransport(TransportBase):
         """The reduction on ``dst``; zeros of the input's shape and dtype on the other ranks."""
         sent, wire = collectives.on_the_wire(tensor, op, factor)
         return self._collective("reduce", sent, _AGREED["reduce"](tensor.shape, tensor.dtype, dst, op),
-                                lambda inputs: collectives.reduce_to(inputs, dst, wire), root=dst, async_op=async_op,
+                                lambda inputs: ring_order.reduce_to(inputs, dst, wire), root=dst, async_op=async_op,
                                 reduction=op)
 
     def scatter(self, tensor: torch.Tensor | None, src: int, dim: int, requires_grad: bool = False,
@@ -442,7 +443,7 @@ class SimTransport(TransportBase):
         return Handle(pending)
 
     def check_all_waited(self) -> None:
-        """Raise :class:`~simcomm.handles.UnwaitedHandleError` if this rank issued a handle
+        """Raise :class:`~simcomm.errors.UnwaitedHandleError` if this rank issued a handle
         (in any of its groups) that was never waited on. Called when the program returns."""
         if not self.pending:
             return

@@ -25,7 +25,8 @@ from . import shape as _shape
 from .cuda_map import CudaAsDevice, cuda_answers
 from .dist_world import rank_process_group
 from .flops import FlopCounter
-from .scheduler import Aborted, OneCpu, RunState, widen_futex_hash
+from ..errors import Aborted
+from .scheduler import OneCpu, RunState, widen_futex_hash
 from .transport import SimTransport
 
 __all__ = ["World"]
@@ -130,7 +131,7 @@ class World:
         shapes and dtypes a real-valued run gives, with the same trace, errors
         and memory report. The results hold fake tensors. A program that reads
         tensor values raises :class:`~simcomm.errors.RankError` caused by a
-        :class:`~simcomm.sim.shape.ShapeOnlyError` naming the op and the rank.
+        :class:`~simcomm.errors.ShapeOnlyError` naming the op and the rank.
 
         A communicator, or a tensor that still holds one through its autograd
         graph (an output returned without ``.detach()``), works only inside its
