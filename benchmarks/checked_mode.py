@@ -7,7 +7,7 @@ fresh process and its own fresh Cluster (``torch.set_num_threads(1)``),
 timed inside the program on every rank: wall time (``time.perf_counter``)
 and CPU time (``time.process_time``) per call, and their ratios.
 ``python benchmarks/checked_mode.py misuse``: the outcome and time of each
-torch.distributed misuse of tests/test_real_dist_checked.py on the simulator
+torch.distributed misuse of tests/real/test_dist_checked.py on the simulator
 and on real gloo workers.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def misuse() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import real
     import simcomm
-    from tests.test_real_dist_checked import MISUSES, WORLD
+    from tests.real.test_dist_checked import MISUSES, WORLD
     print("| misuse | simulator | time (s) | real gloo | time (s) |\n|---|---|---|---|---|")
     with real.Cluster(WORLD, backend="gloo", timeout=60) as cluster:
         cluster.run(lambda comm: None)

@@ -6,7 +6,7 @@ some of them, for as long as it needs and no longer. This module is the one
 list of those changes (:data:`PATCHES`) and of the places that decide what to
 do by looking at the caller's stack (:data:`STACK_DECISIONS`). It changes
 nothing itself; the code that makes each change names its row here, and
-``tests/test_patches.py`` checks the table against the code (every assignment
+``tests/core/test_patches.py`` checks the table against the code (every assignment
 to an attribute of torch, ``os`` or ``sys`` in ``simcomm/`` and ``real/`` is a
 row's ``code``; after a run, every attribute a run-long row changed is torch's
 own again, and every one a process-long row changed is still simcomm's and
@@ -41,7 +41,7 @@ LIFETIMES = ("process", "run", "tracked", "call", "thread", "worker")
 class Patch:
     """One process-wide change: ``what`` changes, made by module ``by``, ``why``, ``installed``
     and ``removed`` when; ``code``: the targets the module assigns (as the source writes them:
-    ``tests/test_patches.py`` finds every such assignment and looks it up here);
+    ``tests/core/test_patches.py`` finds every such assignment and looks it up here);
     ``attributes``: the importable dotted names whose value it replaces (checked at run time;
     a name ending in ``.*`` stands for every attribute of that object it replaces)."""
 

@@ -132,7 +132,7 @@ print("activation bytes per stage (measured):", nbytes)
 # sends until then. A stage waits on a send once the neighbour has certainly taken it: when a
 # message arrives that the neighbour sent after receiving ours, so the wait returns at once. Real
 # gloo workers count the same bytes per stage, to the byte, under every schedule
-# (`tests/test_parallel_pipeline.py`).
+# (`tests/parallel/test_pipeline.py`).
 
 # %% [markdown]
 # ## 4. Why the sends are `isend`

@@ -40,7 +40,7 @@ Every preset carries a :class:`Reference`: the published nccl-tests figure its
 efficiencies were set from, which it must reproduce within 20%.
 :data:`CALIBRATIONS` holds further figures a parameter was set from (NVLS),
 :data:`CROSS_CHECKS` published figures no parameter was set from, that the
-presets must also meet within 20% (``tests/test_model_cost.py``;
+presets must also meet within 20% (``tests/planning/test_model_cost.py``;
 :func:`simcomm.model.cost.validation_table` lists them all).
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ multiple of the world size so that shard ``r`` (:func:`shard`) is simply chunk
 stage 0 all-reduces, stages 1-2 reduce-scatter gradients and all-gather
 updated shards); stage 3 moves ``3 psi`` (parameters gathered twice). Every
 stage computes the same update: single-device Adam on the whole
-batch (``tests/test_parallel_zero.py`` checks it against ``torch.optim.Adam`` in
+batch (``tests/parallel/test_zero.py`` checks it against ``torch.optim.Adam`` in
 float64). The programs label their tensors (:mod:`simcomm.memory`) and mark
 ``"after step k"`` once each step's parameters are final, the gathered
 parameters of stage 3 already freed: that is the *steady state* the table

@@ -169,7 +169,7 @@ def _fake_tensor(mode: FakeTensorMode, elem: torch.Tensor, device: torch.device)
     without the constructor's argument handling: the same subclass wrapper
     (``Tensor._make_subclass`` with the fake device's dispatch keys), the same warning or refusal on
     ``data_ptr``, and the instance attributes the constructor sets, copied from a tensor it
-    built (``tests/test_sim_fake_cache.py`` compares the two)."""
+    built (``tests/sim/test_fake_cache.py`` compares the two)."""
     template = _TEMPLATES.get(device)
     if template is None or _fake.FakeTensorConfig.debug:
         tensor = FakeTensor(mode, elem, device)
@@ -192,7 +192,7 @@ def empty(mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device: torch
     """What ``torch.empty_strided(shape, stride, dtype=dtype, device=device)`` returns under
     ``mode`` (a new fake tensor of its own meta storage, no gradient), without the dispatch.
     For a ``device`` that needs no normalizing (one with its index, or the CPU) and no other
-    dispatch mode set (``tests/test_sim_fake_cache.py`` compares the two)."""
+    dispatch mode set (``tests/sim/test_fake_cache.py`` compares the two)."""
     with torch._C._DisableTorchDispatch():
         elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     return _fake_tensor(mode, elem, device)

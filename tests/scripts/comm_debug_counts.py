@@ -1,6 +1,6 @@
 """The c10d ops CommDebugMode counts for one call of each main collective.
 
-Imported by tests/test_c10d_dispatch.py, which runs ``program`` on virtual ranks; run as a
+Imported by tests/c10d/test_dispatch.py, which runs ``program`` on virtual ranks; run as a
 script (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) it is one process of a plain gloo
 run, with no simcomm at all, and prints the counts and results as JSON: the reference.
 """

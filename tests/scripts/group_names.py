@@ -3,7 +3,7 @@
 torch names a group made with ``use_local_synchronization=True`` after its ranks and the
 number of groups in ``_world.pg_names``, and the functional collectives find the group for a
 list of ranks in ``_world.tags_to_pg``: a program can read both. Imported by
-tests/test_run.py, which runs ``program`` on virtual ranks and on real workers (twice in one
+tests/sim/test_run.py, which runs ``program`` on virtual ranks and on real workers (twice in one
 Cluster, and after a ``comm.subgroup``); run under torchrun (4 processes) it prints the
 reference, one ``names`` line per rank.
 """
