@@ -37,6 +37,21 @@ def gloo_cluster():
         cluster.close()
 
 
+@pytest.fixture(params=["sim", pytest.param("real", marks=[pytest.mark.real, pytest.mark.timeout(300)])])
+def backend(request, gloo_cluster):
+    """``backend(world_size)``: what runs a test's program on both backends, for the tests of a
+    promise both keep: a fresh :class:`simcomm.World` (``"sim"``) or the session's gloo
+    :class:`real.Cluster` (``"real"``, slow tier). Both have ``run(program, *args)``, ``trace``
+    and ``world_size``; ``backend.name`` says which one a test got."""
+    import simcomm
+
+    def launch(world_size: int):
+        return simcomm.World(world_size) if request.param == "sim" else gloo_cluster(world_size)
+
+    launch.name = request.param
+    return launch
+
+
 @pytest.fixture
 def one_thread():
     """torch computes with one thread during the test: a float64 single-device reference in the
