@@ -13,6 +13,12 @@ def make_inputs(world_size: int, shape, *, seed: int = 0, dtype=torch.float64) -
     return [torch.randn(shape, generator=gen, dtype=dtype) for _ in range(world_size)]
 
 
+def split_sizes(world_size: int, seed: int) -> list[list[int]]:
+    """An uneven ``all_to_all_single``: ``[i][j]`` is the rows rank i sends rank j, 0 to 2 (zeros among them)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 3, (world_size, world_size), generator=gen).tolist()
+
+
 def non_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     """The same values in a non-contiguous layout (a transposed view of a copy)."""
     if tensor.dim() < 2:

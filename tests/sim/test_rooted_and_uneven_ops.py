@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import simcomm
 from simcomm import RankError
 
-from ..harness import call, make_inputs, run_both
+from ..harness import make_inputs, run_both, split_sizes
 
 WORLD_SIZES = list(range(1, 9))
 REDUCE_OPS = ["sum", "avg", "max", "min", "product"]
@@ -139,16 +138,10 @@ def test_gather_without_grad_still_returns_none_off_dst():
 
 # -- all_to_all_single -------------------------------------------------------------------------
 
-def _splits(world_size: int, seed: int) -> list[list[int]]:
-    """input_split_sizes[i][j]: rows rank i sends rank j, with zeros among them."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 3, (world_size, world_size), generator=gen).tolist()
-
-
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_uneven_all_to_all_single(world_size, seed):
-    input_splits = _splits(world_size, seed)
+    input_splits = split_sizes(world_size, seed)
     output_splits = [[input_splits[i][j] for i in range(world_size)] for j in range(world_size)]
     gen = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(sum(input_splits[r]), 3, generator=gen, dtype=torch.float64) for r in range(world_size)]
@@ -256,65 +249,6 @@ def test_reduce_and_scatter_argument_errors():
         simcomm.World(2).run(lambda comm: comm.scatter(torch.ones(3) if comm.rank == 0 else None))
     with pytest.raises(RankError, match=r"scatter: input_='x' on rank 0 is a str, not a torch.Tensor"):
         simcomm.World(2).run(lambda comm: comm.scatter("x" if comm.rank == 0 else None))
-
-
-# -- gradcheck across ranks ----------------------------------------------------------------
-
-def _gradcheck_case(op, world_size, kw, rows, perturbed_rank):
-    """gradcheck on ``perturbed_rank``'s input of a function whose output is every rank's
-    output (flattened, padded to one length and all-gathered), so the checked Jacobian is
-    the whole column d(y_0, ..., y_{n-1}) / d x_r, across ranks. The other ranks run the
-    same number of calls with fixed inputs and zero upstream gradients. Every rank's
-    gradcheck input has the same shape; rank r uses its first ``rows[r]`` rows."""
-    height = max(rows)
-    inputs = make_inputs(world_size, (height, 2), seed=11)
-    length = world_size * height * 2
-
-    def program(comm):
-        def wrap(y):
-            flat = y.reshape(-1)
-            return comm.all_gather(F.pad(flat, (0, length - flat.numel())), 0)
-
-        mine = rows[comm.rank]
-        x = inputs[comm.rank].clone().requires_grad_()
-        if comm.rank == perturbed_rank:
-            fn = lambda t: wrap(call(comm, op, t[:mine], **kw))  # noqa: E731
-        else:
-            fixed = x.detach().clone()
-            fn = lambda t: wrap(call(comm, op, (fixed + 0 * t)[:mine], **kw)) * 0  # noqa: E731
-        return torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7)
-
-    return simcomm.World(world_size).run(program)
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("op,kw", [
-    ("reduce", {"dst": 1, "reduce": "sum"}),
-    ("reduce", {"dst": 0, "reduce": "avg"}),
-    ("reduce", {"dst": 1, "reduce": "max"}),
-    ("reduce", {"dst": 0, "reduce": "product"}),
-    ("scatter", {"src": 1, "dim": 0}),
-    ("gather", {"dst": 1, "dim": -1}),
-    ("broadcast", {"src": 0}),
-])
-def test_gradcheck_new_ops(world_size, op, kw):
-    for perturbed in range(world_size):
-        if op == "scatter" and perturbed != kw["src"]:
-            continue
-        assert _gradcheck_case(op, world_size, kw, [2 * world_size] * world_size, perturbed) == [True] * world_size
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_gradcheck_uneven_all_to_all_single(world_size):
-    input_splits = _splits(world_size, 5)
-    input_splits[0][world_size - 1] = 0                      # a zero-size split
-    output_splits = [[input_splits[i][j] for i in range(world_size)] for j in range(world_size)]
-    kw = {"output_split_sizes": output_splits, "input_split_sizes": input_splits}
-    rows = [sum(input_splits[r]) for r in range(world_size)]
-    for perturbed in range(world_size):
-        if rows[perturbed] == 0:
-            continue
-        assert _gradcheck_case("all_to_all_single", world_size, kw, rows, perturbed) == [True] * world_size
 
 
 def test_peer_bytes_of_the_new_ops():

@@ -1,7 +1,10 @@
-"""reduce, scatter, differentiable gather and all_to_all_single on real gloo processes (2 and 4
-ranks): gradcheck across ranks, uneven splits with zeros, errors, and the same trace as the
-simulator. (Forward and backward against the reference run as ``real.verify`` cases in
-``tests/real/test_collectives.py``.)"""
+"""reduce, scatter, differentiable gather, broadcast and uneven all_to_all_single: their backward is
+the exact adjoint across ranks, on virtual ranks and on gloo processes (the ``backend`` fixture).
+
+Each check is ``torch.autograd.gradcheck`` on one rank's input of a function whose output is
+every rank's output (flattened, padded to one length and all-gathered), so the checked Jacobian is
+the whole column d(y_0, ..., y_{n-1}) / d x_r, across ranks. Then, on gloo processes (2 and 4
+ranks) beside virtual ranks: uneven splits with zeros, split lists that disagree, and the trace."""
 from __future__ import annotations
 
 import pytest
@@ -11,28 +14,23 @@ import torch.nn.functional as F
 import real
 import simcomm
 
-from ..harness import call
+from ..harness import call, make_inputs, split_sizes
 
-pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def cluster(request, gloo_cluster):
-    return gloo_cluster(request.param)
+WORLD_SIZES = [2, 3]
 
 
 def _gradcheck(comm, op, kw, rows, perturbed_rank):
-    """gradcheck of the column d(every rank's output) / d x_perturbed (see test_new_ops)."""
-    height = max(rows)
-    gen = torch.Generator().manual_seed(11 + comm.rank)
-    x = torch.randn(height, 2, generator=gen, dtype=torch.float64).requires_grad_()
-    length = comm.world_size * height * 2
-    mine = rows[comm.rank]
+    """The other ranks run the same number of calls with fixed inputs and zero upstream gradients.
+    Every rank's gradcheck input has the same shape; rank r uses its first ``rows[r]`` rows."""
+    world_size, height = comm.world_size, max(rows)
+    length = world_size * height * 2
 
     def wrap(y):
         flat = y.reshape(-1)
         return comm.all_gather(F.pad(flat, (0, length - flat.numel())), 0)
 
+    mine = rows[comm.rank]
+    x = make_inputs(world_size, (height, 2), seed=11)[comm.rank].requires_grad_()
     if comm.rank == perturbed_rank:
         fn = lambda t: wrap(call(comm, op, t[:mine], **kw))  # noqa: E731
     else:
@@ -41,28 +39,44 @@ def _gradcheck(comm, op, kw, rows, perturbed_rank):
     return torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7)
 
 
-def _all_gradchecks(comm):
-    world = comm.world_size
-    even = [2 * world] * world
-    splits = [[(i + 2 * j) % 3 for j in range(world)] for i in range(world)]
-    uneven = {"output_split_sizes": [[splits[i][j] for i in range(world)] for j in range(world)],
-              "input_split_sizes": splits}
-    results = {}
-    for name, op, kw, rows, perturbed in [
-        ("reduce/max", "reduce", {"dst": world - 1, "reduce": "max"}, even, 0),
-        ("reduce/sum", "reduce", {"dst": 0, "reduce": "sum"}, even, world - 1),
-        ("scatter", "scatter", {"src": world - 1, "dim": 0}, even, world - 1),
-        ("gather", "gather", {"dst": 0, "dim": -1}, even, world - 1),
-        ("broadcast", "broadcast", {"src": 1}, even, 0),
-        ("all_to_all_single", "all_to_all_single", uneven, [sum(s) for s in splits], 1),
-    ]:
-        results[name] = _gradcheck(comm, op, kw, rows, perturbed)
-    return results
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("op,kw", [
+    ("reduce", {"dst": 1, "reduce": "sum"}),
+    ("reduce", {"dst": 0, "reduce": "avg"}),
+    ("reduce", {"dst": 1, "reduce": "max"}),
+    ("reduce", {"dst": 0, "reduce": "product"}),
+    ("scatter", {"src": 1, "dim": 0}),
+    ("gather", {"dst": 1, "dim": -1}),
+    ("broadcast", {"src": 0}),
+])
+def test_gradcheck_across_ranks(backend, world_size, op, kw):
+    runner = backend(world_size)
+    for perturbed in range(world_size):
+        if op == "scatter" and perturbed != kw["src"]:
+            continue
+        rows = [2 * world_size] * world_size
+        assert runner.run(_gradcheck, op, kw, rows, perturbed) == [True] * world_size, perturbed
 
 
-def test_gradcheck_across_ranks_on_gloo(cluster):
-    for rank, results in enumerate(cluster.run(_all_gradchecks)):
-        assert results and all(results.values()), (rank, results)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_gradcheck_uneven_all_to_all_single(backend, world_size):
+    input_splits = split_sizes(world_size, 5)
+    input_splits[0][world_size - 1] = 0                      # a zero-size split
+    output_splits = [[input_splits[i][j] for i in range(world_size)] for j in range(world_size)]
+    kw = {"output_split_sizes": output_splits, "input_split_sizes": input_splits}
+    rows = [sum(input_splits[r]) for r in range(world_size)]
+    runner = backend(world_size)
+    for perturbed in range(world_size):
+        if rows[perturbed] == 0:
+            continue
+        assert runner.run(_gradcheck, "all_to_all_single", kw, rows, perturbed) == [True] * world_size, perturbed
+
+
+# -- gloo processes beside virtual ranks: zero splits, disagreeing split lists, the trace ------
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def cluster(request, gloo_cluster):
+    return gloo_cluster(request.param)
 
 
 def _zero_splits(comm):
@@ -76,6 +90,8 @@ def _zero_splits(comm):
     return y.detach(), x.grad
 
 
+@pytest.mark.real
+@pytest.mark.timeout(300)
 def test_uneven_all_to_all_with_zero_splits_equals_the_simulator(cluster):
     got = cluster.run(_zero_splits)
     simulated = simcomm.World(cluster.world_size).run(_zero_splits)
@@ -94,6 +110,8 @@ def _disagreeing_splits(comm):
     return comm.all_to_all_single(torch.ones(world), out_splits, [1] * world)
 
 
+@pytest.mark.real
+@pytest.mark.timeout(300)
 def test_split_lists_that_disagree_name_both_ranks_on_both_backends(cluster):
     expected = (r"all_to_all_single: rank 0 sends 1 rows to rank 1 \(input_split_sizes=\[1(, 1)+\] on rank 0\) "
                 r"but rank 1 expects 2 from rank 0 \(output_split_sizes=\[2(, 0)+\] on rank 1\)")
@@ -118,6 +136,8 @@ def _traced(comm):
     (y.sum() + z.sum() + g.sum() + w.sum() + b.sum()).backward()
 
 
+@pytest.mark.real
+@pytest.mark.timeout(300)
 def test_new_ops_trace_like_the_simulator(cluster):
     cluster.run(_traced)
     world = simcomm.World(cluster.world_size)
