@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from simcomm.errors import safe_str
+
 from . import pickling
 from .pickling import SharedStorages
 
@@ -104,12 +106,6 @@ class Finished:
     default_group: bool = True                   # this rank still has its default process group
 
 
-def _safe_str(error: BaseException) -> str:
-    try:
-        return str(error)
-    except Exception as failure:  # an exception whose __str__ raises
-        return f"<str() of the exception raised {type(failure).__name__}>"
-
 
 def encode_error(error: BaseException, skip_frames: int = 0) -> EncodedError:
     """``error`` as :class:`EncodedError`; ``skip_frames`` drops that many outermost frames.
@@ -125,7 +121,7 @@ def encode_error(error: BaseException, skip_frames: int = 0) -> EncodedError:
         text = "".join(traceback.format_exception(type(error), error, tb))
     except Exception:
         text = f"{type(error).__qualname__} (its traceback could not be formatted)\n"
-    message = _safe_str(error)
+    message = safe_str(error)
     blob: bytes | None
     try:
         str(error)

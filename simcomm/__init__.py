@@ -4,16 +4,20 @@
 >>> world = simcomm.World(4)
 >>> outs = world.run(program)        # program(comm) on 4 virtual ranks
 
-The package is layered; imports run downward only:
+The package is layered (docs/architecture.md draws the import rule):
 
 =====================  ================================================================
 ``simcomm`` (this)     the core contract: communicator, checks, autograd rules, the
-                       collectives' math, the transport protocol, handles, errors,
-                       reports, trace, the op vocabulary, memory, the backend switch
-``simcomm.sim``        virtual ranks: scheduler, rendezvous, SimTransport, World
-``simcomm.c10d``       the ``"simcomm"`` torch.distributed backend on virtual ranks
+                       collectives' reference math, one row per collective (specs),
+                       the transport protocol, handles, errors, reports, trace, the
+                       op vocabulary, memory, the process patches, the backend switch
+``simcomm.c10d``       torch.distributed over any transport: the ``"simcomm"`` backend
+``simcomm.sim``        virtual ranks: scheduler, rendezvous, SimTransport, World, the
+                       per-rank torch.distributed world, gloo's ring order
 ``simcomm.model``      what the hardware would do: cost model, topologies, timeline
-``simcomm.parallel``   the parallelisms the lessons teach, with references
+``simcomm.parallel``   the parallelisms the lessons teach (techniques), with references
+``simcomm.models``     the models they run: one transformer block family, one Llama
+``simcomm.planning``   planner, layout choice, cluster step, activation accounting
 ``simcomm.lessons``    the lessons' exercise checkers and their verdicts
 ``simcomm.viz``        figures and widgets
 ``simcomm.run``        ``python -m simcomm.run``: torchrun scripts on virtual ranks (``run_script``)

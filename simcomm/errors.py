@@ -66,7 +66,7 @@ class RankError(SimcommError):
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         also = f" (ranks {list(others)} raised too)" if others else ""
         super().__init__(
-            f"rank {rank} raised {type(error).__name__}: {_safe_str(error)}{also}\n"
+            f"rank {rank} raised {type(error).__name__}: {safe_str(error)}{also}\n"
             f"--- traceback of rank {rank} ---\n{tb.rstrip()}"
         )
         self.__cause__ = error
@@ -136,7 +136,7 @@ class Aborted(BaseException):
     so a program's ``except Exception`` does not swallow it)."""
 
 
-def _safe_str(error: BaseException) -> str:
+def safe_str(error: BaseException) -> str:
     """``str(error)``, or a placeholder when the exception's own ``__str__`` raises."""
     try:
         return str(error)
