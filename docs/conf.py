@@ -127,7 +127,11 @@ def _documented_as(obj, written, objects):
 def _resolve_alias(app, env, node, contnode):
     """missing-reference: a Python reference to a public alias of a documented object (``simcomm.World``,
     ``real.Cluster``, ``simcomm.World.run``), or to a name of the module it is written in that is
-    documented where it is defined (``NOT_ANSWERED``), links to the object's documented entry."""
+    documented where it is defined (``NOT_ANSWERED``), links to the object's documented entry.
+
+    A private object of this project (``_Step``) is documented nowhere; a docstring names it as
+    ``literal`` text, but an annotation (``-> _Step``, shown in the parameter list) makes it a
+    reference: it is shown as plain text if the object exists, and left to fail if it does not."""
     if node.get("refdomain") != "py":
         return None
     target = node["reftarget"].lstrip(".~")
@@ -144,6 +148,9 @@ def _resolve_alias(app, env, node, contnode):
         if fullname is not None:
             entry = objects[fullname]
             return make_refnode(app.builder, node["refdoc"], entry.docname, entry.node_id, contnode, fullname)
+        last = name.rsplit(".", 1)[-1]
+        if name.startswith(("simcomm.", "real.")) and last.startswith("_") and not last.endswith("__"):
+            return contnode
     return None
 
 
