@@ -99,7 +99,7 @@ def _import(name):
         try:
             for attribute in parts[split:]:
                 obj = getattr(obj, attribute)
-        except AttributeError:
+        except Exception:
             break
         return obj
     raise KeyError(name)
@@ -140,6 +140,8 @@ def _resolve_alias(app, env, node, contnode):
                f"{module}.{target}" if module else None, target]
     objects = env.get_domain("py").objects
     for name in filter(None, written):
+        if not name.startswith(("simcomm.", "real.")):
+            continue                     # only this project's modules are imported here
         try:
             obj = _import(name)
         except KeyError:
@@ -149,7 +151,7 @@ def _resolve_alias(app, env, node, contnode):
             entry = objects[fullname]
             return make_refnode(app.builder, node["refdoc"], entry.docname, entry.node_id, contnode, fullname)
         last = name.rsplit(".", 1)[-1]
-        if name.startswith(("simcomm.", "real.")) and last.startswith("_") and not last.endswith("__"):
+        if last.startswith("_") and not last.endswith("__"):
             return contnode
     return None
 
