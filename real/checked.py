@@ -49,7 +49,7 @@ computation and its other groups go on as unchecked, and a mismatch moves no
 data (both sides raise it in ``wait()``). A group's collectives, and a
 channel's point-to-point calls, reach the backend in the program's order.
 Such a call's input tensors are copied when the program makes the call, on its
-own thread (:func:`_taken_now`): the program may change or free its tensor at
+own thread (``_taken_now``): the program may change or free its tensor at
 once, as with an unchecked call, and the backend still gets what it passed;
 the copies count on the rank (:mod:`simcomm.memory`) until the program waits,
 as an unchecked call's copy does.
@@ -189,7 +189,7 @@ class _Deferred:
 
     ``check(checker)`` runs on the thread with a checker of its own store connection;
     ``issue()`` then makes the call; ``announce()`` writes the waiting record when the
-    program waits before the call is issued. ``kept``: the copies :func:`_taken_now` made of the
+    program waits before the call is issued. ``kept``: the copies ``_taken_now`` made of the
     call's inputs (one entry per op of a batch), held until the program waits on the call, so
     they are freed at that wait, as an unchecked call's are, and not whenever the thread
     happens to issue the call.

@@ -3,7 +3,7 @@
 The names torch gives its single-tensor collectives (they changed over
 releases), every dtype this torch knows in a fixed order (a scatter header
 names one by its index), and how a backend says it does not implement a call
-(:func:`is_unsupported`: :class:`real.transport.DistTransport` then emulates it).
+(``is_unsupported``: :class:`real.transport.DistTransport` then emulates it).
 """
 from __future__ import annotations
 

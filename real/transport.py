@@ -426,7 +426,7 @@ class DistTransport(TransportBase):
         (``new_group(..., use_local_synchronization=True)``) compare the name torch gave it, in
         the world's store, before it is made; a :class:`CollectiveMismatchError` on every member
         when they named it differently, as on virtual ranks (checked mode compares in its own
-        store: :meth:`real.checked.Checker.agree_on_local_group`). gloo's own members would wait
+        store: :meth:`real.checked_store.Checker.agree_on_local_group`). gloo's own members would wait
         for each other under different names forever."""
         key = tuple(sorted(ranks))
         step = self._cache.local_groups[key]

@@ -111,7 +111,7 @@ def die_with_parent(parent_pid: int) -> bool:
     * ``PR_SET_PDEATHSIG`` (Linux): the kernel sends SIGKILL when the forking process (the
       forkserver, or the parent itself under ``spawn``) dies;
     * a watchdog thread blocks on a pidfd of ``parent_pid`` (or polls it every
-      :data:`_PARENT_POLL_S` s) and kills this worker's process group when it exits.
+      ``_PARENT_POLL_S`` s) and kills this worker's process group when it exits.
 
     Exits at once if ``parent_pid`` is already gone. Returns whether this process now leads a
     process group of its own (the Cluster then kills that group with it).

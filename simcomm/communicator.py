@@ -13,7 +13,7 @@ and the argument. With ``async_op=True`` a method returns a
 :class:`~simcomm.handles.Handle` at once; ``handle.wait()`` blocks and returns
 what the blocking call would have returned, with the same autograd graph:
 the handle applies the collective's autograd rule to the output that arrived
-(:class:`_Arrived`), so the backward is the same dual collective, issued
+(``_Arrived``), so the backward is the same dual collective, issued
 blocking in the backward pass. ``src``/``dst`` are ranks *within the group*.
 Gradients follow the sum-of-per-rank-losses convention; see :mod:`simcomm.autograd`.
 """

@@ -3,8 +3,8 @@
 Virtual ranks are threads of one process, and torch.distributed, ``torch.cuda``,
 ``os.environ`` and ``sys.argv`` are process-wide; so the simulator changes
 some of them, for as long as it needs and no longer. This module is the one
-list of those changes (:data:`PATCHES`) and of the places that decide what to
-do by looking at the caller's stack (:data:`STACK_DECISIONS`). It changes
+list of those changes (``PATCHES``) and of the places that decide what to
+do by looking at the caller's stack (``STACK_DECISIONS``). It changes
 nothing itself; the code that makes each change names its row here, and
 ``tests/core/test_patches.py`` checks the table against the code (every assignment
 to an attribute of torch, ``os`` or ``sys`` in ``simcomm/`` and ``real/`` is a
@@ -274,7 +274,7 @@ STACK_NAMING = ("simcomm.reports:program_frame", "simcomm.reports:program_locati
 
 
 def patch(name: str) -> Patch:
-    """The row of :data:`PATCHES` named ``name``."""
+    """The row of ``PATCHES`` named ``name``."""
     for row in PATCHES:
         if row.name == name:
             return row

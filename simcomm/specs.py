@@ -8,7 +8,7 @@ these facts each for themselves read them here:
   their other spellings (``name``, ``kind``, ``traced``, ``cost_name``, ``aliases``);
 * :mod:`simcomm.sim.transport` and checked mode on real workers
   (:mod:`real.checked_calls`): what every rank of the group must pass alike
-  (:meth:`CollectiveSpec.agreed`), so the simulator's mismatch rule and checked
+  (:meth:`CollectiveSpec.agreed_fields`), so the simulator's mismatch rule and checked
   mode's are one rule;
 * :mod:`simcomm.trace` and :mod:`simcomm.model.cost`: the bytes a rank sends to and
   receives from each peer (:meth:`CollectiveSpec.peer_bytes`);
@@ -98,7 +98,7 @@ class CollectiveSpec:
 
     def agreed_fields(self, shape, dtype, *values, rows_label: str = "row_shape") -> tuple:
         """What every rank must pass alike, as ``(name, value)`` pairs: the tensor's (``shape`` and
-        ``dtype``, per :attr:`tensor`), then :attr:`agreed` paired with ``values`` in order.
+        ``dtype``, per ``tensor``), then ``agreed`` paired with ``values`` in order.
         ``rows_label``: the name of a ``"rows"`` op's row shape (the simulator writes it
         ``shape[1:]``, checked mode ``row_shape``)."""
         tensor = self.tensor

@@ -138,7 +138,7 @@ class Record:
 
     def kept(self) -> tuple:
         """The record as the trace keeps it once the call is done: a tuple of the fields in
-        :attr:`__slots__` order, shapes as plain tuples. The garbage collector stops tracking a
+        ``__slots__`` order, shapes as plain tuples. The garbage collector stops tracking a
         tuple of plain values, so a trace of many calls costs no collections of the whole heap
         (a ``Record`` per call kept alive would trigger them: about 8 us per call with torch
         loaded). ``(name, value)`` pairs of ``args`` are kept flat, ``(name, value, name, ...)``:
@@ -206,7 +206,7 @@ class Recorder:
                       async_op)
 
     def end(self, record: Record, out) -> None:
-        """A blocking call returned with ``out`` (see :func:`_output_shape`): keep its record."""
+        """A blocking call returned with ``out`` (see ``_output_shape``): keep its record."""
         record.end = _perf_counter() - self.clock_zero
         record.out_shape = _output_shape(out)
         self.events.append(record.kept())

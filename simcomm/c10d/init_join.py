@@ -2,7 +2,7 @@
 
 Every torchrun script calls ``init_process_group``; inside a run the run's world
 already stands (a virtual rank's, made on first use, or a real worker's gloo or
-NCCL group). :func:`install_init_join` puts :func:`init_process_group` in torch's
+NCCL group). :func:`install_init_join` puts ``init_process_group`` in torch's
 place: a call whose arguments agree with the run returns at once, having joined
 it; one that disagrees raises naming what disagrees
 (:func:`check_init_arguments`). Everywhere else the call is torch's own.

@@ -364,7 +364,7 @@ def _register_pg_in_world(pg, *args, **kwargs):
 
 
 def install_group_tags() -> None:
-    """Put :func:`_register_pg_in_world` in c10d's place (once per process)."""
+    """Put ``_register_pg_in_world`` in c10d's place (once per process)."""
     if _torch_register_pg_in_world is not None and c10d._register_pg_in_world is not _register_pg_in_world:
         c10d._register_pg_in_world = _register_pg_in_world   # simcomm.patches: "group-tags"
 

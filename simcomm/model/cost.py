@@ -3,7 +3,7 @@
 ``time = base latency + steps x hop latency + bytes on the busiest link / bandwidth``
 
 for the algorithm and protocol NCCL would run, on a
-:class:`~simcomm.model.topology.Topology` (presets in :data:`PRESETS`):
+:class:`~simcomm.model.topology.Topology` (presets in ``PRESETS`` of :mod:`simcomm.model.topology`):
 
 * algorithms (:data:`ALGORITHMS`): ring or tree for all-reduce, and NVLink SHARP
   (``"nvls"``) inside an NVSwitch node that has it; ring for all-gather /

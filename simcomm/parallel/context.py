@@ -8,7 +8,7 @@ the ring: at step ``t`` rank ``r`` attends its queries to the K/V shard of rank
 log-sum-exp rule of the online softmax (:func:`lse_merge`). After ``P``
 steps every rank has the exact attention output of its queries.
 
-Backward (:class:`_RingAttention`): the K/V shards go around the ring once
+Backward (``_RingAttention``): the K/V shards go around the ring once
 more, each carrying the dK/dV accumulated for it so far; every rank adds its
 queries' share, and after the last step one more hop brings each shard's
 dK/dV home to the rank that owns it. dQ never leaves its rank.

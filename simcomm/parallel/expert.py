@@ -233,7 +233,7 @@ def train_router(comm: Communicator, x: torch.Tensor, target: torch.Tensor, para
     """``steps`` SGD steps of the router and its bias (the experts stay fixed) on the expert-parallel layer.
 
     ``x``, ``target``: the whole batch ``(P * T, hidden)``; rank ``r`` takes rows ``r*T ... (r+1)*T - 1``.
-    Each rank's loss: :func:`_task_loss` of its tokens plus ``aux_weight / P`` times the
+    Each rank's loss: ``_task_loss`` of its tokens plus ``aux_weight / P`` times the
     :func:`load_balancing_loss` of its tokens; the router's gradients are all-reduced (summed) before
     each step. Returns ``{"per_expert": assignments kept per expert over all ranks, before each step and
     after the last (steps + 1 lists of E), "aux": the mean over ranks of the load-balancing loss before

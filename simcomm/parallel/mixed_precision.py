@@ -99,7 +99,7 @@ def train(comm: Communicator, stage: int = 0, mlp: MLP = MLP(), *, steps: int = 
           lr: float = 1e-2, seed: int = 0, dtype: torch.dtype = torch.bfloat16, gradients: str = "16-bit",
           loss_scale: float | None = None, growth_interval: int = 4, micro_batches: int = 1) -> dict:
     """``steps`` mixed-precision Adam steps of ``mlp`` (module docstring), data-parallel with ZeRO
-    ``stage`` over the whole world; rank ``r`` takes its rows of :func:`zero.make_batch`.
+    ``stage`` over the whole world; rank ``r`` takes its rows of :func:`simcomm.parallel.zero.make_batch`.
 
     Returns ``losses`` (the whole batch's loss at each step, float64, the same on every rank:
     the ranks' parts all-reduced), ``master`` (this rank's fp32 master vectors: full for stage 0,

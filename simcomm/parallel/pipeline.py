@@ -222,7 +222,7 @@ def pipeline_step(comm: Communicator, x: torch.Tensor, y: torch.Tensor, plan_nam
                   sizes: Sequence[int] = PIPE_SIZES, forward_seconds: float = FORWARD_SECONDS) -> dict:
     """One training step of the pipeline on this rank (stage ``comm.rank`` of ``comm.world_size``).
 
-    ``plan_name_or_plans``: a name of :data:`ALL_SCHEDULES`, or every stage's
+    ``plan_name_or_plans``: a name of ``ALL_SCHEDULES``, or every stage's
     action list. Returns ``{"grads": this stage's parameter gradients,
     "loss": the summed microbatch losses (last stage; None elsewhere),
     "held": the most microbatches held at once, "activation_bytes": the most bytes this

@@ -6,8 +6,8 @@
 process-wide too. Virtual ranks are threads of one process, so both must
 be per thread:
 
-* :class:`_WorldSwitch` replaces ``_world`` once; every attribute access is
-  forwarded to the calling rank thread's own :class:`_RankWorld`, or to
+* ``_WorldSwitch`` replaces ``_world`` once; every attribute access is
+  forwarded to the calling rank thread's own ``_RankWorld``, or to
   the original object on any other thread (the main thread keeps its
   ordinary torch.distributed);
 * ``_set_thread_isolation_mode(True)`` makes the C++ registry per thread
@@ -23,7 +23,7 @@ one) joins the rank's world when its arguments agree with the run, and raises
 naming what disagrees otherwise
 (:func:`simcomm.c10d.init_join.install_init_join`; real workers install the same rule). Top-level code of a script run as ``__main__`` on a
 rank thread gets the rank's state; only modules being imported get the
-process's (:func:`_from_module_body`).
+process's (``_from_module_body``).
 """
 from __future__ import annotations
 

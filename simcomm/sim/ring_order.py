@@ -16,7 +16,7 @@ floating-point and complex tensors follow gloo's ring algorithms on CPU:
   (``dist.reduce_scatter_tensor`` on gloo all-reduces the whole buffer, its
   list form each entry by itself: ``separately``), :func:`reduce_to` gloo's
   reduce; the two cut buffers of over ``2 * world_size`` MiB into chunks of
-  different lengths (:func:`_ring_chunk`, 1 MiB segments);
+  different lengths (``_ring_chunk``, 1 MiB segments);
 - AVG is that sum divided by the world size (as gloo computes it, and as the
   transports do where a backend has no AVG); PREMUL_SUM reaches these functions
   premultiplied, as a SUM (:func:`simcomm.collectives.on_the_wire`).
@@ -220,7 +220,7 @@ def _ring_reduce(inputs: Sequence[torch.Tensor], name: str, order: str) -> torch
     order of gloo's ring ``order``, so that every rounding is gloo's.
 
     The ring cuts the flat buffer (for SUM and AVG of a complex tensor, its real view, which is
-    what torch.distributed hands gloo) into one chunk per rank (:func:`_ring_chunk`). Chunk ``c``
+    what torch.distributed hands gloo) into one chunk per rank (``_ring_chunk``). Chunk ``c``
     leaves rank ``c - 1``, travels down the ring, each rank adding its own part to what it
     received, and is complete on rank ``c``: ``((x[c-1] + x[c-2]) + x[c-3]) + ... + x[c]``
     (ranks mod the world size). AVG is that sum divided by the world size, as gloo computes it.

@@ -346,7 +346,7 @@ def collective_figure(op: str, /, world_size: int = 4, shape: Sequence[int] | No
     small; a figure taller than a screen puts the ranks side by side.
     ``all_to_all_4D`` cells are labelled by token and head (``t5 h2``).
 
-    ``op`` is one of :data:`OPS`: ``all_reduce`` (``reduce_op=``), ``all_gather``
+    ``op`` is one of ``OPS``: ``all_reduce`` (``reduce_op=``), ``all_gather``
     (``dim=``), ``reduce_scatter`` (``dim=``, ``reduce_op=``), ``slice`` (``dim=``,
     ``scale_grad=``), ``all_to_all_4D`` (``scatter_dim=``, ``gather_dim=``;
     the Ulysses sequence <-> head re-sharding), ``gather`` (``dst=``,
