@@ -1,10 +1,10 @@
 """``python -m real.verify``: check a node's collectives against the single-device reference.
 
-Every collective forward and backward (each reduce op, several dims including
-negative ones, both roots; reduce, scatter, the differentiable gather and the
-uneven all_to_all_single too), the collectives issued with ``async_op=True`` and
-``batch_isend_irecv``/``isend`` rings, a tensor-parallel MLP, Ulysses attention and a 2D
-(tp x dp) subgroup program run on real processes; each rank's outputs and
+Every case of :mod:`real.cases` and :mod:`real.model_cases` (every collective of
+``simcomm.specs.SPECS``, forward and backward, with each reduce op, several dims
+including negative ones, both roots and uneven splits; the same issued with
+``async_op=True``; point-to-point rings; a tensor-parallel MLP, Ulysses attention and a 2D
+(tp x dp) subgroup program) runs on real processes; each rank's outputs and
 gradients are compared with the same computation on one device in float64,
 and with simcomm's simulator. The table lists, per case, the largest forward
 and gradient error and whether the case passed; the exit status is non-zero
