@@ -223,6 +223,17 @@ PATCHES: tuple[Patch, ...] = (
         "figures shown in JupyterLab also survive an HTML export of the notebook",
         "use_export_renderer() (simcomm.viz in a Jupyter kernel)", "never: stays for the process",
         "process", ("pio.renderers[RENDERER]", "pio.renderers.default")),
+    Patch(
+        "backend-devices", "``torch.distributed.Backend.backend_capability['simcomm']``: the device "
+        "types the ``\"simcomm\"`` backend claims: ``cpu``, and ``cuda`` where this process has real "
+        "GPUs or while a run of virtual GPUs claims it (``simcomm.c10d.process_group.claim_cuda``)",
+        "simcomm.c10d.process_group",
+        "c10d's BackendConfig and ShardedTensor read it: a backend claiming cuda on a machine without "
+        "GPUs made ShardedTensor (and DCP's gather of one) ask for cuda, where gloo's answer is cpu",
+        "the first World.run (registered with cpu, plus cuda where torch.cuda.is_available()); "
+        "claim_cuda(True) adds cuda", "claim_cuda(False) takes cuda out again (not where real GPUs "
+        "exist); the entry stays for the process", "process",
+        ("dist.Backend.backend_capability[BACKEND_NAME]",)),
     # -- the worker processes real starts (never the caller's process) --------------------------
     Patch(
         "worker-process", "SIGINT ignored, ``GLOO_SOCKET_IFNAME``, faulthandler on SIGUSR1, "

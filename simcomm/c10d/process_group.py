@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from . import ops
 from .dispatch import dispatched, modes_active
 from .work import SimcommWork, done
 
-__all__ = ["SimcommProcessGroup", "register", "install_group_tags", "BACKEND_NAME"]
+__all__ = ["SimcommProcessGroup", "register", "install_group_tags", "claim_cuda", "served_devices", "BACKEND_NAME"]
 
 BACKEND_NAME = "simcomm"
 
@@ -379,6 +380,59 @@ def register(rank_groups: Callable[[], Any]) -> None:
     global _rank_groups
     _rank_groups = rank_groups
     if BACKEND_NAME.upper() not in dist.Backend._plugins:    # simcomm.patches: "backend-name"
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=served_devices())
+
+
+# -- the devices the backend claims ---------------------------------------------------------------
+
+#: torch's own ``torch.cuda.is_available`` (taken at import, before any run could answer for
+#: virtual GPUs): whether this process has real GPUs
+_real_cuda_available = torch.cuda.is_available
+#: how many virtual-GPU runs claim cuda now (:func:`claim_cuda`)
+_cuda_claims = 0
+_claims_lock = threading.Lock()
+
+
+def served_devices() -> list[str]:
+    """The device types the ``"simcomm"`` backend claims now: ``"cpu"``, and ``"cuda"`` where this
+    process has real GPUs (torch's ``torch.cuda.is_available()``) or a run of virtual GPUs has
+    claimed it (:func:`claim_cuda`).
+
+    c10d keeps a backend's devices in ``Backend.backend_capability[name]`` (set by
+    ``Backend.register_backend(..., devices=)``); ``BackendConfig`` reads it when a group is
+    created (``dist.get_backend_config()`` answers ``"cpu:simcomm"`` or
+    ``"cpu:simcomm,cuda:simcomm"``) and ``ShardedTensor`` reads it to choose the device of its
+    collectives' buffers (the first device other than cpu that a backend not named gloo or
+    nccl claims, else cpu), which DCP's ``gather`` of a ShardedTensor uses. So a backend that
+    claimed cuda on a machine without GPUs made ShardedTensor ask for cuda ("Torch not compiled
+    with CUDA enabled") where gloo's answer is cpu. ``register_backend`` also fills
+    ``Backend.default_device_backend_map`` only for device types nobody has (cpu stays gloo's,
+    cuda nccl's), so the backend never becomes the default of a device type: the capability is
+    all it claims."""
+    return ["cpu", "cuda"] if _real_cuda_available() or _cuda_claims > 0 else ["cpu"]
+
+
+def claim_cuda(claim: bool) -> list[str]:
+    """Claim (``True``) or give back (``False``) the ``"cuda"`` device type for the ``"simcomm"``
+    backend, for the length of a run of virtual GPUs; returns :func:`served_devices` after.
+
+    A run that gives its ranks virtual GPUs calls ``claim_cuda(True)`` before its ranks create
+    their groups and ``claim_cuda(False)`` when it ends (also after an error): claims nest, and
+    cuda stays claimed while one is held (and always where real GPUs exist). Groups created
+    while cuda is claimed keep ``cuda:simcomm`` in their backend config, as a group keeps the
+    config it was made with. Process-wide (``simcomm.patches``: ``"backend-devices"``); before
+    the backend is registered the claim only decides what it registers with. Giving back a
+    claim that was not made raises ``ValueError``.
+    """
+    global _cuda_claims
+    with _claims_lock:
+        if not claim and _cuda_claims == 0:
+            raise ValueError("claim_cuda(False): no claim of cuda is held (each claim_cuda(True) "
+                             "is given back once)")
+        _cuda_claims += 1 if claim else -1
+        devices = served_devices()
+        if BACKEND_NAME.upper() in dist.Backend._plugins:
+            dist.Backend.backend_capability[BACKEND_NAME] = devices   # simcomm.patches: "backend-devices"
+    return devices
 
 
