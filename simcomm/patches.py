@@ -234,6 +234,16 @@ PATCHES: tuple[Patch, ...] = (
         "claim_cuda(True) adds cuda", "claim_cuda(False) takes cuda out again (not where real GPUs "
         "exist); the entry stays for the process", "process",
         ("dist.Backend.backend_capability[BACKEND_NAME]",)),
+    Patch(
+        "module-apply", "``torch.nn.Module._apply``: on a shape-only rank, a conversion that returns "
+        "every parameter and gradient as it is (``Module.to('cpu')`` of a module on the cpu, "
+        "``.float()`` of a float32 one) leaves the module as torch does, without swapping its fake "
+        "parameters", "simcomm.sim.shape",
+        "torch swaps fake parameters on every conversion, and the swap fails when the fake mode "
+        "holds a weak reference to them (\"Couldn't swap\"), also for a conversion that changes "
+        "nothing; elsewhere, and for a conversion that changes something, it is torch's own _apply",
+        "the first shape-only World.run", "never: stays for the process", "process",
+        ("torch.nn.Module._apply",), ("torch.nn.Module._apply",)),
     # -- the worker processes real starts (never the caller's process) --------------------------
     Patch(
         "worker-process", "SIGINT ignored, ``GLOO_SOCKET_IFNAME``, faulthandler on SIGUSR1, "

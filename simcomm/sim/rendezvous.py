@@ -106,7 +106,10 @@ def materialize(slot: Slot, rank: int, state: RunState):
     if slot.into is not None:
         into, slot.into[rank] = slot.into[rank], None
     if state.shape_only:    # meta outputs become fake tensors of this rank's own mode; a fake buffer
-        return into if into is not None else memory.received(_shape.own(out, state.device))  # holds no values
+        if into is not None:    # holds no values: one it had from constants is gone now
+            _shape.forget_values(into)
+            return into
+        return memory.received(_shape.own(out, state.device))
     holders = slot.holders
     if holders and id(out) in holders:
         left = holders[id(out)] - 1     # members still to take it after this one

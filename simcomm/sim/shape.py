@@ -395,6 +395,53 @@ def install_device_mesh_values() -> None:
         if name.startswith("torch.distributed") and getattr(module, "init_device_mesh", None) is original:
             module.init_device_mesh = wrapped
     _OUTSIDE_FAKE_INSTALLED = True
+    install_module_apply()      # the first shape-only run installs both
+
+
+# -- a module conversion that changes nothing ----------------------------------------------------
+
+_torch_module_apply: Callable | None = None
+
+
+def _plain_tree(module: torch.nn.Module, recurse: bool) -> list[torch.nn.Module] | None:
+    modules = list(module.modules()) if recurse else [module]
+    return modules if all(type(each)._apply is _module_apply for each in modules) else None
+
+
+def _module_apply(self: torch.nn.Module, fn: Callable, recurse: bool = True) -> torch.nn.Module:
+    """``Module._apply`` (what ``Module.to``/``.cpu()``/``.float()``... call), where a conversion
+    that changes no parameter also works on a shape-only rank.
+
+    torch swaps every fake parameter for its converted one (``torch.utils.swap_tensors``), which
+    fails when the fake mode holds a weak reference to it ("Couldn't swap"), even where the
+    conversion returns the parameter itself (``Module.to("cpu")`` of a module on the cpu). When
+    ``fn`` returns every parameter and gradient as it is, and no module of the tree overrides
+    ``_apply``, the module is left as torch leaves it then (its buffers set to ``fn(buffer)``,
+    its parameters unchanged) without a swap. Otherwise, and everywhere but on a shape-only
+    rank, torch's own ``_apply`` runs (``fn`` is called once more on what was checked: the
+    conversions ``_apply`` is given return a new tensor or the same one, and change nothing)."""
+    if is_shape_only():
+        modules = _plain_tree(self, recurse)
+        if modules is not None:
+            with torch.no_grad():
+                unchanged = all(fn(tensor) is tensor for each in modules
+                                for param in each._parameters.values() if param is not None
+                                for tensor in ((param,) if param.grad is None else (param, param.grad)))
+            if unchanged:
+                for each in modules:
+                    for key, buffer in each._buffers.items():
+                        if buffer is not None:
+                            each._buffers[key] = fn(buffer)
+                return self
+    return _torch_module_apply(self, fn, recurse)
+
+
+def install_module_apply() -> None:
+    """Put :func:`_module_apply` in ``torch.nn.Module._apply``'s place (once per process)."""
+    global _torch_module_apply
+    if _torch_module_apply is None:
+        _torch_module_apply = torch.nn.Module._apply
+        torch.nn.Module._apply = _module_apply      # simcomm.patches: "module-apply"
 
 
 # -- functional collectives ----------------------------------------------------------------------
@@ -503,5 +550,209 @@ class FunctionalCollectives(TorchDispatchMode):
         if func.namespace == "_c10d_functional":
             return _functional(func, args, kwargs or {})
         if fake_mode is not None:
-            return _fake_cache.dispatch(func, types, args, kwargs or {}, fake_mode)
+            return _with_values(func, types, args, kwargs or {}, fake_mode)
+        if self.fake_mode is not None and _get_fake_mode(_FAKE_KEY) is None:
+            # the rank's fake tensors met outside its fake mode (DeviceMesh's bookkeeping): they
+            # keep their values there too
+            return _with_values(func, types, args, kwargs or {}, self.fake_mode, outside=True)
         return func(*args, **(kwargs or {}))
+
+
+# -- values of small tensors computed from constants ---------------------------------------------
+
+#: the most elements a tensor with a value may have (:func:`_with_values`)
+VALUE_LIMIT = 65536
+
+_VALUE = "_simcomm_value"          # a fake tensor's attribute: (value, storage key, token)
+_LIVE = "_simcomm_values"          # a fake mode's attribute: {storage key: token} of valid values
+_NO_VALUE_OPS = frozenset({
+    # uninitialised memory: no values to know
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default, torch.ops.aten.empty_permuted.default,
+    torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage_storage_offset,
+    torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.default,
+})
+_RULES: dict = {}
+
+
+class _Rule:
+    """What an op means for values: whether it can give any (``valued``: an aten or prims op, not
+    seeded by a generator, not uninitialised memory), which arguments it writes
+    (``mutated``: (position, name) pairs) and whether its outputs are views of its inputs."""
+
+    __slots__ = ("valued", "mutated")
+
+    def __init__(self, func):
+        self.valued = (func.namespace in ("aten", "prims") and func not in _NO_VALUE_OPS
+                       and torch.Tag.nondeterministic_seeded not in func.tags)
+        self.mutated = tuple((index, argument.name) for index, argument in enumerate(func._schema.arguments)
+                             if argument.alias_info is not None and argument.alias_info.is_write)
+
+
+def _rule(func) -> _Rule:
+    rule = _RULES.get(func)
+    if rule is None:
+        rule = _RULES[func] = _Rule(func)
+    return rule
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def value_of(tensor: Any) -> torch.Tensor | None:
+    """The value a shape-only rank knows for ``tensor`` (a real CPU tensor), or None: a fake tensor
+    computed from constants only (module docstring, "Values"), whose storage has not been
+    written since by anything without a value."""
+    entry = getattr(tensor, _VALUE, None) if type(tensor) is FakeTensor else None
+    if entry is None:
+        return None
+    live = getattr(tensor.fake_mode, _LIVE, None)
+    return entry[0] if live is not None and live.get(entry[1]) is entry[2] else None
+
+
+def forget_values(tensor: Any) -> None:
+    """``tensor``'s storage was written by something that is no op (a collective's output buffer):
+    every tensor on that storage loses its value."""
+    if type(tensor) is FakeTensor:
+        live = getattr(tensor.fake_mode, _LIVE, None)
+        if live:
+            live.pop(_storage_key(tensor), None)
+
+
+def _set_value(tensor: torch.Tensor, value: torch.Tensor, mode: FakeTensorMode) -> None:
+    live = getattr(mode, _LIVE, None)
+    if live is None:
+        live = {}
+        setattr(mode, _LIVE, live)
+    key = _storage_key(tensor)
+    token = live.get(key)
+    if token is None:
+        token = live[key] = object()
+    setattr(tensor, _VALUE, (value, key, token))
+
+
+class _NoValue(Exception):
+    """An argument has no value (internal)."""
+
+
+def _input_value(argument: Any) -> Any:
+    if isinstance(argument, torch.Tensor):
+        if type(argument) is FakeTensor:
+            value = value_of(argument) if not argument.requires_grad else None
+        elif (type(argument) is torch.Tensor and argument.device.type == "cpu" and not argument.requires_grad
+              and argument.numel() <= VALUE_LIMIT):
+            value = argument          # a real tensor (DeviceMesh's ranks, torch.tensor's constant)
+        else:
+            value = None
+        if value is None:
+            raise _NoValue
+        return value
+    if type(argument) in (list, tuple):
+        return type(argument)(_input_value(item) for item in argument)
+    return argument
+
+
+def _values_in(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The arguments with every tensor replaced by its value (devices by cpu), or None when a
+    tensor has none."""
+    for argument in args:       # most ops: a fake tensor without a value, found at once
+        if type(argument) is FakeTensor and _VALUE not in argument.__dict__:
+            return None
+    try:
+        values = tuple(_input_value(argument) for argument in args)
+        kwargs = {name: _input_value(argument) for name, argument in kwargs.items()}
+    except _NoValue:
+        return None
+    if "device" in kwargs:
+        kwargs["device"] = torch.device("cpu")
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return values, kwargs
+
+
+def _compute(func, values: tuple, kwargs: dict) -> Any:
+    """``func`` on values, on the CPU, seen by no dispatch mode (as the fake mode's own work)."""
+    with _no_fake_mode(), torch._C._DisableTorchDispatch(), torch.no_grad():
+        return func(*values, **kwargs)
+
+
+def _small(outputs: Any) -> bool:
+    return all(leaf.numel() <= VALUE_LIMIT for leaf in pytree.tree_leaves(outputs)
+               if isinstance(leaf, torch.Tensor))
+
+
+def _attach(outputs: Any, values: Any, mode: FakeTensorMode) -> None:
+    fakes, values = pytree.tree_leaves(outputs), pytree.tree_leaves(values)
+    if len(fakes) != len(values):
+        return
+    for fake, value in zip(fakes, values):
+        if (type(fake) is FakeTensor and isinstance(value, torch.Tensor) and fake.shape == value.shape
+                and fake.dtype == value.dtype):
+            _set_value(fake, value, mode)
+
+
+def _forget_mutated(rule: _Rule, args: tuple, kwargs: dict) -> None:
+    for index, name in rule.mutated:
+        target = args[index] if index < len(args) else kwargs.get(name)
+        for tensor in (target if isinstance(target, (list, tuple)) else (target,)):
+            forget_values(tensor)
+
+
+def _device_of(args: tuple, kwargs: dict, mode: FakeTensorMode) -> torch.device:
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device)
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if type(leaf) is FakeTensor:
+            return leaf.fake_device
+    return torch.device("cpu")
+
+
+def _fake_like(value: Any, device: torch.device, mode: FakeTensorMode) -> Any:
+    """A data-dependent op's result, computed on values: its tensors as fake tensors of the rank's
+    mode with those values (a Python number passes through)."""
+    if isinstance(value, torch.Tensor):
+        with contextlib.ExitStack() as stack:
+            if _get_fake_mode(_FAKE_KEY) is None:
+                torch._C._set_dispatch_mode(mode)
+                stack.callback(torch._C._unset_dispatch_mode, _FAKE_KEY)
+            fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+        if value.numel() <= VALUE_LIMIT:
+            _set_value(fake, value, mode)
+        return fake
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fake_like(item, device, mode) for item in value)
+    return value
+
+
+def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, outside: bool = False) -> Any:
+    """One op on a shape-only rank: the fake result, and for a result computed from values only,
+    its value too (module docstring, "Values"). A data-dependent op on tensors with values is
+    computed on them; on any other tensor it raises as before. ``outside``: the rank's fake mode
+    is set aside (the op goes to torch as it is; tensors made there are real)."""
+    rule = _rule(func)
+    inputs = _values_in(args, kwargs) if rule.valued else None
+    if inputs is None:
+        out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
+        if rule.mutated and getattr(mode, _LIVE, None):
+            _forget_mutated(rule, args, kwargs)
+        return out
+    try:
+        out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
+    except _DATA_DEPENDENT as refusal:
+        try:
+            value = _compute(func, *inputs)
+        except Exception:
+            raise refusal from None
+        return _fake_like(value, _device_of(args, kwargs, mode), mode)
+    if _small(out):
+        try:
+            _attach(out, _compute(func, *inputs), mode)
+            return out
+        except Exception:          # the op refuses these values on the CPU: no values then
+            pass
+    if rule.mutated:
+        _forget_mutated(rule, args, kwargs)
+    return out
