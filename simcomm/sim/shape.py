@@ -52,8 +52,44 @@ answer with an empty output and no communication, are routed to the rank's
 process group (:class:`FunctionalCollectives`); ``DeviceMesh`` keeps real
 rank tensors (:func:`install_device_mesh_values`).
 
-**Unsupported.** An op that needs values (``.item()``, ``.tolist()``,
-``bool(t)``, ``.numpy()``, ``torch.nonzero``, a data-dependent split) raises
+**Values of constants.** Scripts compute bookkeeping from constants: a grid of
+ranks ``torch.arange(world).view(dp, pp, tp)`` searched with ``nonzero`` and
+listed with ``tolist``, drop-path rates from a ``linspace`` read with
+``.item()``, a DeviceMesh's ``mesh.tolist()``. A shape-only rank knows the
+values of such tensors (:func:`_with_values`, in the rank's
+:class:`FunctionalCollectives` mode), by one rule: an op's result has a value
+when the op is an aten (or prims) op that is not seeded by a generator and
+does not return uninitialised memory (``empty*``), every tensor it is given
+has a value (a fake tensor that has one and does not require grad, or a real
+CPU tensor, such as ``torch.tensor([...])``'s constant or DeviceMesh's ranks),
+and every tensor involved has at most :data:`VALUE_LIMIT` (65,536) elements.
+So factories of Python numbers (``arange``, ``linspace``, ``tensor(list)``,
+``zeros``/``ones``/``full``, ``eye``) and ops on their results have values;
+the op is computed again on the CPU on the values (seen by no dispatch mode
+and no memory count), next to its fake result, and the value is kept on the
+fake tensor. A view's value is the same view of its base's value, so an
+in-place op through a view changes both, as with data. ``.item()``,
+``.tolist()``, ``bool(t)``, ``int(t)``, ``nonzero``, boolean masks and
+``torch.equal`` on tensors with values answer with those values, the same as
+the real-valued run's (computed on the CPU: for a CUDA World, float results
+as the CPU computes them). Everything else has no value: parameters (and any
+tensor that requires grad), a random op's result, uninitialised memory, data
+passed in, and a tensor a collective wrote; a value is lost when its storage
+is written by an op without values (``x.data.uniform_()`` too) or by a
+collective (:func:`forget_values`). The values cost memory on each rank (a
+real copy of each such tensor while it lives).
+
+**Conversions that change nothing.** torch swaps a module's fake parameters on
+every conversion (``Module._apply``), and the swap fails when the fake mode
+holds a weak reference to them ("Couldn't swap"), also for ``Module.to("cpu")``
+of a module on the cpu. :func:`install_module_apply` (process-long, installed
+with the DeviceMesh wrappers on the first shape-only run) lets a conversion that
+returns every parameter and gradient as it is leave the module as torch does
+without a swap (``simcomm.patches``: ``"module-apply"``).
+
+**Unsupported.** An op that needs values that a rank does not have
+(``.item()``, ``.tolist()``, ``bool(t)``, ``torch.nonzero``, a data-dependent
+split, on a tensor without a value; ``.numpy()`` on any fake tensor) raises
 :class:`~simcomm.errors.ShapeOnlyError` naming the op and the rank (:func:`data_dependent_error`).
 Such programs need the real-valued mode, or the value given as a Python
 number. So does ``dist.all_to_all_single`` with uneven split sizes (the
@@ -92,7 +128,8 @@ __all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_in
            "fake_arguments",
            "compute_on_meta", "own",
            "shapes", "is_shape_only", "data_dependent_error", "trace_signature", "FunctionalCollectives",
-           "install_device_mesh_values"]
+           "install_device_mesh_values", "install_module_apply", "value_of", "forget_values",
+           "VALUE_LIMIT"]
 
 #: the values of ``World(..., tensors=)``
 TENSOR_MODES = ("real", "shape")
@@ -309,8 +346,10 @@ def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | No
             return ShapeOnlyError(
                 f"rank {rank}: {name} needs tensor values, which a shape-only run "
                 f"(World(..., tensors='shape')) does not have (e.g. .item(), .tolist(), bool(t), "
-                f"nonzero, or split sizes read from a tensor); run this program with tensors='real', "
-                f"or compute the value from shapes or Python numbers")
+                f"nonzero, or split sizes read from a tensor): it knows the values of small tensors "
+                f"computed from constants only (arange, linspace, torch.tensor, zeros/ones/full, eye "
+                f"and ops on them), not of data, parameters, random ops or what a collective wrote; "
+                f"run this program with tensors='real', or compute the value from shapes or Python numbers")
         if isinstance(error, RuntimeError) and str(error).startswith(_NUMPY_REFUSAL):
             return ShapeOnlyError(
                 f"rank {rank}: .numpy() needs tensor values, which a shape-only run "
