@@ -11,6 +11,12 @@ ShapeOnlyError naming the op as before. A conversion that changes nothing
 """
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh   # by name, before a
 import simcomm
 from simcomm import RankError
 from simcomm.errors import ShapeOnlyError
+from simcomm.run import run_script
 from simcomm.sim.shape import VALUE_LIMIT
 
 
@@ -197,3 +204,42 @@ def test_a_conversion_that_changes_the_dtype_is_still_torchs_own():
         assert isinstance(error.__cause__, ShapeOnlyError) and "dtype=" in str(error.__cause__)
     else:
         assert dtypes == [torch.float64] * 2
+
+
+# -- a torchrun script, unmodified, with --tensors shape ---------------------------------------------
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "grid_bookkeeping.py"
+
+
+def _lines(text: str) -> dict[int, list[str]]:
+    """Each rank's lines: ``[rank r] line`` (simcomm.run) or ``[defaultr]:line`` (torchrun --tee 3)."""
+    lines: dict[int, list[str]] = {}
+    for raw in text.splitlines():
+        match = re.match(r"^\[(?:rank |default)(\d+)\]:? ?((?:coordinates|rates|mesh|shapes).*)$", raw)
+        if match:
+            lines.setdefault(int(match.group(1)), []).append(match.group(2))
+    return lines
+
+
+def test_a_grid_bookkeeping_script_prints_the_same_shape_only_as_with_values(capsys):
+    shape = run_script(SCRIPT, 8, tensors="shape")
+    shape_lines = _lines(capsys.readouterr().out)
+    real = run_script(SCRIPT, 8)
+    real_lines = _lines(capsys.readouterr().out)
+    assert shape.returncode == 0 and real.returncode == 0, (shape.summary(), real.summary())
+    assert shape_lines == real_lines and len(real_lines) == 8
+    assert real_lines[5][0] == "coordinates 1 0 1 tp [4, 5] dp [1, 5] pp [5, 7]"
+    assert simcomm.sim.shape.trace_signature(shape.trace) == simcomm.sim.shape.trace_signature(real.trace)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_grid_bookkeeping_script_prints_what_torchrun_prints(tmp_path, capsys):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([str(torchrun), "--standalone", "--tee", "3", "--nproc-per-node", "8", str(SCRIPT)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shape = run_script(SCRIPT, 8, tensors="shape")
+    assert shape.returncode == 0, shape.summary()
+    assert _lines(capsys.readouterr().out) == _lines(done.stdout + done.stderr)
