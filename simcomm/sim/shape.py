@@ -562,7 +562,9 @@ class FunctionalCollectives(TorchDispatchMode):
     ``fake_mode``, every other op goes through the ranks' shared dispatch cache
     (:func:`simcomm.sim.fake_cache.dispatch`) on its way to that mode, while that mode is
     the thread's fake mode; otherwise (no ``fake_mode``, or another fake mode set, or none)
-    straight on.
+    straight on. On the way it keeps the values of small tensors computed from constants
+    (:func:`_with_values`; module docstring, "Values of constants"), also for the rank's fake
+    tensors met while its fake mode is set aside (DeviceMesh's bookkeeping).
     """
 
     @classmethod
@@ -642,7 +644,7 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 def value_of(tensor: Any) -> torch.Tensor | None:
     """The value a shape-only rank knows for ``tensor`` (a real CPU tensor), or None: a fake tensor
-    computed from constants only (module docstring, "Values"), whose storage has not been
+    computed from constants only (module docstring, "Values of constants"), whose storage has not been
     written since by anything without a value."""
     entry = getattr(tensor, _VALUE, None) if type(tensor) is FakeTensor else None
     if entry is None:
@@ -739,6 +741,15 @@ def _forget_mutated(rule: _Rule, args: tuple, kwargs: dict) -> None:
             forget_values(tensor)
 
 
+def _writes_fakes_only(rule: _Rule, args: tuple, kwargs: dict) -> bool:
+    for index, name in rule.mutated:
+        target = args[index] if index < len(args) else kwargs.get(name)
+        for tensor in (target if isinstance(target, (list, tuple)) else (target,)):
+            if isinstance(tensor, torch.Tensor) and type(tensor) is not FakeTensor:
+                return False
+    return True
+
+
 def _device_of(args: tuple, kwargs: dict, mode: FakeTensorMode) -> torch.device:
     device = kwargs.get("device")
     if device is not None:
@@ -768,11 +779,13 @@ def _fake_like(value: Any, device: torch.device, mode: FakeTensorMode) -> Any:
 
 def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, outside: bool = False) -> Any:
     """One op on a shape-only rank: the fake result, and for a result computed from values only,
-    its value too (module docstring, "Values"). A data-dependent op on tensors with values is
+    its value too (module docstring, "Values of constants"). A data-dependent op on tensors with values is
     computed on them; on any other tensor it raises as before. ``outside``: the rank's fake mode
     is set aside (the op goes to torch as it is; tensors made there are real)."""
     rule = _rule(func)
     inputs = _values_in(args, kwargs) if rule.valued else None
+    if inputs is not None and rule.mutated and not _writes_fakes_only(rule, args, kwargs):
+        inputs = None       # the fake mode writes a fake copy of a real tensor: so do the values
     if inputs is None:
         out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
         if rule.mutated and getattr(mode, _LIVE, None):
