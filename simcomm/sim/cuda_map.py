@@ -273,6 +273,14 @@ class _Stream:
     def query(self) -> bool:
         return True
 
+    def is_capturing(self) -> bool:
+        """Never: CUDA graphs are not captured on virtual GPUs."""
+        return False
+
+    @property
+    def device_index(self) -> int:
+        return _current_device()
+
     def __enter__(self) -> _Stream:
         return self
 
