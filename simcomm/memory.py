@@ -290,7 +290,9 @@ class _TrackingMode(TorchDispatchMode):
                 if isinstance(item, torch.Tensor):
                     _see(tracker, item, kind, func)
         if tracker.capacity is not None and tracker.current > tracker.capacity and tracker.current > before:
-            raise _over_capacity(tracker, tracker.current - before)
+            error = _over_capacity(tracker, tracker.current - before)
+            out = item = None     # noqa: F841 - the output is dropped (its bytes stop counting), as if never made
+            raise error
         return out
 
 
