@@ -505,7 +505,6 @@ class _Answers:
 
         return {
             "is_available": lambda: True,
-            "is_initialized": lambda: True,
             "init": lambda: None,
             "device_count": self.device_count,
             "current_device": _current_device,
@@ -679,10 +678,10 @@ def cuda_answers(gpus: VirtualGPUs | int, world_size: int | None = None) -> Iter
         gpus, world_size = VirtualGPUs(), gpus
     answers = _Answers(gpus, world_size or 1)
     cuda, accelerator = answers.cuda(), answers.accelerator()
-    ddp = _ddp_class()
+    _ddp_class()                                 # torch.nn.parallel imported
     saved_cuda = {name: getattr(torch.cuda, name) for name in cuda}
     saved_accelerator = {name: getattr(torch.accelerator, name) for name in accelerator}
-    ddp_init = ddp.__init__
+    ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
     try:
         for name, value in cuda.items():
             setattr(torch.cuda, name, value)
@@ -690,10 +689,10 @@ def cuda_answers(gpus: VirtualGPUs | int, world_size: int | None = None) -> Iter
             setattr(torch.accelerator, name, value)
         torch.nn.Module.cuda, torch.nn.Module.to = _mapped_module_cuda, _mapped_module_to
         setattr(torch.amp.autocast_mode.autocast, "__init__", _mapped_autocast_init)
-        setattr(ddp, "__init__", _mapped_ddp_init(ddp_init, answers.count))
+        torch.nn.parallel.DistributedDataParallel.__init__ = _mapped_ddp_init(ddp_init, answers.count)
         yield answers
     finally:
-        setattr(ddp, "__init__", ddp_init)
+        torch.nn.parallel.DistributedDataParallel.__init__ = ddp_init
         setattr(torch.amp.autocast_mode.autocast, "__init__", _autocast_init)
         torch.nn.Module.cuda, torch.nn.Module.to = _module_cuda, _module_to
         for name, value in saved_accelerator.items():
