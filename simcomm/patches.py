@@ -193,15 +193,17 @@ PATCHES: tuple[Patch, ...] = (
          "torch.accelerator.get_device_capability")),
     Patch(
         "autocast-ddp-on-virtual-gpus", "``torch.amp.autocast_mode.autocast.__init__`` (``torch.autocast``, "
-        "``torch.amp.autocast``, ``torch.cuda.amp.autocast``) and "
-        "``torch.nn.parallel.DistributedDataParallel.__init__``: wrapped", "simcomm.sim.cuda_map",
+        "``torch.amp.autocast``, ``torch.cuda.amp.autocast``), "
+        "``torch.nn.parallel.DistributedDataParallel.__init__`` and ``torch.load``: wrapped", "simcomm.sim.cuda_map",
         "virtual GPUs: on a rank thread, autocast('cuda', dtype) is the World device's autocast with the "
         "same dtype (CUDA's float16 when none is given), and DDP's device_ids/output_device, checked "
-        "against the node's virtual GPUs, are dropped (DDP of a CPU module takes none); on every other "
-        "thread both are torch's own",
+        "against the node's virtual GPUs, are dropped (DDP of a CPU module takes none), and torch.load's "
+        "CUDA map_location is the World's device; on every other thread all three are torch's own",
         "each World(map_cuda=True).run", "when the run ends", "run",
-        ("setattr(torch.amp.autocast_mode.autocast)", "torch.nn.parallel.DistributedDataParallel.__init__"),
-        ("torch.amp.autocast_mode.autocast.__init__", "torch.nn.parallel.DistributedDataParallel.__init__")),
+        ("setattr(torch.amp.autocast_mode.autocast)", "torch.nn.parallel.DistributedDataParallel.__init__",
+         "torch.load"),
+        ("torch.amp.autocast_mode.autocast.__init__", "torch.nn.parallel.DistributedDataParallel.__init__",
+         "torch.load")),
     Patch(
         "storage-resize", "``torch.UntypedStorage.resize_``: the same call, then the counted size "
         "follows the storage", "simcomm.memory",

@@ -45,6 +45,8 @@ device (``cpu``; fake on shape-only ranks) and every place a program names CUDA 
 * ``DistributedDataParallel(module, device_ids=[k], output_device=k)`` on a rank thread, for a
   module on the World's device: the ids are checked against the node's GPUs and dropped, as
   DDP of a CPU module needs;
+* ``torch.load(path, map_location="cuda:k")`` (or an int, or none) on a rank thread loads onto
+  the World's device;
 * ``init_process_group("nccl")`` joins the run's world as ``"gloo"`` does
   (:mod:`simcomm.sim.dist_world`); ``device_id=`` is accepted.
 
@@ -645,6 +647,23 @@ def _mapped_autocast_init(self: Any, device_type: str, dtype: torch.dtype | None
     _autocast_init(self, device_type, dtype, enabled, cache_enabled)
 
 
+_torch_load = torch.load
+
+
+def _mapped_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """``torch.load`` on a mapped rank thread: a ``map_location`` naming CUDA (``"cuda:k"``, an
+    int, a dict's CUDA values) means the World's device, and so does none (a checkpoint saved on
+    a real GPU restores onto the rank's device, as onto its GPU)."""
+    mapped = getattr(_local, "mapped", None)
+    if mapped is not None:
+        if map_location is None or _means_cuda(map_location):
+            map_location = mapped
+        elif isinstance(map_location, dict):
+            map_location = {key: (str(mapped) if _means_cuda(value) else value)
+                            for key, value in map_location.items()}
+    return _torch_load(f, map_location, *args, **kwargs)
+
+
 def _ddp_class() -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -690,8 +709,10 @@ def cuda_answers(gpus: VirtualGPUs | int, world_size: int | None = None) -> Iter
         torch.nn.Module.cuda, torch.nn.Module.to = _mapped_module_cuda, _mapped_module_to
         setattr(torch.amp.autocast_mode.autocast, "__init__", _mapped_autocast_init)
         torch.nn.parallel.DistributedDataParallel.__init__ = _mapped_ddp_init(ddp_init, answers.count)
+        torch.load = _mapped_load
         yield answers
     finally:
+        torch.load = _torch_load
         torch.nn.parallel.DistributedDataParallel.__init__ = ddp_init
         setattr(torch.amp.autocast_mode.autocast, "__init__", _autocast_init)
         torch.nn.Module.cuda, torch.nn.Module.to = _module_cuda, _module_to

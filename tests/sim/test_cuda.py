@@ -431,3 +431,16 @@ def test_gpu_presets_and_sizes():
         simcomm.World(2, map_cuda="H100")
     with pytest.raises(ValueError, match="per_node"):
         VirtualGPUs(per_node=0)
+
+
+def test_torch_load_with_a_cuda_map_location_loads_onto_the_worlds_device(tmp_path):
+    path = tmp_path / "snapshot.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+
+    def program(comm):
+        loaded = [torch.load(path, map_location=f"cuda:{comm.rank}"), torch.load(path, map_location=comm.rank),
+                  torch.load(path, map_location={"cpu": "cuda:0"}), torch.load(path)]
+        return [(str(d["w"].device), d["w"].tolist()) for d in loaded]
+
+    for out in simcomm.World(2, map_cuda=True).run(program):
+        assert out == [("cpu", [0.0, 1.0, 2.0, 3.0])] * 4
