@@ -24,6 +24,11 @@ torchrun run has to itself, each rank has:
   call works from the script's top level;
 * an exit status: ``sys.exit(n)`` ends the rank as a process exit would.
 
+On a machine without a GPU each rank gets a virtual GPU backed by the CPU
+(:mod:`simcomm.sim.cuda_map`; ``--no-virtual-gpus``, ``--gpu``, ``--gpu-memory``):
+a script written for GPUs (``set_device``, ``.to(local_rank)``, ``"nccl"``,
+``device_ids``, autocast, memory statistics) runs unmodified, with real values.
+
 Output lines are tagged ``[rank r]``. The command exits non-zero, with a
 summary of the failed ranks, when a rank raised or exited non-zero, or the
 simulator found a collective mismatch or a deadlock (named with each rank's
