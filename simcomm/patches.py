@@ -192,18 +192,21 @@ PATCHES: tuple[Patch, ...] = (
          "torch.accelerator.memory_stats", "torch.accelerator.get_memory_info",
          "torch.accelerator.get_device_capability")),
     Patch(
-        "autocast-ddp-on-virtual-gpus", "``torch.amp.autocast_mode.autocast.__init__`` (``torch.autocast``, "
+        "virtual-gpu-wrappers", "``torch.amp.autocast_mode.autocast.__init__`` (``torch.autocast``, "
         "``torch.amp.autocast``, ``torch.cuda.amp.autocast``), "
-        "``torch.nn.parallel.DistributedDataParallel.__init__`` and ``torch.load``: wrapped", "simcomm.sim.cuda_map",
+        "``torch.nn.parallel.DistributedDataParallel.__init__`` and ``torch.load``: wrapped; DataLoader's "
+        "``torch.utils.data._utils.pin_memory.pin_memory``: replaced", "simcomm.sim.cuda_map",
         "virtual GPUs: on a rank thread, autocast('cuda', dtype) is the World device's autocast with the "
         "same dtype (CUDA's float16 when none is given), and DDP's device_ids/output_device, checked "
         "against the node's virtual GPUs, are dropped (DDP of a CPU module takes none), and torch.load's "
-        "CUDA map_location is the World's device; on every other thread all three are torch's own",
+        "CUDA map_location is the World's device; on every other thread those three are torch's own. "
+        "DataLoader(pin_memory=True) pins on a thread of its own, which is no rank's: its batches are "
+        "passed on as they are, on every thread (nothing can be pinned without a GPU)",
         "each World(map_cuda=True).run", "when the run ends", "run",
         ("setattr(torch.amp.autocast_mode.autocast)", "torch.nn.parallel.DistributedDataParallel.__init__",
-         "torch.load"),
+         "torch.load", "torch.utils.data._utils.pin_memory.pin_memory"),
         ("torch.amp.autocast_mode.autocast.__init__", "torch.nn.parallel.DistributedDataParallel.__init__",
-         "torch.load")),
+         "torch.load", "torch.utils.data._utils.pin_memory.pin_memory")),
     Patch(
         "storage-resize", "``torch.UntypedStorage.resize_``: the same call, then the counted size "
         "follows the storage", "simcomm.memory",

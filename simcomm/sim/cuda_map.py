@@ -45,6 +45,8 @@ device (``cpu``; fake on shape-only ranks) and every place a program names CUDA 
 * ``DistributedDataParallel(module, device_ids=[k], output_device=k)`` on a rank thread, for a
   module on the World's device: the ids are checked against the node's GPUs and dropped, as
   DDP of a CPU module needs;
+* ``DataLoader(pin_memory=True)`` gives its batches as they are (its pinning thread is not a
+  rank's; nothing can be pinned here);
 * ``torch.load(path, map_location="cuda:k")`` (or an int, or none) on a rank thread loads onto
   the World's device;
 * ``init_process_group("nccl")`` joins the run's world as ``"gloo"`` does
@@ -61,6 +63,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import importlib
 import re
 import threading
 import types
@@ -664,6 +667,12 @@ def _mapped_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) ->
     return _torch_load(f, map_location, *args, **kwargs)
 
 
+def _unpinned(data: Any, device: Any = None) -> Any:
+    """DataLoader's ``pin_memory(data, device)`` on virtual GPUs: the batch as it is (there is
+    no pinned memory on this machine; DataLoader pins on its own thread, not a rank's)."""
+    return data
+
+
 def _ddp_class() -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -692,7 +701,7 @@ def cuda_answers(gpus: VirtualGPUs | int, world_size: int | None = None) -> Iter
     """Patch ``torch.cuda``'s and ``torch.accelerator``'s queries (module docstring),
     ``Module.cuda`` / ``Module.to``, autocast's constructor and DDP's on mapped rank threads, for
     the block; restore them after (simcomm.patches: "cuda-answers", "accelerator-answers",
-    "autocast-ddp-on-virtual-gpus"). ``cuda_answers(world_size)`` is ``VirtualGPUs()``."""
+    "virtual-gpu-wrappers"). ``cuda_answers(world_size)`` is ``VirtualGPUs()``."""
     if isinstance(gpus, int):
         gpus, world_size = VirtualGPUs(), gpus
     answers = _Answers(gpus, world_size or 1)
@@ -701,6 +710,8 @@ def cuda_answers(gpus: VirtualGPUs | int, world_size: int | None = None) -> Iter
     saved_cuda = {name: getattr(torch.cuda, name) for name in cuda}
     saved_accelerator = {name: getattr(torch.accelerator, name) for name in accelerator}
     ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
+    importlib.import_module("torch.utils.data._utils.pin_memory")      # DataLoader's pinning
+    pin_batch = torch.utils.data._utils.pin_memory.pin_memory
     try:
         for name, value in cuda.items():
             setattr(torch.cuda, name, value)
@@ -710,8 +721,10 @@ def cuda_answers(gpus: VirtualGPUs | int, world_size: int | None = None) -> Iter
         setattr(torch.amp.autocast_mode.autocast, "__init__", _mapped_autocast_init)
         torch.nn.parallel.DistributedDataParallel.__init__ = _mapped_ddp_init(ddp_init, answers.count)
         torch.load = _mapped_load
+        torch.utils.data._utils.pin_memory.pin_memory = _unpinned
         yield answers
     finally:
+        torch.utils.data._utils.pin_memory.pin_memory = pin_batch
         torch.load = _torch_load
         torch.nn.parallel.DistributedDataParallel.__init__ = ddp_init
         setattr(torch.amp.autocast_mode.autocast, "__init__", _autocast_init)

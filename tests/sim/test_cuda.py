@@ -150,6 +150,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="virtual GPUs are 
 TWIN_EDITS = (
     (", device_ids=[local_rank], output_device=local_rank", ""),
     (", device_id=device", ""),
+    ("torch.accelerator.current_accelerator()", 'torch.device("cpu")'),
     ('"cuda"', '"cpu"'),
     ('"nccl"', '"gloo"'),
     ('torch.device("cpu", local_rank)', 'torch.device("cpu")'),
@@ -170,7 +171,7 @@ def cpu_twin(text: str) -> str:
     code = ast.unparse(tree.body[1:] if ast.get_docstring(tree) else tree.body)
     # torch.cuda.manual_seed_all stays: on a CPU-only torch it is a no-op, as under torchrun
     for left in ("'cuda'", "'nccl'", "torch.cuda.set_device", "torch.cuda.Event", "torch.cuda.synchronize",
-                 "device_ids", "pin_memory", "local_rank)"):
+                 "torch.accelerator", "device_ids", "pin_memory()", "local_rank)"):
         assert left not in code, f"the CPU twin still has {left!r}"
     return twin
 
@@ -206,6 +207,47 @@ def test_a_gpu_ddp_script_on_virtual_gpus_prints_and_saves_what_its_cpu_twin_doe
         assert 0 < int(fields["allocated"]) <= int(fields["peak"])
         assert fields["elapsed"] == "0.0" and fields["out_dtype"] == "torch.bfloat16"
     assert gpu.memory is not None and all(peak > 0 for peak in gpu.memory.peak)   # tracked on virtual GPUs
+
+
+def dcp_model(folder: Path) -> dict:
+    """The model of the DCP checkpoint in ``folder`` (as one torch.save file)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder / "checkpoint", folder / "checkpoint.pt")
+    return torch.load(folder / "checkpoint.pt")["model"]
+
+
+@no_gpu
+def test_an_fsdp2_script_for_any_accelerator_on_virtual_gpus_equals_its_cpu_twin(tmp_path, capsys):
+    twin = tmp_path / "gpu_fsdp2_cpu.py"
+    twin.write_text(cpu_twin((SCRIPTS / "gpu_fsdp2.py").read_text()))
+    for name in ("gpu", "cpu"):
+        (tmp_path / name).mkdir()
+    gpu = run_script(SCRIPTS / "gpu_fsdp2.py", 2, ["--out", str(tmp_path / "gpu")])
+    gpu_out = capsys.readouterr().out
+    cpu = run_script(twin, 2, ["--out", str(tmp_path / "cpu")], virtual_gpus=False)
+    cpu_out = capsys.readouterr().out
+    assert gpu.returncode == 0 and cpu.returncode == 0, gpu.summary() + cpu.summary()
+    losses = tagged(gpu_out, "loss")
+    assert len(losses[0]) == 4 and losses == tagged(cpu_out, "loss")
+    saved, expected = dcp_model(tmp_path / "gpu"), dcp_model(tmp_path / "cpu")
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
+    for rank, lines in tagged(gpu_out, "gpu").items():
+        fields = dict(item.split("=", 1) for item in lines[0].split(" ")[1:])
+        assert (fields["count"], fields["index"]) == ("2", str(rank))
+        assert 0 < int(fields["allocated"]) < int(fields["peak"])
+
+
+@no_gpu
+def test_an_fsdp2_script_past_its_virtual_gpus_memory_stops_with_cuda_out_of_memory(capsys):
+    # width 512: a 512 x 512 float32 layer (1 MiB) unsharded in forward does not fit in 1 MiB
+    result = run_script(SCRIPTS / "gpu_fsdp2.py", 2, ["--width", "512"], gpu_memory="1MiB")
+    capsys.readouterr()
+    assert result.returncode == 1 and isinstance(result.error, RankError)
+    assert isinstance(result.error.error, torch.OutOfMemoryError)
+    assert str(result.error.error).startswith("CUDA out of memory. Tried to allocate ")
+    assert "total capacity of 1.00 MiB" in str(result.error.error)
+    assert run_script(SCRIPTS / "gpu_fsdp2.py", 2, ["--width", "512", "--steps", "1"]).returncode == 0
 
 
 @no_gpu

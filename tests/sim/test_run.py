@@ -475,24 +475,26 @@ def test_environment_argv_random_and_top_level_destroy_are_the_same_both_ways(tm
 @pytest.mark.real
 @needs_torchrun
 @pytest.mark.skipif(torch.cuda.is_available(), reason="virtual GPUs are the default only without a GPU")
-def test_a_gpu_script_on_virtual_gpus_prints_and_saves_what_its_cpu_twin_does_under_torchrun(tmp_path):
-    from .test_cuda import cpu_twin
+@pytest.mark.parametrize("script", ["gpu_ddp.py", "gpu_fsdp2.py"])
+def test_a_gpu_script_on_virtual_gpus_prints_and_saves_what_its_cpu_twin_does_under_torchrun(tmp_path, script):
+    from .test_cuda import cpu_twin, dcp_model
 
-    twin = tmp_path / "gpu_ddp_cpu.py"
-    twin.write_text(cpu_twin((SCRIPTS / "gpu_ddp.py").read_text()))
+    twin = tmp_path / script.replace(".py", "_cpu.py")
+    twin.write_text(cpu_twin((SCRIPTS / script).read_text()))
     outputs = {}
-    for name, launcher, script in (("sim", [sys.executable, "-m", "simcomm.run"], SCRIPTS / "gpu_ddp.py"),
-                                   ("torchrun", [str(TORCHRUN), "--standalone", "--tee", "3"], twin)):
+    for name, launcher, path in (("sim", [sys.executable, "-m", "simcomm.run"], SCRIPTS / script),
+                                 ("torchrun", [str(TORCHRUN), "--standalone", "--tee", "3"], twin)):
         folder = tmp_path / name
         folder.mkdir()
-        text = _run_command([*launcher, "--nproc-per-node", "2", str(script), "--out", str(folder)], tmp_path,
+        text = _run_command([*launcher, "--nproc-per-node", "2", str(path), "--out", str(folder)], tmp_path,
                             reference=name == "torchrun")
-        outputs[name] = (tagged_lines(text, "loss"), torch.load(folder / "model.pt"), text)
+        model = torch.load(folder / "model.pt") if script == "gpu_ddp.py" else dcp_model(folder)
+        outputs[name] = (tagged_lines(text, "loss"), model, text)
     (sim_losses, sim_model, sim_text), (torchrun_losses, torchrun_model, _) = outputs["sim"], outputs["torchrun"]
     assert len(sim_losses[0]) == 4 and sim_losses == torchrun_losses
     assert_same_tensors(sim_model, torchrun_model)
     assert "each rank gets a virtual GPU" in sim_text
-    assert len(tagged_lines(sim_text, "gpu name=NVIDIA H100 80GB HBM3 count=2")) == 2
+    assert len(tagged_lines(sim_text, "gpu ")) == 2
 
 
 @pytest.mark.real
