@@ -296,7 +296,7 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     integer devices, ``DDP(device_ids=...)``, autocast, memory statistics run as on a node
     of ``nproc_per_node`` GPUs named ``gpu`` (:data:`simcomm.sim.cuda_map.GPUS`), each
     holding ``gpu_memory`` bytes (``"8GiB"``; default the GPU's own), and each rank's memory
-    is tracked (``ScriptRun.memory``), so a rank past the capacity gets
+    is tracked (``ScriptRun.memory``; shape-only ranks with ``memory=True``), so a rank past the capacity gets
     ``torch.OutOfMemoryError`` (:mod:`simcomm.sim.cuda_map`). ``virtual_gpus=False``: no
     virtual GPUs; a GPU script then fails as it would under torchrun on this machine.
 
@@ -315,8 +315,10 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     if virtual_gpus is None:
         virtual_gpus = not torch.cuda.is_available() and torch.device(device).type == "cpu"
     gpus = VirtualGPUs(gpu, gpu_memory, nproc_per_node) if virtual_gpus else None
-    world = World(world_size, device=device, tensors=tensors, memory=memory or bool(virtual_gpus),
-                  map_cuda=gpus or False)
+    # virtual GPUs track each rank's memory (torch.cuda's statistics, the OOM); shape-only runs,
+    # which may have thousands of ranks, only when asked (memory=True)
+    world = World(world_size, device=device, tensors=tensors,
+                  memory=memory or (gpus is not None and tensors == "real"), map_cuda=gpus or False)
     if gpus is not None:
         print(f"simcomm.run: no GPU here; each rank gets a virtual GPU backed by the CPU, a "
               f"{gpus.describe()} (--no-virtual-gpus turns this off)", file=sys.stderr)

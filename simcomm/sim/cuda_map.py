@@ -214,9 +214,9 @@ class CudaAsDevice(TorchFunctionMode):
         if func is torch.device:                      # torch.device("cuda", 1), torch.device(0) itself
             first = args[0] if args else kwargs.get("type")
             if _is_device_int(first):
-                return self.device
+                return _ordinal_device(self.device, first)
             made = func(*args, **kwargs)
-            return self.device if made.type == "cuda" else made
+            return _ordinal_device(self.device, made.index) if made.type == "cuda" else made
         if func is torch.Tensor.record_stream:
             return None
         if func is torch.Tensor.pin_memory:
@@ -241,6 +241,30 @@ class CudaAsDevice(TorchFunctionMode):
         if func is torch.Tensor.to and changed:
             return _moved(args[0], out)
         return out
+
+
+_ORDINAL_DEVICES: dict[tuple[torch.device, int], torch.device] = {}
+
+
+def _ordinal_device(device: torch.device, index: int | None) -> torch.device:
+    """What ``torch.device("cuda", index)`` gives on a mapped rank thread: ``device`` (the
+    World's), as an object of its own per ordinal, so that ``torch.cuda.set_device`` of it can
+    still tell which GPU it named (``set_device(torch.device("cuda", local_rank))``)."""
+    if index is None:
+        return device
+    key = (device, index)
+    made = _ORDINAL_DEVICES.get(key)
+    if made is None:
+        made = _ORDINAL_DEVICES.setdefault(key, torch.device(device.type, device.index))
+    return made
+
+
+def _ordinal_of(device: torch.device) -> int | None:
+    """The ordinal a device :func:`_ordinal_device` made stands for (``None``: none)."""
+    for (_, index), made in list(_ORDINAL_DEVICES.items()):
+        if made is device:
+            return index
+    return device.index
 
 
 def _moved(tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -345,7 +369,7 @@ def _ordinal(device: Any) -> int | None:
             return int(index) if index else None
         if parsed.type not in ("cuda", _mapped_type()):
             raise ValueError(f"Expected a cuda device, but got: {parsed}")
-        return parsed.index
+        return parsed.index if parsed.type == "cuda" else _ordinal_of(parsed)
     if isinstance(device, int) and not isinstance(device, bool):
         return device
     raise ValueError(f"Expected a cuda device, but got: {device!r}")

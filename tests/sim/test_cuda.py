@@ -486,3 +486,16 @@ def test_torch_load_with_a_cuda_map_location_loads_onto_the_worlds_device(tmp_pa
 
     for out in simcomm.World(2, map_cuda=True).run(program):
         assert out == [("cpu", [0.0, 1.0, 2.0, 3.0])] * 4
+
+
+def test_set_device_of_a_cuda_device_object_selects_its_ordinal():
+    def program(comm):
+        device = torch.device("cuda", comm.rank)
+        torch.cuda.set_device(device)
+        first = torch.cuda.current_device()
+        torch.cuda.set_device(torch.device(f"cuda:{1 - comm.rank}"))
+        second = torch.cuda.current_device()
+        torch.cuda.set_device(torch.device(comm.rank))
+        return str(device), device == torch.device("cpu"), first, second, torch.cuda.current_device()
+
+    assert simcomm.World(2, map_cuda=True).run(program) == [("cpu", True, r, 1 - r, r) for r in range(2)]
