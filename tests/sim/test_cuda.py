@@ -462,7 +462,10 @@ def test_run_script_names_the_virtual_gpu_and_its_memory(tmp_path, capsys):
 
 
 def test_gpu_presets_and_sizes():
+    from simcomm.model.topology import PRESETS
+
     assert gpu_preset("h100") is GPUS["H100"] is gpu_preset("h100-nvswitch")
+    assert all(gpu.topology in PRESETS for gpu in GPUS.values() if gpu.topology)   # the cost model's nodes
     assert gpu_preset("a100-40gb").total_memory == 40 * 2 ** 30
     assert [parse_bytes(v) for v in ("8GiB", "512 MiB", "80GB", 1024, "1.5KiB")] == [
         8 * 2 ** 30, 512 * 2 ** 20, 80 * 10 ** 9, 1024, 1536]
