@@ -357,19 +357,21 @@ def _current_device() -> int:
 
 
 def _ordinal(device: Any) -> int | None:
-    """The CUDA ordinal ``device`` names (``None``: the current one)."""
+    """The CUDA ordinal ``device`` names (``None``: the current one): ``"cuda:k"``, ``k``,
+    ``torch.device("cuda", k)``, or the device that made on a mapped rank thread."""
     if device is None:
         return None
-    if isinstance(device, (str, torch.device)):
-        if isinstance(device, str) and not (device == "cuda" or device.startswith("cuda:")):
-            device = torch.device(device)
-        parsed = device if isinstance(device, torch.device) else None
-        if parsed is None:
+    if isinstance(device, str):
+        if device == "cuda" or device.startswith("cuda:"):
             index = device.partition(":")[2]
             return int(index) if index else None
-        if parsed.type not in ("cuda", _mapped_type()):
-            raise ValueError(f"Expected a cuda device, but got: {parsed}")
-        return parsed.index if parsed.type == "cuda" else _ordinal_of(parsed)
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type == "cuda":
+            return device.index
+        if device.type == _mapped_type():
+            return _ordinal_of(device)
+        raise ValueError(f"Expected a cuda device, but got: {device}")
     if isinstance(device, int) and not isinstance(device, bool):
         return device
     raise ValueError(f"Expected a cuda device, but got: {device!r}")
