@@ -72,7 +72,8 @@ from torch.utils._python_dispatch import (
 __all__ = [
     "LABELS", "DEFAULT_LABEL", "COMMUNICATION",
     "label", "communicating", "tag", "mark", "track", "received", "untracked", "any_tracked", "current_bytes",
-    "device_peak_bytes", "reset_device_peak", "live_by_label", "capacity", "run_tracked",
+    "device_peak_bytes", "reset_device_peak", "live_by_label", "capacity", "set_capacity",
+    "run_tracked",
     "Snapshot", "RankMemory", "MemoryReport",
 ]
 
@@ -421,6 +422,14 @@ def capacity() -> int | None:
     """The capacity in bytes this rank was tracked with (:func:`track`), ``None`` when none."""
     tracker = _tracker()
     return None if tracker is None else tracker.capacity
+
+
+def set_capacity(nbytes: int | None) -> None:
+    """Change this rank's capacity (``torch.cuda.set_per_process_memory_fraction`` on a virtual
+    GPU); nothing on a rank that is not tracked."""
+    tracker = _tracker()
+    if tracker is not None:
+        tracker.capacity = nbytes
 
 
 # -- what transports call ----------------------------------------------------------------------

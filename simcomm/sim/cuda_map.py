@@ -470,6 +470,13 @@ class _Answers:
     def capacity(self) -> int:
         return memory.capacity() or self.gpus.capacity
 
+    def set_per_process_memory_fraction(self, fraction: float, device: Any = None) -> None:
+        """The rank's GPU holds ``fraction`` of its capacity from now on (as CUDA's allocator
+        limits a process), for ranks whose memory is tracked."""
+        if not isinstance(fraction, float) or not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        memory.set_capacity(int(fraction * self.gpus.capacity))
+
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
         total = self.capacity()
         return max(0, total - self.memory_allocated()), total
@@ -550,6 +557,7 @@ class _Answers:
             "memory_reserved": self.memory_allocated,
             "max_memory_reserved": self.max_memory_allocated,
             "mem_get_info": self.mem_get_info,
+            "set_per_process_memory_fraction": self.set_per_process_memory_fraction,
             "memory_stats": self.memory_stats,
             "memory_summary": self.memory_summary,
             "get_device_name": lambda device=None: self.get_device_properties(device).name,

@@ -442,6 +442,14 @@ def test_a_rank_past_its_virtual_gpus_capacity_gets_cuda_out_of_memory():
                           "4.00 MiB of which 3.00 MiB is free. Of the allocated memory 1.00 MiB is allocated")
     assert "rank 1" in oom and "--gpu-memory" in oom and freed
 
+    def limited(comm):
+        torch.cuda.set_per_process_memory_fraction(0.25)       # 1 MiB of the 4 MiB
+        with pytest.raises(torch.OutOfMemoryError, match="total capacity of 1.00 MiB"):
+            torch.empty(2 ** 19, device="cuda")
+        return torch.cuda.mem_get_info()[1]
+
+    assert world.run(limited) == [2 ** 20] * 2
+
     with pytest.raises(RankError) as info:
         simcomm.World(2, map_cuda=VirtualGPUs(memory="1MiB"), memory=True).run(
             lambda comm: torch.nn.Linear(1024, 1024, device="cuda"))
