@@ -72,6 +72,7 @@ from torch.utils._python_dispatch import (
 __all__ = [
     "LABELS", "DEFAULT_LABEL", "COMMUNICATION",
     "label", "communicating", "tag", "mark", "track", "received", "untracked", "any_tracked", "current_bytes",
+    "device_peak_bytes", "reset_device_peak", "live_by_label", "capacity", "set_capacity",
     "run_tracked",
     "Snapshot", "RankMemory", "MemoryReport",
 ]
@@ -122,11 +123,18 @@ class _Tracker:
         self.peak_live: dict[str, int] = {}
         self.window_peak = 0                        # peak since the last mark
         self.marks: list[Snapshot] = []
+        self.device_peak = 0                        # peak since reset_device_peak (torch.cuda's statistic)
+        #: bytes the rank's device holds (a virtual GPU's); None: no limit
+        self.capacity: int | None = None
+        #: what an allocation past ``capacity`` raises: ``over_capacity(tracker, requested_bytes)``
+        self.over_capacity: Callable[[_Tracker, int], BaseException] | None = None
 
     def add(self, label: str, nbytes: int) -> None:
         live = self.live
         live[label] = live.get(label, 0) + nbytes
         self.current += nbytes
+        if self.current > self.device_peak:
+            self.device_peak = self.current
         if self.current > self.window_peak:
             self.window_peak = self.current
             if self.current > self.peak:
@@ -228,7 +236,12 @@ def _resize_storage(storage: torch.UntypedStorage, size: int) -> Any:
     size follows the storage (FSDP2 frees and re-allocates unsharded parameters this way,
     outside the dispatcher)."""
     result = _RESIZE_STORAGE(storage, size)
+    tracker = _tracker()
+    before = tracker.current if tracker is not None else 0
     _storage_resized(storage)
+    if (tracker is not None and tracker.capacity is not None and tracker.current > tracker.capacity
+            and tracker.current > before and not tracker.paused):
+        raise _over_capacity(tracker, tracker.current - before)
     return result
 
 
@@ -270,13 +283,27 @@ class _TrackingMode(TorchDispatchMode):
         if tracker.paused:
             return out
         kind = _kind(func)
+        before = tracker.current
         if isinstance(out, torch.Tensor):
             _see(tracker, out, kind, func)
         elif isinstance(out, (tuple, list)):
             for item in out:
                 if isinstance(item, torch.Tensor):
                     _see(tracker, item, kind, func)
+        if tracker.capacity is not None and tracker.current > tracker.capacity and tracker.current > before:
+            error = _over_capacity(tracker, tracker.current - before)
+            out = item = None     # noqa: F841 - the output is dropped (its bytes stop counting), as if never made
+            raise error
         return out
+
+
+def _over_capacity(tracker: _Tracker, requested: int) -> BaseException:
+    """What an allocation of ``requested`` bytes that took ``tracker`` past its capacity raises."""
+    if tracker.over_capacity is not None:
+        return tracker.over_capacity(tracker, requested)
+    return torch.OutOfMemoryError(
+        f"out of memory: rank {tracker.rank} tried to allocate {requested} bytes, holding {tracker.current} "
+        f"of its capacity of {tracker.capacity} bytes")
 
 
 # -- what programs call ------------------------------------------------------------------------
@@ -371,6 +398,40 @@ def current_bytes() -> int | None:
     return None if tracker is None else tracker.current
 
 
+def device_peak_bytes() -> int | None:
+    """This rank's highest live bytes since the last :func:`reset_device_peak` (or its start):
+    what ``torch.cuda.max_memory_allocated`` answers on a virtual GPU. ``None`` when untracked."""
+    tracker = _tracker()
+    return None if tracker is None else tracker.device_peak
+
+
+def reset_device_peak() -> None:
+    """Start :func:`device_peak_bytes` again from the live bytes now (``torch.cuda.reset_peak_memory_stats``)."""
+    tracker = _tracker()
+    if tracker is not None:
+        tracker.device_peak = tracker.current
+
+
+def live_by_label() -> dict[str, int]:
+    """This rank's live bytes by label now (empty when the rank is not tracked)."""
+    tracker = _tracker()
+    return {} if tracker is None else {k: v for k, v in tracker.live.items() if v}
+
+
+def capacity() -> int | None:
+    """The capacity in bytes this rank was tracked with (:func:`track`), ``None`` when none."""
+    tracker = _tracker()
+    return None if tracker is None else tracker.capacity
+
+
+def set_capacity(nbytes: int | None) -> None:
+    """Change this rank's capacity (``torch.cuda.set_per_process_memory_fraction`` on a virtual
+    GPU); nothing on a rank that is not tracked."""
+    tracker = _tracker()
+    if tracker is not None:
+        tracker.capacity = nbytes
+
+
 # -- what transports call ----------------------------------------------------------------------
 
 class _Paused:
@@ -431,7 +492,9 @@ def received(output: Any) -> Any:
 # -- tracking a rank ---------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def track(rank: int, reports: list | None, device: torch.device | str | None = None) -> Iterator[None]:
+def track(rank: int, reports: list | None, device: torch.device | str | None = None, *,
+          capacity: int | None = None,
+          over_capacity: Callable[[_Tracker, int], BaseException] | None = None) -> Iterator[None]:
     """Track the memory of ``rank`` on this thread inside the block; on exit put its
     :class:`RankMemory` in ``reports[rank]``.
 
@@ -440,6 +503,11 @@ def track(rank: int, reports: list | None, device: torch.device | str | None = N
     allocator's statistic covers the whole process: on a real worker that is one
     rank; a ``World``'s ranks share the process, so it passes no device).
     Storage still alive at exit stops being counted anywhere.
+
+    ``capacity``: the bytes the rank's device holds (a virtual GPU's,
+    :mod:`simcomm.sim.cuda_map`): an op whose new storage takes the rank past it raises
+    ``over_capacity(tracker, requested_bytes)`` (default ``torch.OutOfMemoryError``) after it ran,
+    and its output is dropped, as an allocation a GPU cannot serve fails.
     """
     if reports is None:
         yield
@@ -450,6 +518,7 @@ def track(rank: int, reports: list | None, device: torch.device | str | None = N
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     tracker = _Tracker(rank)
+    tracker.capacity, tracker.over_capacity = capacity, over_capacity
     previous = _local.tracker
     _local.tracker = tracker
     global _active

@@ -153,20 +153,61 @@ PATCHES: tuple[Patch, ...] = (
         "when the last one ends: the process's os.environ object is put back", "run", ("os.environ",)),
     Patch(
         "cuda-answers", "``torch.cuda``'s queries (is_available, device_count, current_device, "
-        "set_device, memory_allocated, Stream, Event, ...) and ``torch.nn.Module.cuda``/``.to``",
+        "set_device, device, memory_allocated, mem_get_info, memory_summary, manual_seed, get_rng_state, "
+        "Stream, Event, ...) and ``torch.nn.Module.cuda``/``.to``",
         "simcomm.sim.cuda_map",
-        "World(map_cuda=True): a GPU script runs unchanged; torch.cuda answers as one GPU per rank "
-        "and a module's .cuda() stays on the World's device",
+        "virtual GPUs (World(map_cuda=True); python -m simcomm.run without a GPU): a GPU script runs "
+        "unchanged; torch.cuda answers as one GPU per rank (random state and memory statistics per "
+        "rank thread) and a module's .cuda()/.to(local_rank) stays on the World's device; on every "
+        "other thread the module methods are torch's own",
         "each World(map_cuda=True).run", "when the run ends", "run",
         ("setattr(torch.cuda)", "torch.nn.Module.cuda", "torch.nn.Module.to"),
-        ("torch.cuda.is_available", "torch.cuda.device_count", "torch.cuda.current_device",
-         "torch.cuda.set_device", "torch.cuda.synchronize", "torch.cuda.empty_cache",
+        ("torch.cuda.is_available", "torch.cuda.init", "torch.cuda.device_count", "torch.cuda.current_device",
+         "torch.cuda.set_device", "torch.cuda.device", "torch.cuda.synchronize", "torch.cuda.empty_cache",
          "torch.cuda.reset_peak_memory_stats", "torch.cuda.reset_max_memory_allocated",
          "torch.cuda.memory_allocated", "torch.cuda.max_memory_allocated", "torch.cuda.memory_reserved",
-         "torch.cuda.max_memory_reserved", "torch.cuda.get_device_name", "torch.cuda.get_device_properties",
-         "torch.cuda.get_device_capability", "torch.cuda.is_bf16_supported", "torch.cuda.Stream",
+         "torch.cuda.max_memory_reserved", "torch.cuda.mem_get_info",
+         "torch.cuda.set_per_process_memory_fraction", "torch.cuda.memory_stats",
+         "torch.cuda.memory_summary", "torch.cuda.get_device_name", "torch.cuda.get_device_properties",
+         "torch.cuda.get_device_capability", "torch.cuda.is_bf16_supported", "torch.cuda.manual_seed",
+         "torch.cuda.manual_seed_all", "torch.cuda.seed", "torch.cuda.seed_all", "torch.cuda.initial_seed",
+         "torch.cuda.get_rng_state", "torch.cuda.set_rng_state", "torch.cuda.get_rng_state_all",
+         "torch.cuda.set_rng_state_all", "torch.cuda.Stream",
          "torch.cuda.Event", "torch.cuda.current_stream", "torch.cuda.default_stream", "torch.cuda.stream",
          "torch.nn.Module.cuda", "torch.nn.Module.to")),
+    Patch(
+        "accelerator-answers", "``torch.accelerator``'s queries (is_available, current_accelerator, "
+        "device_count, set_device_index, current_device_index, device_index, synchronize, current_stream, "
+        "memory_allocated, get_memory_info, ...)", "simcomm.sim.cuda_map",
+        "virtual GPUs: scripts written for any accelerator ask torch.accelerator, not torch.cuda; it "
+        "answers as torch.cuda does (current_accelerator() is device(type='cuda'))",
+        "each World(map_cuda=True).run", "when the run ends", "run",
+        ("setattr(torch.accelerator)",),
+        ("torch.accelerator.is_available", "torch.accelerator.current_accelerator",
+         "torch.accelerator.device_count", "torch.accelerator.set_device_index", "torch.accelerator.set_device_idx",
+         "torch.accelerator.current_device_index", "torch.accelerator.current_device_idx",
+         "torch.accelerator.device_index", "torch.accelerator.synchronize", "torch.accelerator.current_stream",
+         "torch.accelerator.empty_cache", "torch.accelerator.memory_allocated",
+         "torch.accelerator.max_memory_allocated", "torch.accelerator.memory_reserved",
+         "torch.accelerator.max_memory_reserved", "torch.accelerator.reset_peak_memory_stats",
+         "torch.accelerator.memory_stats", "torch.accelerator.get_memory_info",
+         "torch.accelerator.get_device_capability")),
+    Patch(
+        "virtual-gpu-wrappers", "``torch.amp.autocast_mode.autocast.__init__`` (``torch.autocast``, "
+        "``torch.amp.autocast``, ``torch.cuda.amp.autocast``), "
+        "``torch.nn.parallel.DistributedDataParallel.__init__`` and ``torch.load``: wrapped; DataLoader's "
+        "``torch.utils.data._utils.pin_memory.pin_memory``: replaced", "simcomm.sim.cuda_map",
+        "virtual GPUs: on a rank thread, autocast('cuda', dtype) is the World device's autocast with the "
+        "same dtype (CUDA's float16 when none is given), and DDP's device_ids/output_device, checked "
+        "against the node's virtual GPUs, are dropped (DDP of a CPU module takes none), and torch.load's "
+        "CUDA map_location is the World's device; on every other thread those three are torch's own. "
+        "DataLoader(pin_memory=True) pins on a thread of its own, which is no rank's: its batches are "
+        "passed on as they are, on every thread (nothing can be pinned without a GPU)",
+        "each World(map_cuda=True).run", "when the run ends", "run",
+        ("setattr(torch.amp.autocast_mode.autocast)", "torch.nn.parallel.DistributedDataParallel.__init__",
+         "torch.load", "torch.utils.data._utils.pin_memory.pin_memory"),
+        ("torch.amp.autocast_mode.autocast.__init__", "torch.nn.parallel.DistributedDataParallel.__init__",
+         "torch.load", "torch.utils.data._utils.pin_memory.pin_memory")),
     Patch(
         "storage-resize", "``torch.UntypedStorage.resize_``: the same call, then the counted size "
         "follows the storage", "simcomm.memory",

@@ -24,6 +24,11 @@ torchrun run has to itself, each rank has:
   call works from the script's top level;
 * an exit status: ``sys.exit(n)`` ends the rank as a process exit would.
 
+On a machine without a GPU each rank gets a virtual GPU backed by the CPU
+(:mod:`simcomm.sim.cuda_map`; ``--no-virtual-gpus``, ``--gpu``, ``--gpu-memory``):
+a script written for GPUs (``set_device``, ``.to(local_rank)``, ``"nccl"``,
+``device_ids``, autocast, memory statistics) runs unmodified, with real values.
+
 Output lines are tagged ``[rank r]``. The command exits non-zero, with a
 summary of the failed ranks, when a rank raised or exited non-zero, or the
 simulator found a collective mismatch or a deadlock (named with each rank's
@@ -54,6 +59,7 @@ import torch
 
 from .errors import RankError, SimcommError
 from .memory import MemoryReport
+from .sim.cuda_map import GPUS, VirtualGPUs, gpu_preset, parse_bytes
 from .sim.process_state import rank_environ
 from .errors import Aborted
 from .sim.world import World
@@ -272,7 +278,8 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
                nnodes: int = 1, module: bool = False, tensors: str = "real", memory: bool = False,
                timeout: float | None = None, device: str | torch.device = "cpu",
                tag_output: bool = True, master_addr: str = "127.0.0.1", master_port: int = 29500,
-               run_id: str | None = None) -> ScriptRun:
+               run_id: str | None = None, virtual_gpus: bool | None = None, gpu: str = "H100",
+               gpu_memory: int | str | None = None) -> ScriptRun:
     """Run ``script`` (a path, or a module name with ``module=True``) on ``nproc_per_node
     x nnodes`` virtual ranks, as ``torchrun --nproc-per-node N --nnodes M script args``.
 
@@ -282,6 +289,16 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     runs shape-only ranks, ``memory=True`` fills ``ScriptRun.memory``. Raises
     ``ValueError`` for a bad ``nproc_per_node``/``nnodes``, ``FileNotFoundError``
     for a script that does not exist.
+
+    **Virtual GPUs.** ``virtual_gpus=None`` (the default) gives each rank a virtual GPU
+    backed by the CPU when this machine has none (``torch.cuda.is_available()`` False
+    before the run), announced in one line on stderr: the script's CUDA calls, ``"nccl"``,
+    integer devices, ``DDP(device_ids=...)``, autocast, memory statistics run as on a node
+    of ``nproc_per_node`` GPUs named ``gpu`` (:data:`simcomm.sim.cuda_map.GPUS`), each
+    holding ``gpu_memory`` bytes (``"8GiB"``; default the GPU's own), and each rank's memory
+    is tracked (``ScriptRun.memory``; shape-only ranks with ``memory=True``), so a rank past the capacity gets
+    ``torch.OutOfMemoryError`` (:mod:`simcomm.sim.cuda_map`). ``virtual_gpus=False``: no
+    virtual GPUs; a GPU script then fails as it would under torchrun on this machine.
 
     For the run, torch computes with the number of threads the ranks'
     ``OMP_NUM_THREADS`` says (torchrun gives its workers 1 when it is unset and
@@ -295,7 +312,16 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     if not module and not os.path.exists(target):
         raise FileNotFoundError(f"run_script: script={target!r} does not exist")
     world_size = nproc_per_node * nnodes
-    world = World(world_size, device=device, tensors=tensors, memory=memory)
+    if virtual_gpus is None:
+        virtual_gpus = not torch.cuda.is_available() and torch.device(device).type == "cpu"
+    gpus = VirtualGPUs(gpu, gpu_memory, nproc_per_node) if virtual_gpus else None
+    # virtual GPUs track each rank's memory (torch.cuda's statistics, the OOM); shape-only runs,
+    # which may have thousands of ranks, only when asked (memory=True)
+    world = World(world_size, device=device, tensors=tensors,
+                  memory=memory or (gpus is not None and tensors == "real"), map_cuda=gpus or False)
+    if gpus is not None:
+        print(f"simcomm.run: no GPU here; each rank gets a virtual GPU backed by the CPU, a "
+              f"{gpus.describe()} (--no-virtual-gpus turns this off)", file=sys.stderr)
     statuses: list[int | None] = [None] * world_size
     # the script's folder leads sys.path, as `python script.py` puts it (the cwd for -m)
     search = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
@@ -366,6 +392,15 @@ def _parser() -> argparse.ArgumentParser:
     add("--memory", action="store_true", help="print each rank's peak memory by label")
     add("--timeout", type=float, default=None, metavar="S", help="stop the run after S seconds")
     add("--device", default="cpu", help="the World's device (cpu, or cuda with a GPU)")
+    add("--no-virtual-gpus", dest="virtual_gpus", action="store_false", default=None,
+        help="no virtual GPUs (on by default on a machine without a GPU: each rank gets one, backed "
+             "by the CPU); a GPU script then fails as under torchrun here")
+    add("--gpu", default="H100", metavar="NAME",
+        help="the virtual GPUs' model: " + ", ".join(GPUS) + " (get_device_name, get_device_properties, "
+             "capacity)")
+    add("--gpu-memory", default=None, metavar="SIZE",
+        help="each virtual GPU's capacity, e.g. 8GiB (default: the GPU's own); a rank past it gets "
+             "torch.OutOfMemoryError")
     add("training_script", help="the script (or, with -m, the module) to run")
     add("training_script_args", nargs=argparse.REMAINDER)
     return parser
@@ -413,6 +448,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("simcomm.run: --no-python cannot run on virtual ranks: a rank is a thread "
                          "of this Python process; run a Python script or module")
     nproc = _count("--nproc-per-node", options.nproc_per_node)
+    try:
+        gpu_preset(options.gpu)
+        if options.gpu_memory is not None:
+            parse_bytes(options.gpu_memory)
+    except (TypeError, ValueError) as bad:
+        raise SystemExit(f"simcomm.run: {bad}") from None
     nnodes = _count("--nnodes", options.nnodes)
     ignored = [name for name in _IGNORED if getattr(options, name) is not None]
     if ignored:
@@ -426,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         master_addr=options.master_addr or ("localhost" if options.standalone
                                                              else "127.0.0.1"),
                         master_port=options.master_port,
-                        run_id=run_id)
+                        run_id=run_id, virtual_gpus=options.virtual_gpus, gpu=options.gpu,
+                        gpu_memory=options.gpu_memory)
     if options.trace:
         result.trace.to_chrome_trace(options.trace)
         print(f"simcomm.run: trace of {len(result.trace)} events written to {options.trace} "

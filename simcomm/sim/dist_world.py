@@ -347,7 +347,8 @@ def _join_on_rank_thread(backend: Any, world_size: int, rank: int, init_method: 
     state = context.state
     check_init_arguments(backend, world_size, rank, init_method, context.transport.global_rank,
                          len(state.world.ranks), nccl=dist.is_nccl_available()
-                         or state.device.type == "cuda" or state.shape_only)
+                         or state.device.type == "cuda" or state.shape_only
+                         or getattr(state, "map_cuda", False))   # virtual GPUs: "nccl" joins as "gloo"
     if context.world is None:
         context.initialize()
     elif context.world.default_pg is None:

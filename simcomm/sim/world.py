@@ -22,7 +22,7 @@ from ..errors import RankError, RunTimeoutError
 from ..reports import format_ranks, program_location
 from ..trace import Trace
 from . import shape as _shape
-from .cuda_map import CudaAsDevice, cuda_answers
+from .cuda_map import CudaAsDevice, VirtualGPUs, cuda_answers
 from .dist_world import rank_process_group
 from .flops import FlopCounter
 from ..errors import Aborted
@@ -60,7 +60,7 @@ class World:
 
     def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
                  memory: bool = False, tensors: str = "real", count_flops: bool = False,
-                 map_cuda: bool = False):
+                 map_cuda: bool | VirtualGPUs = False):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size={world_size!r} must be a positive int")
         if tensors not in _shape.TENSOR_MODES:
@@ -74,8 +74,13 @@ class World:
         self.count_flops = bool(count_flops)
         self.flops: list[int] | None = None   # FLOPs per rank of the last run (count_flops=True)
         #: a program's "cuda" means this World's device; torch.cuda answers as one GPU per rank
-        #: (simcomm.sim.cuda_map: for scripts that hard-code CUDA, on a machine without one)
+        #: (simcomm.sim.cuda_map: for scripts that hard-code CUDA, on a machine without one);
+        #: ``map_cuda=VirtualGPUs("A100", memory="8GiB", per_node=4)`` names the virtual GPUs
+        if not isinstance(map_cuda, (bool, VirtualGPUs)):
+            raise TypeError(f"World: map_cuda={map_cuda!r} must be True, False or a simcomm.sim.cuda_map.VirtualGPUs")
         self.map_cuda = bool(map_cuda)
+        self.virtual_gpus: VirtualGPUs | None = (
+            (map_cuda if isinstance(map_cuda, VirtualGPUs) else VirtualGPUs()) if map_cuda else None)
         self.tracing = trace
         self.trace = Trace()
         self.track_memory = memory
@@ -178,6 +183,7 @@ class World:
         state.shape_only = shape_only
         state.flop_totals = [0] * self.world_size if self.count_flops else None
         state.map_cuda = self.map_cuda
+        state.virtual_gpus = self.virtual_gpus
         results: list[Any] = [None] * self.world_size
         reports = [None] * self.world_size if self.track_memory else None
         threads = [
@@ -189,8 +195,8 @@ class World:
         widen_futex_hash(self.world_size)
         state.random.save_caller()
         timed_out = None
-        answers = cuda_answers(self.world_size) if self.map_cuda else _NO_MODE
-        answers.__enter__()
+        answers = cuda_answers(self.virtual_gpus, self.world_size) if self.map_cuda else _NO_MODE
+        state.gpu_answers = answers.__enter__()
         # shape-only runs only: a real-valued program sees the thresholds a process has
         collections = FullCollectionsDeferred(active=shape_only)
         try:
@@ -378,7 +384,7 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
         counter = FlopCounter(comm.transport) if state.flop_totals is not None else None
         with (rank_process_group(comm), fake_mode if fake_mode is not None else _NO_MODE,
               _shape.FunctionalCollectives(fake_mode) if fake_mode is not None else _NO_MODE,
-              _memory.track(rank, reports), counter if counter is not None else _NO_MODE,
+              _track(state, rank, reports), counter if counter is not None else _NO_MODE,
               CudaAsDevice(state.device) if state.map_cuda else _NO_MODE):
             try:
                 result = program(comm, *args, **kwargs)
@@ -402,6 +408,14 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
 
 
 _NO_MODE = contextlib.nullcontext()
+
+
+def _track(state: RunState, rank: int, reports: list | None):
+    """The rank's memory tracking: on virtual GPUs with the GPU's capacity (torch.OutOfMemoryError past it)."""
+    if not state.map_cuda or reports is None:
+        return _memory.track(rank, reports)
+    return _memory.track(rank, reports, capacity=state.virtual_gpus.capacity,
+                         over_capacity=state.gpu_answers.out_of_memory)
 
 
 def _caused_by_abort(error: BaseException | None) -> bool:

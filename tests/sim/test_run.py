@@ -468,3 +468,45 @@ def test_environment_argv_random_and_top_level_destroy_are_the_same_both_ways(tm
                 else:
                     assert stable == ["loss top-level ranks=[0, 1] max=2.0 initialized=True",
                                       "after destroy initialized=False"], (name, lines)
+
+
+# -- a GPU script on virtual GPUs, and its CPU twin under torchrun ------------------------------------
+
+@pytest.mark.real
+@needs_torchrun
+@pytest.mark.skipif(torch.cuda.is_available(), reason="virtual GPUs are the default only without a GPU")
+@pytest.mark.parametrize("script", ["gpu_ddp.py", "gpu_fsdp2.py"])
+def test_a_gpu_script_on_virtual_gpus_prints_and_saves_what_its_cpu_twin_does_under_torchrun(tmp_path, script):
+    from .test_cuda import cpu_twin, dcp_model
+
+    twin = tmp_path / script.replace(".py", "_cpu.py")
+    twin.write_text(cpu_twin((SCRIPTS / script).read_text()))
+    outputs = {}
+    for name, launcher, path in (("sim", [sys.executable, "-m", "simcomm.run"], SCRIPTS / script),
+                                 ("torchrun", [str(TORCHRUN), "--standalone", "--tee", "3"], twin)):
+        folder = tmp_path / name
+        folder.mkdir()
+        text = _run_command([*launcher, "--nproc-per-node", "2", str(path), "--out", str(folder)], tmp_path,
+                            reference=name == "torchrun")
+        model = torch.load(folder / "model.pt") if script == "gpu_ddp.py" else dcp_model(folder)
+        outputs[name] = (tagged_lines(text, "loss"), model, text)
+    (sim_losses, sim_model, sim_text), (torchrun_losses, torchrun_model, _) = outputs["sim"], outputs["torchrun"]
+    assert len(sim_losses[0]) == 4 and sim_losses == torchrun_losses
+    assert_same_tensors(sim_model, torchrun_model)
+    assert "each rank gets a virtual GPU" in sim_text
+    assert len(tagged_lines(sim_text, "gpu ")) == 2
+
+
+@pytest.mark.real
+@needs_torchrun
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_without_virtual_gpus_a_gpu_script_fails_as_it_does_under_torchrun(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    message = "gpu_ddp.py needs one GPU per process"
+    for launcher in ([sys.executable, "-m", "simcomm.run", "--no-virtual-gpus"],
+                     [str(TORCHRUN), "--standalone", "--tee", "3"]):
+        done = subprocess.run([*launcher, "--nproc-per-node", "2", str(SCRIPTS / "gpu_ddp.py")],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert message in tagged_lines(done.stdout + done.stderr)[0], done.stderr[-2000:]
+        assert "virtual GPU" not in done.stderr
