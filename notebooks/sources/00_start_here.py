@@ -18,7 +18,7 @@
 #
 # **Goal:** run your first program on several ranks at once, see what its all-reduce did, run
 # the very same program on real processes, and meet the errors the simulator gives where real
-# hardware would hang.
+# hardware would hang, and run code written for GPUs on virtual GPUs.
 #
 # Distributed training runs one copy of your program per GPU; each copy is a **rank**. The ranks
 # exchange tensors through **collectives** (all-reduce, all-gather, ...), and autograd runs
@@ -169,6 +169,45 @@ def fails_on_rank_3(comm):
 error = lessons.expect_error(lambda: simcomm.World(4).run(fails_on_rank_3), simcomm.RankError)
 assert error.rank == 3 and isinstance(error.__cause__, ZeroDivisionError)
 print(f"rank {error.rank} raised {type(error.__cause__).__name__}")
+
+
+# %% [markdown]
+# ## 5. Code written for GPUs
+#
+# Most distributed code you will read is written for GPUs: each rank picks its GPU with
+# `torch.cuda.set_device(rank)`, puts its model there with `.to(rank)`, and gives DDP its
+# `device_ids`. On a laptop without GPUs, simcomm gives every virtual rank a **virtual GPU**
+# backed by the CPU: the code runs as written, with real values, and `torch.cuda` answers for
+# that rank's GPU, its memory included. (`python -m simcomm.run` does this for a whole torchrun
+# script: `docs/gpu_scripts.md` runs PyTorch's FSDP2 example that way.)
+
+# %%
+from simcomm.sim.cuda_map import VirtualGPUs
+
+def gpu_program(comm):
+    rank = torch.distributed.get_rank()
+    torch.cuda.set_device(rank)                          # each rank picks its own GPU
+    model = torch.nn.Linear(512, 512).to(rank)           # ... and puts its model there
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+    x = torch.ones(8, 512, device="cuda") * (rank + 1)
+    ddp(x).square().mean().backward()
+    return torch.cuda.current_device(), torch.cuda.get_device_name(), torch.cuda.max_memory_allocated()
+
+weights = (512 * 512 + 512) * 4                          # bytes of the layer's parameters
+world = simcomm.World(2, map_cuda=VirtualGPUs("H100", per_node=2), memory=True)
+for rank, (device, name, peak) in enumerate(world.run(gpu_program)):
+    assert device == rank and "H100" in name and peak >= 2 * weights   # parameters + gradients at least
+    print(f"rank {rank}: GPU {device}, a {name}, peak {peak / 2**20:.2f} MiB")
+
+# %% [markdown]
+# A virtual GPU has a real card's capacity (80 GiB for an H100) and runs out of memory as one
+# does. Give it 1 MiB and the 1 MiB layer above no longer fits:
+
+# %%
+small = simcomm.World(2, map_cuda=VirtualGPUs("H100", memory="1MiB", per_node=2), memory=True)
+error = lessons.expect_error(lambda: small.run(gpu_program), simcomm.RankError, "CUDA out of memory")
+assert isinstance(error.__cause__, torch.OutOfMemoryError)
+print(str(error.__cause__).split(". (")[0])
 
 
 # %% [markdown]
