@@ -101,7 +101,8 @@ PATCHES: tuple[Patch, ...] = (
          "torch.autograd.set_multithreading_enabled()")),
     Patch(
         "mesh-identity", "``torch.distributed.device_mesh.DeviceMesh.__init__``: wrapped; a mesh made "
-        "on a rank thread gets that rank's negative ``_thread_id``", "simcomm.sim.dist_world",
+        "on a rank thread gets that rank's negative ``_thread_id``; with virtual GPUs a ``\"cuda\"`` mesh "
+        "is made on the World's device", "simcomm.sim.dist_world",
         "meshes compare and hash by their ranks and layout, and process-wide caches keyed on them "
         "(DTensor's sharding propagation, redistribute's plans) would hand one rank's answer to "
         "every other rank; torch sets ``_thread_id`` only for its own threaded backend",

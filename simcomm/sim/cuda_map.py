@@ -75,7 +75,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import memory
 
-__all__ = ["CudaAsDevice", "cuda_answers", "is_cuda_name", "GPU", "GPUS", "VirtualGPUs", "parse_bytes",
+__all__ = ["mesh_device_type", "CudaAsDevice", "cuda_answers", "is_cuda_name", "GPU", "GPUS", "VirtualGPUs", "parse_bytes",
            "gpu_preset"]
 
 _local = threading.local()     # per rank thread: .index (set_device), .mapped (the World's device), .generator
@@ -375,6 +375,14 @@ def _ordinal(device: Any) -> int | None:
     if isinstance(device, int) and not isinstance(device, bool):
         return device
     raise ValueError(f"Expected a cuda device, but got: {device!r}")
+
+
+def mesh_device_type(device_type: Any) -> Any:
+    """The device type a ``DeviceMesh`` made on this thread gets for ``device_type``: on a rank
+    thread with virtual GPUs, ``"cuda"`` is the World's device type (the mesh's tensors are there;
+    DTensor moves a gradient to the mesh's device type in its backward); otherwise as given."""
+    mapped = getattr(_local, "mapped", None)
+    return mapped.type if mapped is not None and device_type == "cuda" else device_type
 
 
 def _mapped_type() -> str:

@@ -40,9 +40,9 @@ from torch.distributed import distributed_c10d as c10d
 from ..c10d.init_join import check_init_arguments, install_init_join, original_init_process_group
 from ..c10d.process_group import BACKEND_NAME, register
 from ..communicator import Communicator
-from ..errors import CollectiveMismatchError
+from ..errors import Aborted, CollectiveMismatchError
 from ..reports import local_group_mismatch
-from ..errors import Aborted
+from .cuda_map import mesh_device_type
 from .rendezvous import Group
 from .scheduler import RunState
 from .store import RunStore
@@ -305,7 +305,8 @@ def mesh_identity(rank: int) -> int:
 
 
 def _install_mesh_identity() -> None:
-    """Make ``DeviceMesh`` objects of different virtual ranks unequal (and hash apart).
+    """Make ``DeviceMesh`` objects of different virtual ranks unequal (and hash apart); on a rank
+    with virtual GPUs a ``"cuda"`` mesh is made on the World's device (:func:`simcomm.sim.cuda_map.mesh_device_type`).
 
     A mesh compares and hashes by its ranks, layout, device type, dim names and
     ``_thread_id``, and torch sets ``_thread_id`` only when the default group's
@@ -326,6 +327,10 @@ def _install_mesh_identity() -> None:
 
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:   # noqa: N807 - DeviceMesh's own
+        if args:                            # virtual GPUs: a "cuda" mesh is on the World's device
+            args = (mesh_device_type(args[0]), *args[1:])
+        elif "device_type" in kwargs:
+            kwargs = {**kwargs, "device_type": mesh_device_type(kwargs["device_type"])}
         original(self, *args, **kwargs)
         context = getattr(_local, "rank", None)
         if context is not None and getattr(self, "_thread_id", None) is None:

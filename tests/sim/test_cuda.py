@@ -510,3 +510,28 @@ def test_set_device_of_a_cuda_device_object_selects_its_ordinal():
         return str(device), device == torch.device("cpu"), first, second, torch.cuda.current_device()
 
     assert simcomm.World(2, map_cuda=True).run(program) == [("cpu", True, r, 1 - r, r) for r in range(2)]
+
+
+def _tensor_parallel_step(comm, device_type):
+    """A tensor-parallel MLP as PyTorch's TP example writes it: a mesh of ``device_type``, the model
+    moved there, forward and backward (DTensor's backward moves gradients to the mesh's device)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device_type, (comm.world_size,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).to(device_type)
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.arange(12.0, device=device_type).reshape(3, 4)
+    model(x).square().sum().backward()
+    return mesh.device_type, [p.grad.full_tensor() for p in model.parameters()]
+
+
+def test_a_cuda_device_mesh_is_on_the_worlds_device_and_dtensor_backward_runs():
+    from simcomm.sim.cuda_map import VirtualGPUs
+
+    gpu = simcomm.World(2, map_cuda=VirtualGPUs(per_node=2)).run(_tensor_parallel_step, "cuda")
+    cpu = simcomm.World(2).run(_tensor_parallel_step, "cpu")
+    for (gpu_type, gpu_grads), (cpu_type, cpu_grads) in zip(gpu, cpu, strict=True):
+        assert gpu_type == cpu_type == "cpu"
+        assert len(gpu_grads) == 4 and all(torch.equal(a, b) for a, b in zip(gpu_grads, cpu_grads, strict=True))
