@@ -342,7 +342,33 @@ def trace_signature(trace) -> dict[int, list[tuple]]:
 
 def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | None:
     """A :class:`~simcomm.errors.ShapeOnlyError` naming the op and the rank when ``error`` (or what caused it)
-    is torch's refusal to compute a value from a fake tensor; ``None`` otherwise."""
+    is torch's refusal to compute a value from a fake tensor; ``None`` otherwise. A refusal inside
+    ``torch.distributed.checkpoint``'s save or load names ``dcp.save``/``dcp.load`` (:func:`_dcp_error`)."""
+    refusal = _refusal(error, rank)
+    return _dcp_error(error, rank, refusal) if refusal is not None else None
+
+
+_DCP_CALLS = (("torch/distributed/checkpoint/state_dict_saver.py", "dcp.save"),
+              ("torch/distributed/checkpoint/state_dict_loader.py", "dcp.load"))
+
+
+def _dcp_error(error: BaseException, rank: int, refusal: ShapeOnlyError) -> ShapeOnlyError:
+    """``refusal``, or, when ``error`` was raised inside dcp.save/dcp.load, a ShapeOnlyError that
+    names that call and what to do."""
+    files = [frame.filename.replace("\\", "/") for frame in traceback.extract_tb(error.__traceback__)]
+    for suffix, call in _DCP_CALLS:
+        if any(name.endswith(suffix) for name in files):
+            return ShapeOnlyError(
+                f"rank {rank}: torch.distributed.checkpoint ({call}) cannot run on shape-only ranks "
+                f"(World(..., tensors='shape'), simcomm.run --tensors shape): it agrees on its plan "
+                f"across ranks with object collectives (gather_object, broadcast_object_list), which "
+                f"read pickled sizes and bytes from tensors, and fake tensors have no values. "
+                f"Run this program with tensors='real', or save the full state dict with torch.save, "
+                f"which on shape-only ranks writes meta tensors (shapes and dtypes only)")
+    return refusal
+
+
+def _refusal(error: BaseException, rank: int) -> ShapeOnlyError | None:
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, _DATA_DEPENDENT):
