@@ -87,6 +87,13 @@ with the DeviceMesh wrappers on the first shape-only run) lets a conversion that
 returns every parameter and gradient as it is leave the module as torch does
 without a swap (``simcomm.patches``: ``"module-apply"``).
 
+**Checkpoints.** ``torch.save`` of a shape-only rank's fake tensors writes meta tensors (shape,
+dtype, strides, requires_grad; a fake Parameter as a meta Parameter; a DTensor over one as a
+DTensor on the meta device), and ``torch.load`` gives them back; stderr says so once per run
+(:func:`install_fake_pickling`, process-long, installed with the DeviceMesh wrappers;
+``simcomm.patches``: ``"fake-pickling"``). ``dcp.save``/``dcp.load`` do not run shape-only
+(their plans travel by object collectives): the ShapeOnlyError names them.
+
 **Unsupported.** An op that needs values that a rank does not have
 (``.item()``, ``.tolist()``, ``bool(t)``, ``torch.nonzero``, a data-dependent
 split, on a tensor without a value; ``.numpy()`` on any fake tensor) raises
