@@ -311,6 +311,18 @@ PATCHES: tuple[Patch, ...] = (
         "a program under torchrun sees its own groups only (group names count them)",
         "each group a worker creates", "stays for the worker", "worker",
         ("c10d._world.default_pg", "c10d._world.pg_group_ranks[group]", "del world.tags_to_pg[key]")),
+    # -- shape-only ranks, continued --------------------------------------------------------------
+    Patch(
+        "fake-pickling", "``FakeTensor.__reduce_ex__`` and ``DTensor.__reduce_ex__``: a fake tensor of a "
+        "shape-only rank (its fake mode is one simcomm made) pickles as the meta tensor of its shape, "
+        "dtype, strides and requires_grad (a fake Parameter as a meta Parameter), and a DTensor over "
+        "one as a DTensor on the meta device; stderr says once per run that such checkpoints hold "
+        "shapes and dtypes only", "simcomm.sim.shape",
+        "a program that trains and then ``torch.save``s its state dict fails on a shape-only rank with "
+        "torch's own reduction (it pickles the fake mode: \"Can't pickle local object\"); every other "
+        "fake tensor, and every DTensor over other tensors, pickles as torch pickles it",
+        "the first shape-only World.run", "never: stays for the process", "process",
+        ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__")),
 )
 
 STACK_DECISIONS: tuple[StackDecision, ...] = (

@@ -87,6 +87,13 @@ with the DeviceMesh wrappers on the first shape-only run) lets a conversion that
 returns every parameter and gradient as it is leave the module as torch does
 without a swap (``simcomm.patches``: ``"module-apply"``).
 
+**Checkpoints.** ``torch.save`` of a shape-only rank's fake tensors writes meta tensors (shape,
+dtype, strides, requires_grad; a fake Parameter as a meta Parameter; a DTensor over one as a
+DTensor on the meta device), and ``torch.load`` gives them back; stderr says so once per run
+(:func:`install_fake_pickling`, process-long, installed with the DeviceMesh wrappers;
+``simcomm.patches``: ``"fake-pickling"``). ``dcp.save``/``dcp.load`` do not run shape-only
+(their plans travel by object collectives): the ShapeOnlyError names them.
+
 **Unsupported.** An op that needs values that a rank does not have
 (``.item()``, ``.tolist()``, ``bool(t)``, ``torch.nonzero``, a data-dependent
 split, on a tensor without a value; ``.numpy()`` on any fake tensor) raises
@@ -106,7 +113,11 @@ names FSDP2 and DTensor, which do run shape-only.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 import traceback
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -128,7 +139,7 @@ __all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_in
            "fake_arguments",
            "compute_on_meta", "own",
            "shapes", "is_shape_only", "data_dependent_error", "trace_signature", "FunctionalCollectives",
-           "install_device_mesh_values", "install_module_apply", "value_of", "forget_values",
+           "install_device_mesh_values", "install_module_apply", "install_fake_pickling", "SAVE_NOTICE", "value_of", "forget_values",
            "VALUE_LIMIT"]
 
 #: the values of ``World(..., tensors=)``
@@ -170,7 +181,9 @@ def check_shape_device(device: torch.device) -> None:
 
 def rank_mode() -> FakeTensorMode:
     """A fresh ``FakeTensorMode`` for one rank thread (see the module docstring)."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _RANK_MODES.add(mode)
+    return mode
 
 
 def dispatch_cache_info() -> dict[str, Any]:
@@ -336,7 +349,33 @@ def trace_signature(trace) -> dict[int, list[tuple]]:
 
 def data_dependent_error(error: BaseException, rank: int) -> ShapeOnlyError | None:
     """A :class:`~simcomm.errors.ShapeOnlyError` naming the op and the rank when ``error`` (or what caused it)
-    is torch's refusal to compute a value from a fake tensor; ``None`` otherwise."""
+    is torch's refusal to compute a value from a fake tensor; ``None`` otherwise. A refusal inside
+    ``torch.distributed.checkpoint``'s save or load names ``dcp.save``/``dcp.load`` (:func:`_dcp_error`)."""
+    refusal = _refusal(error, rank)
+    return _dcp_error(error, rank, refusal) if refusal is not None else None
+
+
+_DCP_CALLS = (("torch/distributed/checkpoint/state_dict_saver.py", "dcp.save"),
+              ("torch/distributed/checkpoint/state_dict_loader.py", "dcp.load"))
+
+
+def _dcp_error(error: BaseException, rank: int, refusal: ShapeOnlyError) -> ShapeOnlyError:
+    """``refusal``, or, when ``error`` was raised inside dcp.save/dcp.load, a ShapeOnlyError that
+    names that call and what to do."""
+    files = [frame.filename.replace("\\", "/") for frame in traceback.extract_tb(error.__traceback__)]
+    for suffix, call in _DCP_CALLS:
+        if any(name.endswith(suffix) for name in files):
+            return ShapeOnlyError(
+                f"rank {rank}: torch.distributed.checkpoint ({call}) cannot run on shape-only ranks "
+                f"(World(..., tensors='shape'), simcomm.run --tensors shape): it agrees on its plan "
+                f"across ranks with object collectives (gather_object, broadcast_object_list), which "
+                f"read pickled sizes and bytes from tensors, and fake tensors have no values. "
+                f"Run this program with tensors='real', or save the full state dict with torch.save, "
+                f"which on shape-only ranks writes meta tensors (shapes and dtypes only)")
+    return refusal
+
+
+def _refusal(error: BaseException, rank: int) -> ShapeOnlyError | None:
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, _DATA_DEPENDENT):
@@ -434,7 +473,8 @@ def install_device_mesh_values() -> None:
         if name.startswith("torch.distributed") and getattr(module, "init_device_mesh", None) is original:
             module.init_device_mesh = wrapped
     _OUTSIDE_FAKE_INSTALLED = True
-    install_module_apply()      # the first shape-only run installs both
+    install_module_apply()      # the first shape-only run installs all three
+    install_fake_pickling()
 
 
 # -- a module conversion that changes nothing ----------------------------------------------------
@@ -481,6 +521,80 @@ def install_module_apply() -> None:
     if _torch_module_apply is None:
         _torch_module_apply = torch.nn.Module._apply
         torch.nn.Module._apply = _module_apply      # simcomm.patches: "module-apply"
+
+
+# -- saving fake tensors: meta tensors in the file ----------------------------------------------
+
+_RANK_MODES: weakref.WeakSet = weakref.WeakSet()     # the fake modes rank_mode made
+_torch_fake_reduce_ex: Callable | None = None
+_noticed: weakref.WeakSet = weakref.WeakSet()        # the runs (RunState) that printed the notice
+_noticed_outside_runs = False
+_notice_lock = threading.Lock()
+
+SAVE_NOTICE = ("simcomm: checkpoints written by shape-only ranks (tensors='shape') hold shapes and "
+               "dtypes only: torch.save wrote each fake tensor as a meta tensor, and torch.load gives "
+               "meta tensors")
+
+
+def _notice_once() -> None:
+    """Print :data:`SAVE_NOTICE` to stderr, once per run (once for pickling outside any run)."""
+    global _noticed_outside_runs
+    from .dist_world import _local as _rank_local
+
+    context = getattr(_rank_local, "rank", None)
+    run = context.state if context is not None else None
+    with _notice_lock:
+        if run is None:
+            if _noticed_outside_runs:
+                return
+            _noticed_outside_runs = True
+        else:
+            if run in _noticed:
+                return
+            _noticed.add(run)
+    print(SAVE_NOTICE, file=sys.stderr, flush=True)
+
+
+def _fake_reduce_ex(self: torch.Tensor, proto: int):
+    """``FakeTensor.__reduce_ex__``: a fake tensor of a shape-only rank pickles (``torch.save``,
+    ``pickle``) as the meta tensor of its shape, dtype, strides and ``requires_grad`` (torch's
+    own reduction of a meta tensor; ``torch.load`` gives that meta tensor); any other fake
+    tensor as torch pickles it."""
+    if self.fake_mode in _RANK_MODES:
+        _notice_once()
+        if getattr(self, "_is_param", False):       # a fake nn.Parameter: a meta Parameter
+            with _no_fake_mode(), torch._C._DisableTorchDispatch():
+                data = torch.empty_strided(self.size(), self.stride(), dtype=self.dtype, device="meta")
+            return (torch._utils._rebuild_parameter, (data, self.requires_grad, OrderedDict()))
+        return (torch._utils._rebuild_meta_tensor_no_storage,
+                (self.dtype, tuple(self.size()), self.stride(), self.requires_grad))
+    return _torch_fake_reduce_ex(self, proto)
+
+
+def _dtensor_reduce_ex(self: torch.Tensor, proto: int):
+    """``DTensor.__reduce_ex__``: torch's own reduction of a DTensor, where a DTensor whose local
+    tensor is a shape-only rank's fake tensor is rebuilt on the meta device, as its local tensor
+    is (:func:`_fake_reduce_ex`): torch's reduction names the DTensor's own device."""
+    reduced = torch.Tensor.__reduce_ex__(self, proto)
+    local = getattr(self, "_local_tensor", None)
+    if isinstance(local, FakeTensor) and local.fake_mode in _RANK_MODES:
+        function, (rebuild, cls, args, state) = reduced
+        if function is torch._tensor._rebuild_from_type_v2 and rebuild is torch._utils._rebuild_wrapper_subclass:
+            args = (*args[:6], torch.device("meta"), *args[7:])
+            return function, (rebuild, cls, args, state)
+    return reduced
+
+
+def install_fake_pickling() -> None:
+    """Put :func:`_fake_reduce_ex` in ``FakeTensor.__reduce_ex__``'s place and
+    :func:`_dtensor_reduce_ex` in ``DTensor.__reduce_ex__``'s (once per process)."""
+    global _torch_fake_reduce_ex
+    if _torch_fake_reduce_ex is None:
+        from torch.distributed.tensor import DTensor
+
+        _torch_fake_reduce_ex = FakeTensor.__reduce_ex__
+        FakeTensor.__reduce_ex__ = _fake_reduce_ex      # simcomm.patches: "fake-pickling"
+        DTensor.__reduce_ex__ = _dtensor_reduce_ex      # simcomm.patches: "fake-pickling"
 
 
 # -- functional collectives ----------------------------------------------------------------------
