@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 
-import threaded_pg   # a sibling module: this file runs as a script
+import steps as step_timing   # sibling modules: this file runs as a script
+import threaded_pg
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANKS, HIDDEN, BATCH = 4, 1024, 8
 SIDES = ("virtual", "threaded", "single", "floor", "floor_threaded")
 LABELS = {"virtual": "virtual ranks (4)", "threaded": "threaded process group (4)",
@@ -93,33 +90,6 @@ def run_side(side: str, steps: int) -> None:
         raise ValueError(f"unknown side {side!r}; use one of {list(SIDES)}")
 
 
-def worker(side: str, steps: int) -> None:
-    """Print ``{"cpu": s, "wall": s}`` per step: a run with ``steps`` minus a run with none."""
-    import warnings
-
-    import torch
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    run_side(side, 1)                                   # warm-up: imports, first-call caches
-    base, full = [], []
-    for _ in range(3):
-        for samples, count in ((base, 0), (full, steps)):
-            cpu, wall = time.process_time(), time.perf_counter()
-            run_side(side, count)
-            samples.append((time.process_time() - cpu, time.perf_counter() - wall))
-    print(json.dumps({"cpu": (min(c for c, _ in full) - min(c for c, _ in base)) / steps,
-                      "wall": (min(w for _, w in full) - min(w for _, w in base)) / steps}))
-
-
-def measure(side: str, steps: int) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", side, str(steps)],
-                          env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"the {side} worker failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -129,13 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]))
+        step_timing.worker(run_side, args.worker[0], int(args.worker[1]))
         return 0
-    samples: dict[str, list] = {side: [] for side in args.sides}
-    for _ in range(args.rounds):
-        for side in args.sides:
-            samples[side].append(measure(side, args.steps))
-    best = {side: {key: min(s[key] for s in runs) * 1e3 for key in ("cpu", "wall")} for side, runs in samples.items()}
+    best = step_timing.best_of(__file__, args.sides, args.rounds, args.steps)
     print(f"FSDP2 forward+backward, 4 x Linear({HIDDEN}), batch {BATCH} per rank, {RANKS} ranks: ms per step "
           f"(min of {args.rounds} rounds, each side in a fresh process)")
     print(f"{'side':<40}{'cpu':>9}{'wall':>9}")
