@@ -400,6 +400,26 @@ def _check_ordinal(index: int, count: int) -> int:
     return index
 
 
+class _DeviceContext:
+    """``with torch.cuda.device(k):`` / ``with torch.accelerator.device_index(k):`` on a virtual GPU:
+    the rank's current device is k inside, and what it was after. ``None`` (and, for
+    ``torch.cuda.device``, a negative ordinal) changes nothing, as torch's do."""
+
+    def __init__(self, answers: Any, idx: int | None, negative_is_none: bool = True):
+        self.answers = answers
+        self.idx = None if idx is not None and idx < 0 and negative_is_none else idx
+        self.prev_idx = -1
+
+    def __enter__(self) -> None:
+        self.prev_idx = _current_device()
+        if self.idx is not None:
+            self.answers.set_device(self.idx)
+
+    def __exit__(self, *exc_info) -> bool:
+        _local.index = self.prev_idx
+        return False
+
+
 class _Answers:
     """Every answer of torch.cuda / torch.accelerator for one run (see the module docstring)."""
 
@@ -533,29 +553,13 @@ class _Answers:
         properties = self.properties
         stream = self.default_stream
 
-        class device:                                             # noqa: N801 - torch.cuda.device
-            """``with torch.cuda.device(k):`` on a virtual GPU: the rank's current device is k inside."""
-
-            def __init__(self, device: Any):
-                self.idx = _ordinal(device)
-                self.prev_idx = -1
-
-            def __enter__(self) -> None:
-                self.prev_idx = _current_device()
-                if self.idx is not None and self.idx >= 0:
-                    answers.set_device(self.idx)
-
-            def __exit__(self, *exc_info) -> bool:
-                _local.index = self.prev_idx
-                return False
-
         return {
             "is_available": lambda: True,
             "init": lambda: None,
             "device_count": self.device_count,
             "current_device": _current_device,
             "set_device": self.set_device,
-            "device": device,
+            "device": lambda device: _DeviceContext(answers, _ordinal(device)),
             "synchronize": lambda device=None: None,
             "empty_cache": lambda: None,
             "reset_peak_memory_stats": self.reset_peak_memory_stats,
@@ -592,22 +596,6 @@ class _Answers:
         answers = self
         stream = self.default_stream
 
-        class device_index:                                       # noqa: N801 - torch.accelerator.device_index
-            """``with torch.accelerator.device_index(k):`` on a virtual GPU."""
-
-            def __init__(self, device: int | None, /):
-                self.idx = device
-                self.prev_idx = -1
-
-            def __enter__(self) -> None:
-                self.prev_idx = _current_device()
-                if self.idx is not None:
-                    answers.set_device(self.idx)
-
-            def __exit__(self, *exc_info) -> bool:
-                _local.index = self.prev_idx
-                return False
-
         return {
             "is_available": lambda: True,
             "current_accelerator": lambda check_available=False: _CUDA,
@@ -616,7 +604,7 @@ class _Answers:
             "set_device_idx": self.set_device,
             "current_device_index": _current_device,
             "current_device_idx": _current_device,
-            "device_index": device_index,
+            "device_index": lambda device, /: _DeviceContext(answers, device, negative_is_none=False),
             "synchronize": lambda device=None, /: None,
             "current_stream": lambda device=None, /: stream,
             "empty_cache": lambda: None,
