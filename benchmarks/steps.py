@@ -53,3 +53,20 @@ def best_of(script: str, sides, rounds: int, steps: int) -> dict[str, dict[str, 
         for side in sides:
             samples[side].append(measure(script, side, steps))
     return {side: {key: min(s[key] for s in runs) * 1e3 for key in ("cpu", "wall")} for side, runs in samples.items()}
+
+
+def command(argv, doc: str, sides, run_side: Callable[[str, int], None], script: str):
+    """The benchmark's command line (``--rounds``, ``--steps``, ``--sides``, ``--json``): ``None`` in a
+    worker process (it has printed its figures), otherwise ``(args, best)`` with :func:`best_of`'s figures."""
+    import argparse
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="steps per timed run")
+    parser.add_argument("--sides", nargs="+", default=list(sides), choices=sides)
+    parser.add_argument("--json", help="also write the figures (ms per step) to this file")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(run_side, args.worker[0], int(args.worker[1]))
+        return None
+    return args, best_of(script, args.sides, args.rounds, args.steps)

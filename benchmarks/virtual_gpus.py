@@ -21,7 +21,6 @@ a run with none) / K, so start-up and model building cancel out. CPU time
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -74,17 +73,10 @@ def run_side(side: str, steps: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8, help="steps per timed run")
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
-    parser.add_argument("--json", help="also write the figures (ms per step) to this file")
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        step_timing.worker(run_side, args.worker[0], int(args.worker[1]))
+    parsed = step_timing.command(argv, __doc__, SIDES, run_side, __file__)
+    if parsed is None:
         return 0
-    best = step_timing.best_of(__file__, args.sides, args.rounds, args.steps)
+    args, best = parsed
     print(f"4 x Linear({HIDDEN}), batch {BATCH} per rank, {RANKS} ranks: ms per step "
           f"(min of {args.rounds} rounds, each side in a fresh process, one thread)")
     print(f"{'side':<12}{'cpu':>9}{'wall':>9}")
