@@ -322,7 +322,8 @@ PATCHES: tuple[Patch, ...] = (
         "torch's own reduction (it pickles the fake mode: \"Can't pickle local object\"); every other "
         "fake tensor, and every DTensor over other tensors, pickles as torch pickles it",
         "the first shape-only World.run", "never: stays for the process", "process",
-        ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__")),
+        ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__"),
+        ("torch._subclasses.fake_tensor.FakeTensor.__reduce_ex__", "torch.distributed.tensor.DTensor.__reduce_ex__")),
 )
 
 STACK_DECISIONS: tuple[StackDecision, ...] = (
