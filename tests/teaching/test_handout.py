@@ -230,7 +230,7 @@ def test_a_widget_shows_its_static_fallback_or_a_note_and_no_widget_state():
 
 
 _SLIDER_NOTEBOOK = [
-    "import plotly.graph_objects as go\nfrom simcomm import viz",
+    "import plotly.graph_objects as go\nfrom simcomm import viz\nviz.use_export_renderer()   # as each lesson's first cell",
     "figures = {size: go.Figure(go.Bar(x=[size], y=[len(size)]), layout=dict(title=f'buckets of {size}', width=1500))\n"
     "           for size in ('1 MiB', 'one bucket')}",
     "viz.bucket_slider(figures, default='1 MiB')",
