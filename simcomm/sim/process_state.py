@@ -65,6 +65,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..fresh_state import NUMPY_FRESH_SEED, PYTHON_FRESH_SEED
+from .rank_modules import RankModules
 from .rank_random import RankRandomState, cpu_raw
 
 __all__ = ["RankProcessState", "rank_environ"]
@@ -262,6 +263,8 @@ class RankProcessState:
         #: states were last saved or loaded: equal at handoff, no generator has anything to save
         self._fingerprint = _all_of([generator.fingerprint for generator in self._generators])
         self._live_print: Any = None
+        #: the program's own modules, one copy per rank (simcomm.sim.rank_modules)
+        self.modules = RankModules(world_size)
 
     def hand_off(self, rank: int) -> None:
         """``rank`` hands the turn on: keep its state."""
@@ -273,6 +276,7 @@ class RankProcessState:
                 self._live_print = fingerprint()
         self.argv[rank] = sys.argv
         self.main[rank] = sys.modules.get("__main__")
+        self.modules.hand_off(rank)
 
     def take_turn(self, rank: int) -> None:
         """``rank`` takes the turn: make its state the live one."""
@@ -289,6 +293,7 @@ class RankProcessState:
         main = self.main[rank]
         if main is not None:
             sys.modules["__main__"] = main
+        self.modules.take_turn(rank)
 
     def save_caller(self) -> None:
         """Before a run: remember the state of the thread that starts it."""
@@ -297,9 +302,11 @@ class RankProcessState:
         if self.numpy is not None:
             self.numpy.caller = _np.random.get_state()
         self._caller_sys = (sys.argv, sys.modules.get("__main__"))
+        self.modules.start()
 
     def restore_caller(self) -> None:
         """After a run: the caller's state is as it was before it."""
+        self.modules.end()
         self._torch_generators.restore_caller()
         if self.python.caller is not None:
             _random.setstate(self.python.caller)
