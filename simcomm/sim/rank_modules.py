@@ -200,8 +200,12 @@ class RankModules:
             for name, module in (mine or {}).items():
                 if sys.modules.get(name) is module:
                     del sys.modules[name]
+        for name in self.fell_back:                # shared by the ranks, still the run's own
+            if sys.modules.get(name) is self.first.get(name):
+                del sys.modules[name]
         self.mine = [None] * self.world_size
         self.first.clear()
+        self.fell_back.clear()
         self.any = False
 
     # -- turns ------------------------------------------------------------------------------
@@ -287,8 +291,10 @@ class RankModules:
             self._fixups.append((name, parent))
         if name not in self.fell_back:
             self.fell_back.add(name)
+            text = str(error).split("\n")[0]
+            text = text if len(text) <= 160 else text[:157] + "..."
             print(f"simcomm: rank {rank}'s own import of module {name!r} raised "
-                  f"{type(error).__name__}: {error}; the first rank's import of it succeeded, so it "
+                  f"{type(error).__name__}: {text}; the first rank's import of it succeeded, so it "
                   f"registers something the process already has (a torch.library op, a backend, ...). "
                   f"Rank {rank} and later ranks use the first rank's {name!r}: its module-level state "
                   f"is shared by them", file=sys.stderr)
