@@ -180,3 +180,16 @@ def test_each_script_prints_under_simcomm_run_what_it_prints_under_torchrun(tmp_
         outputs.append({rank: [line for line in tagged.get(rank, []) if "own import of module" not in line]
                         for rank in range(nproc)})
     assert outputs[0] == outputs[1] == expected
+
+
+def test_get_device_module_of_cuda_is_torch_cuda_on_virtual_gpus_and_not_cached_after():
+    import torch
+
+    def program(comm):
+        current = torch.accelerator.current_accelerator()
+        return (torch.get_device_module("cuda") is torch.cuda, torch.get_device_module(current) is torch.cuda,
+                torch.get_device_module("cuda:1") is torch.cuda, torch.get_device_module() is torch.cuda,
+                torch.get_device_module("cpu") is torch.cpu)
+
+    assert World(2, map_cuda=True).run(program) == [(True,) * 5] * 2
+    assert torch.get_device_module("cuda") is torch.cuda and torch.get_device_module("cpu") is torch.cpu
