@@ -11,8 +11,9 @@ would share one copy and rank 1 would see rank 0's state.
 
 * it is first imported during the run (it was not in ``sys.modules`` when the
   run started, and neither was its top-level package), and
-* its import came from the program: from ``__main__`` (the script), from the
-  module holding a ``World`` program, or from another per-rank module, not
+* its import came from the program: from ``__main__`` (the script; ``runpy``
+  importing the package of ``-m package.module``), from the module holding a
+  ``World`` program, or from another per-rank module, not
   from the standard library, torch, NumPy, simcomm or the packages they use
   (:data:`SHARED_TOP_LEVEL`: those are imported once and shared, as torch's own
   lazy imports must be), and
@@ -275,7 +276,7 @@ class RankModules:
         importer = frame.f_globals.get("__name__")
         if not isinstance(importer, str):
             return False
-        if importer == "__main__" or self.decided.get(importer):
+        if importer in ("__main__", "runpy") or self.decided.get(importer):   # runpy: `-m package.module`
             return True
         return _top(importer) not in SHARED_TOP_LEVEL
 

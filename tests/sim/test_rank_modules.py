@@ -193,3 +193,22 @@ def test_get_device_module_of_cuda_is_torch_cuda_on_virtual_gpus_and_not_cached_
 
     assert World(2, map_cuda=True).run(program) == [(True,) * 5] * 2
     assert torch.get_device_module("cuda") is torch.cuda and torch.get_device_module("cpu") is torch.cpu
+
+
+def test_a_package_run_with_dash_m_is_per_rank_with_its_submodules(tmp_path, monkeypatch, capsys):
+    name = f"rank_pkg_{uuid.uuid4().hex[:8]}"
+    package = tmp_path / name
+    package.mkdir()
+    (package / "__init__.py").write_text("SEEN = []\n")
+    (package / "main.py").write_text(
+        "import os\nimport torch.distributed as dist\n"
+        f"import {name}\nfrom {name} import SEEN\n"
+        "dist.init_process_group('gloo')\nSEEN.append(int(os.environ['RANK']))\ndist.barrier()\n"
+        f"print('seen', {name}.SEEN, SEEN is {name}.SEEN)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = run_script(f"{name}.main", 3, module=True)
+    out = capsys.readouterr()
+    assert result.returncode == 0, result.summary() + out.err
+    assert lines(out.out + out.err) == {rank: [f"seen [{rank}] True"] for rank in range(3)}
+    assert not [key for key in sys.modules if key.startswith(name)]
