@@ -17,7 +17,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..trace import Trace, TraceEvent
-from .style import MIN_FONT_PX, TITLE_FONT_PX
+from .style import MIN_FONT_PX, TITLE_FONT_PX, fit_width
 from .timeline import human_bytes
 
 __all__ = ["comm_matrix_figure", "ring_sent", "RING_OPS", "blocks_of", "aggregated_matrix"]
@@ -164,8 +164,8 @@ def comm_matrix_figure(trace: Trace, schedule: str = "direct", *, by="rank", ran
             colorscale=_COLOURSCALE, zmin=0, xgap=1 if small else 0, ygap=1 if small else 0,
             visible=index == 0,
             colorbar=dict(title=dict(text="bytes", side="top", font=_FONT), thickness=14, tickfont=_FONT)))
-        titles.append(f"bytes sent from {unit} i (row) to {unit} j (column), {counted}<br>"
-                      f"<span style='font-size:14px'>{label}: {human_bytes(total)} in all</span>")
+        titles.append(f"bytes sent from {unit} i (row) to {unit} j (column)<br>"
+                      f"<span style='font-size:14px'>{counted}<br>{label}: {human_bytes(total)} in all</span>")
     size = len(traces[0]["z"])
     buttons = [dict(label=label, method="update",
                     args=[{"visible": [i == k for i in range(len(traces))]}, {"title.text": titles[k]}])
@@ -183,6 +183,6 @@ def comm_matrix_figure(trace: Trace, schedule: str = "direct", *, by="rank", ran
                           yanchor="top", showactive=True, font=_FONT)],
         annotations=[dict(text="op:", xref="paper", yref="paper", x=0.0, xanchor="right", y=-0.04,
                           yanchor="top", showarrow=False, yshift=-4, font=_FONT)],
-        width=int(max(520, 170 + cell_px * size)), height=int(230 + cell_px * size),
-        margin=dict(l=80, r=40, t=110, b=70), plot_bgcolor="white", paper_bgcolor="white")
+        width=fit_width(max(520, 170 + cell_px * size)), height=int(250 + cell_px * size),
+        margin=dict(l=80, r=40, t=130, b=70), plot_bgcolor="white", paper_bgcolor="white")
     return go.Figure(data=traces, layout=layout)

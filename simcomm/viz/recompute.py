@@ -24,7 +24,7 @@ _FONT = dict(size=BODY_FONT_PX)
 
 def _style(fig: go.Figure, title: str) -> go.Figure:
     fig.update_layout(title=dict(text=title, font=dict(size=TITLE_FONT_PX)), font=_FONT, template="plotly_white",
-                      width=1000, height=460, legend=dict(font=_FONT), margin=dict(l=90, r=30, t=80, b=90))
+                      height=460, legend=dict(font=_FONT), margin=dict(l=90, r=30, t=80, b=90))
     return fig
 
 

@@ -174,15 +174,74 @@ CUT_OFF_FIGURES = """(boundary) => {
 }"""
 
 
+#: JavaScript: the geometry of every plotly figure of the page, measured as the browser drew it.
+#: Per figure (``.js-plotly-plot``): its width, its output column's (the closest
+#: ``.jp-OutputArea-output``, in JupyterLab and in an nbconvert export alike) and every problem
+#: found: the figure (its ``svg.main-svg``) reaching beyond its column or the viewport, or a
+#: title, axis title, legend, colour bar, annotation, slider or button row reaching beyond the
+#: figure (what lies outside a figure's svg is not drawn: a clipped label). Each problem names the
+#: part, its text and its overflow in px. A scrolling box around a figure does not excuse it.
+FIGURE_GEOMETRY = """() => {
+  const viewport = document.documentElement.clientWidth;
+  const parts = [['title', '.g-gtitle'], ['axis title', 'g[class^="g-"][class$="title"]:not(.g-gtitle)'],
+                 ['legend', 'g.legend'], ['colour bar', 'g.colorbar'], ['annotation', 'g.annotation'],
+                 ['slider', 'g.slider-container'], ['buttons', 'g.updatemenu-container']];
+  const beyond = (outer, r) => Math.max(outer.left - r.left, r.right - outer.right, outer.top - r.top,
+                                        r.bottom - outer.bottom);
+  return [...document.querySelectorAll('.js-plotly-plot')].map((plot) => {
+    const svg = plot.querySelector('svg.main-svg');
+    const figure = (svg || plot).getBoundingClientRect();
+    const column = (plot.closest('.jp-OutputArea-output') || plot.parentElement).getBoundingClientRect();
+    const title = plot.querySelector('.g-gtitle');
+    const problems = [];
+    if (!svg) problems.push({part: 'figure', text: 'not drawn', overflow: 0});
+    const wide = Math.max(figure.right - Math.min(column.right, viewport), column.left - figure.left);
+    if (wide > 1) problems.push({part: 'figure', text: 'wider than its column', overflow: Math.round(wide)});
+    for (const [name, selector] of parts) {
+      for (const element of plot.querySelectorAll(selector)) {
+        const box = element.getBoundingClientRect();
+        if (box.width < 1 || box.height < 1) continue;
+        const over = beyond(figure, box);
+        if (over > 1) problems.push({part: name, text: (element.textContent || '').slice(0, 60),
+                                     overflow: Math.round(over)});
+      }
+    }
+    return {title: title ? title.textContent.slice(0, 80) : '', width: Math.round(figure.width),
+            column: Math.round(column.width), problems: problems};
+  });
+}"""
+
+
+def figure_geometry(page) -> list[dict]:
+    """:data:`FIGURE_GEOMETRY` of ``page``, measured once plotly has stopped resizing its figures
+    (two measurements a quarter second apart agree)."""
+    previous = None
+    for _ in range(40):
+        current = page.evaluate(FIGURE_GEOMETRY)
+        if current == previous:
+            return current
+        previous = current
+        page.wait_for_timeout(250)
+    return current
+
+
+def misfits(figures: list[dict]) -> list[str]:
+    """One line per problem of :func:`figure_geometry`'s figures: figure number, title, part, overflow."""
+    return [f"figure {index} ({figure['title'][:50]!r}, {figure['width']} px in a {figure['column']} px column): "
+            f"{problem['part']} {problem['text'][:40]!r} beyond by {problem['overflow']} px"
+            for index, figure in enumerate(figures) for problem in figure["problems"]]
+
+
 def figures_cut_off_at_1024_px(page, *, expect_at_least: int = 1) -> list[str]:
-    """Resize ``page`` (JupyterLab, every cell run) to a projector's 1024 px and return the figures
-    of the notebook cut off without a scrollbar (:data:`CUT_OFF_FIGURES`); at least
-    ``expect_at_least`` figures must have been looked at, so the check cannot pass on an empty page."""
+    """Resize ``page`` (JupyterLab, every cell run) to a projector's 1024 px and return what does not
+    fit (:func:`misfits`): a figure wider than its output column, or a figure's title, legend,
+    colour bar, annotation or axis title outside it. At least ``expect_at_least`` figures must
+    have been measured, so the check cannot pass on an empty page."""
     page.set_viewport_size({"width": 1024, "height": 900})
     page.wait_for_timeout(1500)                          # JupyterLab and plotly lay out again
-    result = page.evaluate(CUT_OFF_FIGURES, ".jp-NotebookPanel .jp-Notebook")
-    assert result["checked"] >= expect_at_least, f"only {result['checked']} figures in the notebook"
-    return result["cut"]
+    figures = figure_geometry(page)
+    assert len(figures) >= expect_at_least, f"only {len(figures)} figures in the notebook"
+    return misfits(figures)
 
 
 @pytest.fixture
