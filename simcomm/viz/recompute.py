@@ -58,6 +58,7 @@ def trade_figure(rows: Sequence[dict]) -> go.Figure:
     pad = 0.1 * (high - low) or 0.05          # room for the end points' markers and labels
     fig.update_xaxes(title_text="compute of a step (x the step without recomputation)",
                      range=[low - pad, high + pad])
-    fig.update_yaxes(title_text="activations per layer and rank (KiB)", rangemode="tozero")
+    top = max(row["bytes"] for row in rows) / 2 ** 10
+    fig.update_yaxes(title_text="activations per layer and rank (KiB)", range=[0, 1.2 * top or 1])  # room for labels
     fig.update_layout(showlegend=False)
     return _style(fig, "Recomputation trades compute for activation memory")

@@ -179,7 +179,8 @@ CUT_OFF_FIGURES = """(boundary) => {
 #: ``.jp-OutputArea-output``, in JupyterLab and in an nbconvert export alike) and every problem
 #: found: the figure (its ``svg.main-svg``) reaching beyond its column or the viewport, or a
 #: title, axis title, legend, colour bar, annotation, slider or button row reaching beyond the
-#: figure (what lies outside a figure's svg is not drawn: a clipped label). Each problem names the
+#: figure (what lies outside a figure's svg is not drawn: a clipped label), or a text label of a
+#: point or bar cut off by its plot area (traces that clip to their axes). Each problem names the
 #: part, its text and its overflow in px. A scrolling box around a figure does not excuse it.
 FIGURE_GEOMETRY = """() => {
   const viewport = document.documentElement.clientWidth;
@@ -205,6 +206,16 @@ FIGURE_GEOMETRY = """() => {
         if (over > 1) problems.push({part: name, text: (element.textContent || '').slice(0, 60),
                                      overflow: Math.round(over)});
       }
+    }
+    // a point's or bar's text label of a trace that clips to its axes must lie in a plot area
+    const areas = [...plot.querySelectorAll('.nsewdrag')].map((area) => area.getBoundingClientRect());
+    for (const element of plot.querySelectorAll('g.trace g.textpoint text, g.trace.bars g.point text')) {
+      const bound = (element.closest('g.trace').__data__ || [{}])[0];
+      const box = element.getBoundingClientRect();
+      if (!bound || !bound.trace || bound.trace.cliponaxis === false || box.width < 1 || !areas.length) continue;
+      const over = Math.min(...areas.map((area) => beyond(area, box)));
+      if (over > 1) problems.push({part: 'point label', text: element.textContent.slice(0, 60),
+                                   overflow: Math.round(over)});
     }
     return {title: title ? title.textContent.slice(0, 80) : '', width: Math.round(figure.width),
             column: Math.round(column.width), problems: problems};

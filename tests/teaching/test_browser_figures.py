@@ -10,7 +10,8 @@ Chromium (``/usr/bin/chromium``, network blocked). At two widths:
 
 the browser's own geometry (``tests.teaching.test_browser.FIGURE_GEOMETRY``) must show every figure
 no wider than its output column, and every title, axis title, legend, colour bar, annotation,
-slider and button row inside its figure. The page must hold exactly as many drawn figures as the
+slider and button row inside its figure, and every text label of a point or bar inside its plot
+area (where its trace clips to the axes). The page must hold exactly as many drawn figures as the
 executed lesson displayed, and at least one, so the check cannot pass on an empty page or a
 figure that failed to draw. A failure names the figure, the part and its overflow in px.
 
@@ -37,7 +38,7 @@ NOTEBOOKS = handout.lesson_notebooks()
 #: JupyterLab's output column at a 1024 px viewport (px)
 JUPYTERLAB_COLUMN_PX = 844
 #: lessons whose figures are being resized elsewhere: their failures are expected, not required
-BEING_RESIZED: dict[str, str] = {}
+BEING_RESIZED: dict[str, str] = {"15": "figures being resized"}
 
 pytestmark = [
     pytest.mark.browser, pytest.mark.slow,
@@ -137,6 +138,9 @@ _CASES = {
     "annotation outside": ("Plotly.newPlot(d, [{y: [1, 2]}], {height: 300, margin: {r: 10}, annotations: "
                            "[{text: 'beyond the right edge', x: 1.02, xref: 'paper', xanchor: 'left', y: 1, "
                            "showarrow: false}]}, {responsive: true})"),
+    "point label cut off": ("Plotly.newPlot(d, [{x: [0, 1], y: [0, 1], mode: 'markers+text', text: ['low', 'high'], "
+                            "textposition: 'top center'}], {height: 300, xaxis: {range: [0, 1]}, "
+                            "yaxis: {range: [0, 1]}}, {responsive: true})"),
     "in a scrolling box": ("d.parentElement.style.overflowX = 'auto'; "
                            "Plotly.newPlot(d, [{y: [1, 2]}], {width: 1400, height: 300})"),
     "sizes to its column": ("Plotly.newPlot(d, [{y: [1, 2], name: 'a'}, {y: [2, 1], name: 'b'}], "
@@ -167,4 +171,5 @@ def test_the_figure_check_fails_on_what_it_must_catch(browser, tmp_path: Path):
         assert lines, f"the check missed: {name}"
     assert "legend" in " ".join(found["legend outside"]) and "annotation" in " ".join(found["annotation outside"])
     assert "wider than its column" in " ".join(found["in a scrolling box"])
+    assert "point label 'high'" in " ".join(found["point label cut off"])
     assert "refused" in found["empty page"][0]
