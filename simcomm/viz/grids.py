@@ -268,7 +268,8 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
 
     # the largest cell (up to _MAX_CELL_PX) that keeps the panels within _WIDTH_PX and _HEIGHT_PX
     cell_px = max(_MIN_CELL_PX, min(_MAX_CELL_PX, _HEIGHT_PX / sum(grid_rows)))
-    while cell_px > _MIN_CELL_PX and sum(widths(cell_px)) + (col_count - 1) * _GAP_PX > _WIDTH_PX:
+    # (very long tensors: cells down to a pixel, colour only, rather than a figure wider than its column)
+    while cell_px > 1 and sum(widths(cell_px)) + (col_count - 1) * _GAP_PX > _WIDTH_PX:
         cell_px -= 0.5
     col_px = widths(cell_px)
     row_px = [rows * cell_px for rows in grid_rows]
