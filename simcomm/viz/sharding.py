@@ -54,6 +54,7 @@ def tp_mlp_shards_figure(hidden: int, ffn: int, world_size: int) -> go.Figure:
         title=dict(text=(f"tensor-parallel MLP on {world_size} ranks: each rank holds {per_rank} rows of w1 "
                          f"and the same {per_rank} columns of w2"), font=dict(size=16)),
         font=dict(size=MIN_FONT_PX), plot_bgcolor="white", paper_bgcolor="white",
-        width=int(160 + cell * (hidden + ffn) / 0.88), height=int(150 + cell * max(ffn, hidden)),
-        legend=dict(orientation="h", y=-0.12), margin=dict(t=90, l=60, r=20, b=80))
+        width=int(160 + cell * (hidden + ffn) / 0.88), height=int(180 + cell * max(ffn, hidden)),
+        legend=dict(orientation="h", x=0, xref="container", y=0, yref="container", yanchor="bottom"),
+        margin=dict(t=90, l=60, r=20, b=110))
     return fig

@@ -180,8 +180,9 @@ CUT_OFF_FIGURES = """(boundary) => {
 #: found: the figure (its ``svg.main-svg``) reaching beyond its column or the viewport, or a
 #: title, axis title, legend, colour bar, annotation, slider or button row reaching beyond the
 #: figure (what lies outside a figure's svg is not drawn: a clipped label), or a text label of a
-#: point or bar cut off by its plot area (traces that clip to their axes). Each problem names the
-#: part, its text and its overflow in px. A scrolling box around a figure does not excuse it.
+#: point or bar cut off by its plot area (traces that clip to their axes), or two of the title, axis
+#: titles, legend and colour bars overlapping. Each problem names the part, its text and its
+#: overflow (for an overlap: its smaller extent) in px. A scrolling box around a figure does not excuse it.
 FIGURE_GEOMETRY = """() => {
   const viewport = document.documentElement.clientWidth;
   const parts = [['title', '.g-gtitle'], ['axis title', 'g[class^="g-"][class$="title"]:not(.g-gtitle)'],
@@ -207,6 +208,18 @@ FIGURE_GEOMETRY = """() => {
                                      overflow: Math.round(over)});
       }
     }
+    // the title, axis titles, legend and colour bars do not overlap one another
+    const furniture = [['title', '.g-gtitle'], ['axis title', 'g[class^="g-"][class$="title"]:not(.g-gtitle)'],
+                       ['legend', 'g.legend'], ['colour bar', 'g.colorbar']].flatMap(([name, selector]) =>
+      [...plot.querySelectorAll(selector)].map((element) => [name, element, element.getBoundingClientRect()]))
+      .filter(([, , box]) => box.width >= 1 && box.height >= 1);
+    furniture.forEach(([name, element, box], i) => furniture.slice(i + 1).forEach(([other, next, box2]) => {
+      const across = Math.min(box.right, box2.right) - Math.max(box.left, box2.left);
+      const down = Math.min(box.bottom, box2.bottom) - Math.max(box.top, box2.top);
+      if (across > 2 && down > 2 && !element.contains(next) && !next.contains(element))
+        problems.push({part: name + ' and ' + other, text: (element.textContent || '').slice(0, 30) + ' / ' +
+                       (next.textContent || '').slice(0, 30), overflow: Math.round(Math.min(across, down))});
+    }));
     // a point's or bar's text label of a trace that clips to its axes must lie in a plot area
     const areas = [...plot.querySelectorAll('.nsewdrag')].map((area) => area.getBoundingClientRect());
     for (const element of plot.querySelectorAll('g.trace g.textpoint text, g.trace.bars g.point text')) {
@@ -239,7 +252,8 @@ def figure_geometry(page) -> list[dict]:
 def misfits(figures: list[dict]) -> list[str]:
     """One line per problem of :func:`figure_geometry`'s figures: figure number, title, part, overflow."""
     return [f"figure {index} ({figure['title'][:50]!r}, {figure['width']} px in a {figure['column']} px column): "
-            f"{problem['part']} {problem['text'][:40]!r} beyond by {problem['overflow']} px"
+            f"{problem['part']} {problem['text'][:40]!r} "
+            f"{'overlap' if ' and ' in problem['part'] else 'beyond'} by {problem['overflow']} px"
             for index, figure in enumerate(figures) for problem in figure["problems"]]
 
 
