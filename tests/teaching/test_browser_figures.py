@@ -11,13 +11,14 @@ Chromium (``/usr/bin/chromium``, network blocked). At two widths:
 the browser's own geometry (``tests.teaching.test_browser.FIGURE_GEOMETRY``) must show every figure
 no wider than its output column, and every title, axis title, legend, colour bar, annotation,
 slider and button row inside its figure, and every text label of a point or bar inside its plot
-area (where its trace clips to the axes). The page must hold exactly as many drawn figures as the
+area (where its trace clips to the axes); no two of the title, axis titles, legend and colour bars
+may overlap. The page must hold exactly as many drawn figures as the
 executed lesson displayed, and at least one, so the check cannot pass on an empty page or a
 figure that failed to draw. A failure names the figure, the part and its overflow in px.
 
 ``test_the_figure_check_fails_on_what_it_must_catch`` shows the check can fail: a fixed-width
-figure, a legend or an annotation outside its figure, a wide figure in a scrolling box, and an
-empty page are all reported; a figure that sizes to its column passes.
+figure, a legend or an annotation outside its figure, a point's label cut off by its axes, a
+legend over an axis title, a wide figure in a scrolling box, and an empty page are all reported; a figure that sizes to its column passes.
 """
 from __future__ import annotations
 
@@ -141,6 +142,9 @@ _CASES = {
     "point label cut off": ("Plotly.newPlot(d, [{x: [0, 1], y: [0, 1], mode: 'markers+text', text: ['low', 'high'], "
                             "textposition: 'top center'}], {height: 300, xaxis: {range: [0, 1]}, "
                             "yaxis: {range: [0, 1]}}, {responsive: true})"),
+    "legend over the axis title": ("Plotly.newPlot(d, [{y: [1, 2], name: 'first series'}, {y: [2, 1], name: 'second'}], "
+                                   "{height: 300, showlegend: true, xaxis: {title: {text: 'time of the step (ms)'}}, "
+                                   "legend: {orientation: 'h', x: 0.3, y: -0.2, yanchor: 'top'}}, {responsive: true})"),
     "in a scrolling box": ("d.parentElement.style.overflowX = 'auto'; "
                            "Plotly.newPlot(d, [{y: [1, 2]}], {width: 1400, height: 300})"),
     "sizes to its column": ("Plotly.newPlot(d, [{y: [1, 2], name: 'a'}, {y: [2, 1], name: 'b'}], "
@@ -171,5 +175,6 @@ def test_the_figure_check_fails_on_what_it_must_catch(browser, tmp_path: Path):
         assert lines, f"the check missed: {name}"
     assert "legend" in " ".join(found["legend outside"]) and "annotation" in " ".join(found["annotation outside"])
     assert "wider than its column" in " ".join(found["in a scrolling box"])
+    assert "axis title and legend" in " ".join(found["legend over the axis title"])
     assert "point label 'high'" in " ".join(found["point label cut off"])
     assert "refused" in found["empty page"][0]
