@@ -6,7 +6,7 @@ curves that agree lie on each other and a disagreement shows as a marker off
 the pale line. The title states the largest difference from the first series.
 
 Plain plotly (survives an HTML export); text at least :data:`~simcomm.viz.style.MIN_FONT_PX`;
-880 px wide, so it fits the notebook column of a 1024 px screen.
+as wide as its output column (no fixed width), so it fits a 1024 px screen.
 """
 from __future__ import annotations
 

@@ -6,7 +6,10 @@ workspaces and runtime files in the temporary folder too, so nothing is
 written into the repository), opens the notebook in Debian's Chromium
 (``/usr/bin/chromium``; no browser is ever downloaded), runs all cells, waits
 for a plotly figure and the explorer's world-size slider, moves the slider
-and checks that the explorer's figure is redrawn with one more rank. It saves
+and checks that the explorer's figure is redrawn with one more rank, then that at 1024 px every
+figure fits its output column with its title, legend, colour bars and annotations inside it
+(:data:`FIGURE_GEOMETRY`, also used on every lesson's export by
+``tests/teaching/test_browser_figures.py``). It saves
 a screenshot in the test's temporary folder and prints its path.
 
 JupyterLab is stopped the way it expects: SIGINT twice (the first asks for a
@@ -148,7 +151,8 @@ def serving_lesson(notebook: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
         assert not left, f"processes left after stopping JupyterLab: {left}\n{log.read_text()[-2000:]}"
 
 
-#: JavaScript: the figures (``.js-plotly-plot``) cut off at the right edge without a scrollbar, and
+#: JavaScript (the handout's tests, tests/teaching/test_handout.py): the figures (``.js-plotly-plot``)
+#: cut off at the right edge without a scrollbar, and
 #: how many figures it looked at. The edge is the page's (an exported page) or, given a selector,
 #: that element's (JupyterLab's notebook panel); a figure wider than the edge passes only inside a
 #: box that scrolls sideways (overflow-x auto or scroll) and itself ends within the edge.
@@ -364,7 +368,7 @@ def test_lesson_01_in_chromium(jupyterlab, tmp_path: Path):
         explorer.scroll_into_view_if_needed()
         page.screenshot(path=str(screenshot))
         cut = figures_cut_off_at_1024_px(page)
-        assert not cut, f"lesson 01 at 1024 px: figures cut off without a scrollbar: {cut}"
+        assert not cut, f"lesson 01 at 1024 px: figures that do not fit: {cut}"
     assert screenshot.stat().st_size > 10_000
     assert NOTEBOOK.read_bytes() == before, "JupyterLab wrote into the repository's notebook"
     print(f"screenshot: {screenshot}")
