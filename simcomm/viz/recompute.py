@@ -59,6 +59,8 @@ def trade_figure(rows: Sequence[dict]) -> go.Figure:
     fig.update_xaxes(title_text="compute of a step (x the step without recomputation)",
                      range=[low - pad, high + pad])
     top = max(row["bytes"] for row in rows) / 2 ** 10
-    fig.update_yaxes(title_text="activations per layer and rank (KiB)", range=[0, 1.2 * top or 1])  # room for labels
+    # room above the top point's label, and below a point at zero for its whole marker
+    fig.update_yaxes(title_text="activations per layer and rank (KiB)", range=[-0.07 * top, 1.2 * top or 1],
+                     zeroline=True)
     fig.update_layout(showlegend=False)
     return _style(fig, "Recomputation trades compute for activation memory")
