@@ -262,14 +262,21 @@ def misfits(figures: list[dict]) -> list[str]:
 
 
 def figures_cut_off_at_1024_px(page, *, expect_at_least: int = 1) -> list[str]:
-    """Resize ``page`` (JupyterLab, every cell run) to a projector's 1024 px and return what does not
+    """Close JupyterLab's left sidebar, resize ``page`` (JupyterLab, every cell run) to a projector's
+    1024 px (an output column of about 844 px) and return what does not
     fit (:func:`misfits`): a figure wider than its output column, or a figure's title, legend,
     colour bar, annotation or axis title outside it. At least ``expect_at_least`` figures must
     have been measured, so the check cannot pass on an empty page."""
+    current = page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current")
+    if current.count():     # on a projector the notebook is shown without the file browser beside it
+        current.first.click()
     page.set_viewport_size({"width": 1024, "height": 900})
     page.wait_for_timeout(1500)                          # JupyterLab and plotly lay out again
     figures = figure_geometry(page)
     assert len(figures) >= expect_at_least, f"only {len(figures)} figures in the notebook"
+    columns = sorted({figure["column"] for figure in figures})
+    print(f"JupyterLab at 1024 px: {len(figures)} figures, output columns {columns} px")
+    assert columns[-1] >= 800, f"JupyterLab's output column is {columns[-1]} px: did the file browser close?"
     return misfits(figures)
 
 
