@@ -1,0 +1,89 @@
+"""Every published Llama 3 training row beside the planner's figure and the ratio.
+
+    python benchmarks/published_runs.py            # the table of docs/planning_llama.md
+    python benchmarks/published_runs.py --ranking  # where each published layout ranks among the
+                                                   # layouts the planner enumerates for its budget
+
+Rows and sources: :mod:`simcomm.planning.published`. ``role`` says which rows
+:func:`~simcomm.planning.published.calibrate` fits (``calibrate``) and which
+are only compared (``validate``). First the calibration is re-run and checked
+against the constants the planner holds. Throughput: TFLOPs per GPU in the
+``6N + 12 L h s`` convention for the Llama 3 paper's rows (what it publishes),
+tokens per GPU per second for torchtitan's; memory in GiB per GPU (the
+maximum over GPUs, torchtitan's convention).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from simcomm.planning import planner, published
+from simcomm.planning.planner import GiB
+
+
+def table() -> list[str]:
+    lines = ["| source | run | layout tp/cp/pp/dp | role | memory GiB: published | planner | ratio "
+             "| throughput: published | planner | ratio | MFU (6N+12Lhs) | causal TFLOPs |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in published.published_runs():
+        row = published.evaluate_run(run)
+        memory = row["total"] / GiB
+        if run["tflops"]:
+            got, want, unit = row["tflops"], run["tflops"], "TFLOPs"
+        else:
+            got, want, unit = row["tokens_per_gpu_s"], run["tps"], "tok/s"
+        mem = (f"{run['memory_gib']:.1f} | {memory:.1f} | {memory / run['memory_gib']:.2f}"
+               if run["memory_gib"] else f"- | {memory:.1f} | -")
+        lines.append(f"| {run['source']} | {run['name']} | {'/'.join(map(str, run['layout']))} | {run['role']} "
+                     f"| {mem} | {want:,} {unit} | {got:,.0f} | {got / want:.2f} | {row['mfu']:.1%} "
+                     f"| {row['tflops_causal']:.0f} |")
+    return lines
+
+
+def ranking(limit_gib: float | None = None) -> list[str]:
+    lines = ["| run | published layout | rank by modelled step among layouts that fit | of | fastest that fits "
+             "| its step / published layout's step |", "|---|---|---:|---:|---|---:|"]
+    seen = set()
+    for run in published.published_runs():
+        recipe, gpu = run["recipe"], run["gpu"]
+        case = (run["model"].name, run["gpus"], recipe)
+        if case in seen:
+            continue
+        seen.add(case)
+        rows = planner.plan(run["model"], run["gpus"], recipe, gpu=gpu)
+        fitting = sorted((r for r in rows if r["total"] <= gpu.capacity), key=lambda r: r["step_time"])
+        keys = [planner.key(r) for r in fitting]
+        mine = next(r for r in rows if planner.key(r) == run["layout"])
+        rank = keys.index(run["layout"]) + 1 if run["layout"] in keys else None
+        best = fitting[0] if fitting else None
+        lines.append(f"| {run['name']} | {'/'.join(map(str, run['layout']))} | "
+                     f"{rank if rank else 'does not fit (' + format(mine['total'] / GiB, '.1f') + ' GiB)'} | "
+                     f"{len(fitting)} | {'/'.join(map(str, planner.key(best))) if best else '-'} | "
+                     f"{best['step_time'] / mine['step_time']:.2f} |" if best else "")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranking", action="store_true", help="also rank each published layout")
+    args = parser.parse_args()
+    fitted = published.calibrate()
+    held = {"h100_sxm_gemm": planner.H100_SXM.gemm, "h100_hbm2e_gemm": planner.H100_HBM2E.gemm,
+            "memory_overhead": planner.H100_HBM2E.memory_overhead}
+    print("calibration (fitted on the 'calibrate' rows only):")
+    for name, value in fitted.items():
+        print(f"  {name}: fitted {value:.4f}, held by the planner {held[name]:.4f}")
+        if abs(value - held[name]) > 0.001:
+            print(f"  the planner's {name} is stale: set it to {value:.3f}", file=sys.stderr)
+            return 1
+    print()
+    print("\n".join(table()))
+    if args.ranking:
+        print()
+        print("\n".join(ranking()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
