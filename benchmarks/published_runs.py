@@ -41,9 +41,16 @@ def table() -> list[str]:
     return lines
 
 
-def ranking(limit_gib: float | None = None) -> list[str]:
-    lines = ["| run | published layout | rank by modelled step among layouts that fit | of | fastest that fits "
-             "| its step / published layout's step |", "|---|---|---:|---:|---|---:|"]
+PARTS = ("compute", "bubble", "tp_comm", "cp_comm", "pp_comm", "dp_exposed", "optimizer")
+
+
+def ranking() -> list[str]:
+    """Where each published layout ranks among the planner's layouts for the same model, GPUs and
+    recipe: among those that fit the GPU's memory, and by modelled step alone; beside the fastest
+    fitting layout, the modelled part that differs most (seconds, published layout minus fastest)."""
+    lines = ["| run | published layout | GiB (fits?) | rank among fitting | of | rank by step alone | of "
+             "| fastest fitting | its step / published's | part that differs most (s) |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
     seen = set()
     for run in published.published_runs():
         recipe, gpu = run["recipe"], run["gpu"]
@@ -51,16 +58,22 @@ def ranking(limit_gib: float | None = None) -> list[str]:
         if case in seen:
             continue
         seen.add(case)
-        rows = planner.plan(run["model"], run["gpus"], recipe, gpu=gpu)
-        fitting = sorted((r for r in rows if r["total"] <= gpu.capacity), key=lambda r: r["step_time"])
-        keys = [planner.key(r) for r in fitting]
+        rows = sorted(planner.plan(run["model"], run["gpus"], recipe, gpu=gpu), key=lambda r: r["step_time"])
+        fitting = [r for r in rows if r["total"] <= gpu.capacity]
         mine = next(r for r in rows if planner.key(r) == run["layout"])
-        rank = keys.index(run["layout"]) + 1 if run["layout"] in keys else None
-        best = fitting[0] if fitting else None
-        lines.append(f"| {run['name']} | {'/'.join(map(str, run['layout']))} | "
-                     f"{rank if rank else 'does not fit (' + format(mine['total'] / GiB, '.1f') + ' GiB)'} | "
-                     f"{len(fitting)} | {'/'.join(map(str, planner.key(best))) if best else '-'} | "
-                     f"{best['step_time'] / mine['step_time']:.2f} |" if best else "")
+        fit_keys = [planner.key(r) for r in fitting]
+        rank = fit_keys.index(run["layout"]) + 1 if run["layout"] in fit_keys else "-"
+        alone = [planner.key(r) for r in rows].index(run["layout"]) + 1
+        if not fitting:
+            lines.append(f"| {run['name']} | {'/'.join(map(str, run['layout']))} | {mine['total'] / GiB:.1f} (no) "
+                         f"| - | 0 | {alone} | {len(rows)} | none fits | - | - |")
+            continue
+        best = fitting[0]
+        diff = max(PARTS, key=lambda part: abs(mine[part] - best[part]))
+        lines.append(f"| {run['name']} | {'/'.join(map(str, run['layout']))} | {mine['total'] / GiB:.1f} "
+                     f"({'yes' if mine['fits'] else 'no'}) | {rank} | {len(fitting)} | {alone} | {len(rows)} "
+                     f"| {'/'.join(map(str, planner.key(best)))} | {best['step_time'] / mine['step_time']:.2f} "
+                     f"| {diff} {mine[diff] - best[diff]:+.2f} |")
     return lines
 
 

@@ -24,8 +24,8 @@ recipes of published runs.
   two layers (the one running, the one prefetched) and of the root (embedding, output),
   and one layer's fp32 gradients before their reduce-scatter; under pipeline
   parallelism FSDP2 does not reshard (torchtitan: ``reshard_after_forward=False``), so
-  the whole stage's bf16 parameters, and its bf16 gradients accumulated unsharded
-  over the micro-batches;
+  the whole stage's bf16 parameters, and its gradients accumulated unsharded over the
+  micro-batches (in the fp32 reduce dtype, as FSDP2 accumulates without gradient sync);
 * ``activations``: what each layer keeps for backward (:func:`layer_activation_bytes`,
   by ``recompute``), times the stage's layers, times the micro-batches the schedule
   keeps in flight on the first stage (:func:`in_flight`);
@@ -83,7 +83,7 @@ from ..parallel.mixed_precision import expected_bytes
 
 __all__ = ["DIMENSIONS", "LABELS", "RECOMPUTE", "SCHEDULES", "STATES", "ATTENTION", "GPU", "H100_SXM",
            "H100_HBM2E", "H100_MEMORY", "Recipe", "layouts", "mesh", "plan", "memory_per_gpu", "step_time",
-           "layer_activation_bytes", "in_flight", "gemm_time", "flops_per_token", "fastest_fitting", "key",
+           "layer_activation_bytes", "in_flight", "KERNELS", "evaluate", "stage_layers", "gemm_time", "flops_per_token", "fastest_fitting", "key",
            "sized", "GiB", "published_layouts", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B"]
 
 GiB = 2 ** 30
@@ -98,6 +98,9 @@ RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
 #: how model states are held
 STATES = ("megatron", "fsdp2")
+#: which tensors a layer saves without checkpointing: torchtitan's eager Llama, or fused kernels
+#: (Transformer Engine's LayerNorm-Linear and SwiGLU, as Megatron-LM runs them)
+KERNELS = ("eager", "fused")
 #: memory an H100 80GB offers: 81,559 MiB, as ``nvidia-smi`` reports it (79.6 GiB, not 80)
 H100_MEMORY = 81559 * 2 ** 20
 
@@ -128,7 +131,7 @@ class GPU:
 
 #: an H100 SXM 80GB at 700 W (Meta's Llama 3 cluster): 989 TFLOPs dense bf16, 3.35 TB/s HBM3
 #: (NVIDIA H100 datasheet); ``gemm`` calibrated on the Llama 3 paper's 405B 8K row on 16,384 GPUs
-H100_SXM = GPU("H100 SXM 80GB", peak=989e12, hbm=3.35e12, gemm=0.711, memory_overhead=0.128,
+H100_SXM = GPU("H100 SXM 80GB", peak=989e12, hbm=3.35e12, gemm=0.650, memory_overhead=0.128,
                capacity=H100_MEMORY)
 #: torchtitan's H100 96GB HBM2e at 500 W (its docs/performance.md: 2.4 TB/s; peak "between SXM and
 #: NVL", so the SXM datasheet peak with the calibrated ``gemm``); ``gemm`` and ``memory_overhead``
@@ -149,7 +152,10 @@ class Recipe:
     collectives overlapped with the GEMMs; ``cp_ring``: context parallel K/V exchange overlapped
     with attention (ring attention; else an exposed all-gather, as the Llama 3 paper's);
     ``compiled``: torch.compile fuses the elementwise ops; ``attention``: a key of
-    :data:`ATTENTION`; ``topology``: the network (a preset name)."""
+    :data:`ATTENTION`; ``kernels``: which tensors a layer saves without checkpointing
+    (:data:`KERNELS`, :func:`layer_activation_bytes`); ``balanced``: the first and last pipeline
+    stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``topology``: the
+    network (a preset name)."""
 
     seq: int = 8192
     global_batch: int | None = None
@@ -165,10 +171,13 @@ class Recipe:
     cp_ring: bool = False
     compiled: bool = False
     attention: str = "fa3"
+    kernels: str = "eager"
+    balanced: bool = False
     topology: str = "h100-ndr-cluster"
 
     def __post_init__(self) -> None:
         for name, allowed in (("recompute", RECOMPUTE), ("schedule", SCHEDULES), ("states", STATES),
+                              ("kernels", KERNELS),
                               ("attention", tuple(ATTENTION))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"planner.Recipe: {name}={getattr(self, name)!r} must be one of {list(allowed)}")
@@ -231,13 +240,16 @@ def sized(preset: str | Topology, gpus: int) -> Topology:
     return topology if nodes == topology.nodes else dataclasses.replace(topology, nodes=nodes)
 
 
-def layer_activation_bytes(model: Config, seq: int, micro_batch: int, tp: int, cp: int, recompute: str) -> float:
+def layer_activation_bytes(model: Config, seq: int, micro_batch: int, tp: int, cp: int, recompute: str,
+                           kernels: str = "eager") -> float:
     """Bytes one Llama layer keeps for backward on one GPU, bf16, tensor + sequence parallel over ``tp``,
     the sequence split over ``cp`` (``T = seq * micro_batch / cp`` tokens; ``kv = h kv_heads / heads``):
 
     * ``"none"``: every saved tensor: the two norms' inputs and outputs, Q, K, V, the attention output
       and its contiguous copy (the O projection's input), the SwiGLU's gate, up, silu(gate) and their
       product: ``2 T (7h + 2kv + 4 ffn) / tp`` (flash attention keeps no ``s x s`` scores);
+      with ``kernels="fused"`` (Transformer Engine: one normalized input per fused norm-GEMM,
+      the fc1 output and the SwiGLU output): ``2 T (6h + 2kv + 3 ffn) / tp``;
     * ``"selective"``: torchtitan's op-level selective checkpointing (``_save_list``: the outputs of
       every other ``mm``, of flash attention and of TP reduce-scatters are saved, the rest recomputed):
       the layer's input, Q (1st mm), V (3rd), the attention output, the gate (5th) and the down
@@ -247,14 +259,17 @@ def layer_activation_bytes(model: Config, seq: int, micro_batch: int, tp: int, c
         raise ValueError(f"planner: recompute={recompute!r} must be one of {list(RECOMPUTE)}")
     tokens, h, f = seq * micro_batch / cp, model.hidden, model.ffn
     kv = h * model.kv_heads / model.heads
-    per_token = {"none": 7 * h + 2 * kv + 4 * f, "selective": 4 * h + kv + f, "full": h}[recompute]
+    if kernels not in KERNELS:
+        raise ValueError(f"planner: kernels={kernels!r} must be one of {list(KERNELS)}")
+    none = 7 * h + 2 * kv + 4 * f if kernels == "eager" else 6 * h + 2 * kv + 3 * f
+    per_token = {"none": none, "selective": 4 * h + kv + f, "full": h}[recompute]
     return 2 * tokens * per_token / tp
 
 
-def _working_set(model: Config, tokens: float, tp: int, recompute: str) -> float:
+def _working_set(model: Config, tokens: float, tp: int, recompute: str, kernels: str = "eager") -> float:
     """The transient bytes of one layer's backward: the layer's recomputed activations (unless none
     are recomputed) and two ``ffn``-wide gradient temporaries."""
-    recomputed = 0.0 if recompute == "none" else layer_activation_bytes(model, tokens, 1, tp, 1, "none")
+    recomputed = 0.0 if recompute == "none" else layer_activation_bytes(model, tokens, 1, tp, 1, "none", kernels)
     return recomputed + 2 * tokens * 2 * model.ffn / tp
 
 
@@ -280,15 +295,28 @@ def _virtual(recipe: Recipe, layers: int) -> int:
     return recipe.virtual_stages or max(1, layers // 2)
 
 
-def _stages(model: Config, pp: int) -> dict[str, tuple[int, float, bool, bool]]:
-    """name -> (layers, parameters on one GPU before tp, has embedding, has output) of the stages
-    that can need the most."""
-    layers = -(-model.layers // pp)
+def stage_layers(layers: int, pp: int, balanced: bool = False) -> tuple[int, int, int]:
+    """Layers on the (first, fullest middle, last) stage: ``ceil(layers / pp)`` each, or ``balanced``
+    (the Llama 3 paper: the first and last stage one layer fewer, the rest spread over the middle)."""
+    each = -(-layers // pp)
+    if not balanced or pp < 3 or each < 2:
+        return each, each, each
+    middle = -(-(layers - 2 * (each - 1)) // (pp - 2))
+    return each - 1, middle, each - 1
+
+
+def _stages(model: Config, pp: int, balanced: bool = False) -> dict[str, tuple[int, float, int, bool]]:
+    """name -> (layers, parameters on one GPU before tp, stage index, has the output layer) of the
+    stages that can need the most."""
     vh = model.vocab * model.hidden
+    lp = model.layer_parameters
     if pp == 1:
-        return {"only": (layers, layers * model.layer_parameters + 2 * vh + model.hidden, True, True)}
-    return {"first": (layers, layers * model.layer_parameters + vh, True, False),
-            "last": (layers, layers * model.layer_parameters + vh + model.hidden, False, True)}
+        return {"only": (model.layers, model.layers * lp + 2 * vh + model.hidden, 0, True)}
+    first, middle, last = stage_layers(model.layers, pp, balanced)
+    stages = {"first": (first, first * lp + vh, 0, False), "last": (last, last * lp + vh + model.hidden, pp - 1, True)}
+    if middle != first and pp > 2:
+        stages["second"] = (middle, middle * lp, 1, False)
+    return stages
 
 
 def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], recipe: Recipe | None = None, *,
@@ -301,11 +329,12 @@ def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], recipe: Rec
     m = global_batch // (dp * recipe.micro_batch)
     shards = dp * cp
     tokens = recipe.seq * recipe.micro_batch / cp
-    per_layer = layer_activation_bytes(model, recipe.seq, recipe.micro_batch, tp, cp, recipe.recompute)
+    per_layer = layer_activation_bytes(model, recipe.seq, recipe.micro_batch, tp, cp, recipe.recompute,
+                                       recipe.kernels)
     layer_params = model.layer_parameters / tp
     root = 2 * model.vocab * model.hidden / tp
     best: dict[str, Any] | None = None
-    for name, (layers, psi_all, _first, last) in _stages(model, pp).items():
+    for name, (layers, psi_all, stage, last) in _stages(model, pp, recipe.balanced).items():
         psi = psi_all / tp
         if recipe.states == "megatron":
             row: dict[str, Any] = dict(expected_bytes(recipe.zero, round(psi), shards, recipe.gradients))
@@ -317,12 +346,11 @@ def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], recipe: Rec
                 row["unsharded"] = 0.0
             elif pp == 1:      # resharded after forward: two layers, the root, one layer's fp32 gradients
                 row["unsharded"] = 2 * (2 * layer_params + root) + 4 * layer_params
-            else:              # no reshard under PP: the stage's bf16 parameters and accumulated gradients
-                row["unsharded"] = 2 * psi + 2 * psi
-        stage = 0 if name != "last" else pp - 1
+            else:              # no reshard under PP: the stage's bf16 parameters, and its gradients
+                row["unsharded"] = 2 * psi + 4 * psi      # accumulated unsharded in the fp32 reduce dtype
         held = in_flight(pp, m, recipe.schedule, _virtual(recipe, layers), stage)
         row["activations"] = held * layers * per_layer
-        working = _working_set(model, tokens, tp, recipe.recompute)
+        working = _working_set(model, tokens, tp, recipe.recompute, recipe.kernels)
         if last:                                   # the loss: fp32 log-probabilities, their gradient, dlogits
             working = max(working, 12 * tokens * model.vocab / tp)
         row["workspace"] = working
@@ -406,15 +434,15 @@ def step_time(model: Config, layout: tuple[int, int, int, int], topology: Topolo
     t = recipe.seq * recipe.micro_batch / cp
     h = model.hidden
     kv = h * model.kv_heads / model.heads
-    layers = -(-model.layers // pp)
+    first, middle, last = stage_layers(model.layers, pp, recipe.balanced)
+    layers = max(first, middle, last)
     v = _virtual(recipe, layers)
     one = _layer_times(model, recipe, tp, cp, gpu)
     layer = sum(one.values())
-    stage = layers * layer                                           # one micro-batch on one stage
     output = (gemm_time(t, model.vocab / tp, h, gpu) + gemm_time(t, h, model.vocab / tp, gpu)
               + gemm_time(h, model.vocab / tp, t, gpu)
               + t * model.vocab / tp * 4 * (3 if recipe.compiled else 6) / gpu.hbm)   # the loss, fp32
-    stage += output                                                  # the last stage is the slowest
+    stage = max(middle * layer, last * layer + output)               # one micro-batch, the slowest stage
     tp_layer = cp_layer = 0.0
     if tp > 1:
         nbytes = int(2 * t * h)                                      # (T, h) bf16, gathered / scattered
@@ -444,7 +472,7 @@ def step_time(model: Config, layout: tuple[int, int, int, int], topology: Topolo
         p2p = estimate("send_recv", int(2 * t * h / tp), 2, topology,
                        ranks=[0, grid.group_of(0, "pp")[1]]).time
         pp_comm = 2 * (pp - 1) * v * p2p                              # the fill and the drain
-    psi = max(psi_all for _l, psi_all, _f, _o in _stages(model, pp).values()) / tp
+    psi = max(psi_all for _l, psi_all, _s, _o in _stages(model, pp, recipe.balanced).values()) / tp
     shards = dp * cp
     shard_group = grid.group_of(0, "dp", "cp")
     dp_comm = 0.0

@@ -11,10 +11,11 @@ used in any fitting; the planner's figure is compared only):
   BF16, TFLOPs per GPU: 8K sequences on 8,192 GPUs (TP 8, PP 16, DP 64) 430, on
   16,384 (DP 128) 400; 128K sequences on 16,384 (TP 8, CP 16, PP 16, DP 8) 380;
   16M tokens a step. The paper's pipeline is an interleaved schedule; it trains 8K
-  without activation checkpointing; its CP all-gathers K and V. Assumed where the
-  paper is silent: two layers per virtual stage (NeMo's Llama 3 405B recipe: 126
+  without activation checkpointing; its CP all-gathers K and V; its first and last
+  stages hold one layer fewer ("balanced"). Assumed where the paper is silent: two layers per virtual stage (NeMo's Llama 3 405B recipe: 126
   layers, PP 8, 8 virtual stages), Megatron-style states (bf16 weights, fp32
-  gradients, ZeRO-1 optimizer), FlashAttention-3-class attention.
+  gradients (the paper reduce-scatters them in FP32), ZeRO-1 optimizer) and fused
+  kernels (what Megatron-LM with Transformer Engine saves), FlashAttention-3-class attention.
 * **torchtitan** ``docs/performance.md`` (github.com/pytorch/torchtitan, as of
   commit 820504e20d1149fbf0b98c567af24c4b0433b22d's parent, which moved it to
   ``benchmarks/``; measured with torchtitan 9dec370, torch 1963fc8, 2024-12):
@@ -52,7 +53,7 @@ def published_runs() -> list[dict[str, Any]]:
     ``(tp, cp, pp, dp)``, ``recipe``, ``gpu``, ``memory_gib``, ``tps`` (tokens per GPU per second),
     ``tflops`` (per GPU) where published, and ``role``."""
     meta = Recipe(seq=8192, global_batch=2048, recompute="none", schedule="interleaved", states="megatron",
-                  attention="fa3")
+                  attention="fa3", kernels="fused", balanced=True)
     long = dataclasses.replace(meta, seq=131072, global_batch=128)
     runs = [
         _run(PAPER, LLAMA3_405B, (8, 1, 16, 128), meta, H100_SXM, tflops=400, role="calibrate",
