@@ -83,7 +83,7 @@ from ..parallel.mixed_precision import expected_bytes
 
 __all__ = ["DIMENSIONS", "LABELS", "RECOMPUTE", "SCHEDULES", "STATES", "ATTENTION", "GPU", "H100_SXM",
            "H100_HBM2E", "H100_MEMORY", "Recipe", "layouts", "mesh", "plan", "memory_per_gpu", "step_time",
-           "layer_activation_bytes", "in_flight", "KERNELS", "evaluate", "stage_layers", "gemm_time", "flops_per_token", "fastest_fitting", "key",
+           "layer_activation_bytes", "stage_parameters", "in_flight", "KERNELS", "evaluate", "stage_layers", "gemm_time", "flops_per_token", "fastest_fitting", "key",
            "sized", "GiB", "published_layouts", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B"]
 
 GiB = 2 ** 30
@@ -317,6 +317,14 @@ def _stages(model: Config, pp: int, balanced: bool = False) -> dict[str, tuple[i
     if middle != first and pp > 2:
         stages["second"] = (middle, middle * lp, 1, False)
     return stages
+
+
+def stage_parameters(model: Config, layout: tuple[int, int, int, int]) -> float:
+    """Parameters one GPU holds on the pipeline stage that holds the most: ``1/tp`` of its layers, plus the
+    embedding on the first stage and the output layer and final norm on the last; with ``pp == 1``
+    one stage holds all of them (lesson 15's exercise 4)."""
+    tp, _cp, pp, _dp = layout
+    return max(psi for _layers, psi, _stage, _last in _stages(model, pp).values()) / tp
 
 
 def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], recipe: Recipe | None = None, *,
