@@ -154,8 +154,9 @@ class Recipe:
     ``compiled``: torch.compile fuses the elementwise ops; ``attention``: a key of
     :data:`ATTENTION`; ``kernels``: which tensors a layer saves without checkpointing
     (:data:`KERNELS`, :func:`layer_activation_bytes`); ``balanced``: the first and last pipeline
-    stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``topology``: the
-    network (a preset name)."""
+    stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``attention_scale``:
+    a factor on the attention kernel's efficiency (1: the published figure; what-if studies);
+    ``topology``: the network (a preset name)."""
 
     seq: int = 8192
     global_batch: int | None = None
@@ -173,6 +174,7 @@ class Recipe:
     attention: str = "fa3"
     kernels: str = "eager"
     balanced: bool = False
+    attention_scale: float = 1.0
     topology: str = "h100-ndr-cluster"
 
     def __post_init__(self) -> None:
@@ -401,7 +403,7 @@ def _layer_times(model: Config, recipe: Recipe, tp: int, cp: int, gpu: GPU) -> d
     forward = {name: gemm_time(*mnk, gpu, f8) for name, mnk in shapes.items()}
     backward = sum(gemm_time(m_, k_, n_, gpu, f8) + gemm_time(k_, n_, m_, gpu, f8)
                    for m_, n_, k_ in shapes.values())
-    att_fwd, att_bwd = ATTENTION[recipe.attention]
+    att_fwd, att_bwd = (value * recipe.attention_scale for value in ATTENTION[recipe.attention])
     attention_flops = 2 * t * recipe.seq * h / tp            # 4 T (s/2) h / tp: causal, flash
     attention_forward = attention_flops / (gpu.peak * att_fwd)
     attention_backward = 2.5 * attention_flops / (gpu.peak * att_bwd)
