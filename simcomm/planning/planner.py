@@ -66,7 +66,7 @@ beside it, and the causal count (``6 N + 6 L h s``) that the GPU actually runs.
 It is a model, not a measurement: no values are computed, collectives are
 modelled (alpha-beta, :mod:`simcomm.model.cost`), and the GPU's sustained fraction
 of peak and memory overhead are calibrated on named published rows
-(:func:`calibrate`; the other rows only validate). The shape-only simulator
+(:func:`simcomm.planning.published.calibrate`; the other rows only validate). The shape-only simulator
 (``World(n, tensors="shape")``) checks per-rank accounting on traced programs.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ class GPU:
     ``hbm``: memory bandwidth, bytes/s; ``gemm``: the fraction of ``peak`` a large bf16 GEMM sustains
     in a training step (clocks under the power limit included), and ``memory_overhead``: the
     allocator's and libraries' share on top of the counted bytes: both calibrated on one published
-    row each (:func:`calibrate`); ``capacity``: usable bytes."""
+    row each (:func:`simcomm.planning.published.calibrate`); ``capacity``: usable bytes."""
 
     name: str
     peak: float
