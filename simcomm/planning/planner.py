@@ -33,7 +33,7 @@ recipes of published runs.
   activations and gradient temporaries, or on the last stage the loss's fp32
   log-probabilities, their gradient and the logits' gradient (12 bytes per logit);
 * ``overhead``: the caching allocator's fragmentation, NCCL and library workspaces,
-  as a fraction of the rest (:attr:`GPU.memory_overhead`, calibrated).
+  as a fraction of the rest (``GPU.memory_overhead``, calibrated).
 
 **Step time** (:func:`step_time`): per op, not one flat efficiency:
 
