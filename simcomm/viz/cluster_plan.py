@@ -201,15 +201,15 @@ def plan_figure(trace: Trace, topology: str | Topology, *, by="node", ranks: Seq
     title = (f"{summary['ranks']} ranks on {topology.name}: modelled step {summary['step_time'] * scale:.4g} "
              f"{time_unit}<br><span style='font-size:{MIN_FONT_PX}px'>per rank (mean): compute "
              f"{summary['compute'] * scale:.3g}, communication {summary['communication'] * scale:.3g} of which "
-             f"exposed {summary['exposed'] * scale:.3g} (max {summary['exposed_max'] * scale:.3g}), hidden under "
+             f"exposed {summary['exposed'] * scale:.3g} (max {summary['exposed_max'] * scale:.3g}),<br>hidden under "
              f"compute {summary['hidden'] * scale:.3g} {time_unit}; "
              f"{human_bytes(total)} sent in all, {100 * network / total if total else 0:.0f}% over the network"
              f"</span>")
     figure.update_layout(
         title=dict(text=title, x=0.01, xanchor="left", font=dict(size=TITLE_FONT_PX)), font=_FONT, barmode="stack",
-        width=1200, height=720, plot_bgcolor="white", paper_bgcolor="white",
+        autosize=True, height=760, plot_bgcolor="white", paper_bgcolor="white",
         legend=dict(font=_FONT, orientation="h", x=0.0, y=-0.12, yanchor="top"),
-        margin=dict(l=80, r=40, t=120, b=110))
+        margin=dict(l=80, r=40, t=140, b=110))
     figure.update_annotations(font=_FONT)
     figure.layout.meta = {"step": summary}
     return figure
