@@ -38,8 +38,6 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = handout.lesson_notebooks()
 #: JupyterLab's output column at a 1024 px viewport (px)
 JUPYTERLAB_COLUMN_PX = 844
-#: lessons whose figures are being resized elsewhere: their failures are expected, not required
-BEING_RESIZED: dict[str, str] = {"15": "figures being resized"}
 
 pytestmark = [
     pytest.mark.browser, pytest.mark.slow,
@@ -106,9 +104,7 @@ def measure(page, path: Path, expected: int) -> dict[str, list[dict]]:
 
 
 def _lesson_param(notebook: Path):
-    reason = BEING_RESIZED.get(notebook.stem[:2])
-    marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
-    return pytest.param(notebook, id=notebook.stem, marks=marks)
+    return pytest.param(notebook, id=notebook.stem)
 
 
 def test_every_lesson_is_measured():

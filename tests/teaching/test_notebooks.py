@@ -212,7 +212,5 @@ def test_lesson_runs(notebook: Path, backend: str, record_property, tmp_path: Pa
     if backend == "real":
         runs = (tmp_path / "cluster_runs").read_text().split() if (tmp_path / "cluster_runs").exists() else []
         print(f"{notebook.stem}: {len(runs)} programs on real.Cluster workers (world sizes {sorted(set(runs))})")
-        if not runs and notebook.stem.startswith("15"):
-            pytest.xfail("lesson 15 does not read SIMCOMM_BACKEND yet: its real run is the simulator")
         assert runs, (f"{notebook.name} with SIMCOMM_BACKEND=real ran no program on real worker processes "
                       "(real.Cluster.run): it must run on the backend configured_backend() returns")
