@@ -30,7 +30,7 @@ from ..reports import format_ranks
 __all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
            "as_number", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
            "Forbidden", "attempt", "RanksApart", "judged_apart", "shared_state_names",
-           "uses_helper", "helper_in_caller", "helper_verdict"]
+           "uses_helper", "helper_in_caller", "helper_verdict", "called_helper"]
 
 #: what a checker returns while the exercise still holds its placeholder
 NOT_ANSWERED = "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."
@@ -402,3 +402,23 @@ def helper_verdict(helper: Any, what: str) -> str:
     return not_yet(f"{name} is the lesson's own answer, not yours: the exercise asks you to work out {what} "
                    f"without it", f"write the computation out from what the lesson showed; {name} is there to "
                    "check you, after you have answered")
+
+
+def called_helper(call: Callable[[], Any], *helpers: Any) -> tuple[Any, Any]:
+    """``(result of call(), the helper among helpers it called or None)``: the learner's call runs
+    under a profile hook that notes a call of a helper's code, however the learner reached it (an
+    import inside the function, an alias, a partial). Exceptions propagate."""
+    codes = {getattr(helper, "__code__", None): helper for helper in helpers}
+    codes.pop(None, None)
+    hit: list[Any] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in codes and not hit:
+            hit.append(codes[frame.f_code])
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        result = call()
+    finally:
+        sys.setprofile(previous)
+    return result, (hit[0] if hit else None)
