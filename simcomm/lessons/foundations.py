@@ -35,6 +35,7 @@ from ..parallel.ring import ring_exchange, ring_schedule
 from ..parallel.tensor import make_mlp, mlp, shard_mlp
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
+from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import reduce_scatter_traffic as _reduce_scatter_traffic
 from .verdicts import NOT_ANSWERED, is_correct
 from .verdicts import Forbidden as _Forbidden
@@ -243,6 +244,7 @@ def _count_ranks_program(comm, count_ranks: Callable):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_count_ranks(count_ranks: Callable, *, world_sizes: Sequence[int] = (1, 2, 3, 5)) -> str:
     """Lesson 00: ``count_ranks(comm)`` must return the world size, found with an all-reduce.
 
@@ -372,6 +374,7 @@ def _all_gather_grads(comm, mine: Callable, shape: tuple[int, ...], dim: int):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_all_gather_backward(my_backward: Callable, *, world_size: int = 4,
                               shape: tuple[int, ...] = (2, 3), dims: Sequence[int] = (0, 1)) -> str:
     """Lesson 02: ``my_backward(comm, grad_out, dim)`` must return the gradient of an all-gather's input."""
@@ -405,6 +408,7 @@ def _ring_all_gather_program(comm, mine: Callable, base: float):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_ring_all_gather(my_all_gather: Callable, *, world_sizes: Sequence[int] = (2, 3, 4, 5)) -> str:
     """Lesson 03: ``my_all_gather(comm, x)`` must all-gather along dim 0 with the ring.
 
@@ -456,6 +460,7 @@ def _tp_mlp_grads(comm, layer: Callable, x: torch.Tensor, params: dict):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_tp_mlp(layer: Callable, *, world_size: int = 4, batch: int = 3, hidden: int = 4, ffn: int = 8
                  ) -> str:
     """Lesson 04: ``layer(comm, x, shards)`` must be the tensor-parallel MLP for a replicated loss.

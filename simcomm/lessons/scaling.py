@@ -31,6 +31,7 @@ from ..planning.planner import fastest_fitting
 from ..parallel.mesh import Layout
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
+from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import NOT_ANSWERED, as_number, attempt, is_correct, is_placeholder
 from .verdicts import not_yet as _not_yet
 
@@ -304,6 +305,7 @@ EXCHANGE_TIMEOUT_S = 10.0
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_neighbour_exchange(exchange: Callable) -> str:
     """``exchange(comm, x) -> (from_left, from_right)``: every rank gets ``x`` of rank - 1 and rank + 1
     (cyclic), with blocking ``send``/``recv`` only (``comm.send``/``comm.recv`` or ``dist.send``/``dist.recv``;
@@ -368,6 +370,7 @@ def _layernorm_grads(x: torch.Tensor, probe: torch.Tensor, weight: torch.Tensor,
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
     """``step(comm, x_shard, weight, bias, probe_shard) -> (weight_grad, bias_grad)``: LayerNorm on this
     rank's sequence shard, loss ``sum(out * probe)``, gradients of the replicated weight and bias as

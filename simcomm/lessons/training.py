@@ -20,6 +20,7 @@ from ..parallel import data as data_parallel
 from ..parallel import pipeline
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
+from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import NOT_ANSWERED, as_number, is_correct, is_placeholder, reduce_scatter_traffic
 from .verdicts import attempt as _attempt
 from .verdicts import not_yet as _not_yet
@@ -68,6 +69,7 @@ def _dp_program(comm, step, x, y):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_dp_step(step: Any) -> str:
     """Lesson 06: ``step(comm, model, xs, ys)`` must leave in every ``p.grad`` the gradient of the mean
     loss over the *whole* batch (``xs, ys``: this rank's rows; ``data_parallel.sum_loss``)."""
@@ -128,6 +130,7 @@ def _accumulation_program(comm, step, x, y, microbatches, bucket_bytes):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_accumulation_step(step: Any) -> str:
     """Lesson 06 (write it): ``step(comm, model, reducer, micro_batches, batch)`` runs one optimizer
     step's backward over this rank's ``micro_batches`` (a list of ``(x, y)`` pairs) with the
@@ -213,6 +216,7 @@ def _zero2_program(comm, fn, grads):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_zero2_grads(fn: Any) -> str:
     """Lesson 07 (write it): ``fn(comm, grad)`` gets this rank's full local gradient (a flat vector whose
     length divides by the world size) and returns this rank's shard of the gradient *summed over ranks*:

@@ -30,7 +30,8 @@ from ..reports import format_ranks
 __all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
            "as_number", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
            "Forbidden", "attempt", "RanksApart", "judged_apart", "shared_state_names",
-           "uses_helper", "helper_in_caller", "helper_verdict", "called_helper"]
+           "uses_helper", "helper_in_caller", "helper_verdict", "called_helper",
+           "cheating_verdict", "judged_as_processes"]
 
 #: what a checker returns while the exercise still holds its placeholder
 NOT_ANSWERED = "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."
@@ -301,6 +302,7 @@ class RanksApart:
 
     def __init__(self, fn: Any):
         self.fn = fn
+        functools.update_wrapper(self, fn, updated=())
         self._template = _rank_copy(fn, {}, {})
         self._copies: dict[threading.Thread, Any] = {}
         self._lock = threading.Lock()
@@ -329,14 +331,7 @@ def judged_apart(fn: Any, judge: Callable[[Any], str | None]) -> str | None:
         return verdict
     if judge(fn) is not None:
         return verdict
-    names = shared_state_names(fn)
-    through = f" ({', '.join(names)})" if names else ""
-    problem = verdict.removeprefix("Not yet: ").partition("\nHint: ")[0]
-    return not_yet(f"your function passes data from rank to rank through Python objects{through}, not "
-                   "through a collective: virtual ranks are threads of one process and see each other's "
-                   "objects, but real processes each have their own copy, and there it fails: " + problem,
-                   "a value another rank needs must travel in a collective (all_reduce, all_gather, "
-                   "broadcast, send/recv); comm.barrier() only waits, it moves no data")
+    return cheating_verdict(fn, verdict)
 
 
 # -- the lesson's own helpers are not an answer --------------------------------------------------
@@ -422,3 +417,32 @@ def called_helper(call: Callable[[], Any], *helpers: Any) -> tuple[Any, Any]:
     finally:
         sys.setprofile(previous)
     return result, (hit[0] if hit else None)
+
+
+def cheating_verdict(fn: Any, verdict: str) -> str:
+    """The verdict on a function that passes on virtual ranks only because they share Python objects:
+    ``verdict`` is what it gets when each rank has its own (as on real processes)."""
+    names = shared_state_names(fn)
+    through = f" ({', '.join(names)})" if names else ""
+    problem = verdict.removeprefix("Not yet: ").partition("\nHint: ")[0]
+    return not_yet(f"your function passes data from rank to rank through Python objects{through}, not "
+                   "through a collective: virtual ranks are threads of one process and see each other's "
+                   "objects, but real processes each have their own copy, and there it fails: " + problem,
+                   "a value another rank needs must travel in a collective (all_reduce, all_gather, "
+                   "broadcast, send/recv); comm.barrier() only waits, it moves no data")
+
+
+def judged_as_processes(checker: Callable[..., str]) -> Callable[..., str]:
+    """Make ``checker`` (whose first argument is the learner's distributed function) judge that function
+    as real processes would run it: it gets :class:`RanksApart` of the function. Only a failing
+    verdict costs a second run, with the function as the threads share it: if that one passes, the
+    verdict names the mistake (:func:`cheating_verdict`). Apply it under :func:`hint_on_request`."""
+    @functools.wraps(checker)
+    def judged(fn: Any, *args: Any, **kwargs: Any) -> str:
+        if is_placeholder(fn) or not callable(fn):
+            return checker(fn, *args, **kwargs)
+        verdict = checker(RanksApart(fn), *args, **kwargs)
+        if is_correct(verdict) or verdict == NOT_ANSWERED or not is_correct(checker(fn, *args, **kwargs)):
+            return verdict
+        return cheating_verdict(fn, verdict)
+    return judged
