@@ -29,7 +29,7 @@ import simcomm
 from simcomm.model import cost
 from simcomm.lessons import foundations as lessons
 from simcomm import viz
-from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
+from simcomm.parallel.tensor import make_mlp, mlp
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, hidden, ffn = 4, 3, 8, 16
@@ -46,8 +46,23 @@ print({name: tuple(p.shape) for name, p in params.items()})
 # Rank `r` keeps rows `r*ffn/P ... (r+1)*ffn/P` of `w1` (and of `b1`). With the whole input `x`
 # it computes its own columns of the hidden activation: `h_r = gelu(x @ w1_r.T + b1_r)`, of
 # shape `(batch, ffn/P)`. No communication is needed: GELU acts element by element, so each
-# rank's columns are finished on their own. Section 2 splits `w2` by the matching columns; the
-# figure shows which weights each rank holds, in its rank colour:
+# rank's columns are finished on their own. Section 2 splits `w2` by the matching columns;
+# `shard_mlp` cuts one rank's copies (leaves of its own graph) out of the whole MLP:
+
+# %%
+def shard_mlp(params, rank, world_size):
+    """Rank `rank`'s parameters: rows of w1 and b1, the matching columns of w2, all of b2."""
+    ffn = params["w1"].shape[0]
+    if ffn % world_size:
+        raise ValueError(f"shard_mlp: ffn size {ffn} is not divisible by the world size {world_size}")
+    rows = slice(rank * ffn // world_size, (rank + 1) * ffn // world_size)
+    return {"w1": params["w1"][rows].clone().requires_grad_(),       # (ffn/P, hidden)
+            "b1": params["b1"][rows].clone().requires_grad_(),       # (ffn/P,)
+            "w2": params["w2"][:, rows].clone().requires_grad_(),    # (hidden, ffn/P)
+            "b2": params["b2"].clone().requires_grad_()}             # (hidden,): every rank
+
+# %% [markdown]
+# The figure shows which weights each rank holds, in its rank colour:
 
 # %% tags=["nbval-ignore-output"]
 viz.tp_mlp_shards_figure(hidden, ffn, world_size)
@@ -99,8 +114,21 @@ assert all(lessons.max_error(p, reference) > 1e-3 for p in partials), "no single
 # * **g** = `reduce_from_group` where the partial sums leave: all-reduce forward, identity
 #   backward.
 #
-# `simcomm.parallel.tensor.tp_mlp(comm, x, shards, conjugate=True)` is exactly that (read its source with
-# `tp_mlp??`). Now compare everything with the single-device MLP.
+# Here is the layer, with a switch for section 4 (the library keeps the same function,
+# `simcomm.parallel.tensor.tp_mlp`, which later lessons import; a test checks they agree):
+
+# %%
+def tp_mlp(comm, x, shards, conjugate=True):
+    """The tensor-parallel MLP on this rank's `shards`; `x` is replicated, and so is the output."""
+    if conjugate:
+        x = comm.copy_to_group(x)                                   # f: identity, all-reduce backward
+    h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])   # column-parallel: (batch, ffn/P)
+    partial = h @ shards["w2"].T                                    # row-parallel: this rank's share
+    out = comm.reduce_from_group(partial) if conjugate else comm.all_reduce(partial)   # g, or plain
+    return out + shards["b2"]                                       # the bias once, after the sum
+
+# %% [markdown]
+# Now compare everything with the single-device MLP.
 
 # %% expect=["output on every rank: matches the reference", "x.grad on every rank: matches the reference", "every shard's gradient: matches the reference"]
 def train_step(comm, x, params, conjugate, loss_scale=1.0):

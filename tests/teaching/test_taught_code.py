@@ -76,3 +76,36 @@ def test_lesson03_ring_exchange_is_the_library_exchange():
         mine, theirs = World(world_size), World(world_size)
         got, want = mine.run(program, lesson), theirs.run(program, ring.ring_exchange)
         assert all(torch.equal(g, w) for g, w in zip(got, want)) and ops(mine.trace) == ops(theirs.trace)
+
+
+# -- lesson 04: the column/row-parallel MLP --------------------------------------------------------
+
+def _tp_program(comm, shard_fn, layer, params, x, conjugate):
+    shards = shard_fn(params, comm.rank, comm.world_size)
+    x = x.clone().requires_grad_()
+    out = layer(comm, x, shards, conjugate=conjugate)
+    out.pow(2).sum().backward()
+    return out.detach(), x.grad, {name: p.grad for name, p in shards.items()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("conjugate", [True, False])
+def test_lesson04_tp_mlp_and_shards_are_the_library_ones(world_size, conjugate):
+    from simcomm.parallel import tensor
+    shard_mlp, tp_mlp = taught("04", "shard_mlp"), taught("04", "tp_mlp")
+    for seed in (0, 1):
+        params = tensor.make_mlp(6, 8, seed=seed)
+        x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 10))
+        for rank in range(world_size):
+            mine, theirs = shard_mlp(params, rank, world_size), tensor.shard_mlp(params, rank, world_size)
+            assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+            assert all(p.requires_grad and p.is_leaf for p in mine.values())
+        a, b = World(world_size), World(world_size)
+        got = a.run(_tp_program, shard_mlp, tp_mlp, params, x, conjugate)
+        want = b.run(_tp_program, tensor.shard_mlp, tensor.tp_mlp, params, x, conjugate)
+        for (out, xg, grads), (out2, xg2, grads2) in zip(got, want):
+            assert torch.equal(out, out2) and torch.equal(xg, xg2)
+            assert all(torch.equal(grads[k], grads2[k]) for k in grads2)
+        assert ops(a.trace) == ops(b.trace)
+    with pytest.raises(ValueError, match="not divisible"):
+        shard_mlp(tensor.make_mlp(6, 6, seed=0), 0, 4)
