@@ -103,19 +103,114 @@ print(f"{len(calls)} all-reduces per rank for the step (one per parameter tensor
 #
 # Backward produces the gradients last layer first. The last layer's gradient is final long before
 # the first layer's is computed, so its all-reduce can start right away, on the network, while the
-# GPU keeps computing. `dp.BucketedReducer` (read it with `dp.BucketedReducer??`) does what DDP
-# does: a hook on every parameter (`register_post_accumulate_grad_hook`) puts the finished
-# gradient into a **bucket**; when a bucket is full, its gradients are flattened into one buffer
-# and an `all_reduce(..., async_op=True)` is issued; after `backward()` the program waits on the
-# handles. The hooks also declare each parameter's backward compute (`comm.compute`), so the cost
-# model can place everything on a timeline (`cost.modelled_timeline`, lesson 3's model of an
-# A100 InfiniBand cluster): per rank a compute row and a communication row, like a CUDA stream.
+# GPU keeps computing. `BucketedReducer` below does what DDP does: a hook on every parameter
+# (`register_post_accumulate_grad_hook`) puts the finished gradient into a **bucket**; when a
+# bucket is full, its gradients are flattened into one buffer and an `all_reduce(...,
+# async_op=True)` is issued; after `backward()`, `finish()` waits on the handles and writes the
+# sums back. `bucket_plan` fills the buckets in backward order (last parameter first). The hooks
+# also declare each parameter's backward compute (`comm.compute`), so the cost model can place
+# everything on a timeline (`cost.modelled_timeline`, lesson 3's model of an A100 InfiniBand
+# cluster): per rank a compute row and a communication row, like a CUDA stream. `no_sync()` is
+# for exercise 2. (The library keeps the same class, `simcomm.parallel.data.BucketedReducer`, which
+# later lessons use; a test checks that the two behave alike.)
+
+# %%
+from contextlib import contextmanager
+from simcomm.trace import backward_phase
+
+
+def bucket_plan(numels, itemsize, bucket_bytes):
+    """Parameter indices per bucket, last parameter first; a bucket closes once it holds at least
+    `bucket_bytes` (0: one bucket)."""
+    order = list(range(len(numels)))[::-1]
+    if bucket_bytes <= 0:
+        return [order]
+    plan, current, size = [], [], 0
+    for index in order:
+        current.append(index)
+        size += numels[index] * itemsize
+        if size >= bucket_bytes:
+            plan.append(current)
+            current, size = [], 0
+    return plan + [current] if current else plan
+
+# %% [markdown]
+# The reducer: its buckets, and a hook on every parameter (the methods follow, one cell each).
+
+# %%
+class BucketedReducer:
+    """Sum a model's gradients over the ranks a bucket at a time, while backward still runs."""
+
+    def __init__(self, comm, model, bucket_bytes, seconds_per_param=dp.BACKWARD_SECONDS_PER_PARAM):
+        self.comm, self.params, self.seconds_per_param = comm, list(model.parameters()), seconds_per_param
+        self.plan = bucket_plan([p.numel() for p in self.params], self.params[0].element_size(), bucket_bytes)
+        self.bucket_of = {index: b for b, bucket in enumerate(self.plan) for index in bucket}
+        self.ready, self.handles, self.sync = [0] * len(self.plan), [], True
+        for index, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, index=index: self._ready(index))
+
+    @contextmanager
+    def no_sync(self):
+        """Inside this block backward only accumulates into .grad: no collective."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+# %%
+def _ready(self, index):                       # the hook: this parameter's gradient is final
+    self.comm.compute(seconds=self.params[index].numel() * self.seconds_per_param)
+    if not self.sync:
+        return
+    bucket = self.bucket_of[index]
+    if self.ready[bucket] == len(self.plan[bucket]):
+        raise RuntimeError(f"BucketedReducer: parameter {index} on rank {self.comm.rank} got a second "
+                           "synchronising gradient before finish(): run the backward of every "
+                           "micro-batch but the last inside reducer.no_sync()")
+    self.ready[bucket] += 1
+    if self.ready[bucket] == len(self.plan[bucket]):                  # the bucket is full: send it
+        flat = torch.cat([self.params[i].grad.reshape(-1) for i in self.plan[bucket]])
+        with backward_phase():
+            self.handles.append((bucket, self.comm.all_reduce(flat, async_op=True)))
+
+BucketedReducer._ready = _ready
+
+# %%
+def finish(self):
+    """Wait for every bucket and write the summed gradients into .grad."""
+    partial = [b for b, count in enumerate(self.ready) if 0 < count < len(self.plan[b])]
+    for bucket, handle in self.handles:
+        flat = handle.wait()
+        sizes = [self.params[i].numel() for i in self.plan[bucket]]
+        for i, piece in zip(self.plan[bucket], flat.split(sizes)):
+            self.params[i].grad.copy_(piece.view_as(self.params[i].grad))
+    self.handles, self.ready = [], [0] * len(self.plan)
+    if partial:
+        raise RuntimeError(f"BucketedReducer.finish on rank {self.comm.rank}: buckets {partial} were "
+                           "only partly ready: some parameters got no gradient in the last backward")
+
+BucketedReducer.finish = finish
+
+# %%
+def bucketed_grads(comm, x, y, bucket_bytes):
+    """One data-parallel backward with buckets; the averaged gradients."""
+    model = dp.make_model()
+    reducer = BucketedReducer(comm, model, bucket_bytes)
+    xs, ys = dp.rows(comm, x, y)
+    comm.compute(seconds=sum(p.numel() for p in reducer.params) * reducer.seconds_per_param / 2)   # forward
+    (dp.sum_loss(model, xs, ys) / x.shape[0]).backward()
+    reducer.finish()
+    return dp.grads_of(model)
+
+# %% [markdown]
+# Four bucket sizes, each against one device:
 
 # %% expect=["every bucket size: matches the reference"]
 bucket_sizes = {"per tensor": 1, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "one bucket": 0}
 summaries, figures, grads = {}, {}, []
 for label, bucket_bytes in bucket_sizes.items():
-    grads += world.run(dp.bucketed_grads, x, y, bucket_bytes)
+    grads += world.run(bucketed_grads, x, y, bucket_bytes)
     summaries[label] = dp.overlap_of(world.trace)      # rank 0's modelled compute / exposed / hidden
     figures[label] = viz.timeline_figure(world.trace, modelled=True, topology=dp.PRESET)
 print(assert_close(grads, [reference] * (world_size * len(bucket_sizes)), "every bucket size"))
@@ -228,11 +323,11 @@ print(tl.check_dp_step(my_dp_step))
 #
 # Section 3 accumulated without buckets; section 4 bucketed without accumulating. Put them
 # together, as DDP's `no_sync()` does. Write `my_accumulation_step(comm, model, reducer,
-# micro_batches, batch)`: `reducer` is a `dp.BucketedReducer` already hooked onto `model`,
+# micro_batches, batch)`: `reducer` is a `BucketedReducer` (section 4) already hooked onto `model`,
 # `micro_batches` this rank's list of `(x, y)` pairs (4 of them), `batch` the whole batch's rows over
 # every rank. Each micro-batch's loss is `dp.sum_loss(model, x, y) / batch`. After your step, every
 # `p.grad` must hold the gradient of the whole batch's mean loss, and each bucket must have been
-# all-reduced **once** for the step, not once per micro-batch. Read `dp.BucketedReducer??` first:
+# all-reduced **once** for the step, not once per micro-batch. Read `BucketedReducer` again first:
 # `with reducer.no_sync():` makes a backward only accumulate, and `reducer.finish()` waits for the
 # buckets and writes them back. Below, the naive loop the reducer refuses.
 

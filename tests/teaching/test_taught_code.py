@@ -19,20 +19,24 @@ from simcomm import World
 SOURCES = Path(__file__).resolve().parents[2] / "notebooks" / "sources"
 
 
-def lesson_cell(lesson: str, name: str) -> str:
-    """The source of the one code cell of lesson ``lesson`` (``"03"``) that defines ``name``."""
+def lesson_cells(lesson: str, *names: str) -> str:
+    """The source of the code cells of lesson ``lesson`` (``"03"``) that define ``names`` (a ``def`` or
+    ``class`` at the top level, or a method added to a class with ``Class.name = name``), in order."""
     path = next(SOURCES.glob(f"{lesson}_*.py"))
     cells = re.split(r"^# %%.*$", path.read_text(), flags=re.M)
-    found = [cell for cell in cells if re.search(rf"^(def|class) {name}\b", cell, flags=re.M)]
-    assert len(found) == 1, f"{path.name}: {len(found)} cells define {name}"
-    return found[0]
+    found = [cell for cell in cells if any(re.search(rf"^(def|class) {name}\b", cell, flags=re.M)
+                                           for name in names)]
+    for name in names:
+        assert sum(bool(re.search(rf"^(def|class) {name}\b", cell, flags=re.M)) for cell in found) == 1, \
+            f"{path.name}: {name} is not defined in exactly one cell"
+    return "\n".join(found)
 
 
-def taught(lesson: str, name: str, **namespace):
-    """The lesson's own definition of ``name``: its cell executed in a namespace holding ``torch``
-    and ``namespace``."""
+def taught(lesson: str, name: str, *more: str, **namespace):
+    """The lesson's own definition of ``name``: the cells defining it (and ``more``) executed in a
+    namespace holding ``torch`` and ``namespace``."""
     scope = {"torch": torch, "__name__": f"lesson_{lesson}", **namespace}
-    exec(compile(lesson_cell(lesson, name), f"lesson {lesson}: {name}", "exec"), scope)
+    exec(compile(lesson_cells(lesson, name, *more), f"lesson {lesson}: {name}", "exec"), scope)
     return scope[name]
 
 
@@ -109,3 +113,69 @@ def test_lesson04_tp_mlp_and_shards_are_the_library_ones(world_size, conjugate):
         assert ops(a.trace) == ops(b.trace)
     with pytest.raises(ValueError, match="not divisible"):
         shard_mlp(tensor.make_mlp(6, 6, seed=0), 0, 4)
+
+
+# -- lesson 06: the bucketed reducer ----------------------------------------------------------------
+
+def _lesson06():
+    from simcomm.parallel import data as dp
+    scope = {"dp": dp}
+    every = ("bucket_plan", "BucketedReducer", "_ready", "finish", "bucketed_grads")
+    return (taught("06", "bucket_plan", **scope), taught("06", "BucketedReducer", *every, **scope),
+            taught("06", "bucketed_grads", *every, **scope))
+
+
+def test_lesson06_bucket_plan_is_the_library_plan():
+    from simcomm.parallel import data as dp
+    plan = _lesson06()[0]
+    for numels in ([3, 5, 7, 11], [100], [1, 1, 1, 1, 1, 1], [4096, 16, 4096, 16]):
+        for bucket_bytes in (0, -1, 1, 8, 40, 100, 1 << 20):
+            assert plan(numels, 8, bucket_bytes) == dp.bucket_plan(numels, 8, bucket_bytes)
+
+
+def _accumulate(comm, reducer_class, x, y, microbatches, bucket_bytes):
+    from simcomm.parallel import data as dp
+    model = dp.make_model()
+    reducer = reducer_class(comm, model, bucket_bytes)
+    xs, ys = dp.rows(comm, x, y)
+    pieces = list(zip(xs.chunk(microbatches), ys.chunk(microbatches)))
+    with reducer.no_sync():
+        for xm, ym in pieces[:-1]:
+            (dp.sum_loss(model, xm, ym) / x.shape[0]).backward()
+    (dp.sum_loss(model, *pieces[-1]) / x.shape[0]).backward()
+    reducer.finish()
+    return dp.grads_of(model)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("bucket_bytes", [1, 256 << 10, 1 << 20, 0])
+def test_lesson06_bucketed_reducer_is_the_library_reducer(world_size, bucket_bytes):
+    from simcomm.parallel import data as dp
+    _, reducer, grads_fn = _lesson06()
+    x, y = dp.make_data(16)
+    a, b = World(world_size), World(world_size)
+    got, want = a.run(grads_fn, x, y, bucket_bytes), b.run(dp.bucketed_grads, x, y, bucket_bytes)
+    assert all(torch.equal(g, w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    assert ops(a.trace) == ops(b.trace)
+    assert [(e.op, e.phase, e.modelled) for e in a.trace.events] == [(e.op, e.phase, e.modelled) for e in b.trace.events]
+    a, b = World(world_size), World(world_size)
+    got, want = a.run(_accumulate, reducer, x, y, 2, bucket_bytes), b.run(_accumulate, dp.BucketedReducer, x, y, 2, bucket_bytes)
+    assert all(torch.equal(g, w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    assert ops(a.trace) == ops(b.trace)
+
+
+def test_lesson06_reducer_refuses_a_second_synchronising_backward_as_the_library_does():
+    from simcomm.errors import RankError
+    from simcomm.parallel import data as dp
+    _, reducer, _ = _lesson06()
+
+    def twice(comm, reducer_class):
+        model = dp.make_model()
+        r = reducer_class(comm, model, 0)
+        x, y = dp.make_data(4)
+        for _ in range(2):
+            dp.sum_loss(model, x, y).backward()
+        r.finish()
+    for cls in (reducer, dp.BucketedReducer):
+        with pytest.raises(RankError, match="second synchronising"):
+            World(2).run(twice, cls)
