@@ -50,7 +50,7 @@ print(f"psi = {psi} parameters on {world_size} ranks")
 # state (two fp32 moments), `16 psi` in all, four times over on four ranks.
 
 # %% expect=["stage 0 parameters: matches the reference"]
-outs = world.run(zero.train, 0, mlp, steps=2)
+outs = world.run(zero.train, 0, mlp, steps=2)            # the step of stage 0, section 2 writes it out
 print(assert_close(fsdp.assemble(0, outs, mlp), reference, "stage 0 parameters", atol=1e-5))  # fp32 vs float64
 reports = {"DP (stage 0)": world.memory}
 volume = {"DP (stage 0)": sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)}
@@ -61,7 +61,7 @@ viz.memory_figure(world.memory, "after step 2", title="Plain data parallelism: e
 # %% [markdown]
 # ## 2. ZeRO-1, -2, -3, each a few lines on the communicator
 #
-# Read the steps with `zero.step_stage(1)??` and so on:
+# Each stage is one training step on the communicator (written below, after the list):
 #
 # * **ZeRO-1**: each rank updates only its `1/P` shard of the parameters, so Adam's moments exist
 #   for that shard only. Gradients: a **reduce-scatter** gives each rank the summed gradient of
@@ -75,11 +75,73 @@ viz.memory_figure(world.memory, "after step 2", title="Plain data parallelism: e
 #   activations and re-gathers only the parameters, in a hook just before each layer's backward;
 #   section 8 builds that way too and compares the two.
 #
-# Every stage must take the same step as single-device Adam:
+# A step gets this rank's `params` (one flat, padded vector per layer: whole for stages 0-2, this
+# rank's `1/P` shard for stage 3), one `zero.Adam` per layer over what this rank updates, `grads`
+# (where stage 2 keeps its gradient shards) and this rank's `batch`. `backward` runs the model with
+# `layer(i)` giving layer `i`'s weights, under the memory labels of section 1; `zero.shard(flat,
+# comm)` is this rank's chunk of a vector (a view). (The library keeps the same steps,
+# `zero.step_stage(k)`, which later lessons use; a test checks that these behave alike.)
+
+# %%
+from simcomm import memory
+
+
+def backward(mlp, batch, layer, recompute=False):
+    x, y, global_batch = batch
+    with memory.label("activations"):
+        loss = mlp.loss(x, y, global_batch, layer, recompute=recompute)
+    with memory.label("gradients"):
+        loss.backward()
+
+
+def step_stage0(comm, mlp, params, opt, grads, batch):          # plain data parallelism
+    backward(mlp, batch, params.__getitem__)
+    for p, adam in zip(params, opt):
+        with memory.label("gradients"):
+            p.grad = comm.all_reduce(p.grad)               # the whole batch's gradient, on every rank
+        adam.update(p.detach(), p.grad)                    # every rank updates every parameter
+
+# %%
+def step_stage1(comm, mlp, params, opt, grads, batch):          # ZeRO-1: optimizer state sharded
+    backward(mlp, batch, params.__getitem__)
+    for p, adam in zip(params, opt):
+        with memory.label("gradients"):                    # the full local gradient stays
+            summed = comm.reduce_scatter(p.grad, dim=0)    # only my chunk of the sum
+        mine = zero.shard(p.detach(), comm)                # this rank's 1/P of the parameters
+        adam.update(mine, summed)                          # Adam's moments exist for that shard only
+        del summed
+        p.detach().copy_(comm.all_gather(mine, dim=0))     # every rank gets every updated shard
+
+
+def step_stage2(comm, mlp, params, opt, grads, batch):          # ZeRO-2: gradients sharded too
+    backward(mlp, batch, params.__getitem__)
+    for i, (p, adam) in enumerate(zip(params, opt)):
+        with memory.label("gradients"):
+            grads[i] = comm.reduce_scatter(p.grad, dim=0)  # summed over ranks, only my chunk kept
+        p.grad = None                                      # the full gradient is freed
+        mine = zero.shard(p.detach(), comm)
+        adam.update(mine, grads[i])
+        p.detach().copy_(comm.all_gather(mine, dim=0))
+
+# %%
+def step_stage3(comm, mlp, params, opt, grads, batch):          # ZeRO-3: parameters sharded too
+    def gathered(i):                                       # layer i, just before it runs
+        with memory.label("parameters"):
+            return comm.all_gather(params[i], dim=0)       # its backward: a reduce-scatter into .grad
+    backward(mlp, batch, gathered, recompute=True)         # freed after forward, gathered again in backward
+    for p, adam in zip(params, opt):
+        adam.update(p.detach(), p.grad)                    # shard, gradient shard, moments: all 1/P
+
+
+steps = {0: step_stage0, 1: step_stage1, 2: step_stage2, 3: step_stage3}
+
+# %% [markdown]
+# `zero.train(comm, stage, mlp, steps=2, step=...)` runs the labelled set-up of section 1 and then
+# a step function. Every stage must take the same step as single-device Adam:
 
 # %% expect=["ZeRO-1 parameters after 2 steps: matches the reference", "ZeRO-2 parameters after 2 steps: matches the reference", "ZeRO-3 parameters after 2 steps: matches the reference"]
 for stage in (1, 2, 3):
-    outs = world.run(zero.train, stage, mlp, steps=2)
+    outs = world.run(zero.train, stage, mlp, steps=2, step=steps[stage])
     print(assert_close(fsdp.assemble(stage, outs, mlp), reference, f"ZeRO-{stage} parameters after 2 steps", atol=1e-5))
     reports[f"ZeRO-{stage}"] = world.memory
     volume[f"ZeRO-{stage}"] = sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)

@@ -179,3 +179,21 @@ def test_lesson06_reducer_refuses_a_second_synchronising_backward_as_the_library
     for cls in (reducer, dp.BucketedReducer):
         with pytest.raises(RankError, match="second synchronising"):
             World(2).run(twice, cls)
+
+
+# -- lesson 07: ZeRO's steps ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_lesson07_zero_steps_are_the_library_steps(stage, world_size):
+    from simcomm.parallel import zero
+    names = ("backward", "step_stage0", "step_stage1", "step_stage2", "step_stage3")
+    step = taught("07", f"step_stage{stage}", *names, zero=zero)
+    mlp = zero.MLP((6, 8, 8, 4))
+    a, b = World(world_size, memory=True), World(world_size, memory=True)
+    got = a.run(zero.train, stage, mlp, steps=2, batch_size=4, step=step)
+    want = b.run(zero.train, stage, mlp, steps=2, batch_size=4)
+    assert all(torch.equal(g, w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    assert ops(a.trace) == ops(b.trace)
+    for rank in range(world_size):                    # the same bytes under the same labels, every rank
+        assert a.memory.at("after step 2")[rank] == b.memory.at("after step 2")[rank]
