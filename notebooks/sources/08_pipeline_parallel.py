@@ -47,28 +47,98 @@ print(f"{stages} stages; stage 0 holds Linear({first[0].in_features} -> {first[0
 # `s-1` (stage 0 reads the input), run the layer, send the output to stage `s+1` (the last stage
 # computes the loss). Backward: receive the output's gradient from stage `s+1`, call
 # `out.backward(grad)`, send the input's gradient to stage `s-1`. Which microbatch a stage works
-# on when is the **schedule**, a list of actions per stage:
+# on when is the **schedule**, a list of actions per stage. *Naive*: one microbatch at a time.
+# *GPipe*: every forward, then every backward. *1F1B*: stage `s` runs `stages - s - 1` warm-up
+# forwards, then alternates one forward and one backward, then drains the backwards, so it never
+# holds more than `stages - s` microbatches:
+
+# %%
+def schedule(name, stages, microbatches):
+    """Every stage's actions: result[s] is stage s's list of ("F", i) and ("B", i)."""
+    plans = []
+    for stage in range(stages):
+        if name == "naive":
+            plan = [(kind, i) for i in range(microbatches) for kind in ("F", "B")]
+        elif name == "gpipe":
+            plan = [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+        elif name == "1f1b":
+            warmup = min(stages - stage - 1, microbatches)
+            plan = [("F", i) for i in range(warmup)]
+            for i in range(microbatches - warmup):
+                plan += [("F", warmup + i), ("B", i)]
+            plan += [("B", i) for i in range(microbatches - warmup, microbatches)]
+        else:
+            raise ValueError(f"schedule: name={name!r}; schedules are naive, gpipe, 1f1b")
+        plans.append(plan)
+    return plans
 
 # %% expect=["naive stage 0: F0 B0 F1 B1 F2 B2 F3 B3", "gpipe stage 0: F0 F1 F2 F3 B0 B1 B2 B3", "1f1b stage 0: F0 F1 F2 F3 B0 B1 B2 B3", "1f1b stage 2: F0 F1 B0 F2 B1 F3 B2 B3"]
 for name in pp.SCHEDULES:
-    print(f"{name} stage 0:", " ".join(f"{kind}{i}" for kind, i in pp.schedule(name, stages, 4)[0]))
-print("1f1b stage 2:", " ".join(f"{kind}{i}" for kind, i in pp.schedule("1f1b", stages, 4)[2]))
+    print(f"{name} stage 0:", " ".join(f"{kind}{i}" for kind, i in schedule(name, stages, 4)[0]))
+print("1f1b stage 2:", " ".join(f"{kind}{i}" for kind, i in schedule("1f1b", stages, 4)[2]))
 
 # %% [markdown]
-# `pp.pipeline_step(comm, x, y, schedule, microbatches)` runs a schedule (read it with
-# `pp.pipeline_step??`): sends are `isend`, receives block, and each action declares its compute
-# (1 ms forward, 2 ms backward) so the cost model can lay the trace out in time. Each
-# microbatch's loss is its summed squared error divided by the *whole* batch size, so the
-# microbatch losses add up to the batch's mean loss and the gradients add up to the unsplit ones:
+# `pipeline_step` runs one stage's plan: sends are `isend` (waited on at the end), receives
+# block, and each action declares its compute (1 ms forward, 2 ms backward) so the cost model can
+# lay the trace out in time. Each microbatch's loss is its summed squared error divided by the
+# *whole* batch size, so the microbatch losses add up to the batch's mean loss and the gradients
+# add up to the unsplit ones. (The library's `pp.pipeline_step`, used from section 2 on, is this
+# function plus memory accounting, the split backward of section 6, and send buffers released as
+# soon as the neighbour has them; a test checks that the two give the same results.)
+
+# %%
+def forward_action(comm, layers, widths, x, y, i, batch, run):
+    """F i: receive the input (stage 0: read it), run the layers, send the output (last stage: the loss)."""
+    stage, last = comm.rank, comm.rank == comm.world_size - 1
+    inp = x if stage == 0 else comm.recv((len(x), widths[0]), x.dtype, src=stage - 1).requires_grad_()
+    out = layers(inp)
+    comm.compute(seconds=pp.FORWARD_SECONDS)
+    if last:
+        out = dp.sum_loss(torch.nn.Identity(), out, y) / batch           # this microbatch's share
+        run["loss"] = out.detach() if run["loss"] is None else run["loss"] + out.detach()
+    else:
+        run["sends"].append(comm.isend(out.detach(), stage + 1))
+    run["saved"][i] = (inp, out)                                         # kept for B i
+    run["held"] = max(run["held"], len(run["saved"]))
+
+
+def backward_action(comm, layers, widths, x, y, i, batch, run):
+    """B i: receive the output's gradient (last stage: none), backward, send the input's gradient."""
+    stage, last = comm.rank, comm.rank == comm.world_size - 1
+    inp, out = run["saved"].pop(i)
+    out.backward(None if last else comm.recv((len(x), widths[1]), x.dtype, src=stage + 1))
+    comm.compute(seconds=2 * pp.FORWARD_SECONDS)
+    if stage > 0:
+        run["sends"].append(comm.isend(inp.grad, stage - 1))
+
+# %%
+def pipeline_step(comm, x, y, name, microbatches):
+    layers = pp.stage_layers(dp.make_model(pp.PIPE_SIZES), comm.world_size, comm.rank)   # this stage's
+    linears = [m for m in layers if isinstance(m, torch.nn.Linear)]
+    widths = (linears[0].in_features, linears[-1].out_features)
+    xs, ys = x.chunk(microbatches), y.chunk(microbatches)
+    run = {"saved": {}, "sends": [], "loss": None, "held": 0}
+    for kind, i in schedule(name, comm.world_size, microbatches)[comm.rank]:
+        action = forward_action if kind == "F" else backward_action
+        action(comm, layers, widths, xs[i], ys[i], i, x.shape[0], run)
+    for handle in run["sends"]:
+        handle.wait()
+    return {"grads": [p.grad.detach().clone() for p in layers.parameters()], "loss": run["loss"],
+            "held": run["held"]}
+
+# %% [markdown]
+# Each schedule, against the unsplit model on one device:
 
 # %% expect=["naive: loss and every stage's gradients: matches the reference", "gpipe: loss and every stage's gradients: matches the reference", "1f1b: loss and every stage's gradients: matches the reference"]
 microbatches = 8
 traces, results = {}, {}
 for name in pp.SCHEDULES:
-    outs = world.run(pp.pipeline_step, x, y, name, microbatches)
-    traces[name], results[name] = world.trace, outs
-    got = [outs[-1]["loss"]] + [out["grads"] for out in outs]
+    mine = world.run(pipeline_step, x, y, name, microbatches)
+    got = [mine[-1]["loss"]] + [out["grads"] for out in mine]
     print(assert_close(got, [loss_ref] + grads_ref, f"{name}: loss and every stage's gradients"))
+    outs = world.run(pp.pipeline_step, x, y, name, microbatches)      # the library's: the same numbers
+    assert all(torch.equal(a, b) for m, o in zip(mine, outs) for a, b in zip(m["grads"], o["grads"]))
+    traces[name], results[name] = world.trace, outs
 
 # %% [markdown]
 # ## 2. The stage x time chart and its bubble

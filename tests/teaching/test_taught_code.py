@@ -197,3 +197,36 @@ def test_lesson07_zero_steps_are_the_library_steps(stage, world_size):
     assert ops(a.trace) == ops(b.trace)
     for rank in range(world_size):                    # the same bytes under the same labels, every rank
         assert a.memory.at("after step 2")[rank] == b.memory.at("after step 2")[rank]
+
+
+# -- lesson 08: the pipeline schedules and the step --------------------------------------------------
+
+def test_lesson08_schedules_are_the_library_schedules():
+    from simcomm.parallel import pipeline as pp
+    schedule = taught("08", "schedule")
+    for name in pp.SCHEDULES:
+        for stages in (1, 2, 3, 4, 6):
+            for microbatches in (1, 2, 3, 4, 8):
+                assert schedule(name, stages, microbatches) == pp.schedule(name, stages, microbatches)
+    with pytest.raises(ValueError, match="schedules are"):
+        schedule("zigzag", 2, 2)
+
+
+def _point_to_point(trace):
+    return [(e.rank, e.op, e.nbytes, e.phase) for e in trace.events if e.op in ("send", "recv", "isend", "irecv")]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b"])
+def test_lesson08_pipeline_step_is_the_library_step(stages, name):
+    from simcomm.parallel import data as dp, pipeline as pp
+    step = taught("08", "pipeline_step", "schedule", "forward_action", "backward_action", dp=dp, pp=pp)
+    x, y = dp.make_data(16, pp.PIPE_SIZES)
+    for microbatches in (1, 4, 8):
+        a, b = World(stages), World(stages)
+        got, want = a.run(step, x, y, name, microbatches), b.run(pp.pipeline_step, x, y, name, microbatches)
+        for g, w in zip(got, want):
+            assert all(torch.equal(p, q) for p, q in zip(g["grads"], w["grads"])) and g["held"] == w["held"]
+            assert (g["loss"] is None) == (w["loss"] is None) and (g["loss"] is None or torch.equal(g["loss"], w["loss"]))
+        assert _point_to_point(a.trace) == _point_to_point(b.trace)
+        assert [e.op for e in a.trace.events if e.op == "compute"] == [e.op for e in b.trace.events if e.op == "compute"]
