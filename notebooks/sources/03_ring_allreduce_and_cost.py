@@ -28,7 +28,7 @@
 import torch
 import simcomm
 from simcomm.model import cost
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_03 as check
 from simcomm import viz
 from simcomm.viz import allreduce_steps
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
@@ -118,7 +118,7 @@ def ring_vs_builtin(comm):
 
 outs = world.run(ring_vs_builtin)
 assert all(torch.equal(ring_sum, builtin) for ring_sum, builtin in outs)
-print(lessons.per_rank([ring_sum for ring_sum, _ in outs][:1]), "(the same on every rank)")
+print(check.per_rank([ring_sum for ring_sum, _ in outs][:1]), "(the same on every rank)")
 
 # %% [markdown]
 # Now count, from the trace, what rank 0 sent in the ring:
@@ -161,7 +161,7 @@ def everyone_sends_first(comm):
     comm.send(torch.ones(2))              # to the next rank
     return comm.recv((2,))                # from the previous rank
 
-error = lessons.expect_error(lambda: simcomm.World(world_size).run(everyone_sends_first),
+error = check.expect_error(lambda: simcomm.World(world_size).run(everyone_sends_first),
                              simcomm.DeadlockError, "send")
 print(type(error).__name__)
 
@@ -321,7 +321,7 @@ print(f"64 MiB all-reduce: 8 GPUs in one node {one_node.time * 1e3:.2f} ms, "
 def my_ring_all_gather(comm, x):
     raise NotImplementedError   # your code
 
-print(lessons.check_ring_all_gather(my_ring_all_gather))
+print(check.check_ring_all_gather(my_ring_all_gather))
 
 # %% [markdown] expect=["Correct: a ring all-gather on 2, 3, 4, 5 ranks, neighbours only."] tags=["solution"]
 # <details><summary>Solution of the exercise (open it once you have tried)</summary>
@@ -337,7 +337,7 @@ print(lessons.check_ring_all_gather(my_ring_all_gather))
 #         shards[(rank - 1 - step) % n] = ring_exchange(comm, shards[(rank - step) % n])
 #     return torch.cat(shards)
 #
-# print(lessons.check_ring_all_gather(ring_all_gather_solution))
+# print(check.check_ring_all_gather(ring_all_gather_solution))
 # ```
 #
 # </details>

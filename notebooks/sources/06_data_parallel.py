@@ -30,8 +30,7 @@ import simcomm
 from simcomm import ReduceOp, viz
 from simcomm.model import cost
 from simcomm.parallel import data as dp
-from simcomm.lessons import training as tl
-from simcomm.lessons.foundations import assert_close, max_error
+import simcomm.lessons.lesson_06 as check
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
@@ -59,8 +58,8 @@ def dp_step(comm, x, y):
     return local, averaged
 
 outs = world.run(dp_step, x, y)
-print(assert_close([avg for _, avg in outs], [reference] * world_size, "every rank's averaged gradient"))
-assert max_error(outs[0][0], reference) > 1e-3
+print(check.assert_close([avg for _, avg in outs], [reference] * world_size, "every rank's averaged gradient"))
+assert check.max_error(outs[0][0], reference) > 1e-3
 print("one rank alone is off by more than 1e-3")
 
 # %% [markdown]
@@ -77,10 +76,10 @@ print("one rank alone is off by more than 1e-3")
 
 # %% expect=["loss / P with SUM: matches the reference", "mean loss with SUM = 4 x reference: matches the reference"]
 scaled = world.run(dp.dp_grads, x, y, "scaled")
-print(assert_close(scaled, [reference] * world_size, "loss / P with SUM"))
+print(check.assert_close(scaled, [reference] * world_size, "loss / P with SUM"))
 summed = world.run(dp.dp_grads, x, y, "sum")
-print(assert_close(summed, [[world_size * g for g in reference]] * world_size, "mean loss with SUM = 4 x reference"))
-assert max_error(summed, [reference] * world_size) > 1e-2, "the wrong factor of P is caught"
+print(check.assert_close(summed, [[world_size * g for g in reference]] * world_size, "mean loss with SUM = 4 x reference"))
+assert check.max_error(summed, [reference] * world_size) > 1e-2, "the wrong factor of P is caught"
 
 # %% [markdown]
 # ## 3. Gradient accumulation: communicate once per step
@@ -93,7 +92,7 @@ assert max_error(summed, [reference] * world_size) > 1e-2, "the wrong factor of 
 
 # %% expect=["accumulated over 4 microbatches: matches the reference", "10 all-reduces per rank for the step (one per parameter tensor, not 4 x 10)"]
 accumulated = world.run(dp.accumulation_grads, x, y, 4)
-print(assert_close(accumulated, [reference] * world_size, "accumulated over 4 microbatches"))
+print(check.assert_close(accumulated, [reference] * world_size, "accumulated over 4 microbatches"))
 calls = [e for e in world.trace.events if e.rank == 0 and e.op == "all_reduce"]
 assert len(calls) == len(numels)
 print(f"{len(calls)} all-reduces per rank for the step (one per parameter tensor, not 4 x {len(numels)})")
@@ -213,7 +212,7 @@ for label, bucket_bytes in bucket_sizes.items():
     grads += world.run(bucketed_grads, x, y, bucket_bytes)
     summaries[label] = dp.overlap_of(world.trace)      # rank 0's modelled compute / exposed / hidden
     figures[label] = viz.timeline_figure(world.trace, modelled=True, topology=dp.PRESET)
-print(assert_close(grads, [reference] * (world_size * len(bucket_sizes)), "every bucket size"))
+print(check.assert_close(grads, [reference] * (world_size * len(bucket_sizes)), "every bucket size"))
 
 # %% [markdown]
 # With one bucket, nothing can start before the whole backward is done: all of the communication
@@ -251,7 +250,7 @@ viz.bucket_slider(figures, default="1 MiB")
 
 # %% expect=["DDP's gradients on every rank: matches the reference"]
 ddp = world.run(dp.ddp_grads, x, y)
-print(assert_close(ddp, [reference] * world_size, "DDP's gradients on every rank"))
+print(check.assert_close(ddp, [reference] * world_size, "DDP's gradients on every rank"))
 ddp_trace = world.trace
 
 # %% tags=["nbval-ignore-output"]
@@ -293,13 +292,13 @@ def buggy_dp_step(comm, model, xs, ys):
     for p in model.parameters():
         p.grad = comm.all_reduce(p.grad)
 
-print(tl.check_dp_step(buggy_dp_step))
+print(check.check_dp_step(buggy_dp_step))
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def my_dp_step(comm, model, xs, ys):
     raise NotImplementedError   # your fixed step
 
-print(tl.check_dp_step(my_dp_step))
+print(check.check_dp_step(my_dp_step))
 
 # %% [markdown] expect=["Correct: every rank holds the whole batch's gradient (6 collectives per rank)."] tags=["solution"]
 # <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
@@ -313,7 +312,7 @@ print(tl.check_dp_step(my_dp_step))
 #     for p in model.parameters():
 #         p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
 #
-# print(tl.check_dp_step(dp_step_solution))
+# print(check.check_dp_step(dp_step_solution))
 # ```
 #
 # </details>
@@ -337,13 +336,13 @@ def naive_accumulation_step(comm, model, reducer, micro_batches, batch):
         (dp.sum_loss(model, x_micro, y_micro) / batch).backward()
     reducer.finish()
 
-print(tl.check_accumulation_step(naive_accumulation_step))
+print(check.check_accumulation_step(naive_accumulation_step))
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def my_accumulation_step(comm, model, reducer, micro_batches, batch):
     raise NotImplementedError   # your step
 
-print(tl.check_accumulation_step(my_accumulation_step))
+print(check.check_accumulation_step(my_accumulation_step))
 
 # %% [markdown] expect=["Correct: the whole batch's gradient on every rank, with 3 all-reduces per step (one per bucket), whatever the 4 micro-batches."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -360,7 +359,7 @@ print(tl.check_accumulation_step(my_accumulation_step))
 #     (dp.sum_loss(model, x_micro, y_micro) / batch).backward()
 #     reducer.finish()
 #
-# print(tl.check_accumulation_step(accumulation_step_solution))
+# print(check.check_accumulation_step(accumulation_step_solution))
 # ```
 #
 # </details>

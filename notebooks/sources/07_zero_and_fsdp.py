@@ -30,8 +30,7 @@ import simcomm
 from simcomm.model import cost
 from simcomm import viz
 from simcomm.parallel import zero, fsdp
-from simcomm.lessons import training as tl
-from simcomm.lessons.foundations import assert_close
+import simcomm.lessons.lesson_07 as check
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
@@ -51,7 +50,7 @@ print(f"psi = {psi} parameters on {world_size} ranks")
 
 # %% expect=["stage 0 parameters: matches the reference"]
 outs = world.run(zero.train, 0, mlp, steps=2)            # the step of stage 0, section 2 writes it out
-print(assert_close(fsdp.assemble(0, outs, mlp), reference, "stage 0 parameters", atol=1e-5))  # fp32 vs float64
+print(check.assert_close(fsdp.assemble(0, outs, mlp), reference, "stage 0 parameters", atol=1e-5))  # fp32 vs float64
 reports = {"DP (stage 0)": world.memory}
 volume = {"DP (stage 0)": sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)}
 
@@ -142,7 +141,7 @@ steps = {0: step_stage0, 1: step_stage1, 2: step_stage2, 3: step_stage3}
 # %% expect=["ZeRO-1 parameters after 2 steps: matches the reference", "ZeRO-2 parameters after 2 steps: matches the reference", "ZeRO-3 parameters after 2 steps: matches the reference"]
 for stage in (1, 2, 3):
     outs = world.run(zero.train, stage, mlp, steps=2, step=steps[stage])
-    print(assert_close(fsdp.assemble(stage, outs, mlp), reference, f"ZeRO-{stage} parameters after 2 steps", atol=1e-5))
+    print(check.assert_close(fsdp.assemble(stage, outs, mlp), reference, f"ZeRO-{stage} parameters after 2 steps", atol=1e-5))
     reports[f"ZeRO-{stage}"] = world.memory
     volume[f"ZeRO-{stage}"] = sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)
     if stage == 3:
@@ -223,8 +222,8 @@ for prefetch in (False, True):
     timelines[prefetch] = viz.timeline_figure(world.trace, modelled=True, topology="a100-hdr-cluster")
     exposed[prefetch] = cost.modelled_timeline(world.trace, "a100-hdr-cluster").ranks[0].exposed
 assert exposed[True] < 0.5 * exposed[False]
-check = assert_close(outs, [fsdp.reference_forward(x, mlp)] * world_size, "output", atol=1e-5)
-print("prefetching hides all but the first gather;", check)
+verdict = check.assert_close(outs, [fsdp.reference_forward(x, mlp)] * world_size, "output", atol=1e-5)
+print("prefetching hides all but the first gather;", verdict)
 
 # %% tags=["nbval-ignore-output"]
 display(timelines[False].update_layout(title="ZeRO-3 forward, gathering each layer just in time (no prefetch)"))
@@ -240,7 +239,7 @@ timelines[True].update_layout(title="ZeRO-3 forward with prefetch: the next laye
 # %% expect=["FSDP2 gradients: matches the reference"]
 xb, yb = (torch.randn(8, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n)) for n in (16, 8))
 grads = world.run(fsdp.fsdp2_grads, xb, yb, mlp)
-print(assert_close(grads, [fsdp.reference_grads(xb, yb, mlp)] * world_size, "FSDP2 gradients"))
+print(check.assert_close(grads, [fsdp.reference_grads(xb, yb, mlp)] * world_size, "FSDP2 gradients"))
 fsdp_trace = world.trace
 
 # %% tags=["nbval-ignore-output"]
@@ -289,7 +288,7 @@ assert all(torch.equal(a, b) for way in results for a, b in zip(way, results[0])
 # Adam's first step moves a weight by lr * g / (|g| + eps): where a gradient is as small as eps (this
 # deep stack's first layer has some of 4e-9), fp32 rounding of g moves that step by a few percent of
 # lr = 1e-2; a wrong step (a gradient not reduced, a stale shard) moves weights by about lr itself
-print(assert_close(results, [fsdp.adam_reference(deep, steps=1)] * len(ways),
+print(check.assert_close(results, [fsdp.adam_reference(deep, steps=1)] * len(ways),
                    "every way, fp32 against float64 Adam", atol=1e-3))
 
 # %% tags=["nbval-ignore-output"]
@@ -320,7 +319,7 @@ viz.memory_figure(peaks, "peak", title="Peak bytes per rank, deeper model: ZeRO-
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 zero3_bytes = {"parameters": ..., "gradients": ..., "optimizer_state": ...}
 
-print(tl.check_zero3_bytes(zero3_bytes))
+print(check.check_zero3_bytes(zero3_bytes))
 
 
 # %% [markdown] expect=["Correct: (2 + 2 + 12) psi / 64 = 1.88 GB per rank, instead of 120 GB."] tags=["solution"]
@@ -330,7 +329,7 @@ print(tl.check_zero3_bytes(zero3_bytes))
 # # Solution of exercise 1.
 # # ZeRO-3 shards all three states: each is its bytes per parameter x psi / P.
 # big_psi, gpus = 7.5e9, 64
-# print(tl.check_zero3_bytes({"parameters": 2 * big_psi / gpus, "gradients": 2 * big_psi / gpus,
+# print(check.check_zero3_bytes({"parameters": 2 * big_psi / gpus, "gradients": 2 * big_psi / gpus,
 #                             "optimizer_state": 12 * big_psi / gpus}))
 # ```
 #
@@ -352,7 +351,7 @@ print(tl.check_zero3_bytes(zero3_bytes))
 def my_gradient_shard(comm, grad):
     raise NotImplementedError   # return this rank's shard of the summed gradient
 
-print(tl.check_zero2_grads(my_gradient_shard))
+print(check.check_zero2_grads(my_gradient_shard))
 
 # %% [markdown] expect=["Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -363,7 +362,7 @@ print(tl.check_zero2_grads(my_gradient_shard))
 # def gradient_shard_solution(comm, grad):
 #     return comm.reduce_scatter(grad, dim=0)
 #
-# print(tl.check_zero2_grads(gradient_shard_solution))
+# print(check.check_zero2_grads(gradient_shard_solution))
 # ```
 #
 # </details>

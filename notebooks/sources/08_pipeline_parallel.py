@@ -29,8 +29,7 @@ import torch
 import simcomm
 from simcomm import viz
 from simcomm.parallel import data as dp, pipeline as pp
-from simcomm.lessons import training as tl
-from simcomm.lessons.foundations import assert_close, expect_error
+import simcomm.lessons.lesson_08 as check
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 stages = 4
@@ -48,9 +47,9 @@ print(f"{stages} stages; stage 0 holds Linear({first[0].in_features} -> {first[0
 # computes the loss). Backward: receive the output's gradient from stage `s+1`, call
 # `out.backward(grad)`, send the input's gradient to stage `s-1`. Which microbatch a stage works
 # on when is the **schedule**, a list of actions per stage. *Naive*: one microbatch at a time.
-# *GPipe*: every forward, then every backward. *1F1B*: stage `s` runs `stages - s - 1` warm-up
-# forwards, then alternates one forward and one backward, then drains the backwards, so it never
-# holds more than `stages - s` microbatches:
+# *GPipe*: every forward, then every backward. *1F1B* (section 3, and you write it in exercise 2)
+# runs warm-up forwards, then alternates one forward and one backward, so that a stage holds
+# fewer microbatches; until then it comes from the library, `pp.schedule`:
 
 # %%
 def schedule(name, stages, microbatches):
@@ -62,11 +61,7 @@ def schedule(name, stages, microbatches):
         elif name == "gpipe":
             plan = [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
         elif name == "1f1b":
-            warmup = min(stages - stage - 1, microbatches)
-            plan = [("F", i) for i in range(warmup)]
-            for i in range(microbatches - warmup):
-                plan += [("F", warmup + i), ("B", i)]
-            plan += [("B", i) for i in range(microbatches - warmup, microbatches)]
+            plan = pp.schedule("1f1b", stages, microbatches)[stage]        # exercise 2 writes it
         else:
             raise ValueError(f"schedule: name={name!r}; schedules are naive, gpipe, 1f1b")
         plans.append(plan)
@@ -135,7 +130,7 @@ traces, results = {}, {}
 for name in pp.SCHEDULES:
     mine = world.run(pipeline_step, x, y, name, microbatches)
     got = [mine[-1]["loss"]] + [out["grads"] for out in mine]
-    print(assert_close(got, [loss_ref] + grads_ref, f"{name}: loss and every stage's gradients"))
+    print(check.assert_close(got, [loss_ref] + grads_ref, f"{name}: loss and every stage's gradients"))
     outs = world.run(pp.pipeline_step, x, y, name, microbatches)      # the library's: the same numbers
     assert all(torch.equal(a, b) for m, o in zip(mine, outs) for a, b in zip(m["grads"], o["grads"]))
     traces[name], results[name] = world.trace, outs
@@ -217,7 +212,7 @@ def both_send_first(comm):
     comm.send(torch.ones(4) * comm.rank, peer)   # blocks until the peer receives ...
     return comm.recv((4,), torch.float32, peer)  # ... which it never reaches
 
-error = expect_error(lambda: simcomm.World(2).run(both_send_first), simcomm.DeadlockError)
+error = check.expect_error(lambda: simcomm.World(2).run(both_send_first), simcomm.DeadlockError)
 print("DeadlockError:", str(error).splitlines()[0])
 
 # %% [markdown]
@@ -238,7 +233,7 @@ xi, yi = dp.make_data(16, deep)
 loss_i, grads_i = pp.reference(xi, yi, stages * chunks, deep)       # one entry per virtual stage
 outs = world.run(pp.interleaved_step, xi, yi, microbatches, chunks, deep)
 got = [outs[-1]["loss"]] + [g for c in range(chunks) for g in (out["grads"][c] for out in outs)]
-print(assert_close(got, [loss_i] + grads_i, "interleaved, v = 2: loss and every chunk's gradients"))
+print(check.assert_close(got, [loss_i] + grads_i, "interleaved, v = 2: loss and every chunk's gradients"))
 formula = pp.interleaved_bubble_formula(stages, microbatches, chunks)
 assert formula - 1e-9 <= pp.bubble(world.trace) <= formula + 0.01
 print(f"bubble: formula {formula:.3f} (GPipe {pp.bubble_formula('gpipe', stages, microbatches):.3f}), "
@@ -261,7 +256,7 @@ viz.pipeline_figure(interleaved_trace, pp.interleaved_plan(stages, microbatches,
 for schedule_class in ("ScheduleGPipe", "Schedule1F1B"):
     outs = world.run(pp.torch_pipeline_step, x, y, 4, schedule_class)
     got = [outs[-1]["loss"]] + [out["grads"] for out in outs]
-    print(assert_close(got, [loss_ref] + grads_ref, f"torch {schedule_class}: loss and every stage's gradients"))
+    print(check.assert_close(got, [loss_ref] + grads_ref, f"torch {schedule_class}: loss and every stage's gradients"))
 
 # %% tags=["nbval-ignore-output"]
 print(sorted({(e.op, e.phase) for e in world.trace.events}) or "not traced (real processes: gloo directly)")
@@ -287,7 +282,7 @@ for stage in (0, 3):
 outs = world.run(pp.pipeline_step, x, y, pp.ZERO_BUBBLE, microbatches)
 traces["zb-h1"], results["zb-h1"] = world.trace, outs
 got = [outs[-1]["loss"]] + [out["grads"] for out in outs]
-print(assert_close(got, [loss_ref] + grads_ref, "zb-h1: loss and every stage's gradients"))
+print(check.assert_close(got, [loss_ref] + grads_ref, "zb-h1: loss and every stage's gradients"))
 
 # %% [markdown]
 # The paper's bubble for ZB-H1 is `(p-1)(tF + tB - tW)`, against 1F1B's `(p-1)(tF + tB + tW)`
@@ -329,7 +324,7 @@ for schedule_class in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
     loss_got = next(out["loss"] for out in outs if out["loss"] is not None)
     got = [loss_got] + [out["grads"][c] for out in outs for c in range(chunks)]
     want = [loss_i] + [grads_i[k] for out in outs for k in out["stage_ids"]]
-    print(assert_close(got, want, f"torch {schedule_class}: loss and every chunk's gradients"))
+    print(check.assert_close(got, want, f"torch {schedule_class}: loss and every chunk's gradients"))
 
 # %% [markdown]
 # ## Exercise 1: predict the bubble
@@ -341,7 +336,7 @@ for schedule_class in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 bubble_fraction = ...
 
-print(tl.check_bubble(bubble_fraction))
+print(check.check_bubble(bubble_fraction))
 
 
 # %% [markdown] expect=["Correct: (p-1)/(m+p-1) = 7/39 = 0.179 of the stages' time is idle."] tags=["solution"]
@@ -350,7 +345,7 @@ print(tl.check_bubble(bubble_fraction))
 # ```python
 # # Solution of exercise 1.
 # # The step takes m + p - 1 slots; each stage is busy in m of them.
-# print(tl.check_bubble((8 - 1) / (32 + 8 - 1)))
+# print(check.check_bubble((8 - 1) / (32 + 8 - 1)))
 # ```
 #
 # </details>
@@ -367,7 +362,7 @@ print(tl.check_bubble(bubble_fraction))
 def my_schedule(stage, stages, microbatches):
     raise NotImplementedError   # return a list like [("F", 0), ("F", 1), ("B", 0), ...]
 
-print(tl.check_1f1b(my_schedule))
+print(check.check_1f1b(my_schedule))
 
 # %% [markdown] expect=["Correct: no deadlock, at most p - s microbatches held, and as fast as GPipe."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -382,7 +377,7 @@ print(tl.check_1f1b(my_schedule))
 #         plan += [("F", warmup + i), ("B", i)]
 #     return plan + [("B", i) for i in range(microbatches - warmup, microbatches)]
 #
-# print(tl.check_1f1b(schedule_solution))
+# print(check.check_1f1b(schedule_solution))
 # ```
 #
 # </details>
@@ -400,7 +395,7 @@ print(tl.check_1f1b(my_schedule))
 def my_zero_bubble(stage, stages, microbatches):
     raise NotImplementedError   # return a list like [("F", 0), ("B", 0), ("W", 0), ...]
 
-print(tl.check_zero_bubble(my_zero_bubble))
+print(check.check_zero_bubble(my_zero_bubble))
 
 # %% [markdown] expect=["Correct: no deadlock, at most p micro-batches held on any stage (1F1B's peak), and the step takes 3m + p - 1 slots: a bubble of (p-1)/(3m+p-1)."] tags=["solution"]
 # <details><summary>Solution of exercise 3 (open it once you have tried)</summary>
@@ -420,7 +415,7 @@ print(tl.check_zero_bubble(my_zero_bubble))
 #             plan.append(("W", next(weights)))
 #     return plan + [("W", i) for i in weights]
 #
-# print(tl.check_zero_bubble(zero_bubble_solution))
+# print(check.check_zero_bubble(zero_bubble_solution))
 # ```
 #
 # </details>

@@ -133,6 +133,7 @@ SKIP_CASES: tuple[tuple[tuple[int, int, int, float], ...], ...] = (
     ((3, 0, 3, float("nan")),),
     ((0, 0, 1, float("inf")), (3, 1, 0, float("inf"))),
 )
+#: the ranks exercise 3's checker runs on
 SKIP_RANKS = 4
 
 

@@ -111,8 +111,9 @@ def check_grad_norm(fn: Callable[..., Any]) -> str:
     return verdict or "Correct: every rank computes the norm of the whole gradient, so all clip by the same factor."
 
 
-#: exercise 2's layout: the 4-D layout of the lesson's section 4, and its rank
+#: exercise 2's layout: the 4-D layout of the lesson's section 4
 HELD_LAYOUT = Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)
+#: exercise 2's rank (stage 0, tensor rank 0)
 HELD_RANK = 0
 
 
