@@ -406,6 +406,11 @@ def check_ulysses_gqa_bytes(per_rank_bytes: Callable[..., float]) -> str:
     checked against the trace of a run (four all-to-alls: q, k, v in, the
     output back) for several shapes and world sizes, float64.
     """
+    if _is_placeholder(per_rank_bytes):
+        return NOT_ANSWERED
+    if not callable(per_rank_bytes):
+        return _not_yet(f"give a function per_rank_bytes(batch, seq, q_heads, kv_heads, head_dim, world_size, "
+                        f"itemsize); got {type(per_rank_bytes).__name__}")
     cases = [(1, 8, 4, 2, 2, 2), (2, 8, 8, 2, 3, 2), (1, 12, 6, 3, 2, 3), (1, 16, 8, 4, 4, 4)]
     for batch, seq, q_heads, kv_heads, head_dim, world_size in cases:
         answer, verdict = _attempt(lambda: per_rank_bytes(batch, seq, q_heads, kv_heads, head_dim, world_size, 8))

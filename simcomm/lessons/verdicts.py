@@ -439,8 +439,12 @@ def judged_as_processes(checker: Callable[..., str]) -> Callable[..., str]:
     verdict names the mistake (:func:`cheating_verdict`). Apply it under :func:`hint_on_request`."""
     @functools.wraps(checker)
     def judged(fn: Any, *args: Any, **kwargs: Any) -> str:
-        if is_placeholder(fn) or not callable(fn):
-            return checker(fn, *args, **kwargs)
+        if is_placeholder(fn):
+            return NOT_ANSWERED
+        if not callable(fn):
+            own = checker(fn, *args, **kwargs)                # the checker's own words, unless it crashed
+            return own if own.startswith("Not yet: ") and " raised " not in own else \
+                not_yet(f"give a function (def ...); got {type(fn).__name__} {fn!r:.60}")
         verdict = checker(RanksApart(fn), *args, **kwargs)
         if is_correct(verdict) or verdict == NOT_ANSWERED or not is_correct(checker(fn, *args, **kwargs)):
             return verdict
