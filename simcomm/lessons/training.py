@@ -21,7 +21,7 @@ from ..parallel import pipeline
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import judged_as_processes as _judged_as_processes
-from .verdicts import called_helper as _called_helper
+from .verdicts import uses_helper as _uses_helper
 from .verdicts import helper_verdict as _helper_verdict
 from .verdicts import NOT_ANSWERED, as_number, is_correct, is_placeholder, reduce_scatter_traffic
 from .verdicts import attempt as _attempt
@@ -308,14 +308,13 @@ def check_1f1b(fn: Any) -> str:
     verdict = _callable(fn, "the schedule")
     if verdict:
         return verdict
+    helper = _uses_helper(fn, pipeline.schedule)
+    if helper is not None:
+        return _helper_verdict(helper, "the schedule")
     for stages, microbatches in ((4, 8), (4, 4), (3, 7), (4, 2), (1, 3)):
-        watched, verdict = _attempt(lambda: _called_helper(
-            lambda: [list(fn(s, stages, microbatches)) for s in range(stages)], pipeline.schedule))
+        plans, verdict = _attempt(lambda: [list(fn(s, stages, microbatches)) for s in range(stages)])
         if verdict:
             return verdict
-        plans, helper = watched
-        if helper is not None:
-            return _helper_verdict(helper, "the schedule")
         where = f"for {stages} stages and {microbatches} microbatches"
         malformed = _malformed_action(plans, microbatches)
         if malformed:
@@ -349,14 +348,13 @@ def check_zero_bubble(fn: Any) -> str:
     verdict = _callable(fn, "the schedule")
     if verdict:
         return verdict
+    helper = _uses_helper(fn, pipeline.schedule)
+    if helper is not None:
+        return _helper_verdict(helper, "the schedule")
     for stages, microbatches in ((4, 8), (4, 4), (3, 7), (2, 5), (1, 3)):
-        watched, verdict = _attempt(lambda: _called_helper(
-            lambda: [list(fn(s, stages, microbatches)) for s in range(stages)], pipeline.schedule))
+        plans, verdict = _attempt(lambda: [list(fn(s, stages, microbatches)) for s in range(stages)])
         if verdict:
             return verdict
-        plans, helper = watched
-        if helper is not None:
-            return _helper_verdict(helper, "the schedule")
         where = f"for {stages} stages and {microbatches} microbatches"
         malformed = _malformed_action(plans, microbatches, ("F", "B", "W"))
         if malformed:

@@ -30,7 +30,7 @@ from ..reports import format_ranks
 __all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
            "as_number", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
            "Forbidden", "attempt", "RanksApart", "judged_apart", "shared_state_names",
-           "uses_helper", "helper_in_caller", "helper_verdict", "called_helper",
+           "uses_helper", "helper_in_caller", "helper_verdict",
            "cheating_verdict", "judged_as_processes"]
 
 #: what a checker returns while the exercise still holds its placeholder
@@ -336,10 +336,26 @@ def judged_apart(fn: Any, judge: Callable[[Any], str | None]) -> str | None:
 
 # -- the lesson's own helpers are not an answer --------------------------------------------------
 
-def _refers_to(code: types.CodeType, namespace: dict, helpers: tuple, seen: set[int]) -> Any:
+def _imported_modules(code: types.CodeType) -> set[str]:
+    """The modules ``code`` (or code nested in it) imports (``import x.y``, ``from x.y import z``)."""
+    found = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "IMPORT_NAME"}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _imported_modules(const)
+    return found
+
+
+def _refers_to(code: types.CodeType, namespace: dict, helpers: tuple, seen: set[int],
+               extra_names: set[str] = frozenset()) -> Any:
     """The helper among ``helpers`` that ``code`` reaches through ``namespace`` (directly, as an
     attribute of a module it names, or through a function of the same namespace), or ``None``."""
-    names = _code_names(code)
+    names = _code_names(code) | extra_names
+    imported = _imported_modules(code)
+    for helper in helpers:                    # imported inside the function: `from ... import ...`
+        module = getattr(helper, "__module__", "")
+        if getattr(helper, "__name__", None) in names and (
+                module in imported or module.rpartition(".")[2] in names and module.rpartition(".")[0] in imported):
+            return helper
     for name in names:
         if name not in namespace:
             continue
@@ -363,16 +379,14 @@ def uses_helper(fn: Any, *helpers: Any) -> Any:
     that the learner's function ``fn`` calls, or ``None``."""
     if not isinstance(fn, types.FunctionType):
         return None
-    found = _refers_to(fn.__code__, fn.__globals__, helpers, {id(fn)})
-    if found is None:
-        for cell in fn.__closure__ or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:
-                continue
-            if any(value is helper for helper in helpers):
-                return value
-    return found
+    closure = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            closure[name] = cell.cell_contents
+        except ValueError:
+            continue
+    return _refers_to(fn.__code__, {**fn.__globals__, **closure}, helpers, {id(fn)},
+                      extra_names=set(fn.__code__.co_freevars))     # closure variables read like globals
 
 
 def helper_in_caller(*helpers: Any) -> Any:
@@ -397,26 +411,6 @@ def helper_verdict(helper: Any, what: str) -> str:
     return not_yet(f"{name} is the lesson's own answer, not yours: the exercise asks you to work out {what} "
                    f"without it", f"write the computation out from what the lesson showed; {name} is there to "
                    "check you, after you have answered")
-
-
-def called_helper(call: Callable[[], Any], *helpers: Any) -> tuple[Any, Any]:
-    """``(result of call(), the helper among helpers it called or None)``: the learner's call runs
-    under a profile hook that notes a call of a helper's code, however the learner reached it (an
-    import inside the function, an alias, a partial). Exceptions propagate."""
-    codes = {getattr(helper, "__code__", None): helper for helper in helpers}
-    codes.pop(None, None)
-    hit: list[Any] = []
-
-    def hook(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code in codes and not hit:
-            hit.append(codes[frame.f_code])
-    previous = sys.getprofile()
-    sys.setprofile(hook)
-    try:
-        result = call()
-    finally:
-        sys.setprofile(previous)
-    return result, (hit[0] if hit else None)
 
 
 def cheating_verdict(fn: Any, verdict: str) -> str:
