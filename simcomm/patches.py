@@ -353,6 +353,9 @@ STACK_DECISIONS: tuple[StackDecision, ...] = (
     StackDecision("simcomm.c10d.process_group:_requested_backend", "the backend dist.new_group asked for "
                   "(c10d's _new_group_with_tag local ``backend``)",
                   "c10d does not pass it on to a default group's new_group"),
+    StackDecision("simcomm.lessons.verdicts:helper_in_caller", "whether the learner's cell that calls an "
+                  "exercise checker computed its answer with the lesson's own helper (the verdict names it)",
+                  "a checker gets a number, which does not say how it was computed; the cell's code does"),
     StackDecision("simcomm.c10d.process_group:_register_pg_in_world", "the ``pg_tag`` new_group was "
                   "given (c10d's _new_group_with_tag local)", "see the group-tags patch"),
     StackDecision("simcomm.sim.rank_modules:RankModules.program_import", "whether an import during a "

@@ -39,7 +39,7 @@
 import torch
 import simcomm
 import real
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_00 as check
 from simcomm import viz
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
@@ -62,7 +62,7 @@ def hello(comm):
 
 world = simcomm.World(4)
 outs = world.run(hello)
-print(lessons.per_rank(outs))
+print(check.per_rank(outs))
 assert all(total.item() == sum(range(1, 5)) for _, _, total in outs)
 
 # %% [markdown]
@@ -112,7 +112,7 @@ viz.comm_matrix_figure(world.trace)
 real_outs = real.run(hello, world_size=2)
 sim_outs = simcomm.World(2).run(hello)
 assert [(r, n, t.item()) for r, n, t in real_outs] == [(r, n, t.item()) for r, n, t in sim_outs]
-print(lessons.per_rank(real_outs))
+print(check.per_rank(real_outs))
 
 # %% [markdown]
 # The lessons do not call `World` or `real` directly: they ask for **the configured backend**,
@@ -144,7 +144,7 @@ def mismatched(comm):
     x = torch.ones(2)
     return comm.all_reduce(x) if comm.rank == 0 else comm.all_gather(x)   # rank 0 differs
 
-error = lessons.expect_error(lambda: simcomm.World(4).run(mismatched), simcomm.CollectiveMismatchError,
+error = check.expect_error(lambda: simcomm.World(4).run(mismatched), simcomm.CollectiveMismatchError,
                              "all_reduce", "all_gather")
 print(error)
 
@@ -155,7 +155,7 @@ def waits_forever(comm):
         return comm.recv((2,), src=1)                # rank 1 never sends
     return None
 
-error = lessons.expect_error(lambda: simcomm.World(2).run(waits_forever), simcomm.DeadlockError, "recv")
+error = check.expect_error(lambda: simcomm.World(2).run(waits_forever), simcomm.DeadlockError, "recv")
 print(error)
 
 
@@ -166,7 +166,7 @@ print(error)
 def fails_on_rank_3(comm):
     return 1 / (comm.rank - 3)
 
-error = lessons.expect_error(lambda: simcomm.World(4).run(fails_on_rank_3), simcomm.RankError)
+error = check.expect_error(lambda: simcomm.World(4).run(fails_on_rank_3), simcomm.RankError)
 assert error.rank == 3 and isinstance(error.__cause__, ZeroDivisionError)
 print(f"rank {error.rank} raised {type(error.__cause__).__name__}")
 
@@ -205,7 +205,7 @@ for rank, (device, name, peak) in enumerate(world.run(gpu_program)):
 
 # %%
 small = simcomm.World(2, map_cuda=VirtualGPUs("H100", memory="1MiB", per_node=2), memory=True)
-error = lessons.expect_error(lambda: small.run(gpu_program), simcomm.RankError, "CUDA out of memory")
+error = check.expect_error(lambda: small.run(gpu_program), simcomm.RankError, "CUDA out of memory")
 assert isinstance(error.__cause__, torch.OutOfMemoryError)
 print(str(error.__cause__).split(". (")[0])
 
@@ -220,7 +220,7 @@ print(str(error.__cause__).split(". (")[0])
 def count_ranks(comm):
     raise NotImplementedError   # your code
 
-print(lessons.check_count_ranks(count_ranks))
+print(check.check_count_ranks(count_ranks))
 
 
 # %% [markdown] expect=["Correct: right on 1, 2, 3, 5 ranks."] tags=["solution"]
@@ -231,7 +231,7 @@ print(lessons.check_count_ranks(count_ranks))
 # def count_ranks_solution(comm):
 #     return comm.all_reduce(torch.ones(1, device=comm.device)).item()     # every rank adds 1
 #
-# print(lessons.check_count_ranks(count_ranks_solution))
+# print(check.check_count_ranks(count_ranks_solution))
 # ```
 #
 # </details>
@@ -268,7 +268,7 @@ def program_c(comm):
     return None
 
 my_deadlocks = ...
-print(lessons.check_deadlocks(my_deadlocks, {"A": program_a, "B": program_b, "C": program_c}))
+print(check.check_deadlocks(my_deadlocks, {"A": program_a, "B": program_b, "C": program_c}))
 
 # %% [markdown] expect=["Correct: B deadlock(s) on 4 ranks."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -278,7 +278,7 @@ print(lessons.check_deadlocks(my_deadlocks, {"A": program_a, "B": program_b, "C"
 # # A: even ranks send first and odd ranks receive first, so every send meets a waiting recv.
 # # B: rank 0 waits in a barrier that ranks 1-3 never reach.
 # # C: only ranks 0 and 1 talk, and rank 1 does receive.
-# print(lessons.check_deadlocks({"B"}, {"A": program_a, "B": program_b, "C": program_c}))
+# print(check.check_deadlocks({"B"}, {"A": program_a, "B": program_b, "C": program_c}))
 # ```
 #
 # </details>

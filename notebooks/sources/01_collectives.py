@@ -33,7 +33,7 @@
 import torch
 import simcomm
 from simcomm import ReduceOp, viz
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_01 as check
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
@@ -44,7 +44,7 @@ def apply(comm, op, kwargs):
     x = 10.0 * comm.rank + torch.arange(4.0, device=comm.device)   # the same as inputs[comm.rank]
     return getattr(comm, op)(x, **kwargs)
 
-print(lessons.per_rank(inputs))
+print(check.per_rank(inputs))
 
 # %% [markdown]
 # ## all_reduce: every rank gets the sum
@@ -55,7 +55,7 @@ print(lessons.per_rank(inputs))
 # %% expect=["rank 0: [60, 64, 68, 72]", "rank 1: [60, 64, 68, 72]", "rank 2: [60, 64, 68, 72]", "rank 3: [60, 64, 68, 72]"]
 outs = world.run(apply, "all_reduce", {})
 assert all(torch.equal(out, sum(inputs)) for out in outs)
-print(lessons.per_rank(outs))
+print(check.per_rank(outs))
 
 # %% [markdown]
 # Other reductions exist: `op=ReduceOp.MAX`, `MIN`, `AVG`, `PRODUCT`.
@@ -63,7 +63,7 @@ print(lessons.per_rank(outs))
 # %% expect=["rank 0: [30, 31, 32, 33]"]
 outs = world.run(apply, "all_reduce", {"op": ReduceOp.MAX})
 assert all(torch.equal(out, torch.stack(inputs).amax(0)) for out in outs)
-print(lessons.per_rank(outs[:1]))
+print(check.per_rank(outs[:1]))
 
 # %% [markdown]
 # The figure draws the same run: one row per rank, the input on the left, the output next to
@@ -82,7 +82,7 @@ viz.collective_figure("all_reduce", world_size=world_size, shape=(4,), backward=
 # %% expect=["rank 0: [0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 32, 33] (the same on every rank)"]
 outs = world.run(apply, "all_gather", {"dim": 0})
 assert all(torch.equal(out, torch.cat(inputs)) for out in outs)
-print(lessons.per_rank(outs[:1]), "(the same on every rank)")
+print(check.per_rank(outs[:1]), "(the same on every rank)")
 
 # %% tags=["nbval-ignore-output"]
 viz.collective_figure("all_gather", world_size=world_size, shape=(4,), dim=0, backward=False)
@@ -99,7 +99,7 @@ viz.collective_figure("all_gather", world_size=world_size, shape=(4,), dim=0, ba
 outs = world.run(apply, "reduce_scatter", {"dim": 0})
 chunks = sum(inputs).chunk(world_size)
 assert all(torch.equal(out, chunks[rank]) for rank, out in enumerate(outs))
-print(lessons.per_rank(outs))
+print(check.per_rank(outs))
 
 # %% tags=["nbval-ignore-output"]
 viz.collective_figure("reduce_scatter", world_size=world_size, shape=(4,), dim=0, backward=False)
@@ -113,10 +113,10 @@ viz.collective_figure("reduce_scatter", world_size=world_size, shape=(4,), dim=0
 # %% expect=["rank 0: [20, 21, 22, 23]", "rank 1: [20, 21, 22, 23]", "rank 2: [20, 21, 22, 23]", "rank 3: [20, 21, 22, 23]", "rank 0: None", "rank 1: [0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 32, 33]", "rank 2: None", "rank 3: None"]
 outs = world.run(apply, "broadcast", {"src": 2})
 assert all(torch.equal(out, inputs[2]) for out in outs)
-print(lessons.per_rank(outs))
+print(check.per_rank(outs))
 outs = world.run(apply, "gather", {"dst": 1, "dim": 0})
 assert outs[0] is None and outs[2] is None and outs[3] is None and torch.equal(outs[1], torch.cat(inputs))
-print(lessons.per_rank(outs))
+print(check.per_rank(outs))
 
 # %% tags=["nbval-ignore-output"]
 viz.collective_figure("broadcast", world_size=world_size, shape=(4,), src=2, backward=False)
@@ -140,7 +140,7 @@ def slice_program(comm):
 outs = world.run(slice_program)
 assert all(torch.equal(out, torch.arange(8.0).chunk(world_size)[rank]) for rank, out in enumerate(outs))
 assert len(world.trace) == 0, "slice moved data"
-print(lessons.per_rank(outs))
+print(check.per_rank(outs))
 
 # %% tags=["nbval-ignore-output"]
 viz.collective_figure("slice", world_size=world_size, shape=(8,), dim=0, scale_grad=False, backward=False)
@@ -156,7 +156,7 @@ viz.collective_figure("slice", world_size=world_size, shape=(8,), dim=0, scale_g
 # %% expect=["rank 0: [0, 10, 20, 30]", "rank 1: [1, 11, 21, 31]", "rank 2: [2, 12, 22, 32]", "rank 3: [3, 13, 23, 33]"]
 outs = world.run(apply, "all_to_all", {"scatter_dim": 0, "gather_dim": 0})
 assert all(torch.equal(out, torch.stack(inputs)[:, rank]) for rank, out in enumerate(outs))
-print(lessons.per_rank(outs))
+print(check.per_rank(outs))
 
 # %% [markdown]
 # The figure draws the 4-D form of lesson 5 on a small tensor, each cell labelled with its
@@ -187,7 +187,7 @@ calls = {"all_reduce": {}, "all_gather": {"dim": 0}, "reduce_scatter": {"dim": 1
          "all_to_all": {"scatter_dim": 1, "gather_dim": 0}, "gather": {"dst": 3, "dim": 1}}
 my_shapes = {"all_reduce": ..., "all_gather": ..., "reduce_scatter": ...,
              "all_to_all": ..., "gather": ...}
-print(lessons.check_shapes(my_shapes, world_size=4, shape=(4, 8), args=calls))
+print(check.check_shapes(my_shapes, world_size=4, shape=(4, 8), args=calls))
 
 # %% [markdown] expect=["Correct: all 5 shapes."] tags=["solution"]
 # <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
@@ -196,7 +196,7 @@ print(lessons.check_shapes(my_shapes, world_size=4, shape=(4, 8), args=calls))
 # # Solution of exercise 1.
 # solution = {"all_reduce": (4, 8), "all_gather": (16, 8), "reduce_scatter": (4, 2),
 #             "all_to_all": (16, 2), "gather": None}
-# print(lessons.check_shapes(solution, world_size=4, shape=(4, 8), args=calls))
+# print(check.check_shapes(solution, world_size=4, shape=(4, 8), args=calls))
 # ```
 #
 # </details>
@@ -211,11 +211,11 @@ print(lessons.check_shapes(my_shapes, world_size=4, shape=(4, 8), args=calls))
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.", "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 my_reduce_scatter_max_rank_3 = ...
 my_all_reduce_min_rank_1 = ...
-print(lessons.check_prediction(my_reduce_scatter_max_rank_3,
+print(check.check_prediction(my_reduce_scatter_max_rank_3,
                                world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
                                "reduce_scatter(op=MAX) on rank 3",
                                hint="first the element-wise maximum over ranks, then rank r keeps chunk r"))
-print(lessons.check_prediction(my_all_reduce_min_rank_1,
+print(check.check_prediction(my_all_reduce_min_rank_1,
                                world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
                                "all_reduce(op=MIN) on rank 1", hint="compare the ranks element by element"))
 
@@ -225,11 +225,11 @@ print(lessons.check_prediction(my_all_reduce_min_rank_1,
 # ```python
 # # Solution of exercise 2.
 # # chunk 3 of the element-wise maximum: element 3, largest on the last rank
-# print(lessons.check_prediction([10 * (world_size - 1) + 3],
+# print(check.check_prediction([10 * (world_size - 1) + 3],
 #                                world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
 #                                "reduce_scatter(op=MAX) on rank 3"))
 # # the element-wise minimum is rank 0's tensor, on every rank
-# print(lessons.check_prediction([0, 1, 2, 3], world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
+# print(check.check_prediction([0, 1, 2, 3], world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
 #                                "all_reduce(op=MIN) on rank 1"))
 # ```
 #

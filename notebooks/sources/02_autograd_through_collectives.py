@@ -30,7 +30,7 @@
 import torch
 import simcomm
 from simcomm import ReduceOp, viz
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_02 as check
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
@@ -70,8 +70,8 @@ x = torch.cat([torch.arange(2, dtype=torch.float64) + 10 * r for r in range(worl
 weights = torch.arange(x.numel(), dtype=torch.float64)
 total_loss = sum((x * weights * (r + 1)).sum() for r in range(world_size))
 total_loss.backward()
-print(lessons.assert_close([full for full, _ in outs], [x.detach()] * world_size, "all_gather output"))
-print(lessons.assert_close([grad for _, grad in outs], list(x.grad.chunk(world_size)), "x.grad on every rank"))
+print(check.assert_close([full for full, _ in outs], [x.detach()] * world_size, "all_gather output"))
+print(check.assert_close([grad for _, grad in outs], list(x.grad.chunk(world_size)), "x.grad on every rank"))
 
 # %% [markdown]
 # The trace records every transport call, with its phase. The backward pass really did call a
@@ -147,7 +147,7 @@ for scale_grad in (False, True):
     grads = world.run(slice_program, scale_grad)
     shared = torch.arange(8, dtype=torch.float64)
     expected = 2 * shared / (world_size if scale_grad else 1)      # d/dx of sum_r (x_r chunk)^2
-    print(lessons.assert_close(grads, [expected] * world_size, f"slice(scale_grad={scale_grad}) x.grad"))
+    print(check.assert_close(grads, [expected] * world_size, f"slice(scale_grad={scale_grad}) x.grad"))
     print(f"  calls: {[(op, phase) for _, op, phase in world.trace.ops()]}")
 
 # %% [markdown]
@@ -218,9 +218,9 @@ reference_loss.backward()
 
 plain = world.run(replicated_loss, False)
 megatron = world.run(replicated_loss, True)
-print(lessons.assert_close([l for l, _ in plain], [reference_loss.detach()] * world_size, "loss on every rank"))
-print(lessons.assert_close([g for _, g in megatron], list(a.grad), "grads with reduce_from_group"))
-print(lessons.assert_close([g for _, g in plain], list(world_size * a.grad),
+print(check.assert_close([l for l, _ in plain], [reference_loss.detach()] * world_size, "loss on every rank"))
+print(check.assert_close([g for _, g in megatron], list(a.grad), "grads with reduce_from_group"))
+print(check.assert_close([g for _, g in plain], list(world_size * a.grad),
                            "grads with all_reduce = world_size x reference"))
 
 # %% [markdown]
@@ -258,7 +258,7 @@ for rank, (x_r, y_r, grad) in enumerate(outs):
 # %% expect=["MAX all-reduce gradients: matches the reference"]
 stacked = torch.stack([x_r for x_r, _, _ in outs]).requires_grad_()     # (world_size, 4)
 sum(stacked.amax(0).sum() for _ in range(world_size)).backward()         # the sum of the 4 losses
-print(lessons.assert_close([grad for _, _, grad in outs], list(stacked.grad), "MAX all-reduce gradients"))
+print(check.assert_close([grad for _, _, grad in outs], list(stacked.grad), "MAX all-reduce gradients"))
 
 
 # %% [markdown]
@@ -268,7 +268,7 @@ print(lessons.assert_close([grad for _, _, grad in outs], list(stacked.grad), "M
 # ## 5. A gradient check across ranks
 #
 # `torch.autograd.gradcheck` compares autograd with finite differences on one device.
-# `lessons.gradcheck_across_ranks` does the same through the collectives: it nudges *every*
+# `check.gradcheck_across_ranks` does the same through the collectives: it nudges *every*
 # rank's input along a random direction, re-runs the whole program, and compares the change of
 # the summed loss with what the ranks' `x.grad` predict.
 
@@ -281,7 +281,7 @@ def chain(comm, x):
 
 inputs = [torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
           for r in range(world_size)]
-error = lessons.gradcheck_across_ranks(world, chain, inputs)
+error = check.gradcheck_across_ranks(world, chain, inputs)
 print(f"largest relative error: {error:.1e}")
 
 
@@ -301,7 +301,7 @@ print(f"largest relative error: {error:.1e}")
 def my_all_gather_backward(comm, grad_out, dim):
     raise NotImplementedError   # your code: return the gradient of this rank's x
 
-print(lessons.check_all_gather_backward(my_all_gather_backward))
+print(check.check_all_gather_backward(my_all_gather_backward))
 
 # %% [markdown] expect=["Correct: your backward equals autograd's on every rank, for dim in (0, 1)."] tags=["solution"]
 # <details><summary>Solution of the exercise (open it once you have tried)</summary>
@@ -311,7 +311,7 @@ print(lessons.check_all_gather_backward(my_all_gather_backward))
 # def all_gather_backward(comm, grad_out, dim):
 #     return comm.reduce_scatter(grad_out, dim=dim)   # sum over ranks, keep my chunk
 #
-# print(lessons.check_all_gather_backward(all_gather_backward))
+# print(check.check_all_gather_backward(all_gather_backward))
 # ```
 #
 # </details>

@@ -28,7 +28,7 @@
 import torch
 import simcomm
 from simcomm.model import cost
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_03 as check
 from simcomm import viz
 from simcomm.viz import allreduce_steps
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
@@ -73,18 +73,52 @@ assert all(complete[r][(r + 1) % world_size] and sum(complete[r]) == 1 for r in 
 # %% [markdown]
 # ## 2. The ring, written with `send` and `recv`
 #
-# `lessons.ring_all_reduce(comm, x)` implements exactly that schedule with nothing but
-# `comm.send` and `comm.recv` (read it with `lessons.ring_all_reduce??`). It runs on the
-# configured backend and must agree with the built-in all-reduce:
+# Here is the ring all-reduce, with nothing but `comm.send` and `comm.recv`. One step of the ring
+# is `ring_exchange`: send a chunk to the next rank, receive one from the previous rank (even ranks
+# send first, odd ranks receive first; the end of this section shows why). `ring_all_reduce` runs the steps of
+# section 1: rank `r` sends chunk `r - step` and receives chunk `r - 1 - step`; in the first
+# `n - 1` steps it *adds* what it receives, in the last `n - 1` it *keeps* it. (The library keeps
+# the same two functions, `simcomm.parallel.ring.ring_exchange` and
+# `simcomm.lessons.foundations.ring_all_reduce`; a test checks they behave like these.)
+
+# %%
+def ring_exchange(comm, outgoing):
+    """Send `outgoing` to rank + 1; return what rank - 1 sent (same shape and dtype)."""
+    if comm.rank % 2 == 0:                                   # even ranks send first ...
+        comm.send(outgoing)
+        return comm.recv(outgoing.shape, outgoing.dtype)
+    incoming = comm.recv(outgoing.shape, outgoing.dtype)     # ... odd ranks receive first
+    comm.send(outgoing)
+    return incoming
+
+
+def ring_all_reduce(comm, x):
+    """The sum of `x` over the ranks, by the ring: n - 1 reduce-scatter steps, then n - 1 all-gather
+    steps, one chunk of `x.numel() / n` per step (`x.numel()` divisible by n). `x` is not modified."""
+    n, rank = comm.world_size, comm.rank
+    if n == 1:
+        return x.clone()
+    chunks = list(x.detach().flatten().clone().chunk(n))
+    for step in range(2 * (n - 1)):
+        send_chunk, recv_chunk = (rank - step) % n, (rank - 1 - step) % n
+        incoming = ring_exchange(comm, chunks[send_chunk].clone())
+        if step < n - 1:
+            chunks[recv_chunk] = chunks[recv_chunk] + incoming      # reduce-scatter: add
+        else:
+            chunks[recv_chunk] = incoming                           # all-gather: keep
+    return torch.cat(chunks).reshape(x.shape)
+
+# %% [markdown]
+# It runs on the configured backend and must agree with the built-in all-reduce:
 
 # %% expect=["rank 0: [600, 604, 608, 612, 616, 620, 624, 628] (the same on every rank)"]
 def ring_vs_builtin(comm):
     x = torch.arange(8.0, device=comm.device) + 100 * comm.rank      # 8 numbers = 4 chunks of 2
-    return lessons.ring_all_reduce(comm, x), comm.all_reduce(x)
+    return ring_all_reduce(comm, x), comm.all_reduce(x)
 
 outs = world.run(ring_vs_builtin)
 assert all(torch.equal(ring_sum, builtin) for ring_sum, builtin in outs)
-print(lessons.per_rank([ring_sum for ring_sum, _ in outs][:1]), "(the same on every rank)")
+print(check.per_rank([ring_sum for ring_sum, _ in outs][:1]), "(the same on every rank)")
 
 # %% [markdown]
 # Now count, from the trace, what rank 0 sent in the ring:
@@ -119,7 +153,7 @@ viz.comm_matrix_figure(world.trace)
 #
 # A detail that matters on real hardware: a rank's `send` may block until the neighbour receives
 # (the simulator always blocks, the strictest case). If every rank sent first, all would wait
-# forever; `ring_all_reduce` lets even ranks send first and odd ranks receive first. The
+# forever; `ring_exchange` above lets even ranks send first and odd ranks receive first. The
 # simulator catches the naive version at once:
 
 # %% expect=["DeadlockError"]
@@ -127,7 +161,7 @@ def everyone_sends_first(comm):
     comm.send(torch.ones(2))              # to the next rank
     return comm.recv((2,))                # from the previous rank
 
-error = lessons.expect_error(lambda: simcomm.World(world_size).run(everyone_sends_first),
+error = check.expect_error(lambda: simcomm.World(world_size).run(everyone_sends_first),
                              simcomm.DeadlockError, "send")
 print(type(error).__name__)
 
@@ -278,7 +312,7 @@ print(f"64 MiB all-reduce: 8 GPUs in one node {one_node.time * 1e3:.2f} ms, "
 # rank holds one shard `x`; return every rank's shard concatenated in rank order (dim 0), as
 # `comm.all_gather(x, dim=0)` would, using only the ring: in each of `n - 1` steps, pass one
 # shard to the next rank and receive one from the previous rank, with
-# `lessons.ring_exchange(comm, shard)` (which orders the send and the recv so that no rank
+# `ring_exchange(comm, shard)` of section 2 (which orders the send and the recv so that no rank
 # waits forever; it returns what the previous rank passed). Do not modify `x`. The check runs
 # it on 2 to 5 virtual ranks and reads the trace: only `send`/`recv`, to the next rank only,
 # `n - 1` sends per rank.
@@ -287,7 +321,7 @@ print(f"64 MiB all-reduce: 8 GPUs in one node {one_node.time * 1e3:.2f} ms, "
 def my_ring_all_gather(comm, x):
     raise NotImplementedError   # your code
 
-print(lessons.check_ring_all_gather(my_ring_all_gather))
+print(check.check_ring_all_gather(my_ring_all_gather))
 
 # %% [markdown] expect=["Correct: a ring all-gather on 2, 3, 4, 5 ranks, neighbours only."] tags=["solution"]
 # <details><summary>Solution of the exercise (open it once you have tried)</summary>
@@ -300,10 +334,10 @@ print(lessons.check_ring_all_gather(my_ring_all_gather))
 #     shards[rank] = x.clone()
 #     for step in range(n - 1):
 #         # pass on the shard received in the previous step (first: my own); receive my predecessor's
-#         shards[(rank - 1 - step) % n] = lessons.ring_exchange(comm, shards[(rank - step) % n])
+#         shards[(rank - 1 - step) % n] = ring_exchange(comm, shards[(rank - step) % n])
 #     return torch.cat(shards)
 #
-# print(lessons.check_ring_all_gather(ring_all_gather_solution))
+# print(check.check_ring_all_gather(ring_all_gather_solution))
 # ```
 #
 # </details>

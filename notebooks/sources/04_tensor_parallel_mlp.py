@@ -27,9 +27,9 @@
 import torch
 import simcomm
 from simcomm.model import cost
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_04 as check
 from simcomm import viz
-from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
+from simcomm.parallel.tensor import make_mlp, mlp
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, hidden, ffn = 4, 3, 8, 16
@@ -46,8 +46,23 @@ print({name: tuple(p.shape) for name, p in params.items()})
 # Rank `r` keeps rows `r*ffn/P ... (r+1)*ffn/P` of `w1` (and of `b1`). With the whole input `x`
 # it computes its own columns of the hidden activation: `h_r = gelu(x @ w1_r.T + b1_r)`, of
 # shape `(batch, ffn/P)`. No communication is needed: GELU acts element by element, so each
-# rank's columns are finished on their own. Section 2 splits `w2` by the matching columns; the
-# figure shows which weights each rank holds, in its rank colour:
+# rank's columns are finished on their own. Section 2 splits `w2` by the matching columns;
+# `shard_mlp` cuts one rank's copies (leaves of its own graph) out of the whole MLP:
+
+# %%
+def shard_mlp(params, rank, world_size):
+    """Rank `rank`'s parameters: rows of w1 and b1, the matching columns of w2, all of b2."""
+    ffn = params["w1"].shape[0]
+    if ffn % world_size:
+        raise ValueError(f"shard_mlp: ffn size {ffn} is not divisible by the world size {world_size}")
+    rows = slice(rank * ffn // world_size, (rank + 1) * ffn // world_size)
+    return {"w1": params["w1"][rows].clone().requires_grad_(),       # (ffn/P, hidden)
+            "b1": params["b1"][rows].clone().requires_grad_(),       # (ffn/P,)
+            "w2": params["w2"][:, rows].clone().requires_grad_(),    # (hidden, ffn/P)
+            "b2": params["b2"].clone().requires_grad_()}             # (hidden,): every rank
+
+# %% [markdown]
+# The figure shows which weights each rank holds, in its rank colour:
 
 # %% tags=["nbval-ignore-output"]
 viz.tp_mlp_shards_figure(hidden, ffn, world_size)
@@ -64,7 +79,7 @@ print("rank 0 holds", outs[0][0], "and computes h of shape", tuple(outs[0][1].sh
 for name in ("w1", "w2"):   # each rank stores a 1 / world_size share of both matrices
     assert all(shapes[name][0] * shapes[name][1] * world_size == params[name].numel() for shapes, _ in outs)
 full_h = torch.nn.functional.gelu(x @ params["w1"].T + params["b1"])       # (batch, ffn)
-print(lessons.assert_close(torch.cat([h for _, h in outs], dim=-1), full_h, "the ranks' h side by side"))
+print(check.assert_close(torch.cat([h for _, h in outs], dim=-1), full_h, "the ranks' h side by side"))
 
 
 # %% [markdown]
@@ -83,8 +98,8 @@ def partial_sums(comm, x, params):
     return (h @ shards["w2"].T).detach()                              # (batch, hidden): a share
 
 partials = world.run(partial_sums, x, params)
-print(lessons.assert_close(sum(partials) + params["b2"], reference, "sum of the partials + b2"))
-assert all(lessons.max_error(p, reference) > 1e-3 for p in partials), "no single rank has the answer alone"
+print(check.assert_close(sum(partials) + params["b2"], reference, "sum of the partials + b2"))
+assert all(check.max_error(p, reference) > 1e-3 for p in partials), "no single rank has the answer alone"
 
 
 # %% [markdown]
@@ -99,8 +114,21 @@ assert all(lessons.max_error(p, reference) > 1e-3 for p in partials), "no single
 # * **g** = `reduce_from_group` where the partial sums leave: all-reduce forward, identity
 #   backward.
 #
-# `simcomm.parallel.tensor.tp_mlp(comm, x, shards, conjugate=True)` is exactly that (read its source with
-# `tp_mlp??`). Now compare everything with the single-device MLP.
+# Here is the layer, with a switch for section 4 (the library keeps the same function,
+# `simcomm.parallel.tensor.tp_mlp`, which later lessons import; a test checks they agree):
+
+# %%
+def tp_mlp(comm, x, shards, conjugate=True):
+    """The tensor-parallel MLP on this rank's `shards`; `x` is replicated, and so is the output."""
+    if conjugate:
+        x = comm.copy_to_group(x)                                   # f: identity, all-reduce backward
+    h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])   # column-parallel: (batch, ffn/P)
+    partial = h @ shards["w2"].T                                    # row-parallel: this rank's share
+    out = comm.reduce_from_group(partial) if conjugate else comm.all_reduce(partial)   # g, or plain
+    return out + shards["b2"]                                       # the bias once, after the sum
+
+# %% [markdown]
+# Now compare everything with the single-device MLP.
 
 # %% expect=["output on every rank: matches the reference", "x.grad on every rank: matches the reference", "every shard's gradient: matches the reference"]
 def train_step(comm, x, params, conjugate, loss_scale=1.0):
@@ -118,9 +146,9 @@ ref_grads = {name: p.grad for name, p in ref_params.items()}
 ref_shards = [shard_mlp(ref_grads, rank, world_size) for rank in range(world_size)]  # slices of the grads
 
 outs = world.run(train_step, x, params, True)
-print(lessons.assert_close([out for out, _, _ in outs], [reference] * world_size, "output on every rank"))
-print(lessons.assert_close([g for _, g, _ in outs], [ref_x.grad] * world_size, "x.grad on every rank"))
-print(lessons.assert_close([grads for _, _, grads in outs], ref_shards, "every shard's gradient"))
+print(check.assert_close([out for out, _, _ in outs], [reference] * world_size, "output on every rank"))
+print(check.assert_close([g for _, g, _ in outs], [ref_x.grad] * world_size, "x.grad on every rank"))
+print(check.assert_close([grads for _, _, grads in outs], ref_shards, "every shard's gradient"))
 
 # %% [markdown]
 # What did that cost in communication? One all-reduce forward (from *g*) and one backward
@@ -168,12 +196,12 @@ viz.timeline_figure(world.trace, modelled=True)
 outs = world.run(train_step, x, params, False)
 sharded = [{name: g for name, g in grads.items() if name != "b2"} for _, _, grads in outs]
 expected = [{name: world_size * g for name, g in ref.items() if name != "b2"} for ref in ref_shards]
-print(lessons.assert_close(sharded, expected, "w1, b1, w2 gradients = world_size x reference"))
-print(lessons.assert_close([grads["b2"] for _, _, grads in outs], [ref_grads["b2"]] * world_size,
+print(check.assert_close(sharded, expected, "w1, b1, w2 gradients = world_size x reference"))
+print(check.assert_close([grads["b2"] for _, _, grads in outs], [ref_grads["b2"]] * world_size,
                            "b2 gradient (after the all-reduce) unchanged"))
-print(lessons.assert_close(sum(g for _, g, _ in outs), world_size * ref_x.grad,
+print(check.assert_close(sum(g for _, g, _ in outs), world_size * ref_x.grad,
                            "x.grad summed over ranks = world_size x reference"))
-assert lessons.max_error(outs[0][1], ref_x.grad) > 1e-3, "without f, one rank's x.grad is incomplete"
+assert check.max_error(outs[0][1], ref_x.grad) > 1e-3, "without f, one rank's x.grad is incomplete"
 
 # %% [markdown]
 # A communicator with only the plain all-reduce (like the vLLM-style one whose API `simcomm`
@@ -186,9 +214,9 @@ assert lessons.max_error(outs[0][1], ref_x.grad) > 1e-3, "without f, one rank's 
 # %% expect=["w1, b1, w2 gradients with loss / world_size: matches the reference", "b2 gradient summed over ranks: matches the reference"]
 outs = world.run(train_step, x, params, False, 1 / world_size)
 sharded = [{name: g for name, g in grads.items() if name != "b2"} for _, _, grads in outs]
-print(lessons.assert_close(sharded, [{k: v for k, v in ref.items() if k != "b2"} for ref in ref_shards],
+print(check.assert_close(sharded, [{k: v for k, v in ref.items() if k != "b2"} for ref in ref_shards],
                            "w1, b1, w2 gradients with loss / world_size"))
-print(lessons.assert_close(sum(grads["b2"] for _, _, grads in outs), ref_grads["b2"],
+print(check.assert_close(sum(grads["b2"] for _, _, grads in outs), ref_grads["b2"],
                            "b2 gradient summed over ranks"))
 
 
@@ -206,13 +234,13 @@ def buggy_tp_mlp(comm, x, shards):
     h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
     return comm.reduce_from_group(h @ shards["w2"].T + shards["b2"])     # (batch, hidden)
 
-print(lessons.check_tp_mlp(buggy_tp_mlp))
+print(check.check_tp_mlp(buggy_tp_mlp))
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def my_tp_mlp(comm, x, shards):
     raise NotImplementedError   # your fixed layer
 
-print(lessons.check_tp_mlp(my_tp_mlp))
+print(check.check_tp_mlp(my_tp_mlp))
 
 # %% [markdown] expect=["Correct: output and every gradient equal the single-device MLP on every rank."] tags=["solution"]
 # <details><summary>Solution of the exercise (open it once you have tried)</summary>
@@ -226,7 +254,7 @@ print(lessons.check_tp_mlp(my_tp_mlp))
 #     h = torch.nn.functional.gelu(x @ shards["w1"].T + shards["b1"])      # (batch, ffn / P)
 #     return comm.reduce_from_group(h @ shards["w2"].T) + shards["b2"]     # g, then the bias once
 #
-# print(lessons.check_tp_mlp(tp_mlp_solution))
+# print(check.check_tp_mlp(tp_mlp_solution))
 # ```
 #
 # </details>

@@ -29,7 +29,7 @@
 # %%
 import torch
 import simcomm
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_05 as check
 from simcomm import viz
 from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
@@ -66,8 +66,8 @@ for rank, (mine, by_heads, _) in enumerate(outs):
 # %% expect=["head shards: matches the reference", "back to sequence shards: matches the reference"]
 heads_per_rank = heads // world_size
 expected_heads = [labels[:, :, r * heads_per_rank:(r + 1) * heads_per_rank] for r in range(world_size)]
-print(lessons.assert_close([by_heads for _, by_heads, _ in outs], expected_heads, "head shards"))
-print(lessons.assert_close([back for _, _, back in outs], [mine for mine, _, _ in outs],
+print(check.assert_close([by_heads for _, by_heads, _ in outs], expected_heads, "head shards"))
+print(check.assert_close([back for _, _, back in outs], [mine for mine, _, _ in outs],
                            "back to sequence shards"))
 
 # %% [markdown]
@@ -107,7 +107,7 @@ for causal in (False, True):
     for index, (name, ref) in enumerate([("output", ref_out), ("q.grad", ref_q.grad),
                                          ("k.grad", ref_k.grad), ("v.grad", ref_v.grad)]):
         got = torch.cat([out[index] for out in outs], dim=1)      # the shards in sequence order
-        print(lessons.assert_close(got, ref.detach(), f"causal={causal} {name}"))
+        print(check.assert_close(got, ref.detach(), f"causal={causal} {name}"))
 
 # %% [markdown]
 # The backward pass runs the all-to-alls again, each with its dims swapped (lesson 2):
@@ -126,7 +126,7 @@ print(f"{len(calls)} calls: {sorted(set(calls))}")
 
 # %%
 q6, k6, v6 = make_qkv(batch, seq, 6, head_dim)
-error = lessons.expect_error(lambda: world.run(ulysses_step, q6, k6, v6, weights, False),
+error = check.expect_error(lambda: world.run(ulysses_step, q6, k6, v6, weights, False),
                              simcomm.RankError, "all_to_all_4D", "size 6", "not divisible by the world size 4")
 print(str(error).splitlines()[0])
 
@@ -153,7 +153,7 @@ for size in (2, 4, 8):
     sent = {}
     for method in ("Ulysses", "all-gather K,V"):
         out = torch.cat(sim.run(sharded_attention, q_n, k_n, v_n, method), dim=1)   # shards in order
-        lessons.assert_close(out, attention(q_n, k_n, v_n), method)
+        check.assert_close(out, attention(q_n, k_n, v_n), method)
         sent[method] = sum(sum(event.sent.values()) for event in sim.trace.filter(rank=0).events)
     ratio = sent["all-gather K,V"] / sent["Ulysses"]
     assert ratio == size / 2
@@ -182,7 +182,7 @@ for size in (2, 4, 8):
 def gqa_bytes(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):
     raise NotImplementedError   # your formula
 
-print(lessons.check_ulysses_gqa_bytes(gqa_bytes))
+print(check.check_ulysses_gqa_bytes(gqa_bytes))
 
 # %% [markdown] expect=["Correct: bytes per rank for 4 shapes and world sizes."] tags=["solution"]
 # <details><summary>Solution of the exercise (open it once you have tried)</summary>
@@ -194,7 +194,7 @@ print(lessons.check_ulysses_gqa_bytes(gqa_bytes))
 #     heads_moved = 2 * q_heads + 2 * kv_heads                          # q and the output; k and v
 #     return heads_moved * per_head * (world_size - 1) / world_size     # each all-to-all keeps 1/P
 #
-# print(lessons.check_ulysses_gqa_bytes(gqa_bytes_solution))
+# print(check.check_ulysses_gqa_bytes(gqa_bytes_solution))
 # ```
 #
 # </details>

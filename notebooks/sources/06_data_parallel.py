@@ -30,8 +30,7 @@ import simcomm
 from simcomm import ReduceOp, viz
 from simcomm.model import cost
 from simcomm.parallel import data as dp
-from simcomm.lessons import training as tl
-from simcomm.lessons.foundations import assert_close, max_error
+import simcomm.lessons.lesson_06 as check
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
@@ -59,8 +58,8 @@ def dp_step(comm, x, y):
     return local, averaged
 
 outs = world.run(dp_step, x, y)
-print(assert_close([avg for _, avg in outs], [reference] * world_size, "every rank's averaged gradient"))
-assert max_error(outs[0][0], reference) > 1e-3
+print(check.assert_close([avg for _, avg in outs], [reference] * world_size, "every rank's averaged gradient"))
+assert check.max_error(outs[0][0], reference) > 1e-3
 print("one rank alone is off by more than 1e-3")
 
 # %% [markdown]
@@ -77,10 +76,10 @@ print("one rank alone is off by more than 1e-3")
 
 # %% expect=["loss / P with SUM: matches the reference", "mean loss with SUM = 4 x reference: matches the reference"]
 scaled = world.run(dp.dp_grads, x, y, "scaled")
-print(assert_close(scaled, [reference] * world_size, "loss / P with SUM"))
+print(check.assert_close(scaled, [reference] * world_size, "loss / P with SUM"))
 summed = world.run(dp.dp_grads, x, y, "sum")
-print(assert_close(summed, [[world_size * g for g in reference]] * world_size, "mean loss with SUM = 4 x reference"))
-assert max_error(summed, [reference] * world_size) > 1e-2, "the wrong factor of P is caught"
+print(check.assert_close(summed, [[world_size * g for g in reference]] * world_size, "mean loss with SUM = 4 x reference"))
+assert check.max_error(summed, [reference] * world_size) > 1e-2, "the wrong factor of P is caught"
 
 # %% [markdown]
 # ## 3. Gradient accumulation: communicate once per step
@@ -93,7 +92,7 @@ assert max_error(summed, [reference] * world_size) > 1e-2, "the wrong factor of 
 
 # %% expect=["accumulated over 4 microbatches: matches the reference", "10 all-reduces per rank for the step (one per parameter tensor, not 4 x 10)"]
 accumulated = world.run(dp.accumulation_grads, x, y, 4)
-print(assert_close(accumulated, [reference] * world_size, "accumulated over 4 microbatches"))
+print(check.assert_close(accumulated, [reference] * world_size, "accumulated over 4 microbatches"))
 calls = [e for e in world.trace.events if e.rank == 0 and e.op == "all_reduce"]
 assert len(calls) == len(numels)
 print(f"{len(calls)} all-reduces per rank for the step (one per parameter tensor, not 4 x {len(numels)})")
@@ -103,22 +102,117 @@ print(f"{len(calls)} all-reduces per rank for the step (one per parameter tensor
 #
 # Backward produces the gradients last layer first. The last layer's gradient is final long before
 # the first layer's is computed, so its all-reduce can start right away, on the network, while the
-# GPU keeps computing. `dp.BucketedReducer` (read it with `dp.BucketedReducer??`) does what DDP
-# does: a hook on every parameter (`register_post_accumulate_grad_hook`) puts the finished
-# gradient into a **bucket**; when a bucket is full, its gradients are flattened into one buffer
-# and an `all_reduce(..., async_op=True)` is issued; after `backward()` the program waits on the
-# handles. The hooks also declare each parameter's backward compute (`comm.compute`), so the cost
-# model can place everything on a timeline (`cost.modelled_timeline`, lesson 3's model of an
-# A100 InfiniBand cluster): per rank a compute row and a communication row, like a CUDA stream.
+# GPU keeps computing. `BucketedReducer` below does what DDP does: a hook on every parameter
+# (`register_post_accumulate_grad_hook`) puts the finished gradient into a **bucket**; when a
+# bucket is full, its gradients are flattened into one buffer and an `all_reduce(...,
+# async_op=True)` is issued; after `backward()`, `finish()` waits on the handles and writes the
+# sums back. `bucket_plan` fills the buckets in backward order (last parameter first). The hooks
+# also declare each parameter's backward compute (`comm.compute`), so the cost model can place
+# everything on a timeline (`cost.modelled_timeline`, lesson 3's model of an A100 InfiniBand
+# cluster): per rank a compute row and a communication row, like a CUDA stream. `no_sync()` is
+# for exercise 2. (The library keeps the same class, `simcomm.parallel.data.BucketedReducer`, which
+# later lessons use; a test checks that the two behave alike.)
+
+# %%
+from contextlib import contextmanager
+from simcomm.trace import backward_phase
+
+
+def bucket_plan(numels, itemsize, bucket_bytes):
+    """Parameter indices per bucket, last parameter first; a bucket closes once it holds at least
+    `bucket_bytes` (0: one bucket)."""
+    order = list(range(len(numels)))[::-1]
+    if bucket_bytes <= 0:
+        return [order]
+    plan, current, size = [], [], 0
+    for index in order:
+        current.append(index)
+        size += numels[index] * itemsize
+        if size >= bucket_bytes:
+            plan.append(current)
+            current, size = [], 0
+    return plan + [current] if current else plan
+
+# %% [markdown]
+# The reducer: its buckets, and a hook on every parameter (the methods follow, one cell each).
+
+# %%
+class BucketedReducer:
+    """Sum a model's gradients over the ranks a bucket at a time, while backward still runs."""
+
+    def __init__(self, comm, model, bucket_bytes, seconds_per_param=dp.BACKWARD_SECONDS_PER_PARAM):
+        self.comm, self.params, self.seconds_per_param = comm, list(model.parameters()), seconds_per_param
+        self.plan = bucket_plan([p.numel() for p in self.params], self.params[0].element_size(), bucket_bytes)
+        self.bucket_of = {index: b for b, bucket in enumerate(self.plan) for index in bucket}
+        self.ready, self.handles, self.sync = [0] * len(self.plan), [], True
+        for index, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, index=index: self._ready(index))
+
+    @contextmanager
+    def no_sync(self):
+        """Inside this block backward only accumulates into .grad: no collective."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+# %%
+def _ready(self, index):                       # the hook: this parameter's gradient is final
+    self.comm.compute(seconds=self.params[index].numel() * self.seconds_per_param)
+    if not self.sync:
+        return
+    bucket = self.bucket_of[index]
+    if self.ready[bucket] == len(self.plan[bucket]):
+        raise RuntimeError(f"BucketedReducer: parameter {index} on rank {self.comm.rank} got a second "
+                           "synchronising gradient before finish(): run the backward of every "
+                           "micro-batch but the last inside reducer.no_sync()")
+    self.ready[bucket] += 1
+    if self.ready[bucket] == len(self.plan[bucket]):                  # the bucket is full: send it
+        flat = torch.cat([self.params[i].grad.reshape(-1) for i in self.plan[bucket]])
+        with backward_phase():
+            self.handles.append((bucket, self.comm.all_reduce(flat, async_op=True)))
+
+BucketedReducer._ready = _ready
+
+# %%
+def finish(self):
+    """Wait for every bucket and write the summed gradients into .grad."""
+    partial = [b for b, count in enumerate(self.ready) if 0 < count < len(self.plan[b])]
+    for bucket, handle in self.handles:
+        flat = handle.wait()
+        sizes = [self.params[i].numel() for i in self.plan[bucket]]
+        for i, piece in zip(self.plan[bucket], flat.split(sizes)):
+            self.params[i].grad.copy_(piece.view_as(self.params[i].grad))
+    self.handles, self.ready = [], [0] * len(self.plan)
+    if partial:
+        raise RuntimeError(f"BucketedReducer.finish on rank {self.comm.rank}: buckets {partial} were "
+                           "only partly ready: some parameters got no gradient in the last backward")
+
+BucketedReducer.finish = finish
+
+# %%
+def bucketed_grads(comm, x, y, bucket_bytes):
+    """One data-parallel backward with buckets; the averaged gradients."""
+    model = dp.make_model()
+    reducer = BucketedReducer(comm, model, bucket_bytes)
+    xs, ys = dp.rows(comm, x, y)
+    comm.compute(seconds=sum(p.numel() for p in reducer.params) * reducer.seconds_per_param / 2)   # forward
+    (dp.sum_loss(model, xs, ys) / x.shape[0]).backward()
+    reducer.finish()
+    return dp.grads_of(model)
+
+# %% [markdown]
+# Four bucket sizes, each against one device:
 
 # %% expect=["every bucket size: matches the reference"]
 bucket_sizes = {"per tensor": 1, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "one bucket": 0}
 summaries, figures, grads = {}, {}, []
 for label, bucket_bytes in bucket_sizes.items():
-    grads += world.run(dp.bucketed_grads, x, y, bucket_bytes)
+    grads += world.run(bucketed_grads, x, y, bucket_bytes)
     summaries[label] = dp.overlap_of(world.trace)      # rank 0's modelled compute / exposed / hidden
     figures[label] = viz.timeline_figure(world.trace, modelled=True, topology=dp.PRESET)
-print(assert_close(grads, [reference] * (world_size * len(bucket_sizes)), "every bucket size"))
+print(check.assert_close(grads, [reference] * (world_size * len(bucket_sizes)), "every bucket size"))
 
 # %% [markdown]
 # With one bucket, nothing can start before the whole backward is done: all of the communication
@@ -156,7 +250,7 @@ viz.bucket_slider(figures, default="1 MiB")
 
 # %% expect=["DDP's gradients on every rank: matches the reference"]
 ddp = world.run(dp.ddp_grads, x, y)
-print(assert_close(ddp, [reference] * world_size, "DDP's gradients on every rank"))
+print(check.assert_close(ddp, [reference] * world_size, "DDP's gradients on every rank"))
 ddp_trace = world.trace
 
 # %% tags=["nbval-ignore-output"]
@@ -198,13 +292,13 @@ def buggy_dp_step(comm, model, xs, ys):
     for p in model.parameters():
         p.grad = comm.all_reduce(p.grad)
 
-print(tl.check_dp_step(buggy_dp_step))
+print(check.check_dp_step(buggy_dp_step))
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def my_dp_step(comm, model, xs, ys):
     raise NotImplementedError   # your fixed step
 
-print(tl.check_dp_step(my_dp_step))
+print(check.check_dp_step(my_dp_step))
 
 # %% [markdown] expect=["Correct: every rank holds the whole batch's gradient (6 collectives per rank)."] tags=["solution"]
 # <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
@@ -218,7 +312,7 @@ print(tl.check_dp_step(my_dp_step))
 #     for p in model.parameters():
 #         p.grad = comm.all_reduce(p.grad, ReduceOp.AVG)
 #
-# print(tl.check_dp_step(dp_step_solution))
+# print(check.check_dp_step(dp_step_solution))
 # ```
 #
 # </details>
@@ -228,11 +322,11 @@ print(tl.check_dp_step(my_dp_step))
 #
 # Section 3 accumulated without buckets; section 4 bucketed without accumulating. Put them
 # together, as DDP's `no_sync()` does. Write `my_accumulation_step(comm, model, reducer,
-# micro_batches, batch)`: `reducer` is a `dp.BucketedReducer` already hooked onto `model`,
+# micro_batches, batch)`: `reducer` is a `BucketedReducer` (section 4) already hooked onto `model`,
 # `micro_batches` this rank's list of `(x, y)` pairs (4 of them), `batch` the whole batch's rows over
 # every rank. Each micro-batch's loss is `dp.sum_loss(model, x, y) / batch`. After your step, every
 # `p.grad` must hold the gradient of the whole batch's mean loss, and each bucket must have been
-# all-reduced **once** for the step, not once per micro-batch. Read `dp.BucketedReducer??` first:
+# all-reduced **once** for the step, not once per micro-batch. Read `BucketedReducer` again first:
 # `with reducer.no_sync():` makes a backward only accumulate, and `reducer.finish()` waits for the
 # buckets and writes them back. Below, the naive loop the reducer refuses.
 
@@ -242,13 +336,13 @@ def naive_accumulation_step(comm, model, reducer, micro_batches, batch):
         (dp.sum_loss(model, x_micro, y_micro) / batch).backward()
     reducer.finish()
 
-print(tl.check_accumulation_step(naive_accumulation_step))
+print(check.check_accumulation_step(naive_accumulation_step))
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 def my_accumulation_step(comm, model, reducer, micro_batches, batch):
     raise NotImplementedError   # your step
 
-print(tl.check_accumulation_step(my_accumulation_step))
+print(check.check_accumulation_step(my_accumulation_step))
 
 # %% [markdown] expect=["Correct: the whole batch's gradient on every rank, with 3 all-reduces per step (one per bucket), whatever the 4 micro-batches."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -265,7 +359,7 @@ print(tl.check_accumulation_step(my_accumulation_step))
 #     (dp.sum_loss(model, x_micro, y_micro) / batch).backward()
 #     reducer.finish()
 #
-# print(tl.check_accumulation_step(accumulation_step_solution))
+# print(check.check_accumulation_step(accumulation_step_solution))
 # ```
 #
 # </details>

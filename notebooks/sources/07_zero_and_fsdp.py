@@ -30,8 +30,7 @@ import simcomm
 from simcomm.model import cost
 from simcomm import viz
 from simcomm.parallel import zero, fsdp
-from simcomm.lessons import training as tl
-from simcomm.lessons.foundations import assert_close
+import simcomm.lessons.lesson_07 as check
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size = 4
@@ -50,8 +49,8 @@ print(f"psi = {psi} parameters on {world_size} ranks")
 # state (two fp32 moments), `16 psi` in all, four times over on four ranks.
 
 # %% expect=["stage 0 parameters: matches the reference"]
-outs = world.run(zero.train, 0, mlp, steps=2)
-print(assert_close(fsdp.assemble(0, outs, mlp), reference, "stage 0 parameters", atol=1e-5))  # fp32 vs float64
+outs = world.run(zero.train, 0, mlp, steps=2)            # the step of stage 0, section 2 writes it out
+print(check.assert_close(fsdp.assemble(0, outs, mlp), reference, "stage 0 parameters", atol=1e-5))  # fp32 vs float64
 reports = {"DP (stage 0)": world.memory}
 volume = {"DP (stage 0)": sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)}
 
@@ -61,7 +60,7 @@ viz.memory_figure(world.memory, "after step 2", title="Plain data parallelism: e
 # %% [markdown]
 # ## 2. ZeRO-1, -2, -3, each a few lines on the communicator
 #
-# Read the steps with `zero.step_stage(1)??` and so on:
+# Each stage is one training step on the communicator (written below, after the list):
 #
 # * **ZeRO-1**: each rank updates only its `1/P` shard of the parameters, so Adam's moments exist
 #   for that shard only. Gradients: a **reduce-scatter** gives each rank the summed gradient of
@@ -75,12 +74,74 @@ viz.memory_figure(world.memory, "after step 2", title="Plain data parallelism: e
 #   activations and re-gathers only the parameters, in a hook just before each layer's backward;
 #   section 8 builds that way too and compares the two.
 #
-# Every stage must take the same step as single-device Adam:
+# A step gets this rank's `params` (one flat, padded vector per layer: whole for stages 0-2, this
+# rank's `1/P` shard for stage 3), one `zero.Adam` per layer over what this rank updates, `grads`
+# (where stage 2 keeps its gradient shards) and this rank's `batch`. `backward` runs the model with
+# `layer(i)` giving layer `i`'s weights, under the memory labels of section 1; `zero.shard(flat,
+# comm)` is this rank's chunk of a vector (a view). (The library keeps the same steps,
+# `zero.step_stage(k)`, which later lessons use; a test checks that these behave alike.)
+
+# %%
+from simcomm import memory
+
+
+def backward(mlp, batch, layer, recompute=False):
+    x, y, global_batch = batch
+    with memory.label("activations"):
+        loss = mlp.loss(x, y, global_batch, layer, recompute=recompute)
+    with memory.label("gradients"):
+        loss.backward()
+
+
+def step_stage0(comm, mlp, params, opt, grads, batch):          # plain data parallelism
+    backward(mlp, batch, params.__getitem__)
+    for p, adam in zip(params, opt):
+        with memory.label("gradients"):
+            p.grad = comm.all_reduce(p.grad)               # the whole batch's gradient, on every rank
+        adam.update(p.detach(), p.grad)                    # every rank updates every parameter
+
+# %%
+def step_stage1(comm, mlp, params, opt, grads, batch):          # ZeRO-1: optimizer state sharded
+    backward(mlp, batch, params.__getitem__)
+    for p, adam in zip(params, opt):
+        with memory.label("gradients"):                    # the full local gradient stays
+            summed = comm.reduce_scatter(p.grad, dim=0)    # only my chunk of the sum
+        mine = zero.shard(p.detach(), comm)                # this rank's 1/P of the parameters
+        adam.update(mine, summed)                          # Adam's moments exist for that shard only
+        del summed
+        p.detach().copy_(comm.all_gather(mine, dim=0))     # every rank gets every updated shard
+
+
+def step_stage2(comm, mlp, params, opt, grads, batch):          # ZeRO-2: gradients sharded too
+    backward(mlp, batch, params.__getitem__)
+    for i, (p, adam) in enumerate(zip(params, opt)):
+        with memory.label("gradients"):
+            grads[i] = comm.reduce_scatter(p.grad, dim=0)  # summed over ranks, only my chunk kept
+        p.grad = None                                      # the full gradient is freed
+        mine = zero.shard(p.detach(), comm)
+        adam.update(mine, grads[i])
+        p.detach().copy_(comm.all_gather(mine, dim=0))
+
+# %%
+def step_stage3(comm, mlp, params, opt, grads, batch):          # ZeRO-3: parameters sharded too
+    def gathered(i):                                       # layer i, just before it runs
+        with memory.label("parameters"):
+            return comm.all_gather(params[i], dim=0)       # its backward: a reduce-scatter into .grad
+    backward(mlp, batch, gathered, recompute=True)         # freed after forward, gathered again in backward
+    for p, adam in zip(params, opt):
+        adam.update(p.detach(), p.grad)                    # shard, gradient shard, moments: all 1/P
+
+
+steps = {0: step_stage0, 1: step_stage1, 2: step_stage2, 3: step_stage3}
+
+# %% [markdown]
+# `zero.train(comm, stage, mlp, steps=2, step=...)` runs the labelled set-up of section 1 and then
+# a step function. Every stage must take the same step as single-device Adam:
 
 # %% expect=["ZeRO-1 parameters after 2 steps: matches the reference", "ZeRO-2 parameters after 2 steps: matches the reference", "ZeRO-3 parameters after 2 steps: matches the reference"]
 for stage in (1, 2, 3):
-    outs = world.run(zero.train, stage, mlp, steps=2)
-    print(assert_close(fsdp.assemble(stage, outs, mlp), reference, f"ZeRO-{stage} parameters after 2 steps", atol=1e-5))
+    outs = world.run(zero.train, stage, mlp, steps=2, step=steps[stage])
+    print(check.assert_close(fsdp.assemble(stage, outs, mlp), reference, f"ZeRO-{stage} parameters after 2 steps", atol=1e-5))
     reports[f"ZeRO-{stage}"] = world.memory
     volume[f"ZeRO-{stage}"] = sum(sum(e.sent.values()) for e in world.trace.events if e.rank == 0)
     if stage == 3:
@@ -161,8 +222,8 @@ for prefetch in (False, True):
     timelines[prefetch] = viz.timeline_figure(world.trace, modelled=True, topology="a100-hdr-cluster")
     exposed[prefetch] = cost.modelled_timeline(world.trace, "a100-hdr-cluster").ranks[0].exposed
 assert exposed[True] < 0.5 * exposed[False]
-check = assert_close(outs, [fsdp.reference_forward(x, mlp)] * world_size, "output", atol=1e-5)
-print("prefetching hides all but the first gather;", check)
+verdict = check.assert_close(outs, [fsdp.reference_forward(x, mlp)] * world_size, "output", atol=1e-5)
+print("prefetching hides all but the first gather;", verdict)
 
 # %% tags=["nbval-ignore-output"]
 display(timelines[False].update_layout(title="ZeRO-3 forward, gathering each layer just in time (no prefetch)"))
@@ -178,7 +239,7 @@ timelines[True].update_layout(title="ZeRO-3 forward with prefetch: the next laye
 # %% expect=["FSDP2 gradients: matches the reference"]
 xb, yb = (torch.randn(8, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n)) for n in (16, 8))
 grads = world.run(fsdp.fsdp2_grads, xb, yb, mlp)
-print(assert_close(grads, [fsdp.reference_grads(xb, yb, mlp)] * world_size, "FSDP2 gradients"))
+print(check.assert_close(grads, [fsdp.reference_grads(xb, yb, mlp)] * world_size, "FSDP2 gradients"))
 fsdp_trace = world.trace
 
 # %% tags=["nbval-ignore-output"]
@@ -227,7 +288,7 @@ assert all(torch.equal(a, b) for way in results for a, b in zip(way, results[0])
 # Adam's first step moves a weight by lr * g / (|g| + eps): where a gradient is as small as eps (this
 # deep stack's first layer has some of 4e-9), fp32 rounding of g moves that step by a few percent of
 # lr = 1e-2; a wrong step (a gradient not reduced, a stale shard) moves weights by about lr itself
-print(assert_close(results, [fsdp.adam_reference(deep, steps=1)] * len(ways),
+print(check.assert_close(results, [fsdp.adam_reference(deep, steps=1)] * len(ways),
                    "every way, fp32 against float64 Adam", atol=1e-3))
 
 # %% tags=["nbval-ignore-output"]
@@ -258,7 +319,7 @@ viz.memory_figure(peaks, "peak", title="Peak bytes per rank, deeper model: ZeRO-
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 zero3_bytes = {"parameters": ..., "gradients": ..., "optimizer_state": ...}
 
-print(tl.check_zero3_bytes(zero3_bytes))
+print(check.check_zero3_bytes(zero3_bytes))
 
 
 # %% [markdown] expect=["Correct: (2 + 2 + 12) psi / 64 = 1.88 GB per rank, instead of 120 GB."] tags=["solution"]
@@ -268,7 +329,7 @@ print(tl.check_zero3_bytes(zero3_bytes))
 # # Solution of exercise 1.
 # # ZeRO-3 shards all three states: each is its bytes per parameter x psi / P.
 # big_psi, gpus = 7.5e9, 64
-# print(tl.check_zero3_bytes({"parameters": 2 * big_psi / gpus, "gradients": 2 * big_psi / gpus,
+# print(check.check_zero3_bytes({"parameters": 2 * big_psi / gpus, "gradients": 2 * big_psi / gpus,
 #                             "optimizer_state": 12 * big_psi / gpus}))
 # ```
 #
@@ -290,7 +351,7 @@ print(tl.check_zero3_bytes(zero3_bytes))
 def my_gradient_shard(comm, grad):
     raise NotImplementedError   # return this rank's shard of the summed gradient
 
-print(tl.check_zero2_grads(my_gradient_shard))
+print(check.check_zero2_grads(my_gradient_shard))
 
 # %% [markdown] expect=["Correct: reduce-scatter gives each rank its summed shard with half an all-reduce's traffic."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -301,7 +362,7 @@ print(tl.check_zero2_grads(my_gradient_shard))
 # def gradient_shard_solution(comm, grad):
 #     return comm.reduce_scatter(grad, dim=0)
 #
-# print(tl.check_zero2_grads(gradient_shard_solution))
+# print(check.check_zero2_grads(gradient_shard_solution))
 # ```
 #
 # </details>

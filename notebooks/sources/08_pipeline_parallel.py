@@ -29,8 +29,7 @@ import torch
 import simcomm
 from simcomm import viz
 from simcomm.parallel import data as dp, pipeline as pp
-from simcomm.lessons import training as tl
-from simcomm.lessons.foundations import assert_close, expect_error
+import simcomm.lessons.lesson_08 as check
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 stages = 4
@@ -47,28 +46,94 @@ print(f"{stages} stages; stage 0 holds Linear({first[0].in_features} -> {first[0
 # `s-1` (stage 0 reads the input), run the layer, send the output to stage `s+1` (the last stage
 # computes the loss). Backward: receive the output's gradient from stage `s+1`, call
 # `out.backward(grad)`, send the input's gradient to stage `s-1`. Which microbatch a stage works
-# on when is the **schedule**, a list of actions per stage:
+# on when is the **schedule**, a list of actions per stage. *Naive*: one microbatch at a time.
+# *GPipe*: every forward, then every backward. *1F1B* (section 3, and you write it in exercise 2)
+# runs warm-up forwards, then alternates one forward and one backward, so that a stage holds
+# fewer microbatches; until then it comes from the library, `pp.schedule`:
+
+# %%
+def schedule(name, stages, microbatches):
+    """Every stage's actions: result[s] is stage s's list of ("F", i) and ("B", i)."""
+    plans = []
+    for stage in range(stages):
+        if name == "naive":
+            plan = [(kind, i) for i in range(microbatches) for kind in ("F", "B")]
+        elif name == "gpipe":
+            plan = [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+        elif name == "1f1b":
+            plan = pp.schedule("1f1b", stages, microbatches)[stage]        # exercise 2 writes it
+        else:
+            raise ValueError(f"schedule: name={name!r}; schedules are naive, gpipe, 1f1b")
+        plans.append(plan)
+    return plans
 
 # %% expect=["naive stage 0: F0 B0 F1 B1 F2 B2 F3 B3", "gpipe stage 0: F0 F1 F2 F3 B0 B1 B2 B3", "1f1b stage 0: F0 F1 F2 F3 B0 B1 B2 B3", "1f1b stage 2: F0 F1 B0 F2 B1 F3 B2 B3"]
 for name in pp.SCHEDULES:
-    print(f"{name} stage 0:", " ".join(f"{kind}{i}" for kind, i in pp.schedule(name, stages, 4)[0]))
-print("1f1b stage 2:", " ".join(f"{kind}{i}" for kind, i in pp.schedule("1f1b", stages, 4)[2]))
+    print(f"{name} stage 0:", " ".join(f"{kind}{i}" for kind, i in schedule(name, stages, 4)[0]))
+print("1f1b stage 2:", " ".join(f"{kind}{i}" for kind, i in schedule("1f1b", stages, 4)[2]))
 
 # %% [markdown]
-# `pp.pipeline_step(comm, x, y, schedule, microbatches)` runs a schedule (read it with
-# `pp.pipeline_step??`): sends are `isend`, receives block, and each action declares its compute
-# (1 ms forward, 2 ms backward) so the cost model can lay the trace out in time. Each
-# microbatch's loss is its summed squared error divided by the *whole* batch size, so the
-# microbatch losses add up to the batch's mean loss and the gradients add up to the unsplit ones:
+# `pipeline_step` runs one stage's plan: sends are `isend` (waited on at the end), receives
+# block, and each action declares its compute (1 ms forward, 2 ms backward) so the cost model can
+# lay the trace out in time. Each microbatch's loss is its summed squared error divided by the
+# *whole* batch size, so the microbatch losses add up to the batch's mean loss and the gradients
+# add up to the unsplit ones. (The library's `pp.pipeline_step`, used from section 2 on, is this
+# function plus memory accounting, the split backward of section 6, and send buffers released as
+# soon as the neighbour has them; a test checks that the two give the same results.)
+
+# %%
+def forward_action(comm, layers, widths, x, y, i, batch, run):
+    """F i: receive the input (stage 0: read it), run the layers, send the output (last stage: the loss)."""
+    stage, last = comm.rank, comm.rank == comm.world_size - 1
+    inp = x if stage == 0 else comm.recv((len(x), widths[0]), x.dtype, src=stage - 1).requires_grad_()
+    out = layers(inp)
+    comm.compute(seconds=pp.FORWARD_SECONDS)
+    if last:
+        out = dp.sum_loss(torch.nn.Identity(), out, y) / batch           # this microbatch's share
+        run["loss"] = out.detach() if run["loss"] is None else run["loss"] + out.detach()
+    else:
+        run["sends"].append(comm.isend(out.detach(), stage + 1))
+    run["saved"][i] = (inp, out)                                         # kept for B i
+    run["held"] = max(run["held"], len(run["saved"]))
+
+
+def backward_action(comm, layers, widths, x, y, i, batch, run):
+    """B i: receive the output's gradient (last stage: none), backward, send the input's gradient."""
+    stage, last = comm.rank, comm.rank == comm.world_size - 1
+    inp, out = run["saved"].pop(i)
+    out.backward(None if last else comm.recv((len(x), widths[1]), x.dtype, src=stage + 1))
+    comm.compute(seconds=2 * pp.FORWARD_SECONDS)
+    if stage > 0:
+        run["sends"].append(comm.isend(inp.grad, stage - 1))
+
+# %%
+def pipeline_step(comm, x, y, name, microbatches):
+    layers = pp.stage_layers(dp.make_model(pp.PIPE_SIZES), comm.world_size, comm.rank)   # this stage's
+    linears = [m for m in layers if isinstance(m, torch.nn.Linear)]
+    widths = (linears[0].in_features, linears[-1].out_features)
+    xs, ys = x.chunk(microbatches), y.chunk(microbatches)
+    run = {"saved": {}, "sends": [], "loss": None, "held": 0}
+    for kind, i in schedule(name, comm.world_size, microbatches)[comm.rank]:
+        action = forward_action if kind == "F" else backward_action
+        action(comm, layers, widths, xs[i], ys[i], i, x.shape[0], run)
+    for handle in run["sends"]:
+        handle.wait()
+    return {"grads": [p.grad.detach().clone() for p in layers.parameters()], "loss": run["loss"],
+            "held": run["held"]}
+
+# %% [markdown]
+# Each schedule, against the unsplit model on one device:
 
 # %% expect=["naive: loss and every stage's gradients: matches the reference", "gpipe: loss and every stage's gradients: matches the reference", "1f1b: loss and every stage's gradients: matches the reference"]
 microbatches = 8
 traces, results = {}, {}
 for name in pp.SCHEDULES:
-    outs = world.run(pp.pipeline_step, x, y, name, microbatches)
+    mine = world.run(pipeline_step, x, y, name, microbatches)
+    got = [mine[-1]["loss"]] + [out["grads"] for out in mine]
+    print(check.assert_close(got, [loss_ref] + grads_ref, f"{name}: loss and every stage's gradients"))
+    outs = world.run(pp.pipeline_step, x, y, name, microbatches)      # the library's: the same numbers
+    assert all(torch.equal(a, b) for m, o in zip(mine, outs) for a, b in zip(m["grads"], o["grads"]))
     traces[name], results[name] = world.trace, outs
-    got = [outs[-1]["loss"]] + [out["grads"] for out in outs]
-    print(assert_close(got, [loss_ref] + grads_ref, f"{name}: loss and every stage's gradients"))
 
 # %% [markdown]
 # ## 2. The stage x time chart and its bubble
@@ -147,7 +212,7 @@ def both_send_first(comm):
     comm.send(torch.ones(4) * comm.rank, peer)   # blocks until the peer receives ...
     return comm.recv((4,), torch.float32, peer)  # ... which it never reaches
 
-error = expect_error(lambda: simcomm.World(2).run(both_send_first), simcomm.DeadlockError)
+error = check.expect_error(lambda: simcomm.World(2).run(both_send_first), simcomm.DeadlockError)
 print("DeadlockError:", str(error).splitlines()[0])
 
 # %% [markdown]
@@ -168,7 +233,7 @@ xi, yi = dp.make_data(16, deep)
 loss_i, grads_i = pp.reference(xi, yi, stages * chunks, deep)       # one entry per virtual stage
 outs = world.run(pp.interleaved_step, xi, yi, microbatches, chunks, deep)
 got = [outs[-1]["loss"]] + [g for c in range(chunks) for g in (out["grads"][c] for out in outs)]
-print(assert_close(got, [loss_i] + grads_i, "interleaved, v = 2: loss and every chunk's gradients"))
+print(check.assert_close(got, [loss_i] + grads_i, "interleaved, v = 2: loss and every chunk's gradients"))
 formula = pp.interleaved_bubble_formula(stages, microbatches, chunks)
 assert formula - 1e-9 <= pp.bubble(world.trace) <= formula + 0.01
 print(f"bubble: formula {formula:.3f} (GPipe {pp.bubble_formula('gpipe', stages, microbatches):.3f}), "
@@ -191,7 +256,7 @@ viz.pipeline_figure(interleaved_trace, pp.interleaved_plan(stages, microbatches,
 for schedule_class in ("ScheduleGPipe", "Schedule1F1B"):
     outs = world.run(pp.torch_pipeline_step, x, y, 4, schedule_class)
     got = [outs[-1]["loss"]] + [out["grads"] for out in outs]
-    print(assert_close(got, [loss_ref] + grads_ref, f"torch {schedule_class}: loss and every stage's gradients"))
+    print(check.assert_close(got, [loss_ref] + grads_ref, f"torch {schedule_class}: loss and every stage's gradients"))
 
 # %% tags=["nbval-ignore-output"]
 print(sorted({(e.op, e.phase) for e in world.trace.events}) or "not traced (real processes: gloo directly)")
@@ -217,7 +282,7 @@ for stage in (0, 3):
 outs = world.run(pp.pipeline_step, x, y, pp.ZERO_BUBBLE, microbatches)
 traces["zb-h1"], results["zb-h1"] = world.trace, outs
 got = [outs[-1]["loss"]] + [out["grads"] for out in outs]
-print(assert_close(got, [loss_ref] + grads_ref, "zb-h1: loss and every stage's gradients"))
+print(check.assert_close(got, [loss_ref] + grads_ref, "zb-h1: loss and every stage's gradients"))
 
 # %% [markdown]
 # The paper's bubble for ZB-H1 is `(p-1)(tF + tB - tW)`, against 1F1B's `(p-1)(tF + tB + tW)`
@@ -259,7 +324,7 @@ for schedule_class in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
     loss_got = next(out["loss"] for out in outs if out["loss"] is not None)
     got = [loss_got] + [out["grads"][c] for out in outs for c in range(chunks)]
     want = [loss_i] + [grads_i[k] for out in outs for k in out["stage_ids"]]
-    print(assert_close(got, want, f"torch {schedule_class}: loss and every chunk's gradients"))
+    print(check.assert_close(got, want, f"torch {schedule_class}: loss and every chunk's gradients"))
 
 # %% [markdown]
 # ## Exercise 1: predict the bubble
@@ -271,7 +336,7 @@ for schedule_class in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 bubble_fraction = ...
 
-print(tl.check_bubble(bubble_fraction))
+print(check.check_bubble(bubble_fraction))
 
 
 # %% [markdown] expect=["Correct: (p-1)/(m+p-1) = 7/39 = 0.179 of the stages' time is idle."] tags=["solution"]
@@ -280,7 +345,7 @@ print(tl.check_bubble(bubble_fraction))
 # ```python
 # # Solution of exercise 1.
 # # The step takes m + p - 1 slots; each stage is busy in m of them.
-# print(tl.check_bubble((8 - 1) / (32 + 8 - 1)))
+# print(check.check_bubble((8 - 1) / (32 + 8 - 1)))
 # ```
 #
 # </details>
@@ -297,7 +362,7 @@ print(tl.check_bubble(bubble_fraction))
 def my_schedule(stage, stages, microbatches):
     raise NotImplementedError   # return a list like [("F", 0), ("F", 1), ("B", 0), ...]
 
-print(tl.check_1f1b(my_schedule))
+print(check.check_1f1b(my_schedule))
 
 # %% [markdown] expect=["Correct: no deadlock, at most p - s microbatches held, and as fast as GPipe."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -312,7 +377,7 @@ print(tl.check_1f1b(my_schedule))
 #         plan += [("F", warmup + i), ("B", i)]
 #     return plan + [("B", i) for i in range(microbatches - warmup, microbatches)]
 #
-# print(tl.check_1f1b(schedule_solution))
+# print(check.check_1f1b(schedule_solution))
 # ```
 #
 # </details>
@@ -330,7 +395,7 @@ print(tl.check_1f1b(my_schedule))
 def my_zero_bubble(stage, stages, microbatches):
     raise NotImplementedError   # return a list like [("F", 0), ("B", 0), ("W", 0), ...]
 
-print(tl.check_zero_bubble(my_zero_bubble))
+print(check.check_zero_bubble(my_zero_bubble))
 
 # %% [markdown] expect=["Correct: no deadlock, at most p micro-batches held on any stage (1F1B's peak), and the step takes 3m + p - 1 slots: a bubble of (p-1)/(3m+p-1)."] tags=["solution"]
 # <details><summary>Solution of exercise 3 (open it once you have tried)</summary>
@@ -350,7 +415,7 @@ print(tl.check_zero_bubble(my_zero_bubble))
 #             plan.append(("W", next(weights)))
 #     return plan + [("W", i) for i in weights]
 #
-# print(tl.check_zero_bubble(zero_bubble_solution))
+# print(check.check_zero_bubble(zero_bubble_solution))
 # ```
 #
 # </details>

@@ -29,10 +29,9 @@
 import torch
 import simcomm
 from simcomm.model import cost
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_09 as check
 from simcomm import viz
 from simcomm.viz import scaling as figures
-from simcomm.lessons import scaling as checks
 from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
 from simcomm.parallel.context import (all_gather_kv_attention, block_attention, lse_merge, ring_attention, shard_sequence, unshard_sequence)
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
@@ -54,14 +53,14 @@ q, k, v = make_qkv(batch, seq, heads, head_dim, seed=0)        # (b, s, h, d) ea
 out1, lse1 = block_attention(q, k[:, :6], v[:, :6])            # keys 0-5
 out2, lse2 = block_attention(q, k[:, 6:], v[:, 6:])            # keys 6-15
 merged, _ = lse_merge(out1, lse1, out2, lse2)
-print(lessons.assert_close(merged, attention(q, k, v), "two blocks merged"))
+print(check.assert_close(merged, attention(q, k, v), "two blocks merged"))
 
 out = torch.zeros_like(q)
 lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)     # nothing seen yet: an empty block
 for block in range(4):
     keys = slice(4 * block, 4 * block + 4)
     out, lse = lse_merge(out, lse, *block_attention(q, k[:, keys], v[:, keys]))
-print(lessons.assert_close(out, attention(q, k, v), "four blocks, one at a time"))
+print(check.assert_close(out, attention(q, k, v), "four blocks, one at a time"))
 
 # %% [markdown]
 # ## 2. Ring attention: K/V blocks travel, queries stay
@@ -89,7 +88,7 @@ for causal in (False, True):
     for index, (name, expected) in enumerate(zip(["output", "q.grad", "k.grad", "v.grad"],
                                                  [ref_out.detach()] + [t.grad for t in ref])):
         got = unshard_sequence([out[index] for out in outs])                    # (b, s, h, d)
-        print(lessons.assert_close(got, expected, f"causal={causal} {name}"))
+        print(check.assert_close(got, expected, f"causal={causal} {name}"))
 
 # %% [markdown]
 # The trace shows the ring: in the forward pass rank 0 sends the K/V block 3 times to rank 1;
@@ -118,7 +117,7 @@ for layout in ("contiguous", "zigzag"):
     outs = sim.run(ring_step, q, k, v, weights, True, layout)
     work[layout] = [sum(e.args["flops"] for e in sim.trace.filter(op="compute", rank=r, phase="forward").events)
                     for r in range(world_size)]
-    lessons.assert_close(unshard_sequence([o[0] for o in outs], layout), attention(q, k, v, causal=True), layout)
+    check.assert_close(unshard_sequence([o[0] for o in outs], layout), attention(q, k, v, causal=True), layout)
     print(f"{layout}: forward work per rank " + ", ".join(f"{w / work['contiguous'][0]:g}" for w in work[layout])
           + f" (x {work['contiguous'][0]:g} flops)")
 assert len(set(work["zigzag"])) == 1 and max(work["zigzag"]) < max(work["contiguous"])
@@ -196,7 +195,7 @@ for tokens in (1024, 4096, 16384):
 def merge(out1, lse1, out2, lse2):
     raise NotImplementedError   # your merge
 
-print(checks.check_lse_merge(merge))
+print(check.check_lse_merge(merge))
 
 # %% [markdown] expect=["Correct: 3 pairs of blocks merge to attention over both, large logits stay finite in float32, and an empty block changes nothing."] tags=["solution"]
 # <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
@@ -208,7 +207,7 @@ print(checks.check_lse_merge(merge))
 #     out = out1 * torch.exp(lse1 - lse)[..., None] + out2 * torch.exp(lse2 - lse)[..., None]
 #     return out, lse
 #
-# print(checks.check_lse_merge(merge_solution))
+# print(check.check_lse_merge(merge_solution))
 # ```
 #
 # </details>
@@ -224,7 +223,7 @@ print(checks.check_lse_merge(merge))
 def chunks(rank, world_size):
     raise NotImplementedError   # your two chunk indices
 
-print(checks.check_zigzag_chunks(chunks))
+print(check.check_zigzag_chunks(chunks))
 
 # %% [markdown] expect=["Correct: balanced chunks for 1 to 8 ranks: every rank does the same causal work, 2P + 1 blocks (zig-zag: one chunk from the head, one from the tail)."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -234,7 +233,7 @@ print(checks.check_zigzag_chunks(chunks))
 # def chunks_solution(rank, world_size):
 #     return [rank, 2 * world_size - 1 - rank]     # chunk r has r + 1 causal key chunks, 2P-1-r has 2P - r
 #
-# print(checks.check_zigzag_chunks(chunks_solution))
+# print(check.check_zigzag_chunks(chunks_solution))
 # ```
 #
 # </details>

@@ -36,9 +36,8 @@
 import torch
 import simcomm
 from simcomm.model import cost
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_10 as check
 from simcomm.viz import scaling as figures
-from simcomm.lessons import scaling as checks
 from simcomm.parallel.expert import (capacity, expert_parallel_moe, load_balancing_loss, load_imbalance, make_moe,
                                      moe, route, shard_experts, train_router, train_router_reference)
 from simcomm.viz import use_export_renderer
@@ -90,12 +89,12 @@ def reference(capacity_factor, params=params):
 # %% expect=["output: matches the reference", "x.grad: matches the reference", "router.grad (sum over ranks): matches the reference", "bias.grad (sum over ranks): matches the reference", "w1.grad (experts of all ranks): matches the reference", "w2.grad (experts of all ranks): matches the reference"]
 outs = world.run(moe_step, x, probe, params, top_k, None)
 ref_out, ref_xgrad, ref_grads = reference(None)
-print(lessons.assert_close(torch.cat([o[0] for o in outs]), ref_out, "output"))
-print(lessons.assert_close(torch.cat([o[1] for o in outs]), ref_xgrad, "x.grad"))
+print(check.assert_close(torch.cat([o[0] for o in outs]), ref_out, "output"))
+print(check.assert_close(torch.cat([o[1] for o in outs]), ref_xgrad, "x.grad"))
 for name in ("router", "bias"):
-    print(lessons.assert_close(sum(o[2][name] for o in outs), ref_grads[name], f"{name}.grad (sum over ranks)"))
+    print(check.assert_close(sum(o[2][name] for o in outs), ref_grads[name], f"{name}.grad (sum over ranks)"))
 for name in ("w1", "w2"):
-    print(lessons.assert_close(torch.cat([o[2][name] for o in outs]), ref_grads[name],
+    print(check.assert_close(torch.cat([o[2][name] for o in outs]), ref_grads[name],
                                f"{name}.grad (experts of all ranks)"))
 
 # %% [markdown]
@@ -130,8 +129,8 @@ for factor in (None, 2.0, 1.25, 1.0, 0.5):
     outs = world.run(moe_step, x, probe, params, top_k, factor)
     lost = sum(o[3]["dropped"] for o in outs)
     ref = reference(factor)
-    lessons.assert_close([torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])], ref[:2], "output")
-    lessons.assert_close(sum(o[2]["router"] for o in outs), ref[2]["router"], "router.grad")
+    check.assert_close([torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])], ref[:2], "output")
+    check.assert_close(sum(o[2]["router"] for o in outs), ref[2]["router"], "router.grad")
     limit = capacity(tokens, top_k, num_experts, factor)                  # None: no limit
     print(f"capacity factor {'None' if factor is None else f'{factor:g}'}: capacity {limit or '-'}, "
           f"dropped {lost} of {world_size * tokens * top_k} token copies, matches the reference")
@@ -205,10 +204,10 @@ sent_bytes = [sum(sum(e.sent.values()) for e in world.trace.events)]
 world.run(moe_step, x, probe, params, top_k, None)                            # without the shared expert
 sent_bytes.append(sum(sum(e.sent.values()) for e in world.trace.events))
 ref_out, ref_xgrad, ref_grads = reference(None, shared_params)
-print(lessons.assert_close(torch.cat([o[0] for o in outs]), ref_out, "shared + routed output"))
-print(lessons.assert_close(torch.cat([o[1] for o in outs]), ref_xgrad, "x.grad"))
+print(check.assert_close(torch.cat([o[0] for o in outs]), ref_out, "shared + routed output"))
+print(check.assert_close(torch.cat([o[1] for o in outs]), ref_xgrad, "x.grad"))
 for name in ("shared_w1", "shared_w2", "router"):
-    print(lessons.assert_close(sum(o[2][name] for o in outs), ref_grads[name], f"{name}.grad (sum over ranks)"))
+    print(check.assert_close(sum(o[2][name] for o in outs), ref_grads[name], f"{name}.grad (sum over ranks)"))
 assert sent_bytes[0] == sent_bytes[1] > 0
 print("bytes sent: the same as without the shared expert")
 
@@ -234,7 +233,7 @@ for label, weight in (("no aux loss", 0.0), ("aux weight 1", 1.0)):
     one = train_router_reference(xt, target, router_params, top_k, steps=20, lr=2.0, aux_weight=weight,
                                  groups=world_size)
     assert all(run["per_expert"] == one["per_expert"] for run in runs)
-    lessons.assert_close([runs[0]["router"], runs[0]["bias"]], [one["router"], one["bias"]], label)
+    check.assert_close([runs[0]["router"], runs[0]["bias"]], [one["router"], one["bias"]], label)
     trained[label] = one
     print(f"{label}: every step matches the single-device training")
 
@@ -268,7 +267,7 @@ print({label: [round(a, 3) for a in run["aux"][::5]] for label, run in trained.i
 def split_sizes(experts, num_experts, world_size):
     raise NotImplementedError   # a list of world_size ints
 
-print(checks.check_split_sizes(split_sizes))
+print(check.check_split_sizes(split_sizes))
 
 # %% [markdown] expect=["Correct: split sizes for 4 routings, including a rank that receives nothing."] tags=["solution"]
 # <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
@@ -279,7 +278,7 @@ print(checks.check_split_sizes(split_sizes))
 #     owner = experts.flatten() // (num_experts // world_size)          # the rank of each copy's expert
 #     return torch.bincount(owner, minlength=world_size).tolist()
 #
-# print(checks.check_split_sizes(split_sizes_solution))
+# print(check.check_split_sizes(split_sizes_solution))
 # ```
 #
 # </details>
@@ -294,7 +293,7 @@ print(checks.check_split_sizes(split_sizes))
 def dropped(experts, num_experts, capacity):
     raise NotImplementedError   # an int
 
-print(checks.check_dropped(dropped))
+print(check.check_dropped(dropped))
 
 # %% [markdown] expect=["Correct: dropped assignments for 4 routings and capacities 0, 1, 2, 5."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -305,7 +304,7 @@ print(checks.check_dropped(dropped))
 #     per_expert = torch.bincount(experts.flatten(), minlength=num_experts)
 #     return int((per_expert - capacity).clamp(min=0).sum())
 #
-# print(checks.check_dropped(dropped_solution))
+# print(check.check_dropped(dropped_solution))
 # ```
 #
 # </details>
@@ -323,7 +322,7 @@ print(checks.check_dropped(dropped))
 def aux_loss(probs, experts):
     raise NotImplementedError   # a 0-d tensor
 
-print(checks.check_aux_loss(aux_loss))
+print(check.check_aux_loss(aux_loss))
 
 # %% [markdown] expect=["Correct: the load-balancing loss and its gradient for 3 routings (top-2, top-1, a skewed router)."] tags=["solution"]
 # <details><summary>Solution of exercise 3 (open it once you have tried)</summary>
@@ -336,7 +335,7 @@ print(checks.check_aux_loss(aux_loss))
 #     share = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype) / experts.numel()
 #     return num_experts * (share * probs.mean(0)).sum()
 #
-# print(checks.check_aux_loss(aux_loss_solution))
+# print(check.check_aux_loss(aux_loss_solution))
 # ```
 #
 # </details>

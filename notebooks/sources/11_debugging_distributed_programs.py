@@ -32,10 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import simcomm
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_11 as check
 from simcomm import viz
-from simcomm.lessons import scaling as checks
-from simcomm.lessons.debugging import assert_replicated, error_summary
 from simcomm.parallel.tensor import make_mlp, mlp, shard_mlp, tp_mlp
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
@@ -45,10 +43,10 @@ world = simcomm.configured_backend(world_size)         # the fixes run here too
 
 def fails(program, *args, error=simcomm.SimcommError):
     """Run a buggy program on the simulator; print its error with locations as line numbers."""
-    caught = lessons.expect_error(lambda: sim.run(program, *args), error)
+    caught = check.expect_error(lambda: sim.run(program, *args), error)
     if isinstance(caught, simcomm.RankError):          # a rank's own exception: show the exception
         caught = caught.__cause__
-    print(error_summary(caught))
+    print(check.error_summary(caught))
 
 # %% [markdown]
 # ## 1. A collective only some ranks call
@@ -113,7 +111,7 @@ def shift_right_fixed(comm):
                                       simcomm.P2POp("irecv", ((2,), torch.float32), (comm.rank - 1) % comm.world_size)])
     return [handle.wait() for handle in handles][1]
 
-print(lessons.per_rank(world.run(shift_right_fixed)))
+print(check.per_rank(world.run(shift_right_fixed)))
 
 # %% [markdown]
 # ## 4. A replicated loss without the conjugate pair: gradients times P
@@ -138,7 +136,7 @@ mlp(x, leaves).pow(2).sum().backward()
 for conjugate in (False, True):
     got = torch.cat(world.run(tp_grads, x, params, conjugate))         # (ffn, hidden) from the row shards
     if conjugate:
-        print(f"conjugate=True: {lessons.assert_close(got, leaves['w1'].grad, 'w1.grad')}")
+        print(f"conjugate=True: {check.assert_close(got, leaves['w1'].grad, 'w1.grad')}")
     else:
         print(f"conjugate=False: w1.grad is {(got / leaves['w1'].grad).mean().item():.0f} x the single-device gradient")
 
@@ -158,7 +156,7 @@ def sp_layernorm(comm, x, probe):
     mine = slice(comm.rank * 2, comm.rank * 2 + 2)                        # 2 of the 8 tokens
     weight, bias = torch.ones(6, dtype=torch.float64, requires_grad=True), torch.zeros(6, dtype=torch.float64, requires_grad=True)
     (F.layer_norm(x[mine], (6,), weight, bias) * probe[mine]).sum().backward()
-    assert_replicated(comm, weight.grad, "LayerNorm weight gradient")     # BUG: no all-reduce before
+    check.assert_replicated(comm, weight.grad, "LayerNorm weight gradient")     # BUG: no all-reduce before
     return weight.grad
 
 fails(sp_layernorm, x_seq, probe, error=simcomm.RankError)
@@ -180,10 +178,10 @@ def naive_sum(comm, data):
 
 wrong = world.run(naive_sum, data)[0]
 print(f"naive slice: rows 0-7 summed, 2 rows lost, wrong by {(wrong - data.sum(0)).abs().max():.2f}")
-error = lessons.expect_error(lambda: sim.run(lambda comm: comm.slice(data, dim=0, scale_grad=False)), simcomm.RankError)
-print(error_summary(error.__cause__).replace(f" on rank {error.rank}", ""))     # every rank raises the same
+error = check.expect_error(lambda: sim.run(lambda comm: comm.slice(data, dim=0, scale_grad=False)), simcomm.RankError)
+print(check.error_summary(error.__cause__).replace(f" on rank {error.rank}", ""))     # every rank raises the same
 split_sum = world.run(lambda comm, data: comm.all_reduce(torch.tensor_split(data, comm.world_size)[comm.rank].sum(0)), data)
-print(f"tensor_split: all 10 rows summed: {lessons.assert_close(split_sum[0], data.sum(0), 'x').split(': ')[1]}")
+print(f"tensor_split: all 10 rows summed: {check.assert_close(split_sum[0], data.sum(0), 'x').split(': ')[1]}")
 
 # %% [markdown]
 # The communicator's `slice` refuses an uneven split and says so; `torch.tensor_split` gives
@@ -203,7 +201,7 @@ def init_weights(comm, fixed):
     w = torch.randn(3, generator=gen)
     if fixed:
         w = comm.broadcast(w, src=0)                    # what DDP does when it wraps a model
-    assert_replicated(comm, w, "initial weights")
+    check.assert_replicated(comm, w, "initial weights")
     return w
 
 fails(init_weights, False, error=simcomm.RankError)
@@ -237,7 +235,7 @@ grads = world.run(ddp_step, True)
 inputs = torch.cat([torch.ones(3, 4) * rank for rank in range(world_size)])
 reference = torch.nn.Linear(4, 2)
 (reference(inputs).sum() / world_size).backward()                        # DDP averages over ranks
-print("fixed: " + lessons.assert_close(grads, [reference.weight.grad] * world_size, "weight.grad", atol=1e-6))
+print("fixed: " + check.assert_close(grads, [reference.weight.grad] * world_size, "weight.grad", atol=1e-6))
 
 # %% [markdown]
 # ## 9. Reading the trace, in a figure and in Perfetto
@@ -305,7 +303,7 @@ def exchange(comm, x):
     from_right = comm.recv(x.shape, x.dtype, right)
     return from_left, from_right
 
-print(checks.check_neighbour_exchange(exchange))
+print(check.check_neighbour_exchange(exchange))
 
 # %% [markdown] expect=["Correct: the exchange finishes on 2 to 5 ranks and every rank gets both neighbours' tensors."] tags=["solution"]
 # <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
@@ -326,7 +324,7 @@ print(checks.check_neighbour_exchange(exchange))
 #         comm.send(x, left)
 #     return from_left, from_right
 #
-# print(checks.check_neighbour_exchange(exchange_solution))
+# print(check.check_neighbour_exchange(exchange_solution))
 # ```
 #
 # </details>
@@ -346,7 +344,7 @@ def step(comm, x, weight, bias, probe):
     (F.layer_norm(x, x.shape[-1:], weight, bias) * probe).sum().backward()
     return weight.grad, bias.grad
 
-print(checks.check_sp_layernorm(step))
+print(check.check_sp_layernorm(step))
 
 # %% [markdown] expect=["Correct: on 4 ranks every rank's LayerNorm weight and bias gradients equal the single-device ones."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -357,7 +355,7 @@ print(checks.check_sp_layernorm(step))
 #     (F.layer_norm(x, x.shape[-1:], weight, bias) * probe).sum().backward()
 #     return comm.all_reduce(weight.grad), comm.all_reduce(bias.grad)     # sum over the sequence shards
 #
-# print(checks.check_sp_layernorm(step_solution))
+# print(check.check_sp_layernorm(step_solution))
 # ```
 #
 # </details>

@@ -30,10 +30,9 @@
 # %%
 import torch
 import simcomm
-from simcomm.lessons import foundations as lessons
+import simcomm.lessons.lesson_12 as check
 from simcomm.planning import layout_choice
 from simcomm.viz import scaling as figures
-from simcomm.lessons import scaling as checks
 from simcomm.parallel.mesh import Layout
 from simcomm.models.transformer import assemble_grads, block_step, loss, make_block
 from simcomm.viz import use_export_renderer
@@ -76,9 +75,9 @@ leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
 reference = loss(x, weights, leaves, heads)
 reference.backward()
 outs = world.run(block_step, x, weights, params, heads, layout)
-lessons.assert_close(sum(o["loss"] for o in outs), reference.detach(), "loss", atol=1e-9)
+check.assert_close(sum(o["loss"] for o in outs), reference.detach(), "loss", atol=1e-9)
 grads = assemble_grads(outs, layout)                     # the shards put back together
-lessons.assert_close(grads, {name: p.grad for name, p in leaves.items()}, "gradients", atol=1e-9)
+check.assert_close(grads, {name: p.grad for name, p in leaves.items()}, "gradients", atol=1e-9)
 print(f"{layout}: loss and all {len(grads)} gradients match the single-device block")
 
 # %% [markdown]
@@ -160,7 +159,7 @@ explorer.figure
 def coords_of(rank, *, pp, dp, tp):
     raise NotImplementedError   # (stage, d, t)
 
-print(checks.check_mesh_coords(coords_of))
+print(check.check_mesh_coords(coords_of))
 
 # %% [markdown] expect=["Correct: mesh coordinates for 5 layouts, every rank."] tags=["solution"]
 # <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
@@ -170,7 +169,7 @@ print(checks.check_mesh_coords(coords_of))
 # def coords_solution(rank, *, pp, dp, tp):
 #     return rank // (tp * dp), (rank // tp) % dp, rank % tp
 #
-# print(checks.check_mesh_coords(coords_solution))
+# print(check.check_mesh_coords(coords_solution))
 # ```
 #
 # </details>
@@ -186,7 +185,7 @@ print(checks.check_mesh_coords(coords_of))
 memory_limit = sorted(row["peak_bytes"] for row in rows)[4] + 1     # five of the seven layouts fit
 choice = ...   # Layout(pp=..., dp=..., tp=...), or a row's row["layout"]
 
-print(checks.check_layout_choice(choice, rows, memory_limit, "InfiniBand cluster"))
+print(check.check_layout_choice(choice, rows, memory_limit, "InfiniBand cluster"))
 
 # %% [markdown] expect=["Correct: the fastest layout that fits, on the InfiniBand cluster."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -196,7 +195,7 @@ print(checks.check_layout_choice(choice, rows, memory_limit, "InfiniBand cluster
 # fitting = [row for row in rows if row["peak_bytes"] <= memory_limit]
 # best = min(fitting, key=lambda row: row["InfiniBand cluster"])
 # choice_solution = best["layout"]
-# print(checks.check_layout_choice(choice_solution, rows, memory_limit, "InfiniBand cluster").split(":")[0]
+# print(check.check_layout_choice(choice_solution, rows, memory_limit, "InfiniBand cluster").split(":")[0]
 #       + ": the fastest layout that fits, on the InfiniBand cluster.")
 # ```
 #

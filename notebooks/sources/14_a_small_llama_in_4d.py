@@ -22,7 +22,7 @@
 # loss of the same training on one device in float64; then checkpoint it with
 # `torch.distributed.checkpoint` and resume on a different layout, with the loss continuing exactly.
 #
-# This is picotron's sanity check: a distributed training that does not reproduce the
+# This is the test every distributed training has to pass: one that does not reproduce the
 # single-device loss curve has a bug, however fast it runs. Lessons 4-12 took each parallelism
 # alone; here they run together on one model, and every collective of lessons 1-3 is in play.
 
@@ -32,7 +32,7 @@ import tempfile
 import torch
 from simcomm import configured_backend
 from simcomm.backend import backend_name
-from simcomm.lessons import llama_4d as checks
+import simcomm.lessons.lesson_14 as check
 from simcomm.models import llama, llama_training as lt
 from simcomm.parallel.mesh import Layout
 from simcomm.parallel.pipeline import schedule
@@ -42,9 +42,10 @@ use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 torch.set_num_threads(1)          # matrices of 32 x 64: one thread is fastest, and the cores are shared
 sim = backend_name() == "sim"
-# 16 virtual ranks; on real workers (gloo processes sharing this machine's 2 cores) 8 ranks, fewer steps
+# 16 virtual ranks; on real workers (gloo processes sharing this machine's 2 cores) 8 ranks, fewer steps:
+# the pipeline, context and tensor parallelism of the 4-D run (section 2 runs FSDP on them)
 layout = (Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2) if sim
-          else Layout(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2))
+          else Layout(pp=2, dp_replicate=1, dp_shard=1, cp=2, tp=2))
 steps = 100 if sim else 10
 world = configured_backend(layout.world_size)      # SIMCOMM_BACKEND: virtual ranks or real processes
 
@@ -151,8 +152,8 @@ for stage, plan in enumerate(schedule("1f1b", 2, 2)):
 # ## 4. All four at once, 100 steps
 #
 # On 16 virtual ranks: `pp 2 x dp 2 x cp 2 x tp 2`, FSDP over the two data-parallel ranks
-# (`dp_shard = 2`). On real workers the layout is `pp 2 x dp 2 x tp 2` (8 gloo processes) for 10
-# steps. The tolerance is `1e-10` (float64 sums in a different order differ in the last bits:
+# (`dp_shard = 2`). On real workers the layout is `pp 2 x cp 2 x tp 2` (8 gloo processes) for 10
+# steps: the same context-parallel attention, across processes (FSDP ran on them in section 2). The tolerance is `1e-10` (float64 sums in a different order differ in the last bits:
 # about `1e-14` after 100 steps here).
 # The checkpoint of the last step is written too (section 5):
 
@@ -162,6 +163,7 @@ outs = world.run(lt.train, data, params, config, layout=layout, steps=steps, glo
 losses = outs[0]["losses"]
 error = max(float((out["losses"] - reference[:steps]).abs().max()) for out in outs)
 assert error < 1e-10 and all(torch.equal(out["losses"], losses) for out in outs)
+assert layout.cp > 1 and layout.tp > 1 and layout.pp > 1      # context parallelism on both backends
 assert reference[steps - 10:steps].mean() < reference[:10].mean() - 0.5 or not sim     # it learns
 print("every step's loss equals one device's within 1e-10")
 
@@ -201,14 +203,16 @@ loss_curves({"one device, float64": reference, f"{layout.world_size} ranks in 4-
 # Global gradient-norm clipping multiplies every gradient by `min(1, max_norm / norm)`, where
 # `norm` is the norm of the **whole model's** gradient. With tensor parallelism each rank holds
 # only shards of most gradients (and the RMSNorm weights whole). This version works on one device;
-# run the checker (4 tensor ranks) to see what it does to a sharded model, then fix it.
+# run the checker (4 tensor ranks) to see what it does to a sharded model, then fix it. The norm
+# must be within a relative `1e-6` of the one-device norm (float32 arithmetic is enough), the same
+# on every rank; what a rank needs from another must reach it through a collective.
 
 # %% expect=["Not yet: the ranks disagree on the norm (6.2536, 6.0815, 8.2826, 9.6876): with max_norm = 1 they would clip by (rank 0: 0.16, rank 1: 0.16, rank 2: 0.12, rank 3: 0.10), so the shards are scaled differently and the model is no longer the one-device model", "(Stuck? Run the same check again with show_hint=True for a hint.)"]
 def grad_norm(comm, sharded, replicated):
     squares = sum(g.double().pow(2).sum() for g in sharded + replicated)
     return squares.sqrt()
 
-print(checks.check_grad_norm(grad_norm))
+print(check.check_grad_norm(grad_norm))
 
 # %% [markdown] expect=["Correct: every rank computes the norm of the whole gradient, so all clip by the same factor."] tags=["solution"]
 # <details><summary>Solution of exercise 1 (open it once you have tried)</summary>
@@ -221,7 +225,7 @@ print(checks.check_grad_norm(grad_norm))
 #     sharded_sq = comm.all_reduce(sum(g.double().pow(2).sum() for g in sharded))
 #     return (sharded_sq + sum(g.double().pow(2).sum() for g in replicated)).sqrt()
 #
-# print(checks.check_grad_norm(grad_norm_solution))
+# print(check.check_grad_norm(grad_norm_solution))
 # ```
 #
 # </details>
@@ -233,12 +237,13 @@ print(checks.check_grad_norm(grad_norm))
 # Adam's two moments (float64: 8 bytes each) does rank 0 (stage 0, tensor rank 0) keep between
 # steps with plain data parallelism, and with FSDP over the two data-parallel ranks? Work it out
 # from the shapes of `llama.init_params` and what each parallelism splits (the tensor shards of
-# section 1, the stages of section 3, the pieces of section 2); do not call `lt.held_numel`.
+# section 1, the stages of section 3, the pieces of section 2); do not call `lt.held_numel` (the
+# checker refuses an answer computed with it). The answer is exact: a whole number of bytes.
 
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 prediction = {"dp": ..., "fsdp": ...}         # bytes on rank 0
 
-print(checks.check_held_bytes(prediction, config, Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)))
+print(check.check_held_bytes(prediction))
 
 # %% [markdown] expect=["Correct: rank 0 keeps 136,704 bytes with plain data parallelism and 68,352 with FSDP."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -252,7 +257,7 @@ print(checks.check_held_bytes(prediction, config, Layout(pp=2, dp_replicate=1, d
 # # halves each again (every size is even: no padding). Parameter + 2 moments = 3 x 8 bytes.
 # elements = 64 * 32 // 2 + (32 * 32 + 2 * 16 * 32 + 32 * 32 + 3 * 64 * 32) // 2 + 2 * 32
 # prediction_solution = {"dp": 24 * elements, "fsdp": 24 * elements // 2}
-# print(checks.check_held_bytes(prediction_solution, config, Layout(pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=2)))
+# print(check.check_held_bytes(prediction_solution))
 # ```
 #
 # </details>

@@ -35,6 +35,7 @@ from ..parallel.ring import ring_exchange, ring_schedule
 from ..parallel.tensor import make_mlp, mlp, shard_mlp
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
+from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import reduce_scatter_traffic as _reduce_scatter_traffic
 from .verdicts import NOT_ANSWERED, is_correct
 from .verdicts import Forbidden as _Forbidden
@@ -51,116 +52,7 @@ __all__ = [
 
 
 
-def _format(value: Any) -> str:
-    if value is None:
-        return "None"
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().tolist()
-    if isinstance(value, list):
-        return "[" + ", ".join(_format(v) for v in value) + "]"
-    if isinstance(value, tuple):
-        return "(" + ", ".join(_format(v) for v in value) + ("," if len(value) == 1 else "") + ")"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def per_rank(outs: Sequence[Any]) -> str:
-    """One line per rank: ``rank r: <its result>``, numbers as ``1`` or ``2.5`` (not ``1.0``)."""
-    return "\n".join(f"rank {rank}: {_format(out)}" for rank, out in enumerate(outs))
-
-
-def _flat(values: Any) -> list[torch.Tensor]:
-    if isinstance(values, torch.Tensor):
-        return [values]
-    if isinstance(values, dict):
-        return [t for key in sorted(values) for t in _flat(values[key])]
-    if isinstance(values, (list, tuple)):
-        return [t for value in values for t in _flat(value)]
-    return [torch.as_tensor(values)]
-
-
-def max_error(got: Any, expected: Any) -> float:
-    """Largest absolute difference between two tensors, or two (nested) lists/dicts of tensors."""
-    got, expected = _flat(got), _flat(expected)
-    if len(got) != len(expected):
-        raise AssertionError(f"{len(got)} tensors where {len(expected)} were expected")
-    worst = 0.0
-    for index, (a, b) in enumerate(zip(got, expected)):
-        a, b = a.detach().cpu(), b.detach().cpu()
-        if a.shape != b.shape:
-            raise AssertionError(f"tensor {index}: shape {tuple(a.shape)}, expected {tuple(b.shape)}")
-        if a.numel():
-            worst = max(worst, (a.double() - b.double()).abs().max().item())
-    return worst
-
-
-def assert_close(got: Any, expected: Any, what: str, *, atol: float = 1e-10) -> str:
-    """Assert ``got`` equals ``expected`` to ``atol``; return a line saying so."""
-    error = max_error(got, expected)
-    if not error <= atol:
-        raise AssertionError(f"{what}: differs from the reference by {error:.3g} (tolerance {atol:g})")
-    return f"{what}: matches the reference"
-
-
-def expect_error(call: Callable[[], Any], error_type: type[BaseException] | tuple,
-                 *fragments: str) -> BaseException:
-    """Call ``call()``; assert it raises ``error_type`` whose message holds every fragment.
-
-    Returns the exception, so a cell can show its message.
-    """
-    try:
-        call()
-    except error_type as error:  # the expected failure
-        message = str(error)
-        missing = [fragment for fragment in fragments if fragment not in message]
-        if missing:
-            raise AssertionError(f"the {type(error).__name__} does not mention {missing}:\n{message}") from error
-        return error
-    raise AssertionError(f"expected {error_type} to be raised, but the call returned normally")
-
-
-# -- a finite-difference check through the collectives ----------------------------------------
-
-def _loss_and_grad(comm, loss_fn: Callable, inputs: Sequence[torch.Tensor]):
-    x = inputs[comm.rank].to(comm.device, copy=True).requires_grad_()
-    loss = loss_fn(comm, x)
-    loss.backward()
-    return loss.detach(), x.grad
-
-
-def _loss_only(comm, loss_fn: Callable, inputs: Sequence[torch.Tensor]):
-    with torch.no_grad():
-        return loss_fn(comm, inputs[comm.rank].to(comm.device, copy=True))
-
-
-def gradcheck_across_ranks(world, loss_fn: Callable, inputs: Sequence[torch.Tensor], *,
-                           directions: int = 3, eps: float = 1e-6, seed: int = 0) -> float:
-    """Check the gradients of ``sum over ranks of loss_fn(comm, x_rank)`` numerically.
-
-    ``inputs[r]`` is rank ``r``'s float64 input. The gradients autograd gives
-    every rank (through the collectives' backward rules) are compared with
-    central finite differences of the summed loss along ``directions`` random
-    directions that move every rank's input at once, each a complete run of
-    ``world``. Returns the largest relative error; raises ``AssertionError``
-    above ``1e-6``.
-    """
-    results = world.run(_loss_and_grad, loss_fn, list(inputs))
-    grads = [grad for _, grad in results]
-    gen = torch.Generator().manual_seed(seed)
-    worst = 0.0
-    for _ in range(directions):
-        step = [torch.randn(x.shape, generator=gen, dtype=x.dtype) for x in inputs]
-        plus = sum(world.run(_loss_only, loss_fn, [x + eps * v for x, v in zip(inputs, step)]))
-        minus = sum(world.run(_loss_only, loss_fn, [x - eps * v for x, v in zip(inputs, step)]))
-        numeric = (plus - minus).item() / (2 * eps)
-        analytic = sum((g * v).sum().item() for g, v in zip(grads, step))
-        error = abs(numeric - analytic) / max(1.0, abs(analytic))
-        worst = max(worst, error)
-    if worst > 1e-6:
-        raise AssertionError(f"gradcheck across ranks: relative error {worst:.3g} between the "
-                             "autograd gradients and finite differences")
-    return worst
+from .asserts import _format, assert_close, expect_error, gradcheck_across_ranks, max_error, per_rank  # noqa: E402,F401
 
 
 # -- the ring all-reduce, step by step ----------------------------------------------------------
@@ -243,6 +135,7 @@ def _count_ranks_program(comm, count_ranks: Callable):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_count_ranks(count_ranks: Callable, *, world_sizes: Sequence[int] = (1, 2, 3, 5)) -> str:
     """Lesson 00: ``count_ranks(comm)`` must return the world size, found with an all-reduce.
 
@@ -372,6 +265,7 @@ def _all_gather_grads(comm, mine: Callable, shape: tuple[int, ...], dim: int):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_all_gather_backward(my_backward: Callable, *, world_size: int = 4,
                               shape: tuple[int, ...] = (2, 3), dims: Sequence[int] = (0, 1)) -> str:
     """Lesson 02: ``my_backward(comm, grad_out, dim)`` must return the gradient of an all-gather's input."""
@@ -405,6 +299,7 @@ def _ring_all_gather_program(comm, mine: Callable, base: float):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_ring_all_gather(my_all_gather: Callable, *, world_sizes: Sequence[int] = (2, 3, 4, 5)) -> str:
     """Lesson 03: ``my_all_gather(comm, x)`` must all-gather along dim 0 with the ring.
 
@@ -456,6 +351,7 @@ def _tp_mlp_grads(comm, layer: Callable, x: torch.Tensor, params: dict):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_tp_mlp(layer: Callable, *, world_size: int = 4, batch: int = 3, hidden: int = 4, ffn: int = 8
                  ) -> str:
     """Lesson 04: ``layer(comm, x, shards)`` must be the tensor-parallel MLP for a replicated loss.
@@ -510,6 +406,11 @@ def check_ulysses_gqa_bytes(per_rank_bytes: Callable[..., float]) -> str:
     checked against the trace of a run (four all-to-alls: q, k, v in, the
     output back) for several shapes and world sizes, float64.
     """
+    if _is_placeholder(per_rank_bytes):
+        return NOT_ANSWERED
+    if not callable(per_rank_bytes):
+        return _not_yet(f"give a function per_rank_bytes(batch, seq, q_heads, kv_heads, head_dim, world_size, "
+                        f"itemsize); got {type(per_rank_bytes).__name__}")
     cases = [(1, 8, 4, 2, 2, 2), (2, 8, 8, 2, 3, 2), (1, 12, 6, 3, 2, 3), (1, 16, 8, 4, 4, 4)]
     for batch, seq, q_heads, kv_heads, head_dim, world_size in cases:
         answer, verdict = _attempt(lambda: per_rank_bytes(batch, seq, q_heads, kv_heads, head_dim, world_size, 8))

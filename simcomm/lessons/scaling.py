@@ -31,6 +31,7 @@ from ..planning.planner import fastest_fitting
 from ..parallel.mesh import Layout
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
+from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import NOT_ANSWERED, as_number, attempt, is_correct, is_placeholder
 from .verdicts import not_yet as _not_yet
 
@@ -304,6 +305,7 @@ EXCHANGE_TIMEOUT_S = 10.0
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_neighbour_exchange(exchange: Callable) -> str:
     """``exchange(comm, x) -> (from_left, from_right)``: every rank gets ``x`` of rank - 1 and rank + 1
     (cyclic), with blocking ``send``/``recv`` only (``comm.send``/``comm.recv`` or ``dist.send``/``dist.recv``;
@@ -368,6 +370,7 @@ def _layernorm_grads(x: torch.Tensor, probe: torch.Tensor, weight: torch.Tensor,
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_sp_layernorm(step: Callable, world_size: int = 4) -> str:
     """``step(comm, x_shard, weight, bias, probe_shard) -> (weight_grad, bias_grad)``: LayerNorm on this
     rank's sequence shard, loss ``sum(out * probe)``, gradients of the replicated weight and bias as
@@ -443,6 +446,31 @@ def check_mesh_coords(coords: Callable) -> str:
     return "Correct: mesh coordinates for 5 layouts, every rank."
 
 
+#: the exercise's table: the 8-rank layouts of section 3, of which this many fit the memory limit
+LAYOUT_EXERCISE = {"world_size": 8, "layouts": 7, "fitting": 5,
+                   "topologies": ("NVLink node", "InfiniBand cluster"), "topology": "InfiniBand cluster"}
+
+
+def _not_the_table(rows: Any, memory_limit: Any, topology: Any) -> str | None:
+    """What makes ``rows``, ``memory_limit`` and ``topology`` not the exercise's (the checker does not
+    trust a table the learner's cell passes in: a shorter or edited one would make any answer right)."""
+    want = LAYOUT_EXERCISE
+    if topology != want["topology"]:
+        return f"the exercise asks about the {want['topology']}; the check was called with {topology!r}"
+    if not isinstance(rows, list) or len(rows) != want["layouts"] or not all(isinstance(row, dict) for row in rows):
+        return f"rows must be the table of section 3, {want['layouts']} layouts of {want['world_size']} ranks"
+    keys = {"pp", "dp", "tp", "peak_bytes", *want["topologies"]}
+    if any(not keys <= set(row) for row in rows) or \
+            any(row["pp"] * row["dp"] * row["tp"] != want["world_size"] for row in rows) or \
+            len({(row["pp"], row["dp"], row["tp"]) for row in rows}) != want["layouts"]:
+        return f"rows must be the table of section 3, {want['layouts']} different layouts of {want['world_size']} ranks"
+    fitting = sum(row["peak_bytes"] <= memory_limit for row in rows) if isinstance(memory_limit, (int, float)) else -1
+    if fitting != want["fitting"]:
+        return (f"with memory_limit = {memory_limit!r}, {fitting} layouts fit; the exercise's limit lets "
+                f"{want['fitting']} of the {want['layouts']} fit")
+    return None
+
+
 @_hint_on_request
 def check_layout_choice(choice: Any, rows: list[dict], memory_limit: int, topology: str) -> str:
     """``choice``: the ``Layout(pp=, dp=, tp=)`` with the shortest ``topology`` step time whose peak memory
@@ -454,6 +482,10 @@ def check_layout_choice(choice: Any, rows: list[dict], memory_limit: int, topolo
         return _not_yet(f"give the layout by name, as Layout(pp=..., dp=..., tp=...); got {choice!r}",
                         "a row's own row['layout'] is one")
     name = lambda pp, dp, tp: Layout(pp=pp, dp=dp, tp=tp)   # noqa: E731  one spelling for every message
+    problem = _not_the_table(rows, memory_limit, topology)
+    if problem:
+        return _not_yet(problem, "keep the checker's call as the lesson wrote it: rows, memory_limit and the "
+                        "topology of section 3 and exercise 2")
     by_layout = {(row["pp"], row["dp"], row["tp"]): row for row in rows}
     got = (choice.pp, choice.dp, choice.tp)
     if got not in by_layout:

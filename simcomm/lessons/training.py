@@ -20,6 +20,9 @@ from ..parallel import data as data_parallel
 from ..parallel import pipeline
 from ..sim.world import World
 from .verdicts import hint_on_request as _hint_on_request
+from .verdicts import judged_as_processes as _judged_as_processes
+from .verdicts import uses_helper as _uses_helper
+from .verdicts import helper_verdict as _helper_verdict
 from .verdicts import NOT_ANSWERED, as_number, is_correct, is_placeholder, reduce_scatter_traffic
 from .verdicts import attempt as _attempt
 from .verdicts import not_yet as _not_yet
@@ -68,6 +71,7 @@ def _dp_program(comm, step, x, y):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_dp_step(step: Any) -> str:
     """Lesson 06: ``step(comm, model, xs, ys)`` must leave in every ``p.grad`` the gradient of the mean
     loss over the *whole* batch (``xs, ys``: this rank's rows; ``data_parallel.sum_loss``)."""
@@ -128,6 +132,7 @@ def _accumulation_program(comm, step, x, y, microbatches, bucket_bytes):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_accumulation_step(step: Any) -> str:
     """Lesson 06 (write it): ``step(comm, model, reducer, micro_batches, batch)`` runs one optimizer
     step's backward over this rank's ``micro_batches`` (a list of ``(x, y)`` pairs) with the
@@ -213,6 +218,7 @@ def _zero2_program(comm, fn, grads):
 
 
 @_hint_on_request
+@_judged_as_processes
 def check_zero2_grads(fn: Any) -> str:
     """Lesson 07 (write it): ``fn(comm, grad)`` gets this rank's full local gradient (a flat vector whose
     length divides by the world size) and returns this rank's shard of the gradient *summed over ranks*:
@@ -302,6 +308,9 @@ def check_1f1b(fn: Any) -> str:
     verdict = _callable(fn, "the schedule")
     if verdict:
         return verdict
+    helper = _uses_helper(fn, pipeline.schedule)
+    if helper is not None:
+        return _helper_verdict(helper, "the schedule")
     for stages, microbatches in ((4, 8), (4, 4), (3, 7), (4, 2), (1, 3)):
         plans, verdict = _attempt(lambda: [list(fn(s, stages, microbatches)) for s in range(stages)])
         if verdict:
@@ -339,6 +348,9 @@ def check_zero_bubble(fn: Any) -> str:
     verdict = _callable(fn, "the schedule")
     if verdict:
         return verdict
+    helper = _uses_helper(fn, pipeline.schedule)
+    if helper is not None:
+        return _helper_verdict(helper, "the schedule")
     for stages, microbatches in ((4, 8), (4, 4), (3, 7), (2, 5), (1, 3)):
         plans, verdict = _attempt(lambda: [list(fn(s, stages, microbatches)) for s in range(stages)])
         if verdict:

@@ -12,17 +12,26 @@ answer the learner asks for, by calling the checker again with
 """
 from __future__ import annotations
 
+import copy
+import dis
 import functools
 import numbers
+import sys
+import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 from ..errors import CollectiveMismatchError, DeadlockError, RankError
 from ..reports import format_ranks
 
 __all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
            "as_number", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
-           "Forbidden", "attempt"]
+           "Forbidden", "attempt", "RanksApart", "judged_apart", "shared_state_names",
+           "uses_helper", "helper_in_caller", "helper_verdict",
+           "cheating_verdict", "judged_as_processes"]
 
 #: what a checker returns while the exercise still holds its placeholder
 NOT_ANSWERED = "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."
@@ -166,3 +175,272 @@ def _summary(error: BaseException, most_lines: int = 8) -> str:
         return lines[0]
     listed = lines[1:most_lines + 1] + (["  ..."] if len(lines) > most_lines + 1 else [])
     return "\n".join([lines[0], *listed]) if listed else lines[0] + " (nothing listed)"
+
+
+# -- ranks apart: what a learner's function does when every rank is its own process -----------
+
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), range, frozenset, torch.dtype, torch.device,
+              torch.Size)
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Every global name ``code`` (and the functions and comprehensions nested in it) may read or write."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _stored_globals(code: types.CodeType) -> set[str]:
+    """The global names ``code`` (or code nested in it) rebinds (``global x; x = ...``)."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _stored_globals(const)
+    return names
+
+
+def _is_state(value: Any) -> bool:
+    """Whether a module-level value is data a program could keep between calls (not a module, class or
+    function: those are the program, not its state)."""
+    return not isinstance(value, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType,
+                                  types.MethodType, *_IMMUTABLE))
+
+
+def shared_state_names(fn: Any) -> list[str]:
+    """The Python objects through which the virtual ranks running ``fn`` could pass data to each other
+    without a collective: the module-level names ``fn`` (or a function of its module it calls)
+    rebinds with ``global`` or reads holding mutable data, its closure's variables holding mutable
+    data, and mutable default arguments. On real processes each rank has its own copy of these."""
+    names: set[str] = set()
+    seen: set[int] = set()
+
+    def visit(function: Any) -> None:
+        if not isinstance(function, types.FunctionType) or id(function) in seen:
+            return
+        seen.add(id(function))
+        code, module = function.__code__, function.__globals__
+        names.update(_stored_globals(code))
+        for name in _code_names(code):
+            if name not in module:
+                continue
+            value = module[name]
+            if isinstance(value, types.FunctionType) and value.__globals__ is module:
+                visit(value)
+            elif _is_state(value):
+                names.add(name)
+        for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(value, types.FunctionType):
+                visit(value)
+            elif _is_state(value):
+                names.add(name)
+        for value in (function.__defaults__ or ()) + tuple((function.__kwdefaults__ or {}).values()):
+            if _is_state(value) and not isinstance(value, tuple):
+                names.add("a mutable default argument")
+    visit(fn)
+    return sorted(names)
+
+
+def _copy_state(value: Any, memo: dict) -> Any:
+    """``value`` deep-copied, or ``value`` itself where it cannot be copied (a thread, a lock, a world)."""
+    if not _is_state(value):
+        return value
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:  # an object that cannot be copied stays shared (a world, a generator, a lock)
+        return value
+
+
+def _rank_copy(fn: Any, memo: dict, module_copies: dict[int, dict]) -> Any:
+    """``fn`` rebuilt over its own copy of its module's state (and of the functions of that module it
+    calls), its closure and its defaults: what one process would have of them."""
+    if not isinstance(fn, types.FunctionType):
+        return _copy_state(fn, memo)
+    if id(fn) in memo:
+        return memo[id(fn)]
+    source = fn.__globals__
+    module = module_copies.get(id(source))
+    first = module is None
+    if first:
+        module = module_copies[id(source)] = dict(source)
+    cells = tuple(types.CellType() for _ in fn.__closure__ or ())
+    copied = types.FunctionType(fn.__code__, module, fn.__name__, None, cells or None)
+    memo[id(fn)] = copied
+    for cell, old in zip(cells, fn.__closure__ or ()):
+        try:
+            contents = old.cell_contents
+        except ValueError:
+            continue
+        cell.cell_contents = _rank_copy(contents, memo, module_copies)
+    copied.__defaults__ = _copy_state(fn.__defaults__, memo) if fn.__defaults__ else fn.__defaults__
+    copied.__kwdefaults__ = _copy_state(fn.__kwdefaults__, memo) if fn.__kwdefaults__ else fn.__kwdefaults__
+    copied.__dict__.update(_copy_state(dict(fn.__dict__), memo))
+    copied.__qualname__, copied.__module__, copied.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    for name in _code_names(fn.__code__):
+        if name in source and name in module and module[name] is source[name]:
+            value = source[name]
+            if isinstance(value, types.FunctionType) and value.__globals__ is source:
+                module[name] = _rank_copy(value, memo, module_copies)
+            else:
+                module[name] = _copy_state(value, memo)
+    return copied
+
+
+class RanksApart:
+    """``fn`` as it runs on real processes: each rank (thread) that calls it gets its own copy of
+    the Python state ``fn`` reaches (:func:`shared_state_names`), taken when this object is made, so
+    data can move between ranks only through the communicator's collectives. Made once before a
+    checker's runs, it hands every rank of every run a fresh copy of that snapshot.
+
+    Not covered (named in the docs of the checkers): state kept in class attributes, on imported
+    modules or on ``sys.modules["__main__"]``."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        functools.update_wrapper(self, fn, updated=())
+        self._template = _rank_copy(fn, {}, {})
+        self._copies: dict[threading.Thread, Any] = {}
+        self._lock = threading.Lock()
+
+    def _mine(self) -> Any:
+        thread = threading.current_thread()
+        with self._lock:
+            if thread not in self._copies:
+                self._copies[thread] = _rank_copy(self._template, {}, {})
+            return self._copies[thread]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mine()(*args, **kwargs)
+
+
+def judged_apart(fn: Any, judge: Callable[[Any], str | None]) -> str | None:
+    """Judge a learner's distributed function by what it does on real processes.
+
+    ``judge(f)`` runs the checker's cases with ``f`` as the learner's function and returns ``None``
+    if all pass, else the verdict. ``fn`` is judged as :class:`RanksApart` (each rank its own Python
+    state). Only when that fails is it run once more as the virtual ranks share one process: if it
+    passes there, the verdict names the mistake, data passed between ranks through Python objects."""
+    apart = RanksApart(fn)
+    verdict = judge(apart)
+    if verdict is None or verdict == NOT_ANSWERED:
+        return verdict
+    if judge(fn) is not None:
+        return verdict
+    return cheating_verdict(fn, verdict)
+
+
+# -- the lesson's own helpers are not an answer --------------------------------------------------
+
+def _imported_modules(code: types.CodeType) -> set[str]:
+    """The modules ``code`` (or code nested in it) imports (``import x.y``, ``from x.y import z``)."""
+    found = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "IMPORT_NAME"}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _imported_modules(const)
+    return found
+
+
+def _refers_to(code: types.CodeType, namespace: dict, helpers: tuple, seen: set[int],
+               extra_names: set[str] = frozenset()) -> Any:
+    """The helper among ``helpers`` that ``code`` reaches through ``namespace`` (directly, as an
+    attribute of a module it names, or through a function of the same namespace), or ``None``."""
+    names = _code_names(code) | extra_names
+    imported = _imported_modules(code)
+    for helper in helpers:                    # imported inside the function: `from ... import ...`
+        module = getattr(helper, "__module__", "")
+        if getattr(helper, "__name__", None) in names and (
+                module in imported or module.rpartition(".")[2] in names and module.rpartition(".")[0] in imported):
+            return helper
+    for name in names:
+        if name not in namespace:
+            continue
+        value = namespace[name]
+        if any(value is helper for helper in helpers):
+            return value
+        if isinstance(value, types.ModuleType):
+            for helper in helpers:
+                if getattr(helper, "__name__", None) in names and getattr(value, helper.__name__, None) is helper:
+                    return helper
+        if isinstance(value, types.FunctionType) and id(value) not in seen:
+            seen.add(id(value))
+            found = _refers_to(value.__code__, value.__globals__, helpers, seen)
+            if found is not None:
+                return found
+    return None
+
+
+def uses_helper(fn: Any, *helpers: Any) -> Any:
+    """The helper among ``helpers`` (the lesson's library functions that compute an exercise's answer)
+    that the learner's function ``fn`` calls, or ``None``."""
+    if not isinstance(fn, types.FunctionType):
+        return None
+    closure = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            closure[name] = cell.cell_contents
+        except ValueError:
+            continue
+    return _refers_to(fn.__code__, {**fn.__globals__, **closure}, helpers, {id(fn)},
+                      extra_names=set(fn.__code__.co_freevars))     # closure variables read like globals
+
+
+def helper_in_caller(*helpers: Any) -> Any:
+    """The helper among ``helpers`` that the code calling the checker (the learner's cell: the first
+    frame outside :mod:`simcomm.lessons`) refers to, or ``None``. A value the learner computed with the
+    lesson's helper is the helper's answer, not the learner's."""
+    frame = sys._getframe(1)
+    try:
+        while frame is not None and (frame.f_globals.get("__name__", "").startswith("simcomm.lessons")
+                                     or frame.f_code.co_filename == functools.__file__):
+            frame = frame.f_back
+        if frame is None:
+            return None
+        return _refers_to(frame.f_code, {**frame.f_globals, **frame.f_locals}, helpers, set())
+    finally:
+        del frame
+
+
+def helper_verdict(helper: Any, what: str) -> str:
+    """The verdict on an answer computed by the lesson's own ``helper``."""
+    name = f"{helper.__module__.rpartition('.')[2]}.{helper.__name__}"
+    return not_yet(f"{name} is the lesson's own answer, not yours: the exercise asks you to work out {what} "
+                   f"without it", f"write the computation out from what the lesson showed; {name} is there to "
+                   "check you, after you have answered")
+
+
+def cheating_verdict(fn: Any, verdict: str) -> str:
+    """The verdict on a function that passes on virtual ranks only because they share Python objects:
+    ``verdict`` is what it gets when each rank has its own (as on real processes)."""
+    names = shared_state_names(fn)
+    through = f" ({', '.join(names)})" if names else ""
+    problem = verdict.removeprefix("Not yet: ").partition("\nHint: ")[0]
+    return not_yet(f"your function passes data from rank to rank through Python objects{through}, not "
+                   "through a collective: virtual ranks are threads of one process and see each other's "
+                   "objects, but real processes each have their own copy, and there it fails: " + problem,
+                   "a value another rank needs must travel in a collective (all_reduce, all_gather, "
+                   "broadcast, send/recv); comm.barrier() only waits, it moves no data")
+
+
+def judged_as_processes(checker: Callable[..., str]) -> Callable[..., str]:
+    """Make ``checker`` (whose first argument is the learner's distributed function) judge that function
+    as real processes would run it: it gets :class:`RanksApart` of the function. Only a failing
+    verdict costs a second run, with the function as the threads share it: if that one passes, the
+    verdict names the mistake (:func:`cheating_verdict`). Apply it under :func:`hint_on_request`."""
+    @functools.wraps(checker)
+    def judged(fn: Any, *args: Any, **kwargs: Any) -> str:
+        if is_placeholder(fn):
+            return NOT_ANSWERED
+        if not callable(fn):
+            own = checker(fn, *args, **kwargs)                # the checker's own words, unless it crashed
+            return own if own.startswith("Not yet: ") and " raised " not in own else \
+                not_yet(f"give a function (def ...); got {type(fn).__name__} {fn!r:.60}")
+        verdict = checker(RanksApart(fn), *args, **kwargs)
+        if is_correct(verdict) or verdict == NOT_ANSWERED or not is_correct(checker(fn, *args, **kwargs)):
+            return verdict
+        return cheating_verdict(fn, verdict)
+    return judged

@@ -285,18 +285,20 @@ def step_stage(stage: int, variant: str | None = None) -> Callable:
 
 
 def train(comm: Communicator, stage: int, mlp: MLP = MLP(), *, steps: int = 2, batch_size: int = 8,
-          lr: float = 1e-2, seed: int = 0, variant: str | None = None) -> list[torch.Tensor]:
+          lr: float = 1e-2, seed: int = 0, variant: str | None = None,
+          step: Callable | None = None) -> list[torch.Tensor]:
     """``steps`` Adam steps of ``mlp`` on the whole batch, data-parallel with ZeRO ``stage``.
 
     Rank ``r`` trains on rows ``r * batch_size / N ...`` of :func:`make_batch`
     (``batch_size`` must divide by the world size); ``variant``: one of
-    ``VARIANTS[stage]`` (``None``: the default). Marks ``"after step k"``
+    ``VARIANTS[stage]`` (``None``: the default); ``step``: a one-step function with the signature of
+    :func:`step_stage`'s to run instead (lesson 7 writes its own copies of the steps). Marks ``"after step k"``
     (:func:`simcomm.memory.mark`) after each step. Returns this rank's
     parameters, one flat fp32 vector per layer: the full padded vectors for
     stages 0-2, this rank's shards for stage 3 (``torch.cat`` over ranks and
     cut to each layer's size gives the model). Collective; blocks.
     """
-    step = step_stage(stage, variant)
+    step = step_stage(stage, variant) if step is None else step
     world_size, rank = comm.world_size, comm.rank
     if batch_size % world_size:
         raise ValueError(f"zero.train: batch_size={batch_size} on rank {rank} is not divisible by "

@@ -213,10 +213,13 @@ def test_check_mesh_coords(answer, kind, hint):
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
 
 
-ROWS = [{"tp": 1, "dp": 8, "pp": 1, "peak_bytes": 900, "NVLink node": 1e-5},
-        {"tp": 2, "dp": 4, "pp": 1, "peak_bytes": 500, "NVLink node": 3e-5},
-        {"tp": 1, "dp": 4, "pp": 2, "peak_bytes": 600, "NVLink node": 2e-5},
-        {"tp": 8, "dp": 1, "pp": 1, "peak_bytes": 300, "NVLink node": 9e-5}]
+def _row(tp, dp, pp, peak, cluster):
+    return {"tp": tp, "dp": dp, "pp": pp, "peak_bytes": peak, "NVLink node": cluster / 3, "InfiniBand cluster": cluster}
+
+
+#: a table of the exercise's shape: seven layouts of 8 ranks, five of them within 700 bytes
+ROWS = [_row(1, 8, 1, 900, 1e-5), _row(2, 4, 1, 500, 3e-5), _row(1, 4, 2, 600, 2e-5), _row(8, 1, 1, 300, 9e-5),
+        _row(4, 2, 1, 400, 5e-5), _row(2, 2, 2, 450, 4e-5), _row(1, 2, 4, 800, 1.5e-5)]
 
 
 @pytest.mark.parametrize("answer, kind, hint", [
@@ -230,8 +233,20 @@ ROWS = [{"tp": 1, "dp": 8, "pp": 1, "peak_bytes": 900, "NVLink node": 1e-5},
     (..., "unanswered", ""),
 ])
 def test_check_layout_choice(answer, kind, hint):
-    verdict = sl.check_layout_choice(answer, ROWS, 700, "NVLink node", show_hint=True)
+    verdict = sl.check_layout_choice(answer, ROWS, 700, "InfiniBand cluster", show_hint=True)
     assert verdict_kind(verdict) == kind and hint in verdict, verdict
+
+
+@pytest.mark.parametrize("rows, limit, topology, problem", [
+    (ROWS[2:3], 700, "InfiniBand cluster", "7 layouts"),                 # only the learner's row
+    (ROWS[:6] + [ROWS[2]], 700, "InfiniBand cluster", "different layouts"),
+    ([{**row, "peak_bytes": 1} for row in ROWS], 700, "InfiniBand cluster", "7 layouts fit"),   # edited
+    (ROWS, 10 ** 9, "InfiniBand cluster", "7 layouts fit"),              # a limit everything fits
+    (ROWS, 700, "NVLink node", "asks about the InfiniBand cluster"),
+])
+def test_check_layout_choice_does_not_trust_the_table_it_is_given(rows, limit, topology, problem):
+    verdict = sl.check_layout_choice(Layout(tp=1, dp=4, pp=2), rows, limit, topology)
+    assert verdict_kind(verdict) == "not yet" and problem in verdict, verdict
 
 
 def test_layout_table_rows_are_checked_and_fastest_fitting():

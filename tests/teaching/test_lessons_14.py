@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from simcomm.lessons import llama_4d as checks
+import simcomm.lessons.lesson_14 as checks
 from simcomm.lessons.verdicts import HINT_OFFER, NOT_ANSWERED
 from simcomm.models import llama
 from simcomm.models import llama_pipeline as lp
@@ -65,9 +65,13 @@ def test_grad_norm_placeholder_is_not_answered():
     assert checks.check_grad_norm(...) == NOT_ANSWERED
 
 
+#: the library's bytes, computed at import: the checker refuses an answer whose cell calls the helper
+LIBRARY_BYTES = (24 * lt.held_numel(CONFIG, Layout(pp=2, dp_replicate=2, dp_shard=1, cp=2, tp=2), 0),
+                 24 * lt.held_numel(CONFIG, LAYOUT, 0))
+
+
 def test_held_bytes_accepts_the_measured_bytes():
-    dp = 24 * lt.held_numel(CONFIG, Layout(pp=2, dp_replicate=2, dp_shard=1, cp=2, tp=2), 0)
-    fsdp = 24 * lt.held_numel(CONFIG, LAYOUT, 0)
+    dp, fsdp = LIBRARY_BYTES
     assert (dp, fsdp) == (136_704, 68_352)      # stage 0, tensor rank 0: 5,696 elements, half under FSDP
     assert checks.check_held_bytes({"dp": dp, "fsdp": fsdp}, CONFIG, LAYOUT).startswith("Correct")
     assert checks.check_held_bytes({"dp": float(dp), "fsdp": torch.tensor(fsdp)}, CONFIG, LAYOUT).startswith("Correct")
@@ -86,8 +90,8 @@ def test_held_bytes_rejects_wrong_partial_and_malformed_answers():
     assert "whole model" in verdict({"dp": whole, "fsdp": fsdp})
     params = llama.init_params(CONFIG)
     stage_whole = 24 * sum(params[name].numel() for name in lp.stage_names(CONFIG, 0, 2))   # no tensor split
-    assert "stage's parameters whole" in verdict({"dp": stage_whole, "fsdp": fsdp})
-    assert "stage's parameters whole" in verdict({"dp": dp, "fsdp": stage_whole // 2})
+    assert "stage's matrices whole" in verdict({"dp": stage_whole, "fsdp": fsdp})
+    assert "stage's matrices whole" in verdict({"dp": dp, "fsdp": stage_whole // 2})
     assert "is not what rank 0 keeps" in verdict({"dp": dp + 8, "fsdp": fsdp})
     assert "not a number" in verdict({"dp": "lots", "fsdp": fsdp})
     assert "give a dict" in verdict({"dp": dp})

@@ -1,0 +1,15 @@
+"""Lesson 05 (Ulysses sequence parallelism): its exercise checkers and the assertion helpers it uses.
+
+A lesson imports this one module, ``import simcomm.lessons.lesson_05 as check``, and calls
+``check.check_...`` and ``check.assert_close(...)``. The checkers are written in
+:mod:`simcomm.lessons.foundations` (with the other lessons of its group, which share their programs);
+the assertion helpers in :mod:`simcomm.lessons.asserts`; the wording of every verdict in
+:mod:`simcomm.lessons.verdicts`.
+"""
+from __future__ import annotations
+
+from .asserts import assert_close, expect_error, gradcheck_across_ranks, max_error, per_rank
+from .foundations import check_ulysses_gqa_bytes
+from .verdicts import NOT_ANSWERED, is_correct
+
+__all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_ulysses_gqa_bytes']

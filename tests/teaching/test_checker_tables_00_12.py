@@ -1,0 +1,187 @@
+"""Lessons 00-12: answers every checker must reject and answers it must accept.
+
+Each lesson's own solution is accepted by the nbval run of the lesson (its collapsed solution runs
+as code there and must print ``Correct``). Here: every checker answers ``...`` with
+``NOT_ANSWERED`` and rejects ``None``, a string and a number of the wrong kind with a ``Not yet``
+verdict (never a traceback); the distributed exercises reject the same right computation done
+through a module-level Python object plus ``comm.barrier()`` instead of a collective, naming
+that mistake, and accept right answers in other forms; the schedule exercises refuse the
+library's ``pp.schedule`` as an answer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed import ReduceOp
+
+import simcomm.lessons.lesson_00 as check00
+import simcomm.lessons.lesson_02 as check02
+import simcomm.lessons.lesson_03 as check03
+import simcomm.lessons.lesson_06 as check06
+import simcomm.lessons.lesson_07 as check07
+import simcomm.lessons.lesson_08 as check08
+import simcomm.lessons.lesson_11 as check11
+from simcomm.lessons import (lesson_00, lesson_01, lesson_02, lesson_03, lesson_04, lesson_05, lesson_06,
+                             lesson_07, lesson_08, lesson_09, lesson_10, lesson_11, lesson_12)
+from simcomm.lessons.verdicts import NOT_ANSWERED
+from simcomm.parallel import data as dp
+
+MODULES = [lesson_00, lesson_01, lesson_02, lesson_03, lesson_04, lesson_05, lesson_06, lesson_07, lesson_08,
+           lesson_09, lesson_10, lesson_11, lesson_12]
+#: the checkers whose answer is the first argument alone (the others take the lesson's data too)
+ONE_ARGUMENT = [(module.__name__.rsplit("_", 1)[1], name) for module in MODULES for name in module.__all__
+                if name.startswith("check_") and name not in ("check_prediction", "check_shapes",
+                                                                  "check_deadlocks", "check_layout_choice")]
+
+
+def kind(verdict: str) -> str:
+    return "correct" if verdict.startswith("Correct") else "not answered" if verdict == NOT_ANSWERED else \
+        "not yet" if verdict.startswith("Not yet: ") else "other"
+
+
+def checker(lesson: str, name: str):
+    return getattr(next(m for m in MODULES if m.__name__.endswith(lesson)), name)
+
+
+@pytest.mark.parametrize("lesson, name", ONE_ARGUMENT, ids=[f"{lesson}-{name}" for lesson, name in ONE_ARGUMENT])
+def test_every_checker_answers_the_placeholder_and_rejects_malformed_answers(lesson, name):
+    check = checker(lesson, name)
+    assert check(...) == NOT_ANSWERED
+    for malformed in (None, "the answer", 3 + 4j, [None]):
+        verdict = check(malformed, show_hint=True)
+        assert kind(verdict) == "not yet" and "Traceback" not in verdict, (malformed, verdict)
+
+
+# -- distributed answers: the right computation through Python objects is refused ----------------------
+
+SEEN: list = []
+
+
+def count_through_a_list(comm):                        # lesson 00: an all-reduce that carries nothing
+    comm.all_reduce(torch.zeros(1))
+    SEEN.append(comm.rank)
+    comm.barrier()
+    n = len(SEEN)
+    comm.barrier()
+    if comm.rank == 0:
+        SEEN.clear()
+    comm.barrier()
+    return n
+
+
+GRADS: dict = {}
+
+
+def shard_through_a_dict(comm, grad):                  # lesson 07: the sum read from the other ranks' objects
+    GRADS[comm.rank] = grad.clone()
+    comm.barrier()
+    total = sum(GRADS[r] for r in range(comm.world_size))
+    comm.barrier()
+    return total.chunk(comm.world_size)[comm.rank].clone()
+
+
+def backward_through_a_dict(comm, grad_out, dim):     # lesson 02
+    GRADS[comm.rank] = grad_out.detach().clone()
+    comm.barrier()
+    total = sum(GRADS[r] for r in range(comm.world_size))
+    comm.barrier()
+    return total.chunk(comm.world_size, dim)[comm.rank].clone()
+
+
+def dp_step_through_a_dict(comm, model, xs, ys):     # lesson 06: gradients averaged through a dict
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    GRADS[comm.rank] = [p.grad.clone() for p in model.parameters()]
+    comm.barrier()
+    for i, p in enumerate(model.parameters()):
+        p.grad = sum(GRADS[r][i] for r in range(comm.world_size)) / comm.world_size
+    comm.barrier()
+
+
+CHEATS = [
+    (check00.check_count_ranks, count_through_a_list),
+    (check07.check_zero2_grads, shard_through_a_dict),
+    (check02.check_all_gather_backward, backward_through_a_dict),
+    (check06.check_dp_step, dp_step_through_a_dict),
+]
+
+
+@pytest.mark.parametrize("check, cheat", CHEATS, ids=[c.__name__ for _, c in CHEATS])
+def test_data_passed_through_python_objects_is_refused(check, cheat):
+    verdict = check(cheat, show_hint=True)
+    assert kind(verdict) == "not yet", verdict
+    assert "through Python objects" in verdict or "collective" in verdict, verdict
+
+
+@pytest.mark.parametrize("check, cheat", CHEATS[:3], ids=[c.__name__ for _, c in CHEATS[:3]])
+def test_the_verdict_names_the_object_when_only_the_objects_made_it_pass(check, cheat):
+    verdict = check(cheat, show_hint=True)
+    assert "through Python objects" in verdict and "comm.barrier() only waits" in verdict, verdict
+
+
+# -- right answers in other forms are accepted -------------------------------------------------------
+
+ACCEPTED = [
+    (check00.check_count_ranks, lambda comm: comm.all_reduce(torch.ones(1)).item()),                 # float
+    (check00.check_count_ranks, lambda comm: int(comm.all_reduce(torch.tensor([1])))),               # int
+    (check00.check_count_ranks, lambda comm: comm.all_reduce(torch.ones(())) ),                      # 0-d tensor
+    (check02.check_all_gather_backward, lambda comm, g, dim: comm.reduce_scatter(g, dim=dim)),
+    (check02.check_all_gather_backward,
+     lambda comm, g, dim: comm.reduce_scatter(g.contiguous(), dim=dim).clone()),
+    (check07.check_zero2_grads, lambda comm, grad: comm.reduce_scatter(grad, dim=0)),
+    (check07.check_zero2_grads, lambda comm, grad: comm.reduce_scatter(grad.clone(), dim=0).clone()),
+    (check06.check_dp_step, lambda comm, model, xs, ys: [
+        setattr(p, "grad", comm.all_reduce(p.grad, ReduceOp.AVG))
+        for p in ((dp.sum_loss(model, xs, ys) / xs.shape[0]).backward(), model.parameters())[1]]),
+    (check06.check_dp_step, lambda comm, model, xs, ys: [
+        setattr(p, "grad", comm.all_reduce(p.grad))
+        for p in ((dp.sum_loss(model, xs, ys) / xs.shape[0] / comm.world_size).backward(), model.parameters())[1]]),
+]
+
+
+@pytest.mark.parametrize("index", range(len(ACCEPTED)))
+def test_right_answers_in_other_forms_are_accepted(index):
+    check, answer = ACCEPTED[index]
+    verdict = check(answer)
+    assert kind(verdict) == "correct", verdict
+
+
+def ring_all_gather(comm, x):                          # lesson 03, with the lesson's exchange
+    n, rank = comm.world_size, comm.rank
+    shards = [None] * n
+    shards[rank] = x.clone()
+    for step in range(n - 1):
+        shards[(rank - 1 - step) % n] = check03.ring_exchange(comm, shards[(rank - step) % n])
+    return torch.cat(shards)
+
+
+def test_lesson03_accepts_the_ring_and_refuses_the_builtin_and_python_objects():
+    assert kind(check03.check_ring_all_gather(ring_all_gather)) == "correct"
+    assert kind(check03.check_ring_all_gather(lambda comm, x: comm.all_gather(x, dim=0))) == "not yet"
+    shards: dict = {}
+
+    def through_a_dict(comm, x):
+        shards[comm.rank] = x.clone()
+        comm.barrier()
+        out = torch.cat([shards[r] for r in range(comm.world_size)])
+        comm.barrier()
+        return out
+    assert kind(check03.check_ring_all_gather(through_a_dict)) == "not yet"
+
+
+def test_lesson11_refuses_an_exchange_through_python_objects():
+    box: dict = {}
+
+    def through_a_dict(comm, x):
+        box[comm.rank] = x.clone()
+        comm.barrier()
+        n = comm.world_size
+        out = (box[(comm.rank - 1) % n], box[(comm.rank + 1) % n])
+        comm.barrier()
+        return out
+    assert kind(check11.check_neighbour_exchange(through_a_dict)) == "not yet"
+
+
+def test_lesson08_refuses_the_library_schedule():
+    from simcomm.parallel import pipeline as pp
+    verdict = check08.check_1f1b(lambda s, p, m: pp.schedule("1f1b", p, m)[s])
+    assert "pipeline.schedule is the lesson's own answer" in verdict

@@ -1,0 +1,232 @@
+"""The algorithm a lesson teaches is written in the lesson, and behaves as the library's copy.
+
+Each test takes the cell of ``notebooks/sources/NN_*.py`` that defines the taught function, runs
+that cell's source alone (with the lesson's first imports), and compares the lesson's definition
+with the library's on several inputs and world sizes: outputs, gradients where the algorithm is
+differentiable, and the collectives it calls (the trace), so a lesson that drifted from the
+library, or a library that drifted from the lesson, fails here.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from simcomm import World
+
+SOURCES = Path(__file__).resolve().parents[2] / "notebooks" / "sources"
+
+
+def lesson_cells(lesson: str, *names: str) -> str:
+    """The source of the code cells of lesson ``lesson`` (``"03"``) that define ``names`` (a ``def`` or
+    ``class`` at the top level, or a method added to a class with ``Class.name = name``), in order."""
+    path = next(SOURCES.glob(f"{lesson}_*.py"))
+    cells = re.split(r"^# %%.*$", path.read_text(), flags=re.M)
+    found = [cell for cell in cells if any(re.search(rf"^(def|class) {name}\b", cell, flags=re.M)
+                                           for name in names)]
+    for name in names:
+        assert sum(bool(re.search(rf"^(def|class) {name}\b", cell, flags=re.M)) for cell in found) == 1, \
+            f"{path.name}: {name} is not defined in exactly one cell"
+    return "\n".join(found)
+
+
+def taught(lesson: str, name: str, *more: str, **namespace):
+    """The lesson's own definition of ``name``: the cells defining it (and ``more``) executed in a
+    namespace holding ``torch`` and ``namespace``."""
+    scope = {"torch": torch, "__name__": f"lesson_{lesson}", **namespace}
+    exec(compile(lesson_cells(lesson, name, *more), f"lesson {lesson}: {name}", "exec"), scope)
+    return scope[name]
+
+
+def ops(trace):
+    """What every rank called, in order, and how many bytes (what the two copies must share)."""
+    return [(e.rank, e.op, e.nbytes) for e in trace.events if e.op != "compute"]
+
+
+# -- lesson 03: the ring all-reduce -----------------------------------------------------------------
+
+def _ring_program(comm, fn, numel, seed):
+    gen = torch.Generator().manual_seed(seed + comm.rank)
+    x = torch.randn(numel, dtype=torch.float64, generator=gen)
+    kept = x.clone()
+    out = fn(comm, x)
+    assert torch.equal(x, kept), "the ring modified its input"
+    return out
+
+
+@pytest.mark.parametrize("world_size, numel", [(1, 4), (2, 6), (3, 9), (4, 8), (5, 20)])
+def test_lesson03_ring_all_reduce_is_the_library_ring(world_size, numel):
+    from simcomm.lessons import foundations
+    lesson = taught("03", "ring_all_reduce")
+    for seed in (0, 1):
+        mine, theirs = World(world_size), World(world_size)
+        got = mine.run(_ring_program, lesson, numel, seed)
+        want = theirs.run(_ring_program, foundations.ring_all_reduce, numel, seed)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert ops(mine.trace) == ops(theirs.trace)
+        exact = sum(torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + r))
+                    for r in range(world_size))
+        assert all((g - exact).abs().max() < 1e-12 for g in got)
+
+
+def test_lesson03_ring_exchange_is_the_library_exchange():
+    from simcomm.parallel import ring
+    lesson = taught("03", "ring_exchange")
+    for world_size in (2, 3, 5):
+        def program(comm, fn):
+            return fn(comm, torch.full((3,), float(comm.rank)))
+        mine, theirs = World(world_size), World(world_size)
+        got, want = mine.run(program, lesson), theirs.run(program, ring.ring_exchange)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)) and ops(mine.trace) == ops(theirs.trace)
+
+
+# -- lesson 04: the column/row-parallel MLP --------------------------------------------------------
+
+def _tp_program(comm, shard_fn, layer, params, x, conjugate):
+    shards = shard_fn(params, comm.rank, comm.world_size)
+    x = x.clone().requires_grad_()
+    out = layer(comm, x, shards, conjugate=conjugate)
+    out.pow(2).sum().backward()
+    return out.detach(), x.grad, {name: p.grad for name, p in shards.items()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("conjugate", [True, False])
+def test_lesson04_tp_mlp_and_shards_are_the_library_ones(world_size, conjugate):
+    from simcomm.parallel import tensor
+    shard_mlp, tp_mlp = taught("04", "shard_mlp"), taught("04", "tp_mlp")
+    for seed in (0, 1):
+        params = tensor.make_mlp(6, 8, seed=seed)
+        x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 10))
+        for rank in range(world_size):
+            mine, theirs = shard_mlp(params, rank, world_size), tensor.shard_mlp(params, rank, world_size)
+            assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+            assert all(p.requires_grad and p.is_leaf for p in mine.values())
+        a, b = World(world_size), World(world_size)
+        got = a.run(_tp_program, shard_mlp, tp_mlp, params, x, conjugate)
+        want = b.run(_tp_program, tensor.shard_mlp, tensor.tp_mlp, params, x, conjugate)
+        for (out, xg, grads), (out2, xg2, grads2) in zip(got, want):
+            assert torch.equal(out, out2) and torch.equal(xg, xg2)
+            assert all(torch.equal(grads[k], grads2[k]) for k in grads2)
+        assert ops(a.trace) == ops(b.trace)
+    with pytest.raises(ValueError, match="not divisible"):
+        shard_mlp(tensor.make_mlp(6, 6, seed=0), 0, 4)
+
+
+# -- lesson 06: the bucketed reducer ----------------------------------------------------------------
+
+def _lesson06():
+    from simcomm.parallel import data as dp
+    scope = {"dp": dp}
+    every = ("bucket_plan", "BucketedReducer", "_ready", "finish", "bucketed_grads")
+    return (taught("06", "bucket_plan", **scope), taught("06", "BucketedReducer", *every, **scope),
+            taught("06", "bucketed_grads", *every, **scope))
+
+
+def test_lesson06_bucket_plan_is_the_library_plan():
+    from simcomm.parallel import data as dp
+    plan = _lesson06()[0]
+    for numels in ([3, 5, 7, 11], [100], [1, 1, 1, 1, 1, 1], [4096, 16, 4096, 16]):
+        for bucket_bytes in (0, -1, 1, 8, 40, 100, 1 << 20):
+            assert plan(numels, 8, bucket_bytes) == dp.bucket_plan(numels, 8, bucket_bytes)
+
+
+def _accumulate(comm, reducer_class, x, y, microbatches, bucket_bytes):
+    from simcomm.parallel import data as dp
+    model = dp.make_model()
+    reducer = reducer_class(comm, model, bucket_bytes)
+    xs, ys = dp.rows(comm, x, y)
+    pieces = list(zip(xs.chunk(microbatches), ys.chunk(microbatches)))
+    with reducer.no_sync():
+        for xm, ym in pieces[:-1]:
+            (dp.sum_loss(model, xm, ym) / x.shape[0]).backward()
+    (dp.sum_loss(model, *pieces[-1]) / x.shape[0]).backward()
+    reducer.finish()
+    return dp.grads_of(model)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("bucket_bytes", [1, 256 << 10, 1 << 20, 0])
+def test_lesson06_bucketed_reducer_is_the_library_reducer(world_size, bucket_bytes):
+    from simcomm.parallel import data as dp
+    _, reducer, grads_fn = _lesson06()
+    x, y = dp.make_data(16)
+    a, b = World(world_size), World(world_size)
+    got, want = a.run(grads_fn, x, y, bucket_bytes), b.run(dp.bucketed_grads, x, y, bucket_bytes)
+    assert all(torch.equal(g, w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    assert ops(a.trace) == ops(b.trace)
+    assert [(e.op, e.phase, e.modelled) for e in a.trace.events] == [(e.op, e.phase, e.modelled) for e in b.trace.events]
+    a, b = World(world_size), World(world_size)
+    got, want = a.run(_accumulate, reducer, x, y, 2, bucket_bytes), b.run(_accumulate, dp.BucketedReducer, x, y, 2, bucket_bytes)
+    assert all(torch.equal(g, w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    assert ops(a.trace) == ops(b.trace)
+
+
+def test_lesson06_reducer_refuses_a_second_synchronising_backward_as_the_library_does():
+    from simcomm.errors import RankError
+    from simcomm.parallel import data as dp
+    _, reducer, _ = _lesson06()
+
+    def twice(comm, reducer_class):
+        model = dp.make_model()
+        r = reducer_class(comm, model, 0)
+        x, y = dp.make_data(4)
+        for _ in range(2):
+            dp.sum_loss(model, x, y).backward()
+        r.finish()
+    for cls in (reducer, dp.BucketedReducer):
+        with pytest.raises(RankError, match="second synchronising"):
+            World(2).run(twice, cls)
+
+
+# -- lesson 07: ZeRO's steps ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_lesson07_zero_steps_are_the_library_steps(stage, world_size):
+    from simcomm.parallel import zero
+    names = ("backward", "step_stage0", "step_stage1", "step_stage2", "step_stage3")
+    step = taught("07", f"step_stage{stage}", *names, zero=zero)
+    mlp = zero.MLP((6, 8, 8, 4))
+    a, b = World(world_size, memory=True), World(world_size, memory=True)
+    got = a.run(zero.train, stage, mlp, steps=2, batch_size=4, step=step)
+    want = b.run(zero.train, stage, mlp, steps=2, batch_size=4)
+    assert all(torch.equal(g, w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    assert ops(a.trace) == ops(b.trace)
+    for rank in range(world_size):                    # the same bytes under the same labels, every rank
+        assert a.memory.at("after step 2")[rank] == b.memory.at("after step 2")[rank]
+
+
+# -- lesson 08: the pipeline schedules and the step --------------------------------------------------
+
+def test_lesson08_schedules_are_the_library_schedules():
+    from simcomm.parallel import pipeline as pp
+    schedule = taught("08", "schedule", pp=__import__("simcomm.parallel.pipeline", fromlist=["pipeline"]))
+    for name in pp.SCHEDULES:
+        for stages in (1, 2, 3, 4, 6):
+            for microbatches in (1, 2, 3, 4, 8):
+                assert schedule(name, stages, microbatches) == pp.schedule(name, stages, microbatches)
+    with pytest.raises(ValueError, match="schedules are"):
+        schedule("zigzag", 2, 2)
+
+
+def _point_to_point(trace):
+    return [(e.rank, e.op, e.nbytes, e.phase) for e in trace.events if e.op in ("send", "recv", "isend", "irecv")]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b"])
+def test_lesson08_pipeline_step_is_the_library_step(stages, name):
+    from simcomm.parallel import data as dp, pipeline as pp
+    step = taught("08", "pipeline_step", "schedule", "forward_action", "backward_action", dp=dp, pp=pp)
+    x, y = dp.make_data(16, pp.PIPE_SIZES)
+    for microbatches in (1, 4, 8):
+        a, b = World(stages), World(stages)
+        got, want = a.run(step, x, y, name, microbatches), b.run(pp.pipeline_step, x, y, name, microbatches)
+        for g, w in zip(got, want):
+            assert all(torch.equal(p, q) for p, q in zip(g["grads"], w["grads"])) and g["held"] == w["held"]
+            assert (g["loss"] is None) == (w["loss"] is None) and (g["loss"] is None or torch.equal(g["loss"], w["loss"]))
+        assert _point_to_point(a.trace) == _point_to_point(b.trace)
+        assert [e.op for e in a.trace.events if e.op == "compute"] == [e.op for e in b.trace.events if e.op == "compute"]
