@@ -230,6 +230,12 @@ class RunState:
         self.partitions = PartitionTable()
         #: fake tensors on every rank (simcomm.sim.shape): collective math on meta tensors
         self.shape_only = False
+        #: after a rank fails, the others run on until none can make progress (each waits for
+        #: the failed rank, or for a rank that does), as processes do until torchrun's agent
+        #: stops them; False: the failure stops every rank at once (World.run's default)
+        self.peers_run_on = False
+        #: where each rank still running was when the run was aborted: ``file:line in function``
+        self.stopped_at: dict[int, str] = {}
 
     # -- the run's life: called by World and by each rank thread (each takes the lock) --
 
@@ -250,11 +256,13 @@ class RunState:
         self.random.take_turn(rank)
 
     def rank_failed(self, rank: int, error: BaseException) -> None:
-        """``rank``'s program raised ``error``: record it and abort the run."""
+        """``rank``'s program raised ``error``: record it and abort the run (with
+        ``peers_run_on``, the other ranks run on: the run ends when none can make progress)."""
         with self.lock:
             if self.error is None or self.rank_errors:
                 self.rank_errors.append((rank, error))
-            self.abort_locked(self.error or error)
+            if not (self.peers_run_on and self.error is None):
+                self.abort_locked(self.error or error)
 
     def rank_finished(self, rank: int) -> None:
         """``rank``'s program returned (or unwound): hand the turn on, or end the run."""
@@ -373,15 +381,30 @@ class RunState:
         self.ready.append(rank)
 
     def abort_locked(self, error: BaseException) -> None:
-        """Record the run's first error and wake every blocked or ready rank to unwind."""
+        """Record the run's first error and wake every blocked or ready rank to unwind.
+
+        With ``peers_run_on`` after a rank failed, "nobody can make progress" is no
+        deadlock of the program: the ranks left wait for the failed rank (or for ranks
+        that do), and the run ends with that rank's failure."""
         if self.error is None:
+            if self.rank_errors and isinstance(error, DeadlockError):
+                error = self.rank_errors[0][1]
             self.error = error
+            self._note_where_locked()
         for rank in [*self.blocked, *self.ready]:
             self.waiters[rank].release()
             self.woken_by_abort.add(rank)
         self.blocked.clear()
         self.ready.clear()
         self.done.set()
+
+    def _note_where_locked(self) -> None:
+        """Record in ``stopped_at`` the script line of every started, unfinished rank."""
+        frames = sys._current_frames()
+        for rank in self.started:
+            if rank not in self.finished and rank not in self.exiting:
+                ident = self.thread_ids[rank]
+                self.stopped_at[rank] = program_location(frames.get(ident) if ident else None)
 
     # -- reports --
 

@@ -60,7 +60,7 @@ class World:
 
     def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
                  memory: bool = False, tensors: str = "real", count_flops: bool = False,
-                 map_cuda: bool | VirtualGPUs = False):
+                 map_cuda: bool | VirtualGPUs = False, peers_run_on: bool = False):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size={world_size!r} must be a positive int")
         if tensors not in _shape.TENSOR_MODES:
@@ -85,6 +85,12 @@ class World:
         self.trace = Trace()
         self.track_memory = memory
         self.memory: _memory.MemoryReport | None = None   # bytes per rank of the last run (memory=True)
+        #: when a rank fails, the others run on until none can make progress (each waits for the
+        #: failed rank, or for a rank that does), as processes do before torchrun's agent stops
+        #: them; False (the default): every rank is stopped at once
+        self.peers_run_on = bool(peers_run_on)
+        #: after a run that ended in an error: the script line of each rank still running then
+        self.stopped_at: dict[int, str] = {}
 
     def __repr__(self) -> str:
         mode = f", tensors={self.tensors!r}" if self.tensors != "real" else ""
@@ -184,6 +190,8 @@ class World:
         state.flop_totals = [0] * self.world_size if self.count_flops else None
         state.map_cuda = self.map_cuda
         state.virtual_gpus = self.virtual_gpus
+        state.peers_run_on = self.peers_run_on
+        self.stopped_at = state.stopped_at
         results: list[Any] = [None] * self.world_size
         reports = [None] * self.world_size if self.track_memory else None
         threads = [
