@@ -256,9 +256,19 @@ PATCHES: tuple[Patch, ...] = (
         "python -m simcomm.run / run_script runs a torchrun script on virtual ranks as torchrun "
         "would: each rank's output tagged, its own argv, imports from the script's folder, one "
         "compute thread per rank",
+        "each run_script launch", "when the launch ends: the caller's argv, sys.path, os.environ "
+        "and thread count are put back as they were", "run",
+        ("sys.stdout", "sys.stderr", "sys.argv", "sys.path.insert()", "sys.argv[:]", "sys.path[:]",
+         "del os.environ[name]", "torch.set_num_threads()")),
+    Patch(
+        "rank-exits", "``os._exit``, ``os.abort``, ``os.kill`` and ``signal.raise_signal``: on a rank "
+        "thread of a run_script launch, ``os._exit(n)``, ``os.abort()`` and a fatal signal the rank "
+        "sends its own process end that rank only, with the exit status its process would have had",
+        "simcomm.run",
+        "under torchrun each call ends one worker process, and the launcher reports it; on virtual "
+        "ranks it would end the whole process (a notebook's kernel) and every rank with it",
         "each run_script launch", "when the launch ends", "run",
-        ("sys.stdout", "sys.stderr", "sys.argv", "sys.path.insert()", "sys.path.remove()",
-         "torch.set_num_threads()")),
+        ("os._exit", "os.abort", "os.kill", "signal.raise_signal")),
     Patch(
         "plotly-renderer", "plotly's renderers: a ``\"simcomm\"`` renderer registered and made the "
         "default", "simcomm.viz.render",
