@@ -57,6 +57,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -287,6 +288,7 @@ class _Launch:
     """One launch, shared by its rank threads: what to run, with what, and each rank's status."""
 
     target: str
+    path: str
     module: bool
     args: list[str]
     nproc_per_node: int
@@ -313,7 +315,7 @@ class _Launch:
                     if self.module:
                         runpy.run_module(self.target, run_name="__main__", alter_sys=True)
                     else:
-                        runpy.run_path(os.path.abspath(self.target), run_name="__main__")
+                        _run_main(self.path, self.target)
                 except SystemExit as exit_:
                     code = _exit_code(exit_, sys.stderr)
                     how = f"sys.exit({exit_.code!r})" if code else ""
@@ -337,6 +339,28 @@ class _Launch:
             for stream in self.streams:
                 stream.end_rank(rank)
             output.rank = None
+
+
+def _run_main(path: str, target: str) -> None:
+    """Run the script ``target`` (absolute: ``path``, taken before the run: a rank may change
+    the working directory) as ``__main__``, as ``python target`` does: ``__file__`` is its
+    absolute path and ``sys.argv[0]`` stays as typed (``runpy.run_path`` would set both to the
+    path it is given). A folder or zip archive with a ``__main__.py`` goes to ``runpy.run_path``."""
+    if not os.path.isfile(path) or path.endswith((".zip", ".pyz")):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(path) as source:
+        code = compile(source.read(), path, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __cached__=None, __loader__=None, __spec__=None,
+                           __package__=None, __builtins__=__builtins__)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def _rank_program(comm, launch: _Launch) -> int:
@@ -522,7 +546,7 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     # which may have thousands of ranks, only when asked (memory=True)
     world = World(world_size, device=device, tensors=tensors,
                   memory=memory or (gpus is not None and tensors == "real"), map_cuda=gpus or False,
-                  peers_run_on=True)
+                  peers_run_on=True, explicit_init=True)
     if gpus is not None:
         print(f"simcomm.run: no GPU here; each rank gets a virtual GPU backed by the CPU, a "
               f"{gpus.describe()} (--no-virtual-gpus turns this off)", file=sys.stderr)
@@ -546,7 +570,7 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
         if threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
         with _tagged_output(tag_output) as (output, streams), _RankExits(output):
-            launch = _Launch(target, module, list(args), nproc_per_node, nnodes,
+            launch = _Launch(target, os.path.abspath(target), module, list(args), nproc_per_node, nnodes,
                              {"master_addr": master_addr, "master_port": master_port,
                               "run_id": run_id, "error_dir": error_dir},
                              statuses, output, streams, how)
@@ -716,13 +740,13 @@ def _check_options(options: argparse.Namespace) -> float | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command; returns its exit status. Bad input is refused before the script starts,
-    in one line on stderr with status 1, as torchrun fails a launch."""
+    """The command; returns its exit status. Bad input is refused before the script starts
+    with ``SystemExit("simcomm.run: error: ...")``: one line on stderr and status 1, as
+    torchrun fails a launch."""
     try:
         return _main(argv)
-    except _Refused as refused:
-        print(f"simcomm.run: error: {refused}", file=sys.stderr)
-        return 1
+    except _Refused as refused:    # Python prints the message and exits with status 1
+        raise SystemExit(f"simcomm.run: error: {refused}") from None
     except KeyboardInterrupt:       # Ctrl-C before or after the run (during it: run_script's summary)
         print("simcomm.run: interrupted (Ctrl-C)", file=sys.stderr)
         return 1

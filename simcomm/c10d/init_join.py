@@ -32,9 +32,9 @@ original_init_process_group = c10d.init_process_group
 #: (the simulator on virtual ranks; the worker's gloo or NCCL group on real workers)
 JOINABLE_BACKENDS = ("gloo", "nccl", BACKEND_NAME, "undefined")
 
-#: ``join(backend, world_size, rank, init_method) -> bool``: True when it served the call
-#: (the calling thread is a rank of a run), False to let the next rule decide
-ThreadJoin = Callable[[Any, int, int, Any], bool]
+#: ``join(backend, world_size, rank, init_method, timeout) -> bool``: True when it served the
+#: call (the calling thread is a rank of a run), False to let the next rule decide
+ThreadJoin = Callable[[Any, int, int, Any, Any], bool]
 
 _process_world_joins = False     # a real worker: the process's default group is the run's world
 _thread_join: ThreadJoin | None = None
@@ -119,9 +119,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        group_name: str = "", pg_options: Any = None, device_id: Any = None,
                        **kwargs: Any) -> None:
     """torch's ``init_process_group``, which inside a run joins the run's world
-    (:func:`install_init_join`); ``timeout``, ``store``, ``group_name``, ``pg_options``
-    and ``device_id`` are then accepted and have no effect."""
-    if _thread_join is not None and _thread_join(backend, world_size, rank, init_method):
+    (:func:`install_init_join`); ``store``, ``group_name``, ``pg_options`` and ``device_id``
+    are then accepted and have no effect; on virtual ranks ``timeout`` bounds each wait in
+    the rank's groups, as gloo's does (:mod:`simcomm.sim.dist_world`)."""
+    if _thread_join is not None and _thread_join(backend, world_size, rank, init_method, timeout):
         return None
     if _process_world_joins and c10d.is_initialized():
         check_init_arguments(backend, world_size, rank, init_method, dist.get_rank(),

@@ -236,6 +236,13 @@ class RunState:
         self.peers_run_on = False
         #: where each rank still running was when the run was aborted: ``file:line in function``
         self.stopped_at: dict[int, str] = {}
+        #: the programs create their default group with init_process_group (torchrun scripts)
+        self.explicit_init = False
+        #: init_process_group(timeout=) of each rank that gave one, in seconds; while any is
+        #: set, each rank's blocking waits are timed (``blocked_since``) and World ends the run
+        #: when one lasts longer (:meth:`expired_wait_locked`)
+        self.group_timeouts: dict[int, float] = {}
+        self.blocked_since: dict[int, float] = {}
 
     # -- the run's life: called by World and by each rank thread (each takes the lock) --
 
@@ -351,6 +358,8 @@ class RunState:
         Raises :class:`~simcomm.errors.Aborted` if the run was aborted.
         """
         self.blocked[rank] = wait
+        if self.group_timeouts:
+            self.blocked_since[rank] = time.monotonic()
         random = self.random
         random.hand_off(rank)
         next_rank = self.ready.popleft() if self.ready else None
@@ -397,6 +406,26 @@ class RunState:
         self.blocked.clear()
         self.ready.clear()
         self.done.set()
+
+    def note_group_timeout(self, rank: int, timeout) -> None:
+        """``rank``'s ``init_process_group(timeout=)`` (a ``timedelta`` or seconds)."""
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"init_process_group on rank {rank}: timeout={timeout!r} must be a "
+                             f"positive datetime.timedelta")
+        with self.lock:
+            self.group_timeouts[rank] = float(seconds)
+
+    def expired_wait_locked(self) -> tuple[int, float, float] | None:
+        """A blocked rank that has waited longer than its group timeout: ``(rank, timeout,
+        waited)``, or None."""
+        now = time.monotonic()
+        for rank in self.blocked:
+            limit = self.group_timeouts.get(rank)
+            since = self.blocked_since.get(rank)
+            if limit is not None and since is not None and now - since > limit:
+                return rank, limit, now - since
+        return None
 
     def _note_where_locked(self) -> None:
         """Record in ``stopped_at`` the script line of every started, unfinished rank."""

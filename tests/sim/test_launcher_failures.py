@@ -33,7 +33,13 @@ needs_torchrun = pytest.mark.skipif(not TORCHRUN.exists(), reason=f"no torchrun 
 
 
 def _command(argv: list[str], capsys) -> tuple[int, str, str]:
-    status = main(argv)
+    """The command's status and output, as ``python -m simcomm.run`` gives them."""
+    try:
+        status = main(argv)
+    except SystemExit as refused:       # what the interpreter does with it
+        assert isinstance(refused.code, str), refused.code
+        print(refused.code, file=sys.stderr)
+        status = 1
     out = capsys.readouterr()
     return status, out.out, out.err
 
