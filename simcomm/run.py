@@ -427,11 +427,15 @@ class ScriptRun:
             if code is None:
                 where = self.stopped_at.get(rank)
                 if where is None:
-                    status = "stopped before it started its script"
+                    status = "had not started its script (it waited for its first turn)"
                 else:
                     status = f"still running at {where}"
-                status += (", stopped by Ctrl-C (torchrun forwards SIGINT to its workers)" if interrupted
-                           else "; stopped (torchrun's agent ends it with SIGTERM: exitcode -15)")
+                if interrupted:
+                    status += ", stopped by Ctrl-C (torchrun forwards SIGINT to its workers)"
+                elif root is not None:
+                    status += "; stopped (torchrun's agent ends it with SIGTERM: exitcode -15)"
+                else:
+                    status += f"; stopped when the run ended with {type(self.error).__name__}"
             else:
                 status = f"exitcode {code}"
                 how = self.how.get(rank, "")
