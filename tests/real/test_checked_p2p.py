@@ -79,3 +79,81 @@ def test_a_mismatched_op_of_a_batch_is_named_on_both_backends(gloo_cluster):
     for backend in (simcomm.World(2), gloo_cluster(2, timeout=30)):
         with pytest.raises(simcomm.CollectiveMismatchError, match=r"rank 1 expects float32 \(4,\)"):
             backend.run(_batch_with_a_mismatched_second_op)
+
+
+# -- an async point-to-point mismatch is named, never a timeout ----------------------------------------
+
+def _isend_irecv(comm):
+    if comm.rank == 0:
+        return comm.isend(torch.ones(2), 1).wait()
+    return comm.irecv((3,), torch.float32, 0).wait()
+
+
+def _isend_recv(comm):
+    if comm.rank == 0:
+        return comm.isend(torch.ones(2), 1).wait()
+    return comm.recv((3,), torch.float32, 0)
+
+
+def _send_irecv(comm):
+    if comm.rank == 0:
+        return comm.send(torch.ones(2), 1)
+    return comm.irecv((3,), torch.float32, 0).wait()
+
+
+def _isend_irecv_dtype(comm):
+    if comm.rank == 0:
+        return comm.isend(torch.ones(2), 1).wait()
+    return comm.irecv((2,), torch.int32, 0).wait()
+
+
+def _batch_exchange(comm):
+    peer = 1 - comm.rank
+    ops = [simcomm.P2POp("isend", torch.ones(2), peer),
+           simcomm.P2POp("irecv", ((2,) if comm.rank == 0 else (4,), torch.float32), peer)]
+    return [handle.wait() for handle in comm.batch_isend_irecv(ops)]
+
+
+def _isend_waited_late(comm):
+    if comm.rank == 0:
+        handle = comm.isend(torch.ones(2), 1)
+        torch.ones(300, 300) @ torch.ones(300, 300)
+        return handle.wait()
+    return comm.irecv((5,), torch.float32, 0).wait()
+
+
+def _dist_isend_irecv(comm):
+    if comm.rank == 0:
+        return dist.isend(torch.ones(2), 1).wait()
+    return dist.irecv(torch.empty(3), 0).wait()
+
+
+def _dist_isend_polled(comm):
+    if comm.rank == 0:
+        work = dist.isend(torch.ones(2), 1)
+        while not work.is_completed():
+            pass
+        return work.wait()
+    return dist.irecv(torch.empty(5), 0).wait()
+
+
+def _dist_batch_exchange(comm):
+    peer = 1 - comm.rank
+    ops = [dist.P2POp(dist.isend, torch.ones(2), peer),
+           dist.P2POp(dist.irecv, torch.empty(2 if comm.rank == 0 else 4), peer)]
+    return [work.wait() for work in dist.batch_isend_irecv(ops)]
+
+
+MISMATCHES = [_isend_irecv, _isend_recv, _send_irecv, _isend_irecv_dtype, _batch_exchange, _isend_waited_late,
+              _dist_isend_irecv, _dist_isend_polled, _dist_batch_exchange]
+
+
+@pytest.mark.timeout(300)
+def test_every_async_point_to_point_mismatch_is_named_on_both_backends(gloo_cluster):
+    cluster = gloo_cluster(2, timeout=30)
+    for _ in range(3):        # a race would show as a RunTimeoutError in some repetition
+        for program in MISMATCHES:
+            for backend in (simcomm.World(2), cluster):
+                with pytest.raises(simcomm.CollectiveMismatchError, match="send/recv mismatch in group"):
+                    backend.run(program)
+    assert cluster.run(lambda comm: comm.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
