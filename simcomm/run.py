@@ -19,21 +19,32 @@ torchrun run has to itself, each rank has:
   per rank (modules the script *imports* are imported once and shared);
 * its own torch, Python ``random`` and NumPy random state, every rank
   starting from the same fresh state (:mod:`simcomm.sim.process_state`);
-* torch.distributed: ``dist.init_process_group(...)`` joins the run's world
-  (:func:`simcomm.c10d.init_join.install_init_join`), and every ``dist.*``
-  call works from the script's top level;
-* an exit status: ``sys.exit(n)`` ends the rank as a process exit would.
+* torch.distributed: ``dist.init_process_group(...)`` creates the rank's default
+  group in the run's world, as torch's does (``dist.is_initialized()`` is False
+  before it, a second call raises torch's ``ValueError``, ``dist.get_backend()``
+  answers the backend asked for, a ``timeout=`` bounds each wait as gloo's does:
+  :func:`simcomm.c10d.init_join.install_init_join`), and every ``dist.*`` call
+  works from the script's top level;
+* ``__file__`` absolute and ``sys.argv[0]`` as typed, as ``python script.py`` gives them;
+* an exit status: ``sys.exit(n)``, ``os._exit(n)``, ``os.abort()`` and a fatal
+  signal the rank sends itself end that rank only, with the status its process
+  would have had.
 
 On a machine without a GPU each rank gets a virtual GPU backed by the CPU
 (:mod:`simcomm.sim.cuda_map`; ``--no-virtual-gpus``, ``--gpu``, ``--gpu-memory``):
 a script written for GPUs (``set_device``, ``.to(local_rank)``, ``"nccl"``,
 ``device_ids``, autocast, memory statistics) runs unmodified, with real values.
 
-Output lines are tagged ``[rank r]``. The command exits non-zero, with a
-summary of the failed ranks, when a rank raised or exited non-zero, or the
-simulator found a collective mismatch or a deadlock (named with each rank's
-script line). ``--trace``, ``--tensors shape``, ``--memory`` and ``--timeout``
-add what the simulator can show. From a notebook: :func:`run_script`.
+Output lines are tagged ``[rank r]``. Bad input (a missing script, a ``--trace``
+that cannot be written or would overwrite an input, a ``--timeout`` that is not a
+positive finite number) is refused before the script starts, in one line with
+status 1. When a rank fails the others run on until they need it, as torchrun's
+processes do until its agent stops them; the command then exits 1, as torchrun,
+with a summary naming each rank, its exit status and, for a rank still running,
+its script line; so does a collective mismatch, a deadlock, a timeout or Ctrl-C.
+``--trace``, ``--tensors shape``, ``--memory`` and ``--timeout`` add what the
+simulator can show. From a notebook: :func:`run_script`, which returns all that
+and leaves the caller's state as it found it (docs/torchrun.md, "How a run ends").
 
 The call chain::
 

@@ -56,6 +56,15 @@ class World:
     so rank-dependent control flow, blocking send/recv and per-rank
     ``backward()`` behave as on real processes: each rank has its own copy of
     the arguments and its own random state (see :meth:`run`).
+
+    ``World(n, peers_run_on=True)``: when a rank fails, the others run on until none
+    can make progress (each waits for the failed rank, or for a rank that does), as
+    processes do before torchrun's agent stops them; by default every rank is stopped
+    at once. ``World(n, explicit_init=True)``: each program creates its default group
+    with ``init_process_group`` as a torchrun script does (``python -m simcomm.run``
+    uses both); by default the group stands from the start and the call joins it.
+    After a run that ended in an error, ``world.stopped_at[r]`` is the program line
+    rank ``r`` was at when it was stopped.
     """
 
     def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
