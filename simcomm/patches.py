@@ -109,7 +109,9 @@ PATCHES: tuple[Patch, ...] = (
         "the first World.run", "never: stays for the process (meshes made elsewhere are unchanged)",
         "process", ("DeviceMesh.__init__",), ("torch.distributed.device_mesh.DeviceMesh.__init__",)),
     Patch(
-        "init-process-group", "``torch.distributed.init_process_group`` (and c10d's): a program's own "
+        "init-process-group", "``torch.distributed.init_process_group`` (and c10d's, and the name "
+        "``torch.distributed.device_mesh`` imported, through which a DeviceMesh creates the default "
+        "group): a program's own "
         "call joins the run it runs in, as under torchrun", "simcomm.c10d.init_join",
         "every torchrun script calls it; inside a World.run the run's world already stands, so a call "
         "whose arguments agree returns at once and one that disagrees raises naming what disagrees "
@@ -118,7 +120,8 @@ PATCHES: tuple[Patch, ...] = (
         "the first World.run; in a real worker once it joined its group",
         "never: stays for the process (uninstall_init_join puts torch's back)", "process",
         ("dist.init_process_group", "c10d.init_process_group"),
-        ("torch.distributed.init_process_group", f"{_C10D}.init_process_group")),
+        ("torch.distributed.init_process_group", f"{_C10D}.init_process_group",
+         "torch.distributed.device_mesh.init_process_group")),
     Patch(
         "group-tags", f"``{_C10D}._register_pg_in_world``: a group a simcomm default group made is "
         "tagged as c10d tags one it makes itself", "simcomm.c10d.process_group",

@@ -15,6 +15,7 @@ process's world (``process_world=True``).
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,10 @@ def install_init_join(*, process_world: bool = False, thread_join: ThreadJoin | 
     if dist.init_process_group is not init_process_group:    # simcomm.patches: "init-process-group"
         dist.init_process_group = init_process_group
         c10d.init_process_group = init_process_group
+    # DeviceMesh creates the default group itself when none stands, through the name it imported
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    if getattr(mesh_module, "init_process_group", None) is original_init_process_group:
+        mesh_module.init_process_group = init_process_group
 
 
 def uninstall_init_join() -> None:
@@ -69,6 +74,9 @@ def uninstall_init_join() -> None:
         dist.init_process_group = original_init_process_group
     if c10d.init_process_group is init_process_group:
         c10d.init_process_group = original_init_process_group
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    if getattr(mesh_module, "init_process_group", None) is init_process_group:
+        mesh_module.init_process_group = original_init_process_group
 
 
 def check_init_arguments(backend: Any, world_size: int, rank: int, init_method: Any,
