@@ -162,12 +162,15 @@ class CheckedTransport:
         checker = self._checker
         previous = [checker.last_issue[item.channel] for item in checked if item.channel in checker.last_issue]
         args, kwargs, kept = _taken_now(inner, name, args, kwargs)
+        issue = lambda: method(*args, **kwargs)   # noqa: E731
 
         def check(view: Checker) -> None:
             for item in checked:
                 view.finish(item)
 
-        work = _Deferred(checker, check, previous, lambda: method(*args, **kwargs),
+        if name == "batch_isend_irecv":
+            check, issue = _op_by_op(method, args[0], kwargs, posted)
+        work = _Deferred(checker, check, previous, issue,
                          lambda: checker.announce_pair(checked[0]) if checked else None,
                          _pending_of(inner), (" + ".join(describe(call) for call in calls), location), kept)
         for item in checked:
@@ -255,6 +258,28 @@ class _Deferred:
     def is_completed(self) -> bool:
         return self.issued.is_set() and (self._error is not None or self.handle is None
                                          or self.handle.is_completed())
+
+
+def _op_by_op(method, ops: Sequence, kwargs: dict, posted: Sequence) -> tuple:
+    """The check and issue of a checked ``batch_isend_irecv``: each op is issued to the backend
+    as soon as its own pair agrees, in the batch's order, as gloo issues a batch's ops one by one.
+
+    Checking the whole batch before issuing any op would hang a legitimate program: a batch of
+    two isends whose receiver takes the first with a blocking recv and only then posts an irecv
+    for the second (the second pair cannot agree before the first message has arrived). A
+    mismatched op so moves nothing, and neither do the ops after it; the ops before it, which
+    matched, have moved. ``posted[i]``: op ``i``'s pair record (None for an op to this rank)."""
+    handles: list = []
+    issued = (current_phase(), time.perf_counter())   # traced as the program issued it
+
+    def check(view: Checker) -> None:
+        for op, item in zip(ops, posted):
+            if item is not None:
+                view.finish(item)
+            with issuing_deferred(), issued_as(*issued):
+                handles.extend(method([op], **kwargs))
+
+    return check, lambda: handles
 
 
 def _pending_of(transport) -> dict | None:

@@ -109,15 +109,19 @@ PATCHES: tuple[Patch, ...] = (
         "the first World.run", "never: stays for the process (meshes made elsewhere are unchanged)",
         "process", ("DeviceMesh.__init__",), ("torch.distributed.device_mesh.DeviceMesh.__init__",)),
     Patch(
-        "init-process-group", "``torch.distributed.init_process_group`` (and c10d's): a program's own "
+        "init-process-group", "``torch.distributed.init_process_group`` (and c10d's, and the name "
+        "``torch.distributed.device_mesh`` imported, through which a DeviceMesh creates the default "
+        "group): a program's own "
         "call joins the run it runs in, as under torchrun", "simcomm.c10d.init_join",
-        "every torchrun script calls it; inside a run the run's world already stands, so a call whose "
-        "arguments agree returns at once and one that disagrees raises naming what disagrees; "
-        "everywhere else it is torch's own call",
+        "every torchrun script calls it; inside a World.run the run's world already stands, so a call "
+        "whose arguments agree returns at once and one that disagrees raises naming what disagrees "
+        "(under python -m simcomm.run the first call creates the rank's group and a second raises "
+        "torch's ValueError); everywhere else it is torch's own call",
         "the first World.run; in a real worker once it joined its group",
         "never: stays for the process (uninstall_init_join puts torch's back)", "process",
         ("dist.init_process_group", "c10d.init_process_group"),
-        ("torch.distributed.init_process_group", f"{_C10D}.init_process_group")),
+        ("torch.distributed.init_process_group", f"{_C10D}.init_process_group",
+         "torch.distributed.device_mesh.init_process_group")),
     Patch(
         "group-tags", f"``{_C10D}._register_pg_in_world``: a group a simcomm default group made is "
         "tagged as c10d tags one it makes itself", "simcomm.c10d.process_group",
@@ -263,15 +267,35 @@ PATCHES: tuple[Patch, ...] = (
         "at the end of the block (unless something inside changed them)", "run",
         ("gc.set_threshold()",)),
     Patch(
+        "get-backend", "``torch.distributed.get_backend`` (and c10d's): on a rank thread of a "
+        "``python -m simcomm.run`` launch, a group answers the backend the script's "
+        "init_process_group asked for (``\"gloo\"``) instead of ``\"simcomm\"``",
+        "simcomm.sim.dist_world",
+        "scripts and torch read it to decide (monitored_barrier runs on gloo only); on real "
+        "processes it answers the backend asked for. Everywhere else it is torch's answer",
+        "the first World.run", "never: stays for the process", "process",
+        ("c10d.get_backend", "dist.get_backend"),
+        ("torch.distributed.get_backend", f"{_C10D}.get_backend")),
+    Patch(
         "run-script", "``sys.stdout``/``sys.stderr`` (rank-tagged streams), ``sys.argv`` per rank, "
         "``sys.path`` (the script's folder first), ``torch.set_num_threads`` (torchrun's "
         "OMP_NUM_THREADS)", "simcomm.run",
         "python -m simcomm.run / run_script runs a torchrun script on virtual ranks as torchrun "
-        "would: each rank's output tagged, its own argv, imports from the script's folder, one "
-        "compute thread per rank",
+        "would: each rank's output tagged, its own argv and ``__main__`` module, imports from the "
+        "script's folder, one compute thread per rank",
+        "each run_script launch", "when the launch ends: the caller's argv, sys.path, os.environ "
+        "and thread count are put back as they were", "run",
+        ("sys.stdout", "sys.stderr", "sys.argv", "sys.path.insert()", "sys.argv[:]", "sys.path[:]",
+         "del os.environ[name]", "sys.modules['__main__']", "torch.set_num_threads()")),
+    Patch(
+        "rank-exits", "``os._exit``, ``os.abort``, ``os.kill`` and ``signal.raise_signal``: on a rank "
+        "thread of a run_script launch, ``os._exit(n)``, ``os.abort()`` and a fatal signal the rank "
+        "sends its own process end that rank only, with the exit status its process would have had",
+        "simcomm.run",
+        "under torchrun each call ends one worker process, and the launcher reports it; on virtual "
+        "ranks it would end the whole process (a notebook's kernel) and every rank with it",
         "each run_script launch", "when the launch ends", "run",
-        ("sys.stdout", "sys.stderr", "sys.argv", "sys.path.insert()", "sys.path.remove()",
-         "torch.set_num_threads()")),
+        ("os._exit", "os.abort", "os.kill", "signal.raise_signal")),
     Patch(
         "plotly-renderer", "plotly's renderers: a ``\"simcomm\"`` renderer registered and made the "
         "default", "simcomm.viz.render",

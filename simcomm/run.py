@@ -20,21 +20,32 @@ torchrun run has to itself, each rank has:
   (:mod:`simcomm.sim.rank_modules`);
 * its own torch, Python ``random`` and NumPy random state, every rank
   starting from the same fresh state (:mod:`simcomm.sim.process_state`);
-* torch.distributed: ``dist.init_process_group(...)`` joins the run's world
-  (:func:`simcomm.c10d.init_join.install_init_join`), and every ``dist.*``
-  call works from the script's top level;
-* an exit status: ``sys.exit(n)`` ends the rank as a process exit would.
+* torch.distributed: ``dist.init_process_group(...)`` creates the rank's default
+  group in the run's world, as torch's does (``dist.is_initialized()`` is False
+  before it, a second call raises torch's ``ValueError``, ``dist.get_backend()``
+  answers the backend asked for, a ``timeout=`` bounds each wait as gloo's does:
+  :func:`simcomm.c10d.init_join.install_init_join`), and every ``dist.*`` call
+  works from the script's top level;
+* ``__file__`` absolute and ``sys.argv[0]`` as typed, as ``python script.py`` gives them;
+* an exit status: ``sys.exit(n)``, ``os._exit(n)``, ``os.abort()`` and a fatal
+  signal the rank sends itself end that rank only, with the status its process
+  would have had.
 
 On a machine without a GPU each rank gets a virtual GPU backed by the CPU
 (:mod:`simcomm.sim.cuda_map`; ``--no-virtual-gpus``, ``--gpu``, ``--gpu-memory``):
 a script written for GPUs (``set_device``, ``.to(local_rank)``, ``"nccl"``,
 ``device_ids``, autocast, memory statistics) runs unmodified, with real values.
 
-Output lines are tagged ``[rank r]``. The command exits non-zero, with a
-summary of the failed ranks, when a rank raised or exited non-zero, or the
-simulator found a collective mismatch or a deadlock (named with each rank's
-script line). ``--trace``, ``--tensors shape``, ``--memory`` and ``--timeout``
-add what the simulator can show. From a notebook: :func:`run_script`.
+Output lines are tagged ``[rank r]``. Bad input (a missing script, a ``--trace``
+that cannot be written or would overwrite an input, a ``--timeout`` that is not a
+positive finite number) is refused before the script starts, in one line with
+status 1. When a rank fails the others run on until they need it, as torchrun's
+processes do until its agent stops them; the command then exits 1, as torchrun,
+with a summary naming each rank, its exit status and, for a rank still running,
+its script line; so does a collective mismatch, a deadlock, a timeout or Ctrl-C.
+``--trace``, ``--tensors shape``, ``--memory`` and ``--timeout`` add what the
+simulator can show. From a notebook: :func:`run_script`, which returns all that
+and leaves the caller's state as it found it (docs/torchrun.md, "How a run ends").
 
 The call chain::
 
@@ -46,23 +57,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
+import random
 import runpy
+import shutil
+import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
+import types
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .errors import RankError, SimcommError
+from .errors import Aborted, RankError, SimcommError
 from .memory import MemoryReport
 from .sim.cuda_map import GPUS, VirtualGPUs, gpu_preset, parse_bytes
 from .sim.process_state import rank_environ
-from .errors import Aborted
 from .sim.world import World
 from .trace import Trace
 
@@ -71,20 +88,34 @@ __all__ = ["run_script", "ScriptRun", "rank_environment", "main"]
 
 # -- what a rank sees ------------------------------------------------------------------------------
 
+#: the signals torchrun's agent tells its workers it handles (TORCHELASTIC_SIGNALS_TO_HANDLE)
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
 def rank_environment(rank: int, nproc_per_node: int, nnodes: int = 1, *, master_addr: str = "127.0.0.1",
                      master_port: int = 29500, run_id: str = "none", role: str = "default",
-                     max_restarts: int = 0) -> dict[str, str]:
+                     max_restarts: int = 0, error_dir: str | None = None) -> dict[str, str]:
     """The variables torchrun's elastic agent sets for global rank ``rank`` (its
-    ``LocalElasticAgent._start_workers``), with one role and no restarts."""
+    ``LocalElasticAgent._start_workers``), with one role and no restarts.
+
+    ``TORCHELASTIC_ERROR_FILE`` is ``<error_dir>/attempt_0/<local_rank>/error.json``, as
+    torchrun names it in its log folder (``error_dir``: a temporary folder when ``None``,
+    named but not created; :func:`run_script` creates it for the run and removes it after).
+    """
     world_size = nproc_per_node * nnodes
+    local_rank = rank % nproc_per_node
+    if error_dir is None:
+        error_dir = os.path.join(tempfile.gettempdir(), f"torchelastic_{run_id}")
     variables = {
-        "RANK": str(rank), "LOCAL_RANK": str(rank % nproc_per_node),
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank),
         "GROUP_RANK": str(rank // nproc_per_node), "ROLE_RANK": str(rank), "ROLE_NAME": role,
         "LOCAL_WORLD_SIZE": str(nproc_per_node), "WORLD_SIZE": str(world_size),
         "GROUP_WORLD_SIZE": str(nnodes), "ROLE_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_ERROR_FILE": os.path.join(error_dir, "attempt_0", str(local_rank), "error.json"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS_TO_HANDLE,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
     # torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset and there are several
@@ -157,11 +188,100 @@ def _tagged_output(enabled: bool) -> Iterator[tuple[threading.local, tuple[_Tagg
 
 
 class _RankExited(Exception):
-    """A rank's ``sys.exit(n)`` with ``n != 0``: ends the launch as torchrun ends it."""
+    """A rank ended with a non-zero exit status (``sys.exit(n)``, ``os._exit(n)``, a signal):
+    ends the rank as the process would end, and fails the launch as torchrun's."""
 
-    def __init__(self, rank: int, code: int):
-        super().__init__(f"rank {rank} exited with code {code}")
-        self.rank, self.code = rank, code
+    def __init__(self, rank: int, code: int, how: str = ""):
+        super().__init__(f"rank {rank} exited with code {code}" + (f" ({how})" if how else ""))
+        self.rank, self.code, self.how = rank, code, how
+
+
+class _RankEnded(BaseException):
+    """Raised on a rank thread by ``os._exit(n)``, ``os.abort()`` or a fatal signal the rank
+    sends itself, which would end the whole process: it ends the rank only, with the exit
+    status the process would have had (``-signum`` for a signal). A ``BaseException``, so
+    ``except Exception`` in the script does not catch it (``finally`` blocks do run)."""
+
+    def __init__(self, code: int, how: str):
+        super().__init__(how)
+        self.code, self.how = code, how
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+#: signals whose default action ignores them (or stops/continues the process): no rank ends by one
+_HARMLESS = {getattr(signal, name) for name in ("SIGCHLD", "SIGURG", "SIGWINCH", "SIGCONT", "SIGSTOP",
+                                                 "SIGTSTP", "SIGTTIN", "SIGTTOU") if hasattr(signal, name)}
+
+
+class _RankExits:
+    """For the length of a launch: ``os._exit``, ``os.abort``, ``os.kill`` of this process and
+    ``signal.raise_signal`` end only the rank that calls them, on a rank thread (one whose
+    ``local.rank`` is set), as they would end only that rank's process under torchrun;
+    on any other thread they are the real calls."""
+
+    def __init__(self, local: threading.local):
+        self.local = local
+        self.saved: tuple | None = None
+
+    def _on_rank(self) -> bool:
+        return getattr(self.local, "rank", None) is not None
+
+    def __enter__(self) -> _RankExits:
+        real_exit, real_abort, real_kill, real_raise = os._exit, os.abort, os.kill, signal.raise_signal
+        self.saved = real_exit, real_abort, real_kill, real_raise
+
+        def _exit(code: int) -> None:
+            if not self._on_rank():
+                real_exit(code)
+            raise _RankEnded(int(code) & 0xFF, f"os._exit({code})")
+
+        def abort() -> None:
+            if not self._on_rank():
+                real_abort()
+            raise _RankEnded(-signal.SIGABRT, "SIGABRT: os.abort()")
+
+        def deliver(signum: int, call: str) -> None:
+            """What ``signum`` sent to this process does to the rank that sent it."""
+            signum = int(signum)
+            if signum == 0:       # only asks whether the process exists
+                return
+            handler = signal.getsignal(signum)
+            if handler == signal.SIG_IGN or (
+                    handler == signal.SIG_DFL and signum in _HARMLESS):
+                return
+            if handler == signal.default_int_handler:        # SIGINT's: KeyboardInterrupt
+                raise KeyboardInterrupt
+            if callable(handler):     # the caller's handler, run on the rank as on its process
+                handler(signum, sys._getframe(2))
+                return
+            raise _RankEnded(-signum, f"{_signal_name(signum)}: {call}")
+
+        def kill(pid: int, signum: int) -> None:
+            if self._on_rank() and pid in (0, os.getpid()):
+                deliver(signum, "os.kill(os.getpid())")
+                return
+            real_kill(pid, signum)
+
+        def raise_signal(signum: int) -> None:
+            if self._on_rank():
+                deliver(signum, "signal.raise_signal()")
+                return
+            real_raise(signum)
+
+        os._exit, os.abort, os.kill = _exit, abort, kill    # simcomm.patches: "rank-exits"
+        signal.raise_signal = raise_signal
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.saved is not None:
+            os._exit, os.abort, os.kill, signal.raise_signal = self.saved
+            self.saved = None
 
 
 def _exit_code(exit_: SystemExit, stderr) -> int:
@@ -180,6 +300,7 @@ class _Launch:
     """One launch, shared by its rank threads: what to run, with what, and each rank's status."""
 
     target: str
+    path: str
     module: bool
     args: list[str]
     nproc_per_node: int
@@ -188,38 +309,70 @@ class _Launch:
     statuses: list
     output: threading.local
     streams: tuple
+    how: dict
 
     def run_rank(self, rank: int) -> int:
         """Run the script as rank ``rank``'s ``__main__``, with its environment and argv;
-        record its exit status. ``sys.exit(n != 0)`` raises ``_RankExited``, which stops
-        the other ranks as torchrun stops its workers when one fails."""
+        record its exit status. A non-zero status raises ``_RankExited``: the rank has
+        failed, and the run ends when the other ranks need it (or finish)."""
         output = self.output
         output.rank = rank
         try:
             with rank_environ(rank_environment(rank, self.nproc_per_node, self.nnodes, **self.env)):
+                # argv[0] as given (torchrun passes it on as typed); __file__ absolute, as
+                # `python script.py` makes it
                 sys.argv = [self.target if not self.module else "-m", *self.args]
+                code, how = 0, ""
                 try:
                     if self.module:
                         runpy.run_module(self.target, run_name="__main__", alter_sys=True)
                     else:
-                        runpy.run_path(self.target, run_name="__main__")
+                        _run_main(self.path, self.target)
                 except SystemExit as exit_:
                     code = _exit_code(exit_, sys.stderr)
-                    self.statuses[rank] = code
-                    if code != 0:
-                        raise _RankExited(rank, code) from None
-                    return 0
+                    how = f"sys.exit({exit_.code!r})" if code else ""
+                except _RankEnded as ended:
+                    code, how = ended.code, ended.how
+                except KeyboardInterrupt:
+                    # an uncaught KeyboardInterrupt ends a Python process by SIGINT
+                    traceback.print_exc()
+                    code, how = -signal.SIGINT, "SIGINT: KeyboardInterrupt"
                 except Aborted:       # the run was stopped: this rank has no exit status
                     raise
                 except BaseException:
                     self.statuses[rank] = 1
                     raise
-                self.statuses[rank] = 0
+                self.statuses[rank] = code
+                if code != 0:
+                    self.how[rank] = how
+                    raise _RankExited(rank, code, how) from None
                 return 0
         finally:
             for stream in self.streams:
                 stream.end_rank(rank)
             output.rank = None
+
+
+def _run_main(path: str, target: str) -> None:
+    """Run the script ``target`` (absolute: ``path``, taken before the run: a rank may change
+    the working directory) as ``__main__``, as ``python target`` does: ``__file__`` is its
+    absolute path and ``sys.argv[0]`` stays as typed (``runpy.run_path`` would set both to the
+    path it is given). A folder or zip archive with a ``__main__.py`` goes to ``runpy.run_path``."""
+    if not os.path.isfile(path) or path.endswith((".zip", ".pyz")):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(path) as source:
+        code = compile(source.read(), path, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __cached__=None, __loader__=None, __spec__=None,
+                           __package__=None, __builtins__=__builtins__)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def _rank_program(comm, launch: _Launch) -> int:
@@ -232,12 +385,20 @@ def _rank_program(comm, launch: _Launch) -> int:
 class ScriptRun:
     """What :func:`run_script` gives back.
 
-    ``exit_codes[r]`` is rank ``r``'s exit status (``0``: it returned or called
-    ``sys.exit(0)``; ``n``: ``sys.exit(n)``; ``1``: it raised), or ``None`` for
-    a rank stopped before it finished (as torchrun stops the other workers when
-    one fails, or after a mismatch, deadlock or timeout). ``error`` is the
-    exception that ended the run (``RankError``, ``CollectiveMismatchError``,
-    ``DeadlockError``, ``RunTimeoutError``), ``None`` after a clean run.
+    ``exit_codes[r]`` is rank ``r``'s exit status, as torchrun reports a worker's:
+    ``0`` when it returned or called ``sys.exit(0)``; ``n`` for ``sys.exit(n)`` or
+    ``os._exit(n)``; ``1`` when it raised; ``-signum`` when a signal it sent itself
+    would have ended its process (``os.kill(os.getpid(), SIGSEGV)``: ``-11``;
+    ``os.abort()``: ``-6``; an uncaught ``KeyboardInterrupt``: ``-2``). ``None`` for a
+    rank still running when the run ended: torchrun's agent ends such a worker with
+    SIGTERM (its ``-15``); ``stopped_at[r]`` is the script line it was at. A rank
+    runs on after another fails until it needs the failed rank (a collective or a
+    receive involving it), as a process does until the agent stops it.
+    ``how[r]`` says how a rank with a non-zero status ended (``"os._exit(3)"``).
+
+    ``error`` is the exception that ended the run (``RankError``,
+    ``CollectiveMismatchError``, ``DeadlockError``, ``RunTimeoutError``, or
+    ``KeyboardInterrupt`` for Ctrl-C), ``None`` after a clean run.
     """
 
     target: str
@@ -247,6 +408,8 @@ class ScriptRun:
     error: BaseException | None = None
     wall_s: float = 0.0
     nproc_per_node: int = 1
+    stopped_at: dict[int, str] = field(default_factory=dict)
+    how: dict[int, str] = field(default_factory=dict)
 
     @property
     def returncode(self) -> int:
@@ -256,23 +419,94 @@ class ScriptRun:
     def failed_ranks(self) -> list[int]:
         return [rank for rank, code in enumerate(self.exit_codes) if code != 0]
 
+    def _root(self) -> int | None:
+        error = self.error
+        if isinstance(error, (RankError, _RankExited)):
+            return error.rank
+        return None
+
     def summary(self) -> str:
-        """A torchrun-like report of the failed ranks ("" after a clean run)."""
+        """A torchrun-like report naming each rank, its exit status and, for a rank still
+        running when the run ended, the script line it was at ("" after a clean run)."""
         if self.returncode == 0:
             return ""
         bar = "=" * 60
         lines = [bar, f"{self.target} FAILED", "-" * 60]
-        root = getattr(self.error, "rank", None)
+        root = self._root()
+        interrupted = isinstance(self.error, KeyboardInterrupt)
         for rank, code in enumerate(self.exit_codes):
-            if code == 0:
-                continue
-            status = "stopped before it finished" if code is None else f"exitcode {code}"
+            head = f"  rank {rank} (local_rank {rank % self.nproc_per_node}): "
+            if code is None:
+                where = self.stopped_at.get(rank)
+                if where is None:
+                    status = "had not started its script (it waited for its first turn)"
+                else:
+                    status = f"still running at {where}"
+                if interrupted:
+                    status += ", stopped by Ctrl-C (torchrun forwards SIGINT to its workers)"
+                elif root is not None:
+                    status += "; stopped (torchrun's agent ends it with SIGTERM: exitcode -15)"
+                else:
+                    status += f"; stopped when the run ended with {type(self.error).__name__}"
+            else:
+                status = f"exitcode {code}"
+                how = self.how.get(rank, "")
+                if code < 0:
+                    status += f" ({how or _signal_name(-code)})"
+                elif how and not how.startswith("sys.exit"):
+                    status += f" ({how})"
             mark = "  (root cause)" if rank == root else ""
-            lines.append(f"  rank {rank} (local_rank {rank % self.nproc_per_node}): {status}{mark}")
-        if self.error is not None and not isinstance(self.error, (RankError, _RankExited)):
+            lines.append(head + status + mark)
+        if interrupted:
+            lines += ["-" * 60, "the run was interrupted (Ctrl-C)"]
+        elif self.error is not None and not isinstance(self.error, (RankError, _RankExited)):
             lines += ["-" * 60, f"the run ended with {type(self.error).__name__} (above)"]
         lines.append(bar)
         return "\n".join(lines)
+
+
+class _CallerState:
+    """What a launch may change in the caller and puts back after it: the working directory,
+    torch's default dtype, ``sys.argv``, ``sys.path``, ``os.environ``, torch's thread count,
+    and the global random state of Python, NumPy and torch."""
+
+    def __init__(self) -> None:
+        self.cwd = _cwd()
+        self.dtype = torch.get_default_dtype()
+        self.argv = list(sys.argv)
+        self.path = list(sys.path)
+        self.environ = dict(os.environ)
+        self.threads = torch.get_num_threads()
+        self.random = random.getstate()
+        self.torch_random = torch.random.get_rng_state()
+        numpy = sys.modules.get("numpy")
+        self.numpy_random = numpy.random.get_state() if numpy is not None else None
+
+    def restore(self) -> None:
+        if self.cwd is not None and _cwd() != self.cwd:
+            with contextlib.suppress(OSError):
+                os.chdir(self.cwd)
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+        sys.argv[:] = self.argv
+        sys.path[:] = self.path
+        if dict(os.environ) != self.environ:
+            for name in [name for name in os.environ if name not in self.environ]:
+                del os.environ[name]
+            os.environ.update(self.environ)
+        torch.set_num_threads(self.threads)
+        random.setstate(self.random)
+        torch.random.set_rng_state(self.torch_random)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and self.numpy_random is not None:
+            numpy.random.set_state(self.numpy_random)
+
+
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:      # the folder was removed under the process
+        return None
 
 
 def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequence[str] = (), *,
@@ -284,12 +518,18 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     """Run ``script`` (a path, or a module name with ``module=True``) on ``nproc_per_node
     x nnodes`` virtual ranks, as ``torchrun --nproc-per-node N --nnodes M script args``.
 
-    Never raises for what the script does: a rank's exception, ``sys.exit(n)``, a
-    collective mismatch, a deadlock or a timeout end up in the returned
-    :class:`ScriptRun` (``exit_codes``, ``error``, ``summary()``). ``tensors="shape"``
-    runs shape-only ranks, ``memory=True`` fills ``ScriptRun.memory``. Raises
-    ``ValueError`` for a bad ``nproc_per_node``/``nnodes``, ``FileNotFoundError``
-    for a script that does not exist.
+    Never raises, nor exits, for what the script does: a rank's exception,
+    ``sys.exit(n)``, ``os._exit(n)``, a signal it sends itself, a collective mismatch,
+    a deadlock, a timeout, or Ctrl-C (``KeyboardInterrupt`` in the caller) end up in
+    the returned :class:`ScriptRun` (``exit_codes``, ``error``, ``summary()``). When a
+    rank fails, the others run on until they need it (:class:`ScriptRun`).
+    ``tensors="shape"`` runs shape-only ranks, ``memory=True`` fills
+    ``ScriptRun.memory``. Raises ``ValueError`` for a bad ``nproc_per_node``/``nnodes``
+    or ``timeout``, ``FileNotFoundError`` for a script that does not exist.
+
+    The caller finds its working directory, torch's default dtype, ``sys.argv``,
+    ``sys.path``, ``os.environ``, torch's thread count and its random state as they
+    were before the call, whatever the script did to them.
 
     **Virtual GPUs.** ``virtual_gpus=None`` (the default) gives each rank a virtual GPU
     backed by the CPU when this machine has none (``torch.cuda.is_available()`` False
@@ -309,9 +549,11 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"run_script: {name}={value!r} must be a positive int")
+    _check_run_timeout(timeout, "run_script: timeout")
     target = os.fspath(script)
-    if not module and not os.path.exists(target):
-        raise FileNotFoundError(f"run_script: script={target!r} does not exist")
+    if not module and not os.path.isfile(target):
+        raise FileNotFoundError(f"run_script: script={target!r} does not exist"
+                                + (" (it is a folder)" if os.path.isdir(target) else ""))
     world_size = nproc_per_node * nnodes
     if virtual_gpus is None:
         virtual_gpus = not torch.cuda.is_available() and torch.device(device).type == "cpu"
@@ -319,40 +561,58 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     # virtual GPUs track each rank's memory (torch.cuda's statistics, the OOM); shape-only runs,
     # which may have thousands of ranks, only when asked (memory=True)
     world = World(world_size, device=device, tensors=tensors,
-                  memory=memory or (gpus is not None and tensors == "real"), map_cuda=gpus or False)
+                  memory=memory or (gpus is not None and tensors == "real"), map_cuda=gpus or False,
+                  peers_run_on=True, explicit_init=True)
     if gpus is not None:
         print(f"simcomm.run: no GPU here; each rank gets a virtual GPU backed by the CPU, a "
               f"{gpus.describe()} (--no-virtual-gpus turns this off)", file=sys.stderr)
     statuses: list[int | None] = [None] * world_size
+    how: dict[int, str] = {}
+    caller = _CallerState()
+    run_id = run_id if run_id is not None else "none"
+    # torchrun's workers find TORCHELASTIC_ERROR_FILE's folder made (torch's @record writes there)
+    error_dir = tempfile.mkdtemp(prefix=f"torchelastic_{run_id[:8]}_")
+    for local_rank in range(nproc_per_node):
+        os.makedirs(os.path.join(error_dir, "attempt_0", str(local_rank)), exist_ok=True)
     # the script's folder leads sys.path, as `python script.py` puts it (the cwd for -m)
-    search = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
-    sys.path.insert(0, search)
-    # torchrun's workers start with OMP_NUM_THREADS=1 (when it is unset and N > 1), so their
-    # torch computes with one thread; so do the ranks here, or float results could differ
-    saved_threads = torch.get_num_threads()
-    threads = rank_environment(0, nproc_per_node, nnodes).get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
+    search = (caller.cwd or ".") if module else os.path.dirname(os.path.abspath(target))
     error: BaseException | None = None
     start = time.perf_counter()
     try:
-        with _tagged_output(tag_output) as (output, streams):
-            launch = _Launch(target, module, list(args), nproc_per_node, nnodes,
+        sys.path.insert(0, search)
+        # torchrun's workers start with OMP_NUM_THREADS=1 (when it is unset and N > 1), so their
+        # torch computes with one thread; so do the ranks here, or float results could differ
+        threads = rank_environment(0, nproc_per_node, nnodes).get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+        with _tagged_output(tag_output) as (output, streams), _RankExits(output):
+            launch = _Launch(target, os.path.abspath(target), module, list(args), nproc_per_node, nnodes,
                              {"master_addr": master_addr, "master_port": master_port,
-                              "run_id": run_id if run_id is not None else "none"},
-                             statuses, output, streams)
+                              "run_id": run_id, "error_dir": error_dir},
+                             statuses, output, streams, how)
             try:
                 world.run(_rank_program, launch, timeout=timeout)
             except SimcommError as failure:
                 error = failure
+            except KeyboardInterrupt as interrupt:   # Ctrl-C: the ranks were stopped where they were
+                error = interrupt
     finally:
-        torch.set_num_threads(saved_threads)
-        with contextlib.suppress(ValueError):
-            sys.path.remove(search)
+        caller.restore()
+        shutil.rmtree(error_dir, ignore_errors=True)
     if isinstance(error, RankError) and isinstance(error.error, _RankExited):
         error = error.error
     return ScriptRun(target, statuses, world.trace, world.memory, error, time.perf_counter() - start,
-                     nproc_per_node)
+                     nproc_per_node, dict(world.stopped_at), how)
+
+
+def _check_run_timeout(timeout, where: str) -> None:
+    """``timeout`` must be None or a positive, finite number of seconds (math.inf: none)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"{where}={timeout!r} must be a number of seconds")
+    if math.isnan(timeout) or timeout <= 0:
+        raise ValueError(f"{where}={timeout!r} must be a positive number of seconds")
 
 
 # -- the command ------------------------------------------------------------------------------------
@@ -375,7 +635,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--standalone", action="store_true", help="accepted (every run here is standalone)")
     add("--master-addr", "--master_addr", default=None,
         help="MASTER_ADDR each rank sees (127.0.0.1; localhost with --standalone, as torchrun)")
-    add("--master-port", "--master_port", type=int, default=29500, help="MASTER_PORT each rank sees")
+    add("--master-port", "--master_port", type=int, default=None,
+        help="MASTER_PORT each rank sees (on one node without it: a free port, as torchrun)")
     add("--role", default="default", help="ROLE_NAME each rank sees")
     add("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     add("--no-python", "--no_python", action="store_true", help="not supported on virtual ranks")
@@ -391,7 +652,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--tensors", choices=["real", "shape"], default="real",
         help="'shape': shape-only ranks (fake tensors: shapes, trace and memory, no values)")
     add("--memory", action="store_true", help="print each rank's peak memory by label")
-    add("--timeout", type=float, default=None, metavar="S", help="stop the run after S seconds")
+    add("--timeout", default=None, metavar="S",
+        help="stop the run after S seconds (a positive, finite number)")
     add("--device", default="cpu", help="the World's device (cpu, or cuda with a GPU)")
     add("--no-virtual-gpus", dest="virtual_gpus", action="store_false", default=None,
         help="no virtual GPUs (on by default on a machine without a GPU: each rank gets one, backed "
@@ -413,20 +675,19 @@ def _count(flag: str, value: str) -> int:
         return os.cpu_count() or 1
     if flag == "--nproc-per-node" and text == "gpu":
         if not torch.cuda.is_available():
-            raise SystemExit("simcomm.run: --nproc-per-node gpu needs a GPU; pass a number of ranks")
+            raise _Refused("--nproc-per-node gpu needs a GPU; pass a number of ranks")
         return torch.cuda.device_count()
     if flag == "--nnodes" and ":" in text:
         low, _, high = text.partition(":")
         if low != high:
-            raise SystemExit(f"simcomm.run: --nnodes {text}: elastic ranges are not simulated; "
-                             f"pass one number of nodes")
+            raise _Refused(f"--nnodes {text}: elastic ranges are not simulated; pass one number of nodes")
         text = low
     try:
         count = int(text)
     except ValueError:
-        raise SystemExit(f"simcomm.run: {flag} {value!r} must be a positive int") from None
+        raise _Refused(f"{flag} {value!r} must be a positive int") from None
     if count < 1:
-        raise SystemExit(f"simcomm.run: {flag} {value!r} must be a positive int")
+        raise _Refused(f"{flag} {value!r} must be a positive int")
     return count
 
 
@@ -442,46 +703,129 @@ def _memory_table(report: MemoryReport) -> str:
     return "\n".join(lines)
 
 
+class _Refused(Exception):
+    """Input the command refuses before the script starts: one line, exit status 1."""
+
+
+def _check_trace(path: str, script: str, module: bool, args: Sequence[str]) -> None:
+    """``--trace PATH`` can be written and is none of the run's input files."""
+    if os.path.isdir(path):
+        raise _Refused(f"--trace {path}: is a folder; name the JSON file to write")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _Refused(f"--trace {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise _Refused(f"--trace {path}: cannot be written (permission denied)")
+    if os.path.exists(path):
+        inputs = [] if module else [script]
+        inputs += [arg for arg in args if os.path.isfile(arg)]
+        inputs += [arg.split("=", 1)[1] for arg in args
+                   if arg.startswith("-") and "=" in arg and os.path.isfile(arg.split("=", 1)[1])]
+        for name in inputs:
+            with contextlib.suppress(OSError):
+                if os.path.samefile(path, name):
+                    raise _Refused(f"--trace {path}: is an input of the run ({name}); writing the "
+                                   f"trace there would overwrite it: name another file")
+        if not module and path.endswith(".py"):
+            raise _Refused(f"--trace {path}: is a Python file; writing the trace there would "
+                           f"overwrite it: name a .json file")
+
+
+def _check_options(options: argparse.Namespace) -> float | None:
+    """Everything the command can check before the script starts; the timeout in seconds."""
+    if not options.module:
+        script = options.training_script
+        if not os.path.exists(script):
+            raise _Refused(f"can't open file {os.path.abspath(script)!r}: [Errno 2] No such file or "
+                           f"directory")
+        if os.path.isdir(script):
+            raise _Refused(f"can't run {os.path.abspath(script)!r}: it is a folder; name the script")
+        if not os.access(script, os.R_OK):
+            raise _Refused(f"can't open file {os.path.abspath(script)!r}: [Errno 13] Permission denied")
+    timeout = None
+    if options.timeout is not None:
+        try:
+            timeout = float(options.timeout)
+        except ValueError:
+            raise _Refused(f"--timeout {options.timeout!r} must be a number of seconds") from None
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise _Refused(f"--timeout {options.timeout!r} must be a positive, finite number of seconds")
+    if options.trace:
+        _check_trace(options.trace, options.training_script, options.module, options.training_script_args)
+    return timeout
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command; returns its exit status."""
+    """The command; returns its exit status. Bad input is refused before the script starts
+    with ``SystemExit("simcomm.run: error: ...")``: one line on stderr and status 1, as
+    torchrun fails a launch."""
+    try:
+        return _main(argv)
+    except _Refused as refused:    # Python prints the message and exits with status 1
+        raise SystemExit(f"simcomm.run: error: {refused}") from None
+    except KeyboardInterrupt:       # Ctrl-C before or after the run (during it: run_script's summary)
+        print("simcomm.run: interrupted (Ctrl-C)", file=sys.stderr)
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     options = _parser().parse_args(argv)
     if options.no_python:
-        raise SystemExit("simcomm.run: --no-python cannot run on virtual ranks: a rank is a thread "
-                         "of this Python process; run a Python script or module")
+        raise _Refused("--no-python cannot run on virtual ranks: a rank is a thread of this Python "
+                       "process; run a Python script or module")
     nproc = _count("--nproc-per-node", options.nproc_per_node)
     try:
         gpu_preset(options.gpu)
         if options.gpu_memory is not None:
             parse_bytes(options.gpu_memory)
     except (TypeError, ValueError) as bad:
-        raise SystemExit(f"simcomm.run: {bad}") from None
+        raise _Refused(str(bad)) from None
     nnodes = _count("--nnodes", options.nnodes)
+    timeout = _check_options(options)
     ignored = [name for name in _IGNORED if getattr(options, name) is not None]
     if ignored:
         flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
         print(f"simcomm.run: note: {flags} ignored: every rank of every node runs in this "
               f"process, and output is tagged [rank r]", file=sys.stderr)
-    run_id = str(uuid.uuid4()) if options.standalone else (options.rdzv_id or "none")
+    # torchrun on one node with no rendezvous or port named runs as --standalone: a run id of
+    # its own, localhost, and a free port
+    standalone = options.standalone or (nnodes == 1 and options.master_port is None
+                                        and options.rdzv_endpoint is None)
+    run_id = str(uuid.uuid4()) if standalone else (options.rdzv_id or "none")
+    master_port = options.master_port if options.master_port is not None else (
+        _free_port() if standalone else 29500)
     result = run_script(options.training_script, nproc, options.training_script_args, nnodes=nnodes,
                         module=options.module, tensors=options.tensors, memory=options.memory,
-                        timeout=options.timeout, device=options.device,
-                        master_addr=options.master_addr or ("localhost" if options.standalone
-                                                             else "127.0.0.1"),
-                        master_port=options.master_port,
+                        timeout=timeout, device=options.device,
+                        master_addr=options.master_addr or ("localhost" if standalone else "127.0.0.1"),
+                        master_port=master_port,
                         run_id=run_id, virtual_gpus=options.virtual_gpus, gpu=options.gpu,
                         gpu_memory=options.gpu_memory)
+    status = result.returncode
     if options.trace:
-        result.trace.to_chrome_trace(options.trace)
-        print(f"simcomm.run: trace of {len(result.trace)} events written to {options.trace} "
-              f"(open it in https://ui.perfetto.dev)", file=sys.stderr)
+        try:
+            result.trace.to_chrome_trace(options.trace)
+        except OSError as failed:
+            print(f"simcomm.run: error: --trace {options.trace}: {failed.strerror or failed}", file=sys.stderr)
+            status = 1
+        else:
+            print(f"simcomm.run: trace of {len(result.trace)} events written to {options.trace} "
+                  f"(open it in https://ui.perfetto.dev)", file=sys.stderr)
     if options.memory and result.memory is not None:
         print(_memory_table(result.memory), file=sys.stderr)
-    if result.error is not None and not isinstance(result.error, _RankExited):
+    if result.error is not None and not isinstance(result.error, (_RankExited, KeyboardInterrupt)):
         print("".join(traceback.format_exception_only(type(result.error), result.error)).rstrip(),
               file=sys.stderr)
     if result.returncode:
         print(result.summary(), file=sys.stderr)
-    return result.returncode
+    return status
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now (torchrun's standalone rendezvous takes one so)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ process's world (``process_world=True``).
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +33,9 @@ original_init_process_group = c10d.init_process_group
 #: (the simulator on virtual ranks; the worker's gloo or NCCL group on real workers)
 JOINABLE_BACKENDS = ("gloo", "nccl", BACKEND_NAME, "undefined")
 
-#: ``join(backend, world_size, rank, init_method) -> bool``: True when it served the call
-#: (the calling thread is a rank of a run), False to let the next rule decide
-ThreadJoin = Callable[[Any, int, int, Any], bool]
+#: ``join(backend, world_size, rank, init_method, timeout) -> bool``: True when it served the
+#: call (the calling thread is a rank of a run), False to let the next rule decide
+ThreadJoin = Callable[[Any, int, int, Any, Any], bool]
 
 _process_world_joins = False     # a real worker: the process's default group is the run's world
 _thread_join: ThreadJoin | None = None
@@ -59,6 +60,10 @@ def install_init_join(*, process_world: bool = False, thread_join: ThreadJoin | 
     if dist.init_process_group is not init_process_group:    # simcomm.patches: "init-process-group"
         dist.init_process_group = init_process_group
         c10d.init_process_group = init_process_group
+    # DeviceMesh creates the default group itself when none stands, through the name it imported
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    if getattr(mesh_module, "init_process_group", None) is original_init_process_group:
+        mesh_module.init_process_group = init_process_group
 
 
 def uninstall_init_join() -> None:
@@ -69,6 +74,9 @@ def uninstall_init_join() -> None:
         dist.init_process_group = original_init_process_group
     if c10d.init_process_group is init_process_group:
         c10d.init_process_group = original_init_process_group
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    if getattr(mesh_module, "init_process_group", None) is init_process_group:
+        mesh_module.init_process_group = original_init_process_group
 
 
 def check_init_arguments(backend: Any, world_size: int, rank: int, init_method: Any,
@@ -119,9 +127,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        group_name: str = "", pg_options: Any = None, device_id: Any = None,
                        **kwargs: Any) -> None:
     """torch's ``init_process_group``, which inside a run joins the run's world
-    (:func:`install_init_join`); ``timeout``, ``store``, ``group_name``, ``pg_options``
-    and ``device_id`` are then accepted and have no effect."""
-    if _thread_join is not None and _thread_join(backend, world_size, rank, init_method):
+    (:func:`install_init_join`); ``store``, ``group_name``, ``pg_options`` and ``device_id``
+    are then accepted and have no effect; on virtual ranks ``timeout`` bounds each wait in
+    the rank's groups, as gloo's does (:mod:`simcomm.sim.dist_world`)."""
+    if _thread_join is not None and _thread_join(backend, world_size, rank, init_method, timeout):
         return None
     if _process_world_joins and c10d.is_initialized():
         check_init_arguments(backend, world_size, rank, init_method, dist.get_rank(),

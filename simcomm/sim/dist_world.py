@@ -173,11 +173,13 @@ def _groups_of(state: RunState) -> _RunGroups:
 class _RankContext:
     """What one rank thread needs to build its process groups on first use."""
 
-    __slots__ = ("transport", "world", "meetings")
+    __slots__ = ("transport", "world", "meetings", "backend")
 
     def __init__(self, transport: SimTransport):
         self.transport = transport
         self.world: _RankWorld | None = None
+        #: the backend the program's init_process_group asked for (None: "simcomm" is the answer)
+        self.backend: str | None = None
         #: where the members of each group made by its members only meet (agree_on_local_group)
         self.meetings: dict[tuple[int, ...], SimTransport] = {}
 
@@ -186,7 +188,9 @@ class _RankContext:
         return self.transport.state
 
     def initialize(self) -> None:
-        """Create this rank's default process group (the whole world, backend "simcomm")."""
+        """Give this rank its own c10d world and create its default process group (the whole
+        world, backend "simcomm"), unless the run's programs create it themselves
+        (``RunState.explicit_init``: a torchrun script's ``init_process_group``)."""
         global _active, _multithreading_ctx
         self.world = _RankWorld()
         with _install_lock:
@@ -196,7 +200,8 @@ class _RankContext:
                     # backward must run on the rank thread that called it, as on one process
                     _multithreading_ctx = torch.autograd.set_multithreading_enabled(False)
             _active += 1
-        self.create_default_group()
+        if not self.state.explicit_init:
+            self.create_default_group()
 
     def create_default_group(self) -> None:
         """The default group of this rank: at first use, and again if the program destroyed
@@ -289,7 +294,29 @@ def _install() -> None:
             _switch = _WorldSwitch(c10d._world)
             c10d._world = _switch          # simcomm.patches: "c10d-world"
         _install_mesh_identity()
+        _install_get_backend()
     install_init_join(thread_join=_join_on_rank_thread)
+
+
+_original_get_backend = c10d.get_backend
+
+
+@functools.wraps(_original_get_backend)
+def _get_backend(group=None):
+    """torch's ``get_backend``; on a rank whose program asked ``init_process_group`` for a
+    backend (``RunState.explicit_init``), the simulator's groups answer with that name, as the
+    program's groups would on real processes."""
+    answer = _original_get_backend(group)
+    context = getattr(_local, "rank", None)
+    if context is not None and context.backend is not None and answer == BACKEND_NAME:
+        return dist.Backend(context.backend)
+    return answer
+
+
+def _install_get_backend() -> None:
+    """Put :func:`_get_backend` in torch's place (once per process; called with ``_install_lock``)."""
+    if c10d.get_backend is not _get_backend:
+        c10d.get_backend = dist.get_backend = _get_backend   # simcomm.patches: "get-backend"
 
 
 # -- each rank's DeviceMeshes are its own --------------------------------------------------------
@@ -343,9 +370,16 @@ def _install_mesh_identity() -> None:
 
 # -- init_process_group inside a run ------------------------------------------------------------
 
-def _join_on_rank_thread(backend: Any, world_size: int, rank: int, init_method: Any) -> bool:
+def _join_on_rank_thread(backend: Any, world_size: int, rank: int, init_method: Any,
+                         timeout: Any = None) -> bool:
     """A program's ``init_process_group`` on a virtual rank's thread joins the rank's world
-    (:func:`simcomm.c10d.init_join.install_init_join`): True when the caller is a rank thread."""
+    (:func:`simcomm.c10d.init_join.install_init_join`): True when the caller is a rank thread.
+
+    With ``RunState.explicit_init`` (``python -m simcomm.run``) the call creates the rank's
+    default group, as torch's does: a second call raises torch's ``ValueError``, and
+    ``dist.get_backend()`` answers ``backend``. ``timeout`` (a ``timedelta``) is the time the
+    rank may wait in one call of its groups before it raises, as gloo's does
+    (:meth:`~simcomm.sim.scheduler.RunState.note_group_timeout`)."""
     context = getattr(_local, "rank", None)
     if context is None:
         return False
@@ -356,8 +390,21 @@ def _join_on_rank_thread(backend: Any, world_size: int, rank: int, init_method: 
                          or getattr(state, "map_cuda", False))   # virtual GPUs: "nccl" joins as "gloo"
     if context.world is None:
         context.initialize()
-    elif context.world.default_pg is None:
+    elif state.explicit_init and context.world.default_pg is not None:
+        raise ValueError("trying to initialize the default process group twice!")   # torch's words
+    if context.world.default_pg is None:
         context.create_default_group()
+        if state.explicit_init:
+            # dist.get_backend() answers the backend the program asked for, as torch's does
+            # (monitored_barrier and other backend checks read it); the group is the simulator's
+            # (a torch without NCCL, virtual GPUs: "nccl" answers "gloo", or torch's checks of it
+            # would reach for NCCL's own functions)
+            name = str(dist.Backend(backend or "undefined"))
+            if not dist.is_nccl_available():
+                name = name.replace("nccl", "gloo")
+            context.backend = name
+    if timeout is not None:
+        state.note_group_timeout(context.transport.global_rank, timeout)
     return True
 
 

@@ -230,6 +230,19 @@ class RunState:
         self.partitions = PartitionTable()
         #: fake tensors on every rank (simcomm.sim.shape): collective math on meta tensors
         self.shape_only = False
+        #: after a rank fails, the others run on until none can make progress (each waits for
+        #: the failed rank, or for a rank that does), as processes do until torchrun's agent
+        #: stops them; False: the failure stops every rank at once (World.run's default)
+        self.peers_run_on = False
+        #: where each rank still running was when the run was aborted: ``file:line in function``
+        self.stopped_at: dict[int, str] = {}
+        #: the programs create their default group with init_process_group (torchrun scripts)
+        self.explicit_init = False
+        #: init_process_group(timeout=) of each rank that gave one, in seconds; while any is
+        #: set, each rank's blocking waits are timed (``blocked_since``) and World ends the run
+        #: when one lasts longer (:meth:`expired_wait_locked`)
+        self.group_timeouts: dict[int, float] = {}
+        self.blocked_since: dict[int, float] = {}
 
     # -- the run's life: called by World and by each rank thread (each takes the lock) --
 
@@ -250,11 +263,13 @@ class RunState:
         self.random.take_turn(rank)
 
     def rank_failed(self, rank: int, error: BaseException) -> None:
-        """``rank``'s program raised ``error``: record it and abort the run."""
+        """``rank``'s program raised ``error``: record it and abort the run (with
+        ``peers_run_on``, the other ranks run on: the run ends when none can make progress)."""
         with self.lock:
             if self.error is None or self.rank_errors:
                 self.rank_errors.append((rank, error))
-            self.abort_locked(self.error or error)
+            if not (self.peers_run_on and self.error is None):
+                self.abort_locked(self.error or error)
 
     def rank_finished(self, rank: int) -> None:
         """``rank``'s program returned (or unwound): hand the turn on, or end the run."""
@@ -343,6 +358,8 @@ class RunState:
         Raises :class:`~simcomm.errors.Aborted` if the run was aborted.
         """
         self.blocked[rank] = wait
+        if self.group_timeouts:
+            self.blocked_since[rank] = time.monotonic()
         random = self.random
         random.hand_off(rank)
         next_rank = self.ready.popleft() if self.ready else None
@@ -373,15 +390,50 @@ class RunState:
         self.ready.append(rank)
 
     def abort_locked(self, error: BaseException) -> None:
-        """Record the run's first error and wake every blocked or ready rank to unwind."""
+        """Record the run's first error and wake every blocked or ready rank to unwind.
+
+        With ``peers_run_on`` after a rank failed, "nobody can make progress" is no
+        deadlock of the program: the ranks left wait for the failed rank (or for ranks
+        that do), and the run ends with that rank's failure."""
         if self.error is None:
+            if self.rank_errors and isinstance(error, DeadlockError):
+                error = self.rank_errors[0][1]
             self.error = error
+            self._note_where_locked()
         for rank in [*self.blocked, *self.ready]:
             self.waiters[rank].release()
             self.woken_by_abort.add(rank)
         self.blocked.clear()
         self.ready.clear()
         self.done.set()
+
+    def note_group_timeout(self, rank: int, timeout) -> None:
+        """``rank``'s ``init_process_group(timeout=)`` (a ``timedelta`` or seconds)."""
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"init_process_group on rank {rank}: timeout={timeout!r} must be a "
+                             f"positive datetime.timedelta")
+        with self.lock:
+            self.group_timeouts[rank] = float(seconds)
+
+    def expired_wait_locked(self) -> tuple[int, float, float] | None:
+        """A blocked rank that has waited longer than its group timeout: ``(rank, timeout,
+        waited)``, or None."""
+        now = time.monotonic()
+        for rank in self.blocked:
+            limit = self.group_timeouts.get(rank)
+            since = self.blocked_since.get(rank)
+            if limit is not None and since is not None and now - since > limit:
+                return rank, limit, now - since
+        return None
+
+    def _note_where_locked(self) -> None:
+        """Record in ``stopped_at`` the script line of every started, unfinished rank."""
+        frames = sys._current_frames()
+        for rank in self.started:
+            if rank not in self.finished and rank not in self.exiting:
+                ident = self.thread_ids[rank]
+                self.stopped_at[rank] = program_location(frames.get(ident) if ident else None)
 
     # -- reports --
 

@@ -56,11 +56,21 @@ class World:
     so rank-dependent control flow, blocking send/recv and per-rank
     ``backward()`` behave as on real processes: each rank has its own copy of
     the arguments and its own random state (see :meth:`run`).
+
+    ``World(n, peers_run_on=True)``: when a rank fails, the others run on until none
+    can make progress (each waits for the failed rank, or for a rank that does), as
+    processes do before torchrun's agent stops them; by default every rank is stopped
+    at once. ``World(n, explicit_init=True)``: each program creates its default group
+    with ``init_process_group`` as a torchrun script does (``python -m simcomm.run``
+    uses both); by default the group stands from the start and the call joins it.
+    After a run that ended in an error, ``world.stopped_at[r]`` is the program line
+    rank ``r`` was at when it was stopped.
     """
 
     def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
                  memory: bool = False, tensors: str = "real", count_flops: bool = False,
-                 map_cuda: bool | VirtualGPUs = False):
+                 map_cuda: bool | VirtualGPUs = False, peers_run_on: bool = False,
+                 explicit_init: bool = False):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size={world_size!r} must be a positive int")
         if tensors not in _shape.TENSOR_MODES:
@@ -85,6 +95,17 @@ class World:
         self.trace = Trace()
         self.track_memory = memory
         self.memory: _memory.MemoryReport | None = None   # bytes per rank of the last run (memory=True)
+        #: when a rank fails, the others run on until none can make progress (each waits for the
+        #: failed rank, or for a rank that does), as processes do before torchrun's agent stops
+        #: them; False (the default): every rank is stopped at once
+        self.peers_run_on = bool(peers_run_on)
+        #: each rank's program creates its default process group with init_process_group, as a
+        #: torchrun script does (dist.is_initialized() False before, torch's ValueError for a second
+        #: call, dist.get_backend() the backend asked for); False (the default): the group stands
+        #: from the start and init_process_group joins it
+        self.explicit_init = bool(explicit_init)
+        #: after a run that ended in an error: the script line of each rank still running then
+        self.stopped_at: dict[int, str] = {}
 
     def __repr__(self) -> str:
         mode = f", tensors={self.tensors!r}" if self.tensors != "real" else ""
@@ -184,6 +205,9 @@ class World:
         state.flop_totals = [0] * self.world_size if self.count_flops else None
         state.map_cuda = self.map_cuda
         state.virtual_gpus = self.virtual_gpus
+        state.peers_run_on = self.peers_run_on
+        state.explicit_init = self.explicit_init
+        self.stopped_at = state.stopped_at
         results: list[Any] = [None] * self.world_size
         reports = [None] * self.world_size if self.track_memory else None
         threads = [
@@ -207,14 +231,7 @@ class World:
                 for thread in threads:
                     thread.start()
             state.start()
-            if not state.done.wait(timeout):
-                with state.lock:
-                    if state.running and state.error is None:
-                        where = state.describe_ranks_locked(sys._current_frames())
-                        timed_out = RunTimeoutError("\n".join(
-                            [f"the run did not finish within timeout={timeout} s; ranks still running:",
-                             *where]))
-                        state.abort_locked(timed_out)
+            timed_out = _wait_for_run(state, timeout)
         except BaseException as interrupt:  # KeyboardInterrupt in a notebook: stop the ranks too
             state.abort(interrupt)
             try:
@@ -246,6 +263,42 @@ class World:
         if stuck:
             failure.add_note(stuck)
         raise failure
+
+
+#: how often (seconds) the run's waits are checked against init_process_group(timeout=)
+GROUP_TIMEOUT_POLL_S = 0.05
+
+
+def _wait_for_run(state: RunState, timeout: float | None) -> RunTimeoutError | None:
+    """Wait for the run to end; abort it after ``timeout`` seconds, or when a rank has waited
+    in a call of its groups longer than its ``init_process_group(timeout=)`` (where gloo raises
+    "Timed out waiting ... ms"). Returns the RunTimeoutError it aborted with, if any."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        # a program may give its group a timeout at any point: the wait wakes now and then to look
+        step = GROUP_TIMEOUT_POLL_S if deadline is None else min(
+            GROUP_TIMEOUT_POLL_S, max(0.0, deadline - time.monotonic()))
+        if state.done.wait(step):
+            return None
+        if not state.group_timeouts and (deadline is None or time.monotonic() < deadline):
+            continue
+        with state.lock:
+            if not state.running or state.error is not None:
+                return None
+            expired = state.expired_wait_locked() if state.group_timeouts else None
+            if expired is not None:
+                rank, limit, waited = expired
+                head = (f"rank {rank} waited {waited:.1f} s in a call of its process group, longer than "
+                        f"the timeout={limit:g} s its init_process_group gave (gloo raises RuntimeError "
+                        f"\"Timed out waiting {limit * 1000:.0f}ms\" there); ranks still running:")
+            elif deadline is not None and time.monotonic() >= deadline:
+                head = f"the run did not finish within timeout={timeout} s; ranks still running:"
+            else:
+                continue
+            where = state.describe_ranks_locked(sys._current_frames())
+            timed_out = RunTimeoutError("\n".join([head, *where]))
+            state.abort_locked(timed_out)
+            return timed_out
 
 
 def _check_timeout(timeout: Any) -> float | None:
