@@ -28,8 +28,9 @@ device (``cpu``; fake on shape-only ranks) and every place a program names CUDA 
   ran on a device to time);
 * **CUDA random state, per rank**: ``torch.cuda.manual_seed`` / ``manual_seed_all`` /
   ``seed`` / ``initial_seed`` / ``get_rng_state`` / ``set_rng_state`` (and their ``_all``
-  forms) read and write a generator of the rank's own (a CPU ``torch.Generator``, seeded as
-  CUDA's default generator is). Draws "on cuda" (``torch.randn(n, device="cuda")``) are draws
+  forms) read and write a generator of the rank's own (a CPU ``torch.Generator``, starting
+  from the rank's seed as its CPU generator does, :mod:`simcomm.fresh_state`). Draws "on cuda"
+  (``torch.randn(n, device="cuda")``) are draws
   on the World's device and use its default generator, as the program's CPU twin does;
 * **memory**: ``memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats`` /
   ``memory_reserved`` / ``mem_get_info`` / ``memory_stats`` / ``memory_summary`` answer from the
@@ -74,6 +75,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import memory
+from .process_state import rank_start_seed
 
 __all__ = ["mesh_device_type", "CudaAsDevice", "cuda_answers", "is_cuda_name", "GPU", "GPUS", "VirtualGPUs", "parse_bytes",
            "gpu_preset"]
@@ -456,7 +458,8 @@ class _Answers:
         generator = getattr(_local, "generator", None)
         if generator is None:
             generator = _local.generator = torch.Generator()
-            generator.manual_seed(_CUDA_DEFAULT_SEED)
+            seed = rank_start_seed()      # the rank's own, as its CPU generator's (simcomm.fresh_state)
+            generator.manual_seed(_CUDA_DEFAULT_SEED if seed is None else seed)
         return generator
 
     def manual_seed(self, seed: int) -> None:

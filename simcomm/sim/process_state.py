@@ -15,15 +15,16 @@ loads its own (:meth:`RankProcessState.take_turn`). Swapped at each handoff:
 * ``sys.argv`` and ``sys.modules["__main__"]``, so each rank may run its own
   ``__main__`` module with its own arguments (``python -m simcomm.run``).
 
-Every rank starts every run from the same fresh state: torch's generators as
-a fresh ``torch.Generator``, Python's ``random`` seeded with
-:data:`~simcomm.fresh_state.PYTHON_FRESH_SEED` and NumPy's with
-:data:`~simcomm.fresh_state.NUMPY_FRESH_SEED` (:mod:`simcomm.fresh_state`), and the
-caller's ``sys.argv`` and ``__main__``. (A new interpreter seeds Python's and
-NumPy's generators from the operating system, so unseeded numbers differ from
-process to process; ``real`` workers reset to these same seeds at the start of
-every run, so both backends draw the same numbers.) The caller's state is
-saved before a run and put back after it.
+Every rank starts every run from a seed of its own, rank ``r`` from
+:func:`~simcomm.fresh_state.rank_seed` ``(S, r)`` of the run seed ``S``
+(``SIMCOMM_SEED``, :mod:`simcomm.fresh_state`): torch's generators as after
+``torch.manual_seed``, Python's ``random`` as after ``random.seed`` and NumPy's
+as after ``np.random.seed`` with it, so unseeded numbers differ from rank to rank
+as they do between processes (a new interpreter seeds them from the operating
+system) and repeat from run to run; ``real`` workers seed themselves the same
+way at the start of every run, so both backends draw the same numbers. A rank
+is seeded in its first turn. ``sys.argv`` and ``__main__`` start as the
+caller's. The caller's state is saved before a run and put back after it.
 
 **Cost.** Python's and NumPy's own ``getstate``/``setstate`` are slow (about
 10 and 100 us), and torch's ``get_state`` builds a 5 KB tensor (about 1 us), so
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import random as _random
 import struct
@@ -64,10 +66,18 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..fresh_state import NUMPY_FRESH_SEED, PYTHON_FRESH_SEED
+from ..fresh_state import numpy_seed, rank_seed, run_seed
 from .rank_random import RankRandomState, cpu_raw
 
-__all__ = ["RankProcessState", "rank_environ"]
+__all__ = ["RankProcessState", "rank_environ", "rank_start_seed"]
+
+_seed_local = threading.local()      # .seed: the seed the calling rank thread started this run from
+
+
+def rank_start_seed() -> int | None:
+    """The seed the calling rank thread's generators started this run from
+    (:func:`simcomm.fresh_state.rank_seed`); ``None`` on any other thread."""
+    return getattr(_seed_local, "seed", None)
 
 try:
     import numpy as _np
@@ -90,13 +100,13 @@ def _python_raw() -> _Raw | None:
     if struct.unpack_from("i", raw)[0] != state[-1] or struct.unpack_from("624I", raw, 4) != state[:-1]:
         return None
     words = (ctypes.c_uint32 * 625).from_address(address)   # a live view: index, then the state
-    string_at, memmove = ctypes.string_at, ctypes.memmove
+    view, everything = memoryview((ctypes.c_char * size).from_address(address)).cast("B"), slice(None)
 
     def get() -> tuple:
-        return string_at(address, size), inst.gauss_next
+        return view.tobytes(), inst.gauss_next
 
     def set_(state: tuple) -> None:
-        memmove(address, state[0], size)
+        view[everything] = state[0]
         inst.gauss_next = state[1]
 
     # the index, the first two and the last state words: a draw moves the index, and every
@@ -135,14 +145,17 @@ def _numpy_raw() -> _Raw | None:
     key = (ctypes.c_uint32 * 625).from_address(state_address)     # live views: key[624] is pos
     flag = ctypes.c_int.from_address(cache_address)
     gauss = ctypes.c_double.from_address(cache_address + 8)
-    string_at, memmove, size = ctypes.string_at, ctypes.memmove, 624 * 4 + 4
+    # the key and position, and the flag with the cached Gaussian (an int, padding, a double)
+    words_view = memoryview((ctypes.c_char * (624 * 4 + 4)).from_address(state_address)).cast("B")
+    cache_view = memoryview((ctypes.c_char * 16).from_address(cache_address)).cast("B")
+    everything = slice(None)
 
     def get() -> tuple:
-        return string_at(state_address, size), flag.value, gauss.value
+        return words_view.tobytes(), cache_view.tobytes()
 
     def set_(state: tuple) -> None:
-        memmove(state_address, state[0], size)
-        flag.value, gauss.value = state[1], state[2]
+        words_view[everything] = state[0]
+        cache_view[everything] = state[1]
 
     # key[1], key[623] and the position (a draw moves it; every 624 words the key is
     # regenerated), and the cached Gaussian with its flag
@@ -179,28 +192,34 @@ def _raw(name: str) -> _Raw | None:
     return _RAW[name]
 
 
-def _swapped(world_size: int, name: str, get: Callable, set_: Callable, reseed: Callable) -> _SwappedGenerator:
+def _swapped(world_size: int, name: str, get: Callable, set_: Callable, seed: Callable[[int], None],
+             seeds: Callable[[int], int]) -> _SwappedGenerator:
     """The generator ``name`` kept per rank: raw bytes and a fingerprint where the layout is
-    known, its own ``get``/``set`` (every handoff) elsewhere. ``reseed`` seeds it fresh."""
+    known, its own ``get``/``set`` (every handoff) elsewhere. ``seed(n)`` seeds the live
+    generator; ``seeds(rank)`` is the seed rank ``rank`` starts from."""
     raw = _raw(name)
     if raw is not None:
         get, set_ = raw.get, raw.set
-    saved = get()
-    reseed()
-    fresh = get()
-    set_(saved)
-    return _SwappedGenerator(world_size, get, set_, fresh, raw.fingerprint if raw is not None else None)
+    return _SwappedGenerator(world_size, get, set_, seed, seeds, raw.fingerprint if raw is not None else None)
+
+
+_UNSEEDED = object()     # a rank's state before its first turn
 
 
 class _SwappedGenerator:
-    """One process-global generator kept per rank, saved only when a rank changed it."""
+    """One process-global generator kept per rank, saved only when a rank changed it.
 
-    __slots__ = ("states", "get", "set", "fingerprint", "loaded", "loaded_print", "caller")
+    A rank's state is ``_UNSEEDED`` until its first turn, which seeds the live generator with the
+    rank's seed and keeps the result: nothing is made for a rank before it runs."""
 
-    def __init__(self, world_size: int, get: Callable, set_: Callable, fresh: Any,
-                 fingerprint: Callable[[], Any] | None):
-        self.get, self.set, self.fingerprint = get, set_, fingerprint
-        self.states: list = [fresh] * world_size    # set copies in, so one state serves all
+    __slots__ = ("states", "prints", "get", "set", "seed", "seeds", "fingerprint", "loaded", "loaded_print",
+                 "caller")
+
+    def __init__(self, world_size: int, get: Callable, set_: Callable, seed: Callable[[int], None],
+                 seeds: Callable[[int], int], fingerprint: Callable[[], Any] | None):
+        self.get, self.set, self.seed, self.seeds, self.fingerprint = get, set_, seed, seeds, fingerprint
+        self.states: list = [_UNSEEDED] * world_size
+        self.prints: list = [None] * world_size   # each saved state's fingerprint, taken as it was saved
         self.loaded = None            # the saved state that is live now (None: unknown)
         self.loaded_print = None
         self.caller = None
@@ -213,16 +232,22 @@ class _SwappedGenerator:
         now = fingerprint()
         if now != self.loaded_print:
             self.states[rank] = self.loaded = self.get()
-            self.loaded_print = now
+            self.prints[rank] = self.loaded_print = now
 
     def take_turn(self, rank: int) -> None:
         state = self.states[rank]
-        if self.fingerprint is None:
+        if state is _UNSEEDED:        # the rank's first turn: its own seed
+            self.seed(self.seeds(rank))
+            state = self.states[rank] = self.get()
+            if self.fingerprint is not None:
+                self.loaded = state
+                self.prints[rank] = self.loaded_print = self.fingerprint()
+        elif self.fingerprint is None:
             self.set(state)
         elif state is not self.loaded:   # every rank handed off before: the live state is known
             self.set(state)
             self.loaded = state
-            self.loaded_print = self.fingerprint()
+            self.loaded_print = self.prints[rank]
 
 
 def _all_of(fingerprints: list) -> Callable[[], tuple] | None:
@@ -242,17 +267,23 @@ class RankProcessState:
     while it holds the turn, so no lock is needed.
     """
 
-    def __init__(self, world_size: int, device: torch.device):
-        generators = RankRandomState(world_size, device)   # get_state/set_state, CPU (and CUDA) together
+    def __init__(self, world_size: int, device: torch.device, seed: int | None = None):
+        #: the run seed (``SIMCOMM_SEED``, :func:`simcomm.fresh_state.run_seed`); rank r starts from
+        #: ``rank_seed(seed, r)``
+        self.seed = run_seed() if seed is None else seed
+        seeds = functools.partial(rank_seed, self.seed)
+        generators = RankRandomState(device)   # get_state/set_state/seed, CPU (and CUDA) together
+
+        def seed_torch(value: int) -> None:
+            generators.seed(value)
+            _seed_local.seed = value          # the rank's virtual CUDA generators start from it too
         self._torch_generators = generators
         self.torch = _swapped(world_size, "torch+cuda" if device.type == "cuda" else "torch",
-                              generators.get_state, generators.set_state,
-                              lambda: generators.set_state(generators.states[0]))
-        self.python = _swapped(world_size, "python", _random.getstate, _random.setstate,
-                               lambda: _random.seed(PYTHON_FRESH_SEED))
+                              generators.get_state, generators.set_state, seed_torch, seeds)
+        self.python = _swapped(world_size, "python", _random.getstate, _random.setstate, _random.seed, seeds)
         self.numpy = (None if _np is None else
                       _swapped(world_size, "numpy", _np.random.get_state, _np.random.set_state,
-                               lambda: _np.random.seed(NUMPY_FRESH_SEED)))
+                               lambda value: _np.random.seed(numpy_seed(value)), seeds))
         self.argv: list = [sys.argv] * world_size
         self.main: list = [sys.modules.get("__main__")] * world_size
         self._caller_sys: tuple | None = None
@@ -277,12 +308,13 @@ class RankProcessState:
     def take_turn(self, rank: int) -> None:
         """``rank`` takes the turn: make its state the live one."""
         loaded = False
-        for generator in self._generators:
-            if generator.fingerprint is None or generator.states[rank] is not generator.loaded:
+        generators = self._generators
+        for generator in generators:
+            if generator.states[rank] is not generator.loaded or generator.fingerprint is None:
                 generator.take_turn(rank)
                 loaded = True
-        if loaded and self._fingerprint is not None:
-            self._live_print = self._fingerprint()
+        if loaded and self._fingerprint is not None:   # what self._fingerprint() reads now
+            self._live_print = tuple([generator.loaded_print for generator in generators])
         argv = self.argv[rank]
         if sys.argv is not argv:
             sys.argv = argv          # simcomm.patches: "rank-argv-main"
