@@ -153,6 +153,19 @@ PATCHES: tuple[Patch, ...] = (
         "while any rank_environ block is active (simcomm.run's ranks)",
         "when the last one ends: the process's os.environ object is put back", "run", ("os.environ",)),
     Patch(
+        "rank-threads", "``threading.Thread.start`` and ``threading.Thread.__init__``: a thread started "
+        "by a rank thread (or by one of its threads) runs inside the rank's thread-local state (its "
+        "torch.distributed world, os.environ view, output tag, virtual GPU mode, seed, autograd on "
+        "its own thread) and may "
+        "communicate as the rank; one made there without daemon= is waited for as the rank ends",
+        "simcomm.sim.process_state",
+        "a thread of a process belongs to that process: a background thread's dist.all_reduce is the "
+        "rank's, its prints carry the rank's tag, and a process exits once its non-daemon threads "
+        "have; on every thread that is no rank's, both methods behave as Python's own",
+        "the first World.run", "never: stays for the process", "process",
+        ("threading.Thread.start", "threading.Thread.__init__", "torch.autograd.set_multithreading_enabled()"),
+        ("threading.Thread.start", "threading.Thread.__init__")),
+    Patch(
         "cuda-answers", "``torch.cuda``'s queries (is_available, device_count, current_device, "
         "set_device, device, memory_allocated, mem_get_info, memory_summary, manual_seed, get_rng_state, "
         "Stream, Event, ...) and ``torch.nn.Module.cuda``/``.to``",

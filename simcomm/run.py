@@ -60,7 +60,7 @@ import torch
 from .errors import RankError, SimcommError
 from .memory import MemoryReport
 from .sim.cuda_map import GPUS, VirtualGPUs, gpu_preset, parse_bytes
-from .sim.process_state import rank_environ
+from .sim.process_state import inherit_thread_local, rank_environ
 from .errors import Aborted
 from .sim.world import World
 from .trace import Trace
@@ -142,6 +142,7 @@ def _tagged_output(enabled: bool) -> Iterator[tuple[threading.local, tuple[_Tagg
     """Swap ``sys.stdout``/``sys.stderr`` for tagging streams for the length of a launch;
     yields the thread-local that names each rank thread's rank, and the streams."""
     local = threading.local()
+    inherit_thread_local(local, "rank")    # a thread a rank starts prints under its rank's tag
     if not enabled:
         yield local, ()
         return

@@ -75,12 +75,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import memory
-from .process_state import rank_start_seed
+from .process_state import inherit_on_threads, inherit_thread_local, rank_start_seed
 
 __all__ = ["mesh_device_type", "CudaAsDevice", "cuda_answers", "is_cuda_name", "GPU", "GPUS", "VirtualGPUs", "parse_bytes",
            "gpu_preset"]
 
 _local = threading.local()     # per rank thread: .index (set_device), .mapped (the World's device), .generator
+inherit_thread_local(_local, "generator")   # a rank's threads share its CUDA generators (not its device:
+#                                              CUDA's current device is per thread, 0 on a new one)
 
 GiB = 2 ** 30
 
@@ -243,6 +245,10 @@ class CudaAsDevice(TorchFunctionMode):
         if func is torch.Tensor.to and changed:
             return _moved(args[0], out)
         return out
+
+
+# the threads a rank starts see its virtual GPUs too
+inherit_on_threads(lambda: CudaAsDevice(_local.mapped) if getattr(_local, "mapped", None) is not None else None)
 
 
 _ORDINAL_DEVICES: dict[tuple[torch.device, int], torch.device] = {}

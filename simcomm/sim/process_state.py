@@ -44,6 +44,21 @@ found (another interpreter, NumPy or torch layout, a CUDA World's device
 generator), every handoff saves and loads with their own
 ``getstate``/``setstate``: correct, only slower.
 
+**Threads a rank starts** belong to the rank, as a process's threads belong to
+it (:func:`own_thread`, the ``rank-threads`` row of :mod:`simcomm.patches`):
+``threading.Thread.start`` on a rank thread runs the new thread inside the
+rank's thread-local state, which the modules holding it register
+(:func:`inherit_thread_local`, :func:`inherit_on_threads`: the rank's
+torch.distributed world, ``os.environ`` view, output tag, virtual GPU mode,
+seed), and the scheduler lets it communicate as the rank. A thread made on
+the rank's own thread without ``daemon=`` is waited for as the rank ends, as a
+process waits for its non-daemon threads (its ``daemon`` flag still reads
+True: a leftover thread never holds up the interpreter). What threads cannot
+do: communicate two at a time for one rank (the second gets a
+``WrongThreadError``), nor run while another rank holds the turn without
+mixing with it: a rank's threads should wait (``join``) while one of them
+waits in a collective.
+
 **Environment variables** are per rank through :func:`rank_environ`, a view
 of ``os.environ`` that resolves to the calling rank thread's own copy (and to
 the process's environment on every other thread). What it cannot cover: C
@@ -61,6 +76,7 @@ import random as _random
 import struct
 import sys
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, NamedTuple
 
@@ -69,7 +85,8 @@ import torch
 from ..fresh_state import numpy_seed, rank_seed, run_seed
 from .rank_random import RankRandomState, cpu_raw
 
-__all__ = ["RankProcessState", "rank_environ", "rank_start_seed"]
+__all__ = ["RankProcessState", "rank_environ", "rank_start_seed", "inherit_on_threads", "inherit_thread_local",
+           "own_thread", "thread_owner", "waited_for_at_exit"]
 
 _seed_local = threading.local()      # .seed: the seed the calling rank thread started this run from
 
@@ -450,3 +467,144 @@ def rank_environ(variables: Mapping[str, str]) -> Iterator[None]:
             _env_users -= 1
             if _env_users == 0 and isinstance(os.environ, _RankEnviron):
                 os.environ = _real_environ
+
+
+# -- threads a rank starts belong to the rank ---------------------------------------------------
+
+#: ``.rank``: ``(run, rank)`` on a rank thread and on every thread it (or such a thread) started;
+#: ``run`` is the run's :class:`simcomm.sim.scheduler.RunState`
+_owner = threading.local()
+#: what a thread started by a rank takes from the thread that started it: functions called on the
+#: starting thread, each returning a context manager the new thread runs inside (or None)
+_captures: list[Callable[[], Any]] = []
+_original_start = threading.Thread.start
+
+
+def inherit_on_threads(capture: Callable[[], Any]) -> Callable[[], Any]:
+    """Register ``capture``: called on a rank thread (or a thread of its) as it starts a thread,
+    it returns a context manager the new thread runs its target inside, or ``None``. This is how
+    per-rank thread-local state (the rank's torch.distributed world, environment, output tag,
+    virtual GPU) reaches the threads a rank starts, as a process's threads share its state."""
+    _captures.append(capture)
+    return capture
+
+
+#: the thread-locals whose attributes the threads a rank starts inherit, and which attributes
+_inherited_locals: dict[weakref.ref, tuple[str, ...]] = {}
+
+
+def inherit_thread_local(local: threading.local, *names: str) -> None:
+    """Threads a rank starts get ``local``'s attributes ``names`` as the starting thread has them
+    (the same objects: a rank's threads share them, as a process's threads share its globals).
+    Forgotten when ``local`` is."""
+    _inherited_locals[weakref.ref(local, lambda ref: _inherited_locals.pop(ref, None))] = names
+
+
+def _capture_locals() -> Any:
+    values = []
+    for reference, names in list(_inherited_locals.items()):
+        local = reference()
+        if local is not None:
+            values.extend((local, name, getattr(local, name)) for name in names if hasattr(local, name))
+    return _LocalValues(values) if values else None
+
+
+class _LocalValues:
+    """Sets thread-locals' attributes for the length of a block on the calling thread."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: list):
+        self.values = values
+
+    def __enter__(self) -> None:
+        for local, name, value in self.values:
+            setattr(local, name, value)
+
+    def __exit__(self, *exc_info) -> None:
+        for local, name, _ in self.values:
+            with contextlib.suppress(AttributeError):
+                delattr(local, name)
+
+
+def own_thread(run: Any, rank: int) -> None:
+    """The calling thread is rank ``rank``'s thread of ``run`` (so are the threads it starts)."""
+    _owner.rank = (run, rank)
+    _install_thread_start()
+
+
+def thread_owner() -> tuple[Any, int] | None:
+    """``(run, rank)`` of the calling thread: a rank thread or a thread a rank started; else None."""
+    return getattr(_owner, "rank", None)
+
+
+def _start(self: threading.Thread) -> None:
+    owner = getattr(_owner, "rank", None)
+    if owner is not None and "run" not in self.__dict__:
+        contexts = [context for context in (capture() for capture in _captures) if context is not None]
+        target = self.run
+
+        def run_as_rank() -> None:
+            _owner.rank = owner
+            with contextlib.ExitStack() as stack:
+                for context in contexts:
+                    stack.enter_context(context)
+                target()
+        self.run = run_as_rank
+        owner[0].adopt_thread(owner[1], self)
+    _original_start(self)
+
+
+_start.__doc__ = _original_start.__doc__
+_original_init = threading.Thread.__init__
+
+
+def _init(self: threading.Thread, *args: Any, **kwargs: Any) -> None:
+    _original_init(self, *args, **kwargs)
+    owner = getattr(_owner, "rank", None)
+    if owner is not None and kwargs.get("daemon") is None:
+        # made on a rank's own thread (a daemon thread of World's) without daemon=: on a process's
+        # main thread it would be a non-daemon thread, which the process waits for as it exits
+        run, rank = owner
+        self._simcomm_waited_for = threading.current_thread() is run.threads[rank] or \
+            getattr(threading.current_thread(), "_simcomm_waited_for", False)
+
+
+_init.__doc__ = _original_init.__doc__
+_thread_start_installed = False
+
+
+def _install_thread_start() -> None:
+    global _thread_start_installed
+    if not _thread_start_installed:
+        threading.Thread.start = _start        # simcomm.patches: "rank-threads"
+        threading.Thread.__init__ = _init
+        _thread_start_installed = True
+
+
+def waited_for_at_exit(thread: threading.Thread) -> bool:
+    """Whether a rank waits for ``thread`` as it ends: a thread that would not be a daemon thread
+    in a process (its ``daemon`` flag reads True on virtual ranks, so that a leftover thread never
+    holds up the interpreter's exit)."""
+    return not thread.daemon or getattr(thread, "_simcomm_waited_for", False)
+
+
+class _BackwardOnThisThread:
+    """Rank threads run backward on their own thread (World: autograd's device threads would be
+    shared by every rank); so do the threads a rank starts."""
+
+    def __enter__(self) -> None:
+        torch.autograd.set_multithreading_enabled(False)
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
+def _autograd_threads() -> Any:
+    return None if torch.autograd.is_multithreading_enabled() else _BackwardOnThisThread()
+
+
+inherit_on_threads(_autograd_threads)
+inherit_on_threads(_capture_locals)
+inherit_thread_local(_env_local, "environ")
+inherit_thread_local(_seed_local, "seed")

@@ -76,3 +76,103 @@ def test_unseeded_ranks_draw_different_numbers_under_torchrun():
     assert done.returncode == 0, done.stderr[-2000:]
     assert all(fields(lines[rank])["torch_differ"] == fields(lines[rank])["python_differ"] ==
                fields(lines[rank])["numpy_differ"] == "True" for rank in range(2)), lines
+
+
+# -- threads a rank starts ------------------------------------------------------------------------
+
+def _thread_lines_agree(lines):
+    for rank in range(2):
+        assert fields(lines[rank]) == {"reduced": "[3.0,", "env_rank": str(rank), "group_rank": str(rank),
+                                       "world": "2"}, lines
+
+
+def test_a_thread_a_rank_starts_communicates_and_prints_as_the_rank(capsys):
+    result, lines = on_virtual_ranks("thread_collective.py", capsys)
+    assert result.returncode == 0, result.summary()
+    _thread_lines_agree(lines)
+    out = run_script(SCRIPTS / "thread_collective.py", 2)
+    text = capsys.readouterr()
+    assert out.returncode == 0
+    for rank in range(2):                  # the thread's print carries its rank's tag
+        assert f"[rank {rank}] rank{rank}: printed_by_thread" in text.out + text.err
+
+
+@torchrun
+def test_a_thread_a_rank_starts_communicates_as_the_rank_under_torchrun():
+    done, lines = under_torchrun("thread_collective.py")
+    assert done.returncode == 0, done.stderr[-2000:]
+    _thread_lines_agree(lines)
+
+
+def test_threads_of_a_rank_on_a_world_run_share_its_communicator_and_the_rank_waits_for_them():
+    import concurrent.futures
+    import threading
+
+    import simcomm
+
+    reduced = {}
+
+    def program(comm):
+        def reduce_in_thread():
+            reduced[comm.rank] = comm.all_reduce(torch.full((2,), float(comm.rank + 1))).tolist()
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:       # a pool's thread is the rank's too
+            gathered = pool.submit(lambda: [t.item() for t in comm.all_gather(torch.tensor([comm.rank]))]).result()
+        # not joined: the rank ends once its non-daemon threads have, as a process exits
+        threading.Thread(target=reduce_in_thread).start()
+        return gathered
+
+    assert simcomm.World(3).run(program) == [[0, 1, 2]] * 3
+    assert reduced == {rank: [6.0, 6.0] for rank in range(3)}
+
+
+def test_two_threads_of_a_rank_communicating_at_once_is_a_named_error():
+    import threading
+
+    import simcomm
+    from simcomm.errors import RankError, WrongThreadError
+
+    def program(comm):
+        import time
+        if comm.rank == 0:
+            threading.Thread(target=comm.barrier, name="helper").start()   # waits: rank 1 is asleep
+            time.sleep(0.3)
+            comm.all_reduce(torch.ones(1))       # the main thread too, meanwhile
+        else:
+            time.sleep(1.0)
+            comm.barrier()
+
+    with pytest.raises(RankError) as info:
+        simcomm.World(2).run(program, timeout=20)
+    assert isinstance(info.value.__cause__, WrongThreadError)
+    assert "another thread of rank 0 waits in a communication call" in str(info.value.__cause__)
+
+
+def test_a_thread_of_another_rank_is_refused():
+    import threading
+
+    import simcomm
+    from simcomm.errors import RankError, WrongThreadError
+
+    comms = {}
+
+    def program(comm):
+        comms[comm.rank] = comm
+        comm.barrier()
+        if comm.rank == 1:
+            errors = []
+
+            def use_rank_0():
+                try:
+                    comms[0].barrier()
+                except WrongThreadError as error:
+                    errors.append(error)
+            thread = threading.Thread(target=use_rank_0)
+            thread.start()
+            thread.join()
+            raise errors[0]
+        comm.barrier()
+
+    with pytest.raises(RankError) as info:
+        simcomm.World(2).run(program, timeout=20)
+    assert isinstance(info.value.__cause__, WrongThreadError)
