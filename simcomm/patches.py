@@ -166,6 +166,15 @@ PATCHES: tuple[Patch, ...] = (
         ("threading.Thread.start", "threading.Thread.__init__", "torch.autograd.set_multithreading_enabled()"),
         ("threading.Thread.start", "threading.Thread.__init__")),
     Patch(
+        "rank-cwd", "``os.chdir`` and ``os.fchdir``: on a rank's thread (or a thread it started), the "
+        "new directory is the rank's; the process's working directory is then swapped to the rank's "
+        "at each turn handoff", "simcomm.sim.process_state",
+        "each process of a torchrun run has its own working directory: a rank's os.chdir must not move "
+        "the other ranks (relative paths, a relative script path) nor the caller after the run; on "
+        "every other thread both are os's own", "the first World.run",
+        "never: stays for the process (a run that changed directories puts the caller's back as it "
+        "ends)", "process", ("os.chdir", "os.fchdir"), ("os.chdir", "os.fchdir")),
+    Patch(
         "cuda-answers", "``torch.cuda``'s queries (is_available, device_count, current_device, "
         "set_device, device, memory_allocated, mem_get_info, memory_summary, manual_seed, get_rng_state, "
         "Stream, Event, ...) and ``torch.nn.Module.cuda``/``.to``",

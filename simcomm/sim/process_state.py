@@ -59,6 +59,13 @@ do: communicate two at a time for one rank (the second gets a
 mixing with it: a rank's threads should wait (``join``) while one of them
 waits in a collective.
 
+**The working directory** is per rank (the ``rank-cwd`` row of
+:mod:`simcomm.patches`): ``os.chdir`` on a rank's thread records the rank's
+new directory, and from then on each handoff makes the process's working
+directory the rank's (one ``chdir`` when it differs), so relative paths
+resolve against the rank's own; the caller's is put back after the run. A
+run in which no rank changes directory pays one ``None`` test per handoff.
+
 **Environment variables** are per rank through :func:`rank_environ`, a view
 of ``os.environ`` that resolves to the calling rank thread's own copy (and to
 the process's environment on every other thread). What it cannot cover: C
@@ -310,6 +317,12 @@ class RankProcessState:
         #: states were last saved or loaded: equal at handoff, no generator has anything to save
         self._fingerprint = _all_of([generator.fingerprint for generator in self._generators])
         self._live_print: Any = None
+        #: each rank's working directory, once some rank changed its own (None until then: every
+        #: rank's is the caller's), the one live now and the caller's (:func:`_chdir`)
+        self.cwds: list[str] | None = None
+        self.live_cwd: str | None = None
+        self.caller_cwd: str | None = None
+        _install_chdir()
 
     def hand_off(self, rank: int) -> None:
         """``rank`` hands the turn on: keep its state."""
@@ -338,6 +351,25 @@ class RankProcessState:
         main = self.main[rank]
         if main is not None:
             sys.modules["__main__"] = main
+        cwds = self.cwds
+        if cwds is not None and cwds[rank] != self.live_cwd:
+            self._enter(cwds[rank])
+
+    def _enter(self, folder: str) -> None:
+        """Make ``folder`` the process's working directory (the rank holding the turn's)."""
+        try:
+            _original_chdir(folder)
+        except OSError:       # removed meanwhile: the next relative path the rank uses says so
+            pass
+        self.live_cwd = folder
+
+    def changed_cwd(self, rank: int, change: Callable[[], None]) -> None:
+        """Rank ``rank`` (holding the turn) changes its working directory with ``change``."""
+        if self.cwds is None:
+            self.caller_cwd = self.live_cwd = os.getcwd()
+            self.cwds = [self.caller_cwd] * len(self.argv)
+        change()
+        self.cwds[rank] = self.live_cwd = os.getcwd()
 
     def save_caller(self) -> None:
         """Before a run: remember the state of the thread that starts it."""
@@ -358,6 +390,40 @@ class RankProcessState:
             sys.argv, main = self._caller_sys
             if main is not None:
                 sys.modules["__main__"] = main
+        if self.cwds is not None and self.live_cwd != self.caller_cwd:
+            self._enter(self.caller_cwd)
+
+
+# -- the working directory per rank --------------------------------------------------------------
+
+_original_chdir, _original_fchdir = os.chdir, os.fchdir
+_chdir_installed = False
+
+
+def _on_rank(change: Callable[[], None]) -> None:
+    owner = getattr(_owner, "rank", None)
+    if owner is None:
+        change()
+    else:
+        owner[0].random.changed_cwd(owner[1], change)
+
+
+def _chdir(path: Any) -> None:
+    _on_rank(lambda: _original_chdir(path))
+
+
+def _fchdir(fd: Any) -> None:
+    _on_rank(lambda: _original_fchdir(fd))
+
+
+_chdir.__doc__, _fchdir.__doc__ = _original_chdir.__doc__, _original_fchdir.__doc__
+
+
+def _install_chdir() -> None:
+    global _chdir_installed
+    if not _chdir_installed:
+        os.chdir, os.fchdir = _chdir, _fchdir      # simcomm.patches: "rank-cwd"
+        _chdir_installed = True
 
 
 # -- environment variables per rank ---------------------------------------------------------------

@@ -176,3 +176,50 @@ def test_a_thread_of_another_rank_is_refused():
     with pytest.raises(RankError) as info:
         simcomm.World(2).run(program, timeout=20)
     assert isinstance(info.value.__cause__, WrongThreadError)
+
+
+# -- the working directory ------------------------------------------------------------------------
+
+def _cwd_lines_agree(lines):
+    for rank in range(2):
+        assert fields(lines[rank]) == {"state": f"{rank}.0", "folder": f"work{rank}", "siblings": "work0,work1",
+                                       "nested": "False"}, lines
+
+
+@pytest.mark.parametrize("relative", [True, False], ids=["relative script path", "absolute script path"])
+def test_each_rank_has_its_own_working_directory_and_the_callers_is_put_back(relative, tmp_path, monkeypatch, capsys):
+    script = tmp_path / "rank_cwd.py"
+    script.write_text((SCRIPTS / "rank_cwd.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    result = run_script("rank_cwd.py" if relative else script, 2)
+    out = capsys.readouterr()
+    assert result.returncode == 0, result.summary() + out.err
+    _cwd_lines_agree(report(out.out + out.err))
+    assert os.getcwd() == str(tmp_path)                      # the caller's, after the run
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rank_cwd.py", "work0", "work1"]
+
+
+def test_a_rank_thread_that_changes_directory_leaves_the_other_ranks_and_the_caller_where_they_were(tmp_path):
+    import simcomm
+
+    (tmp_path / "a").mkdir()
+    here = os.getcwd()
+
+    def program(comm):
+        if comm.rank == 0:
+            os.chdir(tmp_path / "a")
+        comm.barrier()
+        seen = os.getcwd()
+        comm.barrier()
+        return seen, os.path.exists("b.txt") if comm.rank == 0 else None
+
+    (tmp_path / "a" / "b.txt").write_text("x")
+    assert simcomm.World(3).run(program) == [(str(tmp_path / "a"), True), (here, None), (here, None)]
+    assert os.getcwd() == here
+
+
+@torchrun
+def test_each_rank_has_its_own_working_directory_under_torchrun(tmp_path):
+    done, lines = under_torchrun("rank_cwd.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _cwd_lines_agree(lines)
