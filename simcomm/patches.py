@@ -175,6 +175,13 @@ PATCHES: tuple[Patch, ...] = (
         "never: stays for the process (a run that changed directories puts the caller's back as it "
         "ends)", "process", ("os.chdir", "os.fchdir"), ("os.chdir", "os.fchdir")),
     Patch(
+        "rank-pid", "``os.getpid``: on a rank's thread (or a thread it started), the rank thread's Linux "
+        "thread id (``threading.get_native_id()``)", "simcomm.sim.process_state",
+        "each process of a torchrun run has its own pid, and scripts name files after it "
+        "(grad_{os.getpid()}.pt); a thread id is distinct per rank, stable for the run and an id of "
+        "this process to the kernel (os.kill, /proc); on every other thread it is os's own",
+        "the first World.run", "never: stays for the process", "process", ("os.getpid",), ("os.getpid",)),
+    Patch(
         "cuda-answers", "``torch.cuda``'s queries (is_available, device_count, current_device, "
         "set_device, device, memory_allocated, mem_get_info, memory_summary, manual_seed, get_rng_state, "
         "Stream, Event, ...) and ``torch.nn.Module.cuda``/``.to``",

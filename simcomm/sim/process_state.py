@@ -66,6 +66,14 @@ directory the rank's (one ``chdir`` when it differs), so relative paths
 resolve against the rank's own; the caller's is put back after the run. A
 run in which no rank changes directory pays one ``None`` test per handoff.
 
+**The process id** a rank sees (``os.getpid()``, the ``rank-pid`` row of
+:mod:`simcomm.patches`) is its thread's Linux thread id
+(``threading.get_native_id()``, shared by the threads the rank starts):
+distinct per rank, stable for the run, and an id of this process to the
+kernel (``os.kill(os.getpid(), 0)`` succeeds, ``/proc/<id>`` exists), so
+pid-named files do not collide. C code's ``getpid()`` still sees the one
+process id.
+
 **Environment variables** are per rank through :func:`rank_environ`, a view
 of ``os.environ`` that resolves to the calling rank thread's own copy (and to
 the process's environment on every other thread). What it cannot cover: C
@@ -596,6 +604,7 @@ class _LocalValues:
 def own_thread(run: Any, rank: int) -> None:
     """The calling thread is rank ``rank``'s thread of ``run`` (so are the threads it starts)."""
     _owner.rank = (run, rank)
+    _owner.pid = threading.get_native_id()
     _install_thread_start()
 
 
@@ -609,9 +618,10 @@ def _start(self: threading.Thread) -> None:
     if owner is not None and "run" not in self.__dict__:
         contexts = [context for context in (capture() for capture in _captures) if context is not None]
         target = self.run
+        pid = getattr(_owner, "pid", None)
 
         def run_as_rank() -> None:
-            _owner.rank = owner
+            _owner.rank, _owner.pid = owner, pid
             with contextlib.ExitStack() as stack:
                 for context in contexts:
                     stack.enter_context(context)
@@ -640,11 +650,23 @@ _init.__doc__ = _original_init.__doc__
 _thread_start_installed = False
 
 
+_original_getpid = os.getpid
+
+
+def _getpid() -> int:
+    pid = getattr(_owner, "pid", None)
+    return _original_getpid() if pid is None else pid
+
+
+_getpid.__doc__ = _original_getpid.__doc__
+
+
 def _install_thread_start() -> None:
     global _thread_start_installed
     if not _thread_start_installed:
         threading.Thread.start = _start        # simcomm.patches: "rank-threads"
         threading.Thread.__init__ = _init
+        os.getpid = _getpid                     # simcomm.patches: "rank-pid"
         _thread_start_installed = True
 
 

@@ -223,3 +223,30 @@ def test_each_rank_has_its_own_working_directory_under_torchrun(tmp_path):
     done, lines = under_torchrun("rank_cwd.py", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     _cwd_lines_agree(lines)
+
+
+# -- the process id -------------------------------------------------------------------------------
+
+def _pid_lines_agree(lines):
+    for rank in range(2):
+        assert fields(lines[rank]) == {"files": "2", "sum": "1.0", "distinct": "True", "stable": "True",
+                                       "alive": "True"}, lines
+
+
+def test_each_rank_has_a_pid_of_its_own_so_pid_named_files_do_not_collide(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    result, lines = on_virtual_ranks("rank_pid.py", capsys)
+    assert result.returncode == 0, result.summary()
+    _pid_lines_agree(lines)
+    assert list(tmp_path.iterdir()) == []
+    import simcomm
+    pids = simcomm.World(2).run(lambda comm: (os.getpid(), os.path.isdir(f"/proc/{os.getpid()}")))
+    assert len({pid for pid, _ in pids}) == 2 and all(alive for _, alive in pids)
+    assert os.getpid() not in {pid for pid, _ in pids}       # the caller keeps the process's own
+
+
+@torchrun
+def test_each_rank_has_a_pid_of_its_own_under_torchrun(tmp_path):
+    done, lines = under_torchrun("rank_pid.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _pid_lines_agree(lines)
