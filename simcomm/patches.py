@@ -149,9 +149,11 @@ PATCHES: tuple[Patch, ...] = (
         "rank-environ", "``os.environ``: a view resolving to the calling rank thread's own "
         "variables", "simcomm.sim.process_state",
         "torchrun gives each process RANK, LOCAL_RANK, WORLD_SIZE...; python -m simcomm.run gives "
-        "each rank thread its own (C code's getenv still sees the process's one environment)",
+        "each rank thread its own. The C environment (getenv, child processes started without env=) "
+        "follows the rank holding the turn, for the variables that differ from the process's",
         "while any rank_environ block is active (simcomm.run's ranks)",
-        "when the last one ends: the process's os.environ object is put back", "run", ("os.environ",)),
+        "when the last one ends: the process's os.environ object and C environment are put back", "run",
+        ("os.environ",)),
     Patch(
         "rank-threads", "``threading.Thread.start`` and ``threading.Thread.__init__``: a thread started "
         "by a rank thread (or by one of its threads) runs inside the rank's thread-local state (its "

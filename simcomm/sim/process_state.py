@@ -76,10 +76,16 @@ process id.
 
 **Environment variables** are per rank through :func:`rank_environ`, a view
 of ``os.environ`` that resolves to the calling rank thread's own copy (and to
-the process's environment on every other thread). What it cannot cover: C
-and C++ code that calls ``getenv`` (torch's C++ reads such as
-``TORCH_CPP_LOG_LEVEL``, NCCL's and gloo's variables) and child processes
-started without ``env=``, which see the process's one real environment.
+the process's environment on every other thread). C code that calls
+``getenv`` (inductor's ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``, torch's
+C++ settings, NCCL's and gloo's variables) and child processes started
+without ``env=`` (``subprocess``, a shell's ``$RANK``, ``mp.spawn``) read the
+process's one C environment instead, so it follows the rank holding the turn
+(:func:`sync_c_environ`): for the variables that may differ from the
+process's (those ``rank_environ`` gave and those a rank wrote), each handoff
+to a rank whose variables are not the live ones puts the differing ones
+(``os.putenv``/``os.unsetenv``), and a rank's own write reaches it at once.
+The process's values are put back when the last block ends.
 """
 from __future__ import annotations
 
@@ -362,6 +368,8 @@ class RankProcessState:
         cwds = self.cwds
         if cwds is not None and cwds[rank] != self.live_cwd:
             self._enter(cwds[rank])
+        if _c_values:                  # some rank's variables differ from the process's
+            sync_c_environ()
 
     def _enter(self, folder: str) -> None:
         """Make ``folder`` the process's working directory (the rank holding the turn's)."""
@@ -441,6 +449,66 @@ _env_lock = threading.Lock()
 _env_users = 0
 _real_environ: os._Environ | None = None
 
+# The C environment (what getenv and child processes started without env= see) follows the rank
+# holding the turn, for the variables that may differ from the process's: those rank_environ gave
+# a rank and those a rank wrote. ``_c_values``: what the C environment holds for each of them now
+# (None: unset); ``_c_for``: the rank's variables it was last made to agree with.
+_c_values: dict[str, str | None] = {}
+_c_for: dict | None = None
+_putenv, _unsetenv = os.putenv, os.unsetenv
+
+
+#: (id of the live rank's variables, id of the next rank's): the tracked variables that differ
+#: between them, and their values in the next rank's (ranks take turns in a cycle, so a handoff
+#: puts only these); emptied when a rank writes a variable or a new one is tracked
+_differences: dict[tuple[int, int], list[tuple[str, str | None]]] = {}
+
+
+def _track(key: str) -> None:
+    """``key`` may differ between ranks: keep the C environment's value of it in step."""
+    _differences.clear()
+    if key not in _c_values:
+        _c_values[key] = _real_environ.get(key) if _real_environ is not None else None
+
+
+def _set_c(key: str, value: str | None) -> None:
+    if value is None:
+        _unsetenv(key)
+    else:
+        _putenv(key, value)
+    _c_values[key] = value
+
+
+def sync_c_environ() -> None:
+    """Make the C environment agree with the calling rank thread's variables (called as a rank
+    takes the turn; nothing to do outside ``rank_environ``, or when it agrees already)."""
+    global _c_for
+    mine = getattr(_env_local, "environ", None)
+    if mine is None or mine is _c_for:
+        return
+    pair = (id(_c_for), id(mine))
+    changes = _differences.get(pair) if _c_for is not None else None
+    if changes is None:
+        get = mine.get
+        changes = [(key, get(key)) for key, value in _c_values.items() if get(key) != value]
+        if _c_for is not None:
+            _differences[pair] = changes
+    for key, value in changes:
+        _set_c(key, value)
+    _c_for = mine
+
+
+def _restore_c_environ() -> None:
+    """The last rank_environ block ended: the C environment is the process's again."""
+    global _c_for
+    for key, value in list(_c_values.items()):
+        real = _real_environ.get(key)
+        if value != real:
+            _set_c(key, real)
+    _c_values.clear()
+    _differences.clear()
+    _c_for = None
+
 
 class _RankEnviron(os._Environ):
     """Stands in for ``os.environ``: the calling rank thread's own variables on a rank
@@ -468,10 +536,18 @@ class _RankEnviron(os._Environ):
             return
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"str expected, not {type(key if not isinstance(key, str) else value).__name__}")
+        _track(key)
+        if mine is _c_for:              # the C environment follows this rank now: C code sees it at once
+            _set_c(key, value)
         mine[key] = value
 
     def __delitem__(self, key):
-        del self._current()[key]
+        current = self._current()
+        del current[key]
+        if current is not self._real:
+            _track(key)
+            if current is _c_for:
+                _set_c(key, None)
 
     def __iter__(self):
         return iter(list(self._current()))
@@ -531,8 +607,13 @@ def rank_environ(variables: Mapping[str, str]) -> Iterator[None]:
             os.environ = _RankEnviron(_real_environ)   # simcomm.patches: "rank-environ"
         _env_users += 1
         mine = dict(_real_environ)
+        _differences.clear()        # keyed by ids of rank dicts: a new one may reuse an old one's
+        for key, value in variables.items():
+            if _real_environ.get(key) != value:
+                _track(key)
     mine.update(variables)
     _env_local.environ = mine
+    sync_c_environ()
     try:
         yield
     finally:
@@ -541,6 +622,7 @@ def rank_environ(variables: Mapping[str, str]) -> Iterator[None]:
             _env_users -= 1
             if _env_users == 0 and isinstance(os.environ, _RankEnviron):
                 os.environ = _real_environ
+                _restore_c_environ()
 
 
 # -- threads a rank starts belong to the rank ---------------------------------------------------

@@ -250,3 +250,48 @@ def test_each_rank_has_a_pid_of_its_own_under_torchrun(tmp_path):
     done, lines = under_torchrun("rank_pid.py", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     _pid_lines_agree(lines)
+
+
+# -- the C environment and child processes --------------------------------------------------------
+
+def _env_lines_agree(lines):
+    for rank in range(2):
+        assert fields(lines[rank]) == {"c_rank": str(rank), "c_setting": f"v{rank}", "child_rank": str(rank),
+                                       "child_setting": f"v{rank}", "child_unset": "-",
+                                       "shell": f"{rank}-v{rank}"}, lines
+
+
+def test_c_getenv_child_processes_and_shells_see_the_ranks_environment(monkeypatch, capsys):
+    monkeypatch.setenv("SIMCOMM_TEST_UNSET_ME", "1")
+    monkeypatch.delenv("MY_SETTING", raising=False)
+    result, lines = on_virtual_ranks("rank_env_child.py", capsys)
+    assert result.returncode == 0, result.summary()
+    _env_lines_agree(lines)
+    # after the run the C environment is the process's again
+    import ctypes
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    assert libc.getenv(b"RANK") == (os.environ["RANK"].encode() if "RANK" in os.environ else None)
+    assert libc.getenv(b"MY_SETTING") is None and libc.getenv(b"SIMCOMM_TEST_UNSET_ME") == b"1"
+
+
+@torchrun
+def test_c_getenv_child_processes_and_shells_see_the_ranks_environment_under_torchrun():
+    done, lines = under_torchrun("rank_env_child.py", env={"SIMCOMM_TEST_UNSET_ME": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    _env_lines_agree(lines)
+
+
+@torchrun
+@pytest.mark.parametrize("launcher", ["simcomm.run", "torchrun"])
+def test_torch_compile_works_on_each_rank(launcher, tmp_path):
+    """Inductor sets a variable in os.environ that its compiled C++ module reads with getenv."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "PYTHONPATH": str(ROOT)}
+    command = ([sys.executable, "-m", "simcomm.run"] if launcher == "simcomm.run" else
+               [sys.executable, "-m", "torch.distributed.run", "--standalone"])
+    done = subprocess.run([*command, "--nproc-per-node", "2", str(SCRIPTS / "compiled_step.py")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = report(done.stdout + done.stderr)
+    assert all(fields(lines[rank]) == {"matches": "True", "reduced": "50.0539"} for rank in range(2)), lines
