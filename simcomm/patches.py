@@ -184,6 +184,13 @@ PATCHES: tuple[Patch, ...] = (
         "this process to the kernel (os.kill, /proc); on every other thread it is os's own",
         "the first World.run", "never: stays for the process", "process", ("os.getpid",), ("os.getpid",)),
     Patch(
+        "rank-logging", "``logging.root.handlers`` and ``logging.root.level``: the rank's own at each turn "
+        "handoff (a copy of the caller's handlers in its first turn)", "simcomm.sim.process_state",
+        "each process of a torchrun run configures its own logging: logging.basicConfig(format=f'[r{rank}]"
+        " ...') on each rank must give each rank's records its own format (named loggers stay shared)",
+        "each World.run (the caller's saved first)", "when the run ends: the caller's put back", "run",
+        ("logging.root.handlers", "logging.root.level")),
+    Patch(
         "cuda-answers", "``torch.cuda``'s queries (is_available, device_count, current_device, "
         "set_device, device, memory_allocated, mem_get_info, memory_summary, manual_seed, get_rng_state, "
         "Stream, Event, ...) and ``torch.nn.Module.cuda``/``.to``",

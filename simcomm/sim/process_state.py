@@ -74,6 +74,13 @@ kernel (``os.kill(os.getpid(), 0)`` succeeds, ``/proc/<id>`` exists), so
 pid-named files do not collide. C code's ``getpid()`` still sees the one
 process id.
 
+**Logging's configuration** is per rank (the ``rank-logging`` row of
+:mod:`simcomm.patches`): the root logger's handler list and level, a copy of
+the caller's in each rank's first turn, swapped at each handoff (two identity
+tests when no rank changed them), so each rank's ``logging.basicConfig``
+configures its own root logger, as in a process. Named loggers' own handlers
+and levels stay shared.
+
 **Environment variables** are per rank through :func:`rank_environ`, a view
 of ``os.environ`` that resolves to the calling rank thread's own copy (and to
 the process's environment on every other thread). C code that calls
@@ -92,6 +99,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import random as _random
 import struct
@@ -337,6 +345,11 @@ class RankProcessState:
         self.live_cwd: str | None = None
         self.caller_cwd: str | None = None
         _install_chdir()
+        #: each rank's root logger: its handler list (a copy of the caller's, made in its first turn)
+        #: and level; the caller's
+        self.log_handlers: list = [None] * world_size
+        self.log_levels: list = [None] * world_size
+        self.caller_log: tuple | None = None
 
     def hand_off(self, rank: int) -> None:
         """``rank`` hands the turn on: keep its state."""
@@ -348,6 +361,8 @@ class RankProcessState:
                 self._live_print = fingerprint()
         self.argv[rank] = sys.argv
         self.main[rank] = sys.modules.get("__main__")
+        root = logging.root
+        self.log_handlers[rank], self.log_levels[rank] = root.handlers, root.level
 
     def take_turn(self, rank: int) -> None:
         """``rank`` takes the turn: make its state the live one."""
@@ -370,6 +385,16 @@ class RankProcessState:
             self._enter(cwds[rank])
         if _c_values:                  # some rank's variables differ from the process's
             sync_c_environ()
+        handlers = self.log_handlers[rank]
+        if handlers is None:           # the first turn: the caller's configuration, a list of its own
+            caller = self.caller_log or (logging.root.handlers, logging.root.level)
+            handlers = self.log_handlers[rank] = list(caller[0])
+            self.log_levels[rank] = caller[1]
+        if logging.root.handlers is not handlers:
+            logging.root.handlers = handlers   # simcomm.patches: "rank-logging"
+        if logging.root.level != self.log_levels[rank]:
+            logging.root.level = self.log_levels[rank]
+            logging.root.manager._clear_cache()    # loggers cache what their level lets through
 
     def _enter(self, folder: str) -> None:
         """Make ``folder`` the process's working directory (the rank holding the turn's)."""
@@ -394,6 +419,7 @@ class RankProcessState:
         if self.numpy is not None:
             self.numpy.caller = _np.random.get_state()
         self._caller_sys = (sys.argv, sys.modules.get("__main__"))
+        self.caller_log = (logging.root.handlers, logging.root.level)
 
     def restore_caller(self) -> None:
         """After a run: the caller's state is as it was before it."""
@@ -408,6 +434,11 @@ class RankProcessState:
                 sys.modules["__main__"] = main
         if self.cwds is not None and self.live_cwd != self.caller_cwd:
             self._enter(self.caller_cwd)
+        if self.caller_log is not None:
+            logging.root.handlers = self.caller_log[0]
+            if logging.root.level != self.caller_log[1]:
+                logging.root.level = self.caller_log[1]
+                logging.root.manager._clear_cache()
 
 
 # -- the working directory per rank --------------------------------------------------------------

@@ -295,3 +295,29 @@ def test_torch_compile_works_on_each_rank(launcher, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = report(done.stdout + done.stderr)
     assert all(fields(lines[rank]) == {"matches": "True", "reduced": "50.0539"} for rank in range(2)), lines
+
+
+# -- logging --------------------------------------------------------------------------------------
+
+def _log_lines(text: str) -> list[str]:
+    return sorted(match.group(0) for match in re.finditer(r"rank\d: log=\[r\d\] \S+", text))
+
+
+EXPECTED_LOG = ["rank0: log=[r0] info_shown=True", "rank0: log=[r0] step=1", "rank1: log=[r1] step=1"]
+
+
+def test_each_rank_configures_its_own_logging_and_the_callers_is_kept(capsys, monkeypatch):
+    import logging
+    monkeypatch.setattr(logging.root, "handlers", [])     # a fresh process's: pytest's own set aside
+    before = logging.root.handlers, logging.root.level
+    run_script(SCRIPTS / "rank_logging.py", 2)
+    out = capsys.readouterr()
+    assert _log_lines(out.out + out.err) == EXPECTED_LOG, out
+    assert logging.root.handlers is before[0] and before == ([], logging.root.level)
+
+
+@torchrun
+def test_each_rank_configures_its_own_logging_under_torchrun():
+    done, _ = under_torchrun("rank_logging.py")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _log_lines(done.stdout + done.stderr) == EXPECTED_LOG, done.stdout
