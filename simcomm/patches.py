@@ -191,6 +191,16 @@ PATCHES: tuple[Patch, ...] = (
         "each World.run (the caller's saved first)", "when the run ends: the caller's put back", "run",
         ("logging.root.handlers", "logging.root.level")),
     Patch(
+        "rank-process-settings", "``multiprocessing``'s default context (its class: the chosen start "
+        "method is per rank on rank threads) and ``signal.signal``/``signal.getsignal`` (on a rank's "
+        "thread: the rank's own handler table, recorded and not installed)", "simcomm.sim.process_state",
+        "each process of a torchrun run calls mp.set_start_method('spawn') once and sets its own SIGTERM "
+        "handler; on rank threads the second rank's call raised 'context has already been set' and "
+        "signal.signal raised 'only works in main thread'. On every other thread all three are Python's own",
+        "the first World.run", "never: stays for the process", "process",
+        ("multiprocessing.context._default_context.__class__", "signal.signal", "signal.getsignal"),
+        ("signal.signal", "signal.getsignal")),
+    Patch(
         "cuda-answers", "``torch.cuda``'s queries (is_available, device_count, current_device, "
         "set_device, device, memory_allocated, mem_get_info, memory_summary, manual_seed, get_rng_state, "
         "Stream, Event, ...) and ``torch.nn.Module.cuda``/``.to``",

@@ -81,6 +81,15 @@ tests when no rank changed them), so each rank's ``logging.basicConfig``
 configures its own root logger, as in a process. Named loggers' own handlers
 and levels stay shared.
 
+**Once-per-process settings** (the ``rank-process-settings`` row of
+:mod:`simcomm.patches`): multiprocessing's start method is chosen per rank
+(each rank's first ``mp.set_start_method`` succeeds, a second raises as in a
+process), and ``signal.signal``/``signal.getsignal`` on a rank thread set and
+read the rank's own handler table (Python allows ``signal.signal`` only on the
+main thread). The handlers are recorded, not installed: a signal sent to the
+process runs the process's handler, not a rank's
+(:func:`rank_signal_handler` reads them).
+
 **Environment variables** are per rank through :func:`rank_environ`, a view
 of ``os.environ`` that resolves to the calling rank thread's own copy (and to
 the process's environment on every other thread). C code that calls
@@ -100,8 +109,10 @@ import contextlib
 import ctypes
 import functools
 import logging
+import multiprocessing.context
 import os
 import random as _random
+import signal
 import struct
 import sys
 import threading
@@ -115,7 +126,7 @@ from ..fresh_state import numpy_seed, rank_seed, run_seed
 from .rank_random import RankRandomState, cpu_raw
 
 __all__ = ["RankProcessState", "rank_environ", "rank_start_seed", "inherit_on_threads", "inherit_thread_local",
-           "own_thread", "thread_owner", "waited_for_at_exit"]
+           "own_thread", "thread_owner", "waited_for_at_exit", "rank_signal_handler"]
 
 _seed_local = threading.local()      # .seed: the seed the calling rank thread started this run from
 
@@ -774,12 +785,78 @@ def _getpid() -> int:
 _getpid.__doc__ = _original_getpid.__doc__
 
 
+# -- once-per-process settings: multiprocessing's start method, signal handlers -----------------
+
+def _rank_table(name: str) -> dict | None:
+    """The calling rank's entries in the run's table ``name`` (None off rank threads)."""
+    owner = getattr(_owner, "rank", None)
+    if owner is None:
+        return None
+    run, rank = owner
+    tables = run.__dict__.setdefault("process_settings", {})
+    return tables.setdefault((name, rank), {})
+
+
+class _RankDefaultContext(multiprocessing.context.DefaultContext):
+    """multiprocessing's default context whose chosen start method is per rank on rank threads (a
+    fresh process has none chosen, so each rank's first ``set_start_method`` succeeds)."""
+
+    @property
+    def _actual_context(self) -> Any:
+        mine = _rank_table("start-method")
+        return self.__dict__.get("_actual_context") if mine is None else mine.get("context")
+
+    @_actual_context.setter
+    def _actual_context(self, context: Any) -> None:
+        mine = _rank_table("start-method")
+        if mine is None:
+            self.__dict__["_actual_context"] = context
+        else:
+            mine["context"] = context
+
+
+_original_signal, _original_getsignal = signal.signal, signal.getsignal
+
+
+def _signal(signalnum: Any, handler: Any) -> Any:
+    mine = _rank_table("signal") if threading.current_thread() is not threading.main_thread() else None
+    if mine is None:
+        return _original_signal(signalnum, handler)
+    number = signal.Signals(signalnum)          # ValueError for a number that is no signal
+    if number in (signal.SIGKILL, signal.SIGSTOP):
+        raise OSError(22, "Invalid argument")
+    if not callable(handler) and handler not in (signal.SIG_IGN, signal.SIG_DFL):
+        raise TypeError("signal handler must be signal.SIG_IGN, signal.SIG_DFL, or a callable object")
+    previous = mine.get(number, _original_getsignal(number))
+    mine[number] = handler
+    return previous
+
+
+def _getsignal(signalnum: Any) -> Any:
+    mine = _rank_table("signal") if threading.current_thread() is not threading.main_thread() else None
+    if mine is None:
+        return _original_getsignal(signalnum)
+    number = signal.Signals(signalnum)
+    return mine.get(number, _original_getsignal(number))
+
+
+_signal.__doc__, _getsignal.__doc__ = _original_signal.__doc__, _original_getsignal.__doc__
+
+
+def rank_signal_handler(run: Any, rank: int, signalnum: int) -> Any:
+    """The handler rank ``rank`` of ``run`` set for ``signalnum`` (None if it set none)."""
+    return run.__dict__.get("process_settings", {}).get(("signal", rank), {}).get(signal.Signals(signalnum))
+
+
 def _install_thread_start() -> None:
     global _thread_start_installed
     if not _thread_start_installed:
         threading.Thread.start = _start        # simcomm.patches: "rank-threads"
         threading.Thread.__init__ = _init
         os.getpid = _getpid                     # simcomm.patches: "rank-pid"
+        # simcomm.patches: "rank-process-settings"
+        multiprocessing.context._default_context.__class__ = _RankDefaultContext
+        signal.signal, signal.getsignal = _signal, _getsignal
         _thread_start_installed = True
 
 

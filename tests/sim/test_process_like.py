@@ -321,3 +321,28 @@ def test_each_rank_configures_its_own_logging_under_torchrun():
     done, _ = under_torchrun("rank_logging.py")
     assert done.returncode == 0, done.stderr[-2000:]
     assert _log_lines(done.stdout + done.stderr) == EXPECTED_LOG, done.stdout
+
+
+# -- once-per-process settings --------------------------------------------------------------------
+
+def _settings_lines_agree(lines):
+    for rank in range(2):
+        assert fields(lines[rank]) == {"method": "spawn", "second": "refused", "handler_mine": "True",
+                                       "previous_default": "True"}, lines
+
+
+def test_each_rank_sets_its_start_method_and_signal_handler_once(capsys):
+    import multiprocessing
+    import signal
+    before = multiprocessing.get_start_method(allow_none=True), signal.getsignal(signal.SIGTERM)
+    result, lines = on_virtual_ranks("process_settings.py", capsys)
+    assert result.returncode == 0, result.summary()
+    _settings_lines_agree(lines)
+    assert (multiprocessing.get_start_method(allow_none=True), signal.getsignal(signal.SIGTERM)) == before
+
+
+@torchrun
+def test_each_rank_sets_its_start_method_and_signal_handler_once_under_torchrun():
+    done, lines = under_torchrun("process_settings.py")
+    assert done.returncode == 0, done.stderr[-2000:]
+    _settings_lines_agree(lines)
