@@ -691,8 +691,9 @@ def inherit_on_threads(capture: Callable[[], Any]) -> Callable[[], Any]:
 _inherited_locals: dict[weakref.ref, tuple[str, ...]] = {}
 
 
-def inherit_thread_local(local: threading.local, *names: str) -> None:
-    """Threads a rank starts get ``local``'s attributes ``names`` as the starting thread has them
+def inherit_thread_local(local: Any, *names: str) -> None:
+    """Threads a rank starts get ``local``'s attributes ``names`` (``local``: a ``threading.local``)
+    as the starting thread has them
     (the same objects: a rank's threads share them, as a process's threads share its globals).
     Forgotten when ``local`` is."""
     _inherited_locals[weakref.ref(local, lambda ref: _inherited_locals.pop(ref, None))] = names

@@ -346,3 +346,29 @@ def test_each_rank_sets_its_start_method_and_signal_handler_once_under_torchrun(
     done, lines = under_torchrun("process_settings.py")
     assert done.returncode == 0, done.stderr[-2000:]
     _settings_lines_agree(lines)
+
+
+# -- stdout and stderr ----------------------------------------------------------------------------
+
+def _stream_lines(text: str) -> list[str]:
+    return sorted(re.sub(r"^\[rank \d+\] ", "", line) for line in text.splitlines() if re.search(r"rank\d: ", line))
+
+
+EXPECTED_STREAMS = [f"rank{rank}: {rest}" for rank in range(2) for rest in
+                    ("errors=strict encoding_ok=True fileno_int=True writable=True", "via_buffer=True")]
+
+
+def test_the_tagged_stdout_is_a_full_text_stream():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "utf-8"}
+    done = subprocess.run([sys.executable, "-m", "simcomm.run", "--nproc-per-node", "2",
+                           str(SCRIPTS / "rank_streams.py")], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _stream_lines(done.stdout) == EXPECTED_STREAMS, done.stdout
+    assert "[rank 1] rank1: via_buffer=True" in done.stdout.splitlines()     # bytes are tagged too
+
+
+@torchrun
+def test_stdout_is_a_full_text_stream_under_torchrun():
+    done, _ = under_torchrun("rank_streams.py", env={"PYTHONIOENCODING": "utf-8"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _stream_lines(done.stdout) == EXPECTED_STREAMS, done.stdout
