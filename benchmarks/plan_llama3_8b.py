@@ -7,14 +7,15 @@ reduction with ``PREMUL_SUM(1.0)``, per-op selective activation checkpointing, A
 two steps (the second holds the optimizer state). Prints
 
 1. the peak memory per rank by label (simcomm.memory) beside torchtitan's published
-   figure for this configuration (docs/performance.md of torchtitan, as issue 23 quotes it:
-   82.4 GiB per H100 for FSDP alone on 8 GPUs), with the correction for what simcomm.memory
-   cannot see yet (FSDP2 frees unsharded parameters with ``untyped_storage().resize_(0)``);
+   figure for this configuration (torchtitan's docs/performance.md, Table 1: 82.4 GiB per H100
+   for FSDP alone on 8 GPUs), and what simcomm.memory still counts of the unsharded parameters
+   FSDP2 frees with ``untyped_storage().resize_(0)`` (0 once the tracker sees those frees);
 2. the FLOPs the dispatcher counted per rank, torchtitan's model-FLOPs formula, and the
    modelled tokens per second per GPU at a stated MFU beside the published 5,762, plus the
    modelled timeline's step (compute lane from the counted FLOPs, FSDP's collectives on the
    H100 NVSwitch preset);
-3. wall time, CPU time (``time.process_time``) and the process's peak RSS.
+3. the planner's closed form (:mod:`simcomm.planning.planner`) for the same run beside the traced one;
+4. wall time, CPU time (``time.process_time``) and the process's peak RSS.
 
     python benchmarks/plan_llama3_8b.py                       # the full 8B plan
     python benchmarks/plan_llama3_8b.py --layers 4 --seq 2048 # a smaller run of the same code
@@ -29,7 +30,7 @@ import time
 import torch
 
 GIB = 2 ** 30
-PUBLISHED_GIB = 82.4          # torchtitan docs/performance.md, Llama 3.1 8B, FSDP, 8x H100 (as quoted in issue 23)
+PUBLISHED_GIB = 82.4          # torchtitan docs/performance.md (Table 1), Llama 3.1 8B, FSDP, 8x H100
 PUBLISHED_TPS = 5762          # tokens / s / GPU, same row
 
 
@@ -112,7 +113,21 @@ def main() -> None:
           f"{summary.communication / args.steps * 1e3:.0f} ms, exposed {summary.exposed / args.steps * 1e3:.0f} "
           f"ms per step")
     print()
-    print(f"3. this run: wall {wall:.1f} s, CPU {cpu:.1f} s (ratio {cpu / wall:.2f}), peak RSS {rss_gib:.2f} GiB, "
+    from simcomm.planning import planner
+    recipe = planner.Recipe(seq=args.seq, micro_batch=args.batch, global_batch=args.batch * args.ranks,
+                            recompute="none" if args.no_checkpoint else "selective", states="fsdp2", attention="fa2")
+    closed = planner.evaluate(config, (1, 1, 1, args.ranks), recipe, gpu=planner.H100_HBM2E)
+    counted = closed["total"] - closed["overhead"]
+    print("3. the planner's closed form for the same run (simcomm.planning.planner, FSDP2 states, "
+          "torchtitan's H100 as calibrated)")
+    print("   " + ", ".join(f"{label} {closed[label] / GIB:.2f}" for label in planner.LABELS) + " GiB")
+    print(f"   counted before the allocator overhead {counted / GIB:.2f} GiB (traced peak above: "
+          f"{rank.peak / GIB:.2f}, ratio {counted / rank.peak:.2f}); with the calibrated overhead "
+          f"{closed['total'] / GIB:.2f} GiB; published {PUBLISHED_GIB}")
+    print(f"   modelled {closed['tokens_per_gpu_s']:,.0f} tokens/s/GPU (MFU {closed['mfu']:.1%}); published "
+          f"{PUBLISHED_TPS:,}")
+    print()
+    print(f"4. this run: wall {wall:.1f} s, CPU {cpu:.1f} s (ratio {cpu / wall:.2f}), peak RSS {rss_gib:.2f} GiB, "
           f"{len(world.trace.events)} trace events")
 
 

@@ -5,9 +5,12 @@ would be: two ``comm.subgroup`` partitions (tensor groups of 8 consecutive
 ranks, data groups of ranks ``tp * pp`` apart), each passed whole by every rank
 (as ``new_subgroups_by_enumeration`` and ``DeviceMesh`` callers do): built once by
 the script and given to every rank, or with ``--per-rank-partitions`` built by
-every rank itself (then every rank's own lists, ``O(ranks)`` each, are alive
-while it waits in the ``subgroup`` collective: 0.8 MB a rank at 16,384 ranks,
-13 GB in all, which no simulator can share since they are the program's); per pipeline
+every rank itself at each call and dropped after it, as ``DeviceMesh`` builds its
+groups (each rank's lists are ``O(ranks)``: 0.6 MB a partition at 16,384 ranks; on
+virtual ranks ``subgroup`` does not wait for the other ranks, so a rank's lists are
+garbage before the next rank builds its own; a program that keeps its lists
+for the whole step holds ``O(ranks**2)`` in one process, as it would hold
+``O(ranks)`` in each real process); per pipeline
 stage ``layers`` tensor-parallel MLP blocks (hidden 16384, ffn 53248, bf16,
 8192 tokens: column-parallel up projection, SiLU, row-parallel down
 projection ending in an all-reduce of the tensor group); activations and
@@ -68,9 +71,11 @@ def partitions(world, tp, pp):
             [list(range(first, world, tp * pp)) for first in range(tp * pp)])
 
 def step(comm, tp, pp, dp, layers, hidden, ffn, tokens, parts=None):
-    tensor_parts, data_parts = parts if parts is not None else partitions(comm.world_size, tp, pp)
-    tensor = comm.subgroup(tensor_parts)
-    data = comm.subgroup(data_parts)
+    if parts is not None:
+        tensor, data = comm.subgroup(parts[0]), comm.subgroup(parts[1])
+    else:   # each rank builds its own lists, as DeviceMesh does, and keeps none after the call
+        tensor = comm.subgroup(partitions(comm.world_size, tp, pp)[0])
+        data = comm.subgroup(partitions(comm.world_size, tp, pp)[1])
     stage = comm.rank // tp % pp
     dtype = torch.bfloat16
     weights = [(torch.empty(ffn // tp, hidden, dtype=dtype).requires_grad_(),     # column-parallel

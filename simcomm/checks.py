@@ -199,8 +199,24 @@ class PartitionTable:
     def __init__(self) -> None:
         # by (world size, number of parts, first part): (raw input as given, its normalized form)
         self._known: dict[tuple, list[tuple[object, tuple[tuple[int, ...], ...]]]] = {}
+        # id of an accepted normalized partition -> (the partition, kept alive; each rank's
+        # (part index, position in the part)): built once, read by every rank of the partition
+        self._members: dict[int, tuple[tuple[tuple[int, ...], ...], list[tuple[int, int]]]] = {}
         self.hits = 0
         self.misses = 0
+
+    def membership(self, normalized: tuple[tuple[int, ...], ...], rank: int) -> tuple[int, int]:
+        """``(index of the part holding rank, rank's position in it)`` in ``normalized`` (what
+        :meth:`check` returned): an index built once per partition, so that every rank finds its
+        part in O(1) rather than scanning the partition (``O(world size**2)`` for a run)."""
+        entry = self._members.get(id(normalized))
+        if entry is None or entry[0] is not normalized:
+            where = [(0, 0)] * sum(len(part) for part in normalized)
+            for index, part in enumerate(normalized):
+                for position, member in enumerate(part):
+                    where[member] = (index, position)
+            entry = self._members[id(normalized)] = (normalized, where)
+        return entry[1][rank]
 
     def check(self, op: str, groups: Sequence[Sequence[int]], world_size: int, rank: int
               ) -> tuple[tuple[int, ...], ...]:

@@ -146,6 +146,17 @@ PATCHES: tuple[Patch, ...] = (
         "each World.run (the caller's saved first)", "when the run ends: the caller's put back", "run",
         ("sys.argv", "sys.modules['__main__']")),
     Patch(
+        "rank-modules", "``sys.modules``: the program's own Python modules imported during a run (not "
+        "the standard library's, torch's, NumPy's, simcomm's or what they import) are one copy per rank, "
+        "put in at each turn handoff and taken out after; ``sys.meta_path``: a finder that notes who "
+        "imports a module and lets a rank whose own import fails (a process-wide registration such as "
+        "a torch.library namespace) use the first rank's copy", "simcomm.sim.rank_modules",
+        "each process of a real run imports its modules itself: a library's module-level state "
+        "(accelerate's PartialState, a process_group_manager global, a logger set up by rank) is per rank",
+        "each World.run (the finder; a rank's modules at its first import)",
+        "when the run ends: the run's modules leave sys.modules, the finder sys.meta_path", "run",
+        ("del sys.modules[name]", "sys.modules[spec.name]", "setattr(module)")),
+    Patch(
         "rank-environ", "``os.environ``: a view resolving to the calling rank thread's own "
         "variables", "simcomm.sim.process_state",
         "torchrun gives each process RANK, LOCAL_RANK, WORLD_SIZE...; python -m simcomm.run gives "
@@ -244,19 +255,21 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "virtual-gpu-wrappers", "``torch.amp.autocast_mode.autocast.__init__`` (``torch.autocast``, "
         "``torch.amp.autocast``, ``torch.cuda.amp.autocast``), "
-        "``torch.nn.parallel.DistributedDataParallel.__init__`` and ``torch.load``: wrapped; DataLoader's "
+        "``torch.nn.parallel.DistributedDataParallel.__init__``, ``torch.load`` and ``torch.get_device_module``: "
+        "wrapped; DataLoader's "
         "``torch.utils.data._utils.pin_memory.pin_memory``: replaced", "simcomm.sim.cuda_map",
         "virtual GPUs: on a rank thread, autocast('cuda', dtype) is the World device's autocast with the "
         "same dtype (CUDA's float16 when none is given), and DDP's device_ids/output_device, checked "
-        "against the node's virtual GPUs, are dropped (DDP of a CPU module takes none), and torch.load's "
-        "CUDA map_location is the World's device; on every other thread those three are torch's own. "
+        "against the node's virtual GPUs, are dropped (DDP of a CPU module takes none), torch.load's "
+        "CUDA map_location is the World's device, and get_device_module('cuda') (or of none) is torch.cuda "
+        "(torch's own would cache torch.cpu for it); on every other thread those four are torch's own. "
         "DataLoader(pin_memory=True) pins on a thread of its own, which is no rank's: its batches are "
         "passed on as they are, on every thread (nothing can be pinned without a GPU)",
         "each World(map_cuda=True).run", "when the run ends", "run",
         ("setattr(torch.amp.autocast_mode.autocast)", "torch.nn.parallel.DistributedDataParallel.__init__",
-         "torch.load", "torch.utils.data._utils.pin_memory.pin_memory"),
+         "torch.load", "torch.get_device_module", "torch.utils.data._utils.pin_memory.pin_memory"),
         ("torch.amp.autocast_mode.autocast.__init__", "torch.nn.parallel.DistributedDataParallel.__init__",
-         "torch.load", "torch.utils.data._utils.pin_memory.pin_memory")),
+         "torch.load", "torch.get_device_module", "torch.utils.data._utils.pin_memory.pin_memory")),
     Patch(
         "storage-resize", "``torch.UntypedStorage.resize_``: the same call, then the counted size "
         "follows the storage", "simcomm.memory",
@@ -390,6 +403,11 @@ STACK_DECISIONS: tuple[StackDecision, ...] = (
                   "c10d does not pass it on to a default group's new_group"),
     StackDecision("simcomm.c10d.process_group:_register_pg_in_world", "the ``pg_tag`` new_group was "
                   "given (c10d's _new_group_with_tag local)", "see the group-tags patch"),
+    StackDecision("simcomm.sim.rank_modules:RankModules.program_import", "whether an import during a "
+                  "run comes from the program (its first frame outside importlib belongs to __main__, the "
+                  "World program's module or a per-rank module) or from torch, NumPy, simcomm or the "
+                  "standard library", "the program's modules are per rank; what torch imports lazily "
+                  "must stay one copy for the process"),
 )
 
 #: functions that read frames only to name where a program is, in messages and reports

@@ -16,7 +16,8 @@ torchrun run has to itself, each rank has:
 * its own ``sys.argv`` and its own ``__main__`` module: the script runs once
   per rank with ``runpy`` and ``run_name="__main__"``, so ``if __name__ ==
   "__main__":`` runs on every rank and the script's module-level objects are
-  per rank (modules the script *imports* are imported once and shared);
+  per rank, and so are the Python modules the script imports during the run
+  (:mod:`simcomm.sim.rank_modules`);
 * its own torch, Python ``random`` and NumPy random state, every rank
   starting from the same fresh state (:mod:`simcomm.sim.process_state`);
 * torch.distributed: ``dist.init_process_group(...)`` joins the run's world

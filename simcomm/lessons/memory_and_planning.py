@@ -12,12 +12,14 @@ that Run All does not execute.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..models.llama import Config
+from ..parallel.mesh import Layout
 from ..parallel import mixed_precision
 from ..planning import activations
 from ..planning import planner as plan
@@ -25,7 +27,8 @@ from ..sim.world import World
 from .verdicts import NOT_ANSWERED, as_number, attempt, hint_on_request, is_correct, is_placeholder, not_yet
 
 __all__ = ["NOT_ANSWERED", "is_correct", "check_activation_prediction", "check_model_state_bytes",
-           "check_skip_step", "check_plan_choice", "check_sequence_doubling", "check_out_of_memory_reason"]
+           "check_skip_step", "check_plan_choice", "check_sequence_doubling", "check_out_of_memory_reason",
+           "check_stage_parameters", "STAGE_CASES"]
 
 
 # -- lesson 13 ---------------------------------------------------------------------------------
@@ -136,33 +139,70 @@ def check_skip_step(fn: Callable[..., Any]) -> str:
 
 # -- lesson 15 ---------------------------------------------------------------------------------
 
-def _layout(answer: Any) -> tuple[int, ...] | None:
-    if not isinstance(answer, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                        for v in answer):
+_DIMS = plan.DIMENSIONS
+
+
+def _int(value: Any) -> int | None:
+    """``value`` as an int if it is one (Python, numpy or one-element integer torch value; not a bool)."""
+    if isinstance(value, bool) or (getattr(value, "dtype", None) is not None and str(value.dtype) == "bool"):
         return None
-    return tuple(answer)
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _is_row(answer: Any) -> bool:
+    return isinstance(answer, dict) and any(name in answer for name in ("step_time", "total", "parameters"))
+
+
+def _layout(answer: Any) -> tuple[tuple[int, ...] | None, str | None]:
+    """``(layout, problem)``: the ``(tp, cp, pp, dp)`` of ``answer`` given as a tuple or list of four ints
+    (numpy / torch ints too), a dict of those four sizes (keys in any capitalisation) or a
+    :class:`~simcomm.parallel.mesh.Layout`; else ``None`` and what is wrong."""
+    if answer is None:
+        return None, "got None: the cell must set the layout, not print it (print returns None)"
+    if _is_row(answer) or (isinstance(answer, (list, tuple)) and answer and all(_is_row(a) for a in answer)):
+        return None, ("that is the planner's row(s), not a layout: give the (tp, cp, pp, dp) you chose "
+                      "(planner.key(row) turns a row into one)")
+    if isinstance(answer, Layout):
+        if answer.world_size != answer.tp * answer.cp * answer.pp * answer.dp:
+            return None, f"{answer!r} splits data parallelism further than (tp, cp, pp, dp) says"
+        return (answer.tp, answer.cp, answer.pp, answer.dp), None
+    if isinstance(answer, dict):
+        lowered = {str(k).strip().lower(): v for k, v in answer.items()}
+        if set(lowered) != set(_DIMS):
+            return None, f"a dict needs exactly the keys {list(_DIMS)}; got {sorted(map(str, answer))}"
+        answer = [lowered[name] for name in _DIMS]
+    if not isinstance(answer, (tuple, list)) or len(answer) != 4:
+        return None, f"give the layout as (tp, cp, pp, dp): four ints; got {answer!r}"
+    values = [_int(v) for v in answer]
+    if any(v is None for v in values):
+        return None, f"give the layout as (tp, cp, pp, dp): four ints; got {answer!r}"
+    return tuple(values), None
 
 
 @hint_on_request
 def check_plan_choice(answer: Any, rows: list[dict], limit: float) -> str:
     """``answer``: the ``(tp, cp, pp, dp)`` of ``rows`` (:func:`simcomm.planning.planner.plan`) with the
-    shortest modelled step whose memory per GPU fits ``limit`` bytes."""
+    shortest modelled step whose memory per GPU fits ``limit`` bytes; a tuple or list of four ints,
+    a dict of the four sizes or a ``Layout``."""
     if is_placeholder(answer):
         return NOT_ANSWERED
-    got = _layout(answer)
-    if got is None or len(got) != 4:
-        return not_yet(f"give the layout as a tuple (tp, cp, pp, dp) of four ints; got {answer!r}")
+    got, problem = _layout(answer)
+    if got is None:
+        return not_yet(problem, "write it like (1, 2, 4, 128): tp, cp, pp, dp, innermost first")
     by_layout = {plan.key(row): row for row in rows}
     if got not in by_layout:
         return not_yet(f"{got} is not a layout of the table", "copy one (tp, cp, pp, dp) from the rows")
     row = by_layout[got]
     if row["total"] > limit:
-        return not_yet(f"{got} needs {row['total'] / 2**30:.1f} GiB per GPU, more than {limit / 2**30:.0f} GiB",
+        return not_yet(f"{got} needs {row['total'] / 2**30:.1f} GiB per GPU, more than {limit / 2**30:.1f} GiB",
                        "filter the rows by memory first")
     if got != plan.fastest_fitting(rows, limit):
         return not_yet(f"{got} fits, but a layout that fits has a shorter modelled step "
                        f"(yours: {row['step_time']:.2f} s)", "among the rows that fit, take the smallest step_time")
-    return f"Correct: {got} is the fastest layout that fits {limit / 2**30:.0f} GiB per GPU."
+    return f"Correct: {got} is the fastest layout that fits {limit / 2**30:.1f} GiB per GPU."
 
 
 def _grown_dimension(model: Config, gpus: int, seq: int, limit: float, **kwargs: Any) -> str:
@@ -174,17 +214,26 @@ def _grown_dimension(model: Config, gpus: int, seq: int, limit: float, **kwargs:
     return grown[0] if grown else "none"
 
 
+def _word(answer: Any) -> str | None:
+    """A one-word answer in any capitalisation and spacing (``"Optimizer state"`` is ``optimizer_state``)."""
+    if isinstance(answer, (list, tuple)) and len(answer) == 1:
+        answer = answer[0]
+    if not isinstance(answer, str):
+        return None
+    return "_".join(answer.strip().lower().replace("-", " ").split())
+
+
 @hint_on_request
 def check_sequence_doubling(answer: Any, model: Config, gpus: int, seq: int, limit: float,
                             **kwargs: Any) -> str:
     """``answer``: which of ``"tp"``, ``"cp"``, ``"pp"``, ``"dp"`` the planner's best layout grows when
-    ``seq`` doubles (``kwargs`` go to :func:`simcomm.planning.planner.plan`)."""
+    ``seq`` doubles (``kwargs`` go to :func:`simcomm.planning.planner.plan`); any capitalisation."""
     if is_placeholder(answer):
         return NOT_ANSWERED
-    if not isinstance(answer, str) or answer.strip().lower() not in plan.DIMENSIONS:
+    got = _word(answer)
+    if got not in plan.DIMENSIONS:
         return not_yet(f"answer one of {list(plan.DIMENSIONS)}; got {answer!r}")
     right = _grown_dimension(model, gpus, seq, limit, **kwargs)
-    got = answer.strip().lower()
     if got != right:
         return not_yet(f"the best layout at seq {2 * seq} does not grow {got}",
                        "activations grow with s (and the a s^2 terms with s^2): which dimension divides the "
@@ -199,16 +248,53 @@ def _largest_label(row: dict) -> str:
 
 @hint_on_request
 def check_out_of_memory_reason(answer: Any, row: dict, limit: float) -> str:
-    """``answer``: the memory label (``"parameters"``, ``"gradients"``, ``"optimizer_state"``,
-    ``"activations"``) that makes ``row`` overflow ``limit``: the largest one."""
+    """``answer``: the memory label (:data:`simcomm.planning.planner.LABELS`) that holds the most bytes of
+    ``row``, which overflows ``limit``; any capitalisation, spaces for underscores."""
     if is_placeholder(answer):
         return NOT_ANSWERED
-    if not isinstance(answer, str) or answer.strip() not in plan.LABELS:
+    got = _word(answer)
+    if got not in plan.LABELS:
         return not_yet(f"answer one of {list(plan.LABELS)}; got {answer!r}")
-    got = answer.strip()
     right = _largest_label(row)
     if got != right:
         return not_yet(f"{got} holds {row[got] / 2**30:.1f} GiB of the {row['total'] / 2**30:.1f} GiB; "
                        "another label holds more", "read the stacked bar of that layout: the tallest part")
-    return (f"Correct: {right} ({row[right] / 2**30:.1f} GiB) is what overflows "
-            f"{limit / 2**30:.0f} GiB in layout {plan.key(row)}.")
+    return (f"Correct: {right} ({row[right] / 2**30:.1f} GiB) is the largest part of the "
+            f"{row['total'] / 2**30:.1f} GiB that overflow {limit / 2**30:.1f} GiB in layout {plan.key(row)}.")
+
+
+#: the layouts :func:`check_stage_parameters` tries: pipeline and no pipeline, tensor parallel or not
+STAGE_CASES = ((1, 1, 1, 1024), (8, 1, 1, 128), (1, 2, 4, 128), (8, 1, 16, 8), (2, 1, 2, 256))
+
+
+@hint_on_request
+def check_stage_parameters(answer: Any, models: Sequence[Config]) -> str:
+    """``answer``: a function ``f(model, layout)`` returning the parameters one GPU holds on the
+    pipeline stage that holds the most (``layout`` a ``(tp, cp, pp, dp)`` tuple), as
+    :func:`simcomm.planning.planner.stage_parameters` counts them; tried on every model of
+    ``models`` at :data:`STAGE_CASES`. Any real number type is accepted as the result."""
+    if is_placeholder(answer):
+        return NOT_ANSWERED
+    if answer is plan.stage_parameters:
+        return not_yet("that is the planner's own function: write yours (fix the one in the lesson)")
+    if not callable(answer):
+        return not_yet(f"give a function f(model, layout); got {answer!r}",
+                       "define it with def, then pass its name (no parentheses)")
+    for model in models:
+        for layout in STAGE_CASES:
+            want = plan.stage_parameters(model, layout)
+            result, verdict = attempt(lambda: answer(model, layout))
+            if verdict is not None:
+                return verdict
+            got = as_number(result)
+            if got is None:
+                return not_yet(f"f({model.name}, {layout}) returned {result!r}, not a number")
+            if abs(got - want) > 0.5 + 1e-9 * want:
+                tp, cp, pp, dp = layout
+                return not_yet(f"f({model.name}, {layout}) = {got:,.0f}; the fullest stage holds {want:,.0f} "
+                               f"parameters per GPU ({got - want:+,.0f})",
+                               "with pp == 1 one stage holds the embedding and the output layer (each vocab x "
+                               "hidden, not tied) and the final norm; everything is split tp ways"
+                               if pp == 1 else "the last stage holds the output layer and the final norm")
+    return (f"Correct: your function agrees with the planner on {len(models) * len(STAGE_CASES)} cases, "
+            "pipeline or not.")

@@ -706,6 +706,21 @@ def _mapped_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) ->
     return _torch_load(f, map_location, *args, **kwargs)
 
 
+_get_device_module = torch.get_device_module
+
+
+def _mapped_get_device_module(device: Any = None) -> Any:
+    """``torch.get_device_module`` on a mapped rank thread: ``"cuda"``, ``"cuda:k"``, a CUDA
+    ``torch.device`` and none (the current accelerator, a virtual GPU) give ``torch.cuda``, as on a
+    GPU machine (torch's own would read ``torch.device("cuda")``, which is the World's device here,
+    and keep the answer in its cache for the process)."""
+    if getattr(_local, "mapped", None) is not None:
+        if device is None or (isinstance(device, torch.device) and device.type == "cuda") or (
+                isinstance(device, str) and device.split(":")[0] == "cuda"):
+            return torch.cuda
+    return _get_device_module(device)
+
+
 def _unpinned(data: Any, device: Any = None) -> Any:
     """DataLoader's ``pin_memory(data, device)`` on virtual GPUs: the batch as it is (there is
     no pinned memory on this machine; DataLoader pins on its own thread, not a rank's)."""
@@ -760,10 +775,12 @@ def cuda_answers(gpus: VirtualGPUs | int, world_size: int | None = None) -> Iter
         setattr(torch.amp.autocast_mode.autocast, "__init__", _mapped_autocast_init)
         torch.nn.parallel.DistributedDataParallel.__init__ = _mapped_ddp_init(ddp_init, answers.count)
         torch.load = _mapped_load
+        torch.get_device_module = _mapped_get_device_module
         torch.utils.data._utils.pin_memory.pin_memory = _unpinned
         yield answers
     finally:
         torch.utils.data._utils.pin_memory.pin_memory = pin_batch
+        torch.get_device_module = _get_device_module
         torch.load = _torch_load
         torch.nn.parallel.DistributedDataParallel.__init__ = ddp_init
         setattr(torch.amp.autocast_mode.autocast, "__init__", _autocast_init)

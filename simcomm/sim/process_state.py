@@ -123,6 +123,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..fresh_state import numpy_seed, rank_seed, run_seed
+from .rank_modules import RankModules
 from .rank_random import RankRandomState, cpu_raw
 
 __all__ = ["RankProcessState", "rank_environ", "rank_start_seed", "inherit_on_threads", "inherit_thread_local",
@@ -361,6 +362,8 @@ class RankProcessState:
         self.log_handlers: list = [None] * world_size
         self.log_levels: list = [None] * world_size
         self.caller_log: tuple | None = None
+        #: the program's own modules, one copy per rank (simcomm.sim.rank_modules)
+        self.modules = RankModules(world_size)
 
     def hand_off(self, rank: int) -> None:
         """``rank`` hands the turn on: keep its state."""
@@ -374,6 +377,7 @@ class RankProcessState:
         self.main[rank] = sys.modules.get("__main__")
         root = logging.root
         self.log_handlers[rank], self.log_levels[rank] = root.handlers, root.level
+        self.modules.hand_off(rank)
 
     def take_turn(self, rank: int) -> None:
         """``rank`` takes the turn: make its state the live one."""
@@ -406,6 +410,7 @@ class RankProcessState:
         if logging.root.level != self.log_levels[rank]:
             logging.root.level = self.log_levels[rank]
             logging.root.manager._clear_cache()    # loggers cache what their level lets through
+        self.modules.take_turn(rank)
 
     def _enter(self, folder: str) -> None:
         """Make ``folder`` the process's working directory (the rank holding the turn's)."""
@@ -431,9 +436,11 @@ class RankProcessState:
             self.numpy.caller = _np.random.get_state()
         self._caller_sys = (sys.argv, sys.modules.get("__main__"))
         self.caller_log = (logging.root.handlers, logging.root.level)
+        self.modules.start()
 
     def restore_caller(self) -> None:
         """After a run: the caller's state is as it was before it."""
+        self.modules.end()
         self._torch_generators.restore_caller()
         if self.python.caller is not None:
             _random.setstate(self.python.caller)

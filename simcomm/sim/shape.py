@@ -774,6 +774,8 @@ def forget_values(tensor: Any) -> None:
         live = getattr(tensor.fake_mode, _LIVE, None)
         if live:
             live.pop(_storage_key(tensor), None)
+        if tensor.constant is not None:      # the fake mode's own copy of a lifted constant
+            tensor.constant = None
 
 
 def _set_value(tensor: torch.Tensor, value: torch.Tensor, mode: FakeTensorMode) -> None:

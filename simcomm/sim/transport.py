@@ -249,18 +249,37 @@ class SimTransport(TransportBase):
         return self._collective("barrier", None, _AGREED["barrier"](None, None), lambda inputs: [None] * len(inputs), async_op=async_op)
 
     def subgroup(self, groups: tuple[tuple[int, ...], ...]) -> SimTransport:
-        parent, step = self.group, self._step
+        """This rank's transport in its part of ``groups`` (normalized by the run's partition table).
 
-        def split(inputs: list) -> list:
-            members = [None] * len(inputs)
-            for index, part in enumerate(groups):
-                group = Group((*parent.key, step, index), [parent.ranks[r] for r in part])
-                for position, rank in enumerate(part):
-                    members[rank] = (group, position)
-            return members
-
-        group, position = self._collective("subgroup", None, _AGREED["subgroup"](None, None, groups), split)
-        return SimTransport(self.state, group, position, self.pending, self._recorder)
+        Checked like a collective (every member must pass the same partition, else the run aborts
+        with a :class:`CollectiveMismatchError` naming both calls) and traced as one, but it does
+        not block: the rank's part, its position and the part's shared :class:`Group` follow
+        from the partition alone, so the rank goes on at once. A program that builds its own
+        partition lists (``O(world size)`` each) can then drop them before the next rank builds
+        its own, instead of every rank holding its lists while it waits for the last one
+        (``O(world size**2)`` for a shape-only run of thousands of ranks). Real ``new_group``
+        calls synchronise; a rank that skips the call still surfaces, as a deadlock at the next
+        collective of the group it should have joined."""
+        state, parent = self.state, self.group
+        step = self._next_step()
+        sig = _AGREED["subgroup"](None, None, groups)
+        record = self._begin("subgroup", step, None, args=sig) if self._recorder is not None else None
+        index, position = state.partitions.membership(groups, self.rank)
+        slot = self._arrive_and_hold("subgroup", step, None, sig, program_location(sys._getframe(1)))
+        try:
+            if slot.outputs is None:                  # the parts' shared groups, made by their first member
+                slot.outputs = [None] * len(groups)
+            group = slot.outputs[index]
+            if group is None:
+                group = slot.outputs[index] = Group((*parent.key, step, index),
+                                                    [parent.ranks[r] for r in groups[index]])
+            if len(slot.arrived) == self.world_size:  # the last member: the slot has done its work
+                del parent.slots[step]
+        finally:
+            state.lock.release()
+        if record is not None:
+            self._recorder.end(record, (group, position))
+        return SimTransport(state, group, position, self.pending, self._recorder)
 
     # -- point to point --
 

@@ -35,7 +35,7 @@ def bucket_overlap_figure(rows: Mapping[str, Mapping[str, float]]) -> go.Figure:
     figure.add_trace(go.Scatter(x=labels, y=[rows[k]["end"] * 1e6 for k in labels], name="step ends at",
                                 mode="markers+lines", marker=dict(size=12, color="black")))
     figure.update_layout(
-        barmode="stack", font=_FONT, template="plotly_white", height=430, width=900,
+        barmode="stack", font=_FONT, template="plotly_white", height=430,
         title=dict(text="one backward step per bucket size (modelled, rank 0)", font=dict(size=17)),
         xaxis=dict(title=dict(text="bucket size", font=_FONT), tickfont=_FONT),
         yaxis=dict(title=dict(text="microseconds", font=_FONT), tickfont=_FONT, rangemode="tozero"),

@@ -143,7 +143,7 @@ def busbw_figure(measured=None, topology: str | Topology | Sequence[str | Topolo
                **({"dtick": 1} if log_y else {"rangemode": "tozero"})},
         legend={"groupclick": "toggleitem", "font": _FONT, "orientation": "h", "x": 0, "y": -0.2,
                 "yanchor": "top"},
-        template="plotly_white", width=1000, height=620, margin={"r": 170, "t": 90, "b": 150})
+        template="plotly_white", height=620, margin={"r": 170, "t": 90, "b": 150})
     return figure
 
 

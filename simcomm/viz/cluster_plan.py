@@ -161,7 +161,7 @@ def plan_figure(trace: Trace, topology: str | Topology, *, by="node", ranks: Seq
                    {*sample_ranks(sorted(timeline.ranks), 8), summary["slowest_rank"]})
     unit = "node" if by == "node" else "group"
     figure = make_subplots(rows=2, cols=2, column_widths=[0.5, 0.5], row_heights=[0.5, 0.5],
-                           specs=[[{"rowspan": 2}, {}], [None, {}]], horizontal_spacing=0.14,
+                           specs=[[{"rowspan": 2}, {}], [None, {}]], horizontal_spacing=0.26,
                            vertical_spacing=0.2,
                            subplot_titles=(f"bytes sent, {unit} (row) to {unit} (column)",
                                            "bytes sent by op and link", "modelled time of sampled ranks"))
@@ -170,13 +170,17 @@ def plan_figure(trace: Trace, topology: str | Topology, *, by="node", ranks: Seq
     top = max((v for row in logs for v in row if v is not None), default=1.0)
     figure.add_trace(go.Heatmap(
         z=logs, customdata=matrix, colorscale="Blues", zmin=max(0.0, top - 4), zmax=top,
-        colorbar=dict(title=dict(text="bytes", side="top", font=_FONT), x=0.43, len=0.9, thickness=12,
+        colorbar=dict(title=dict(text="bytes", side="top", font=_FONT), x=0.38, xanchor="left", len=0.9,
+                      thickness=12,
                       tickvals=list(range(int(max(0.0, top - 4)), int(top) + 1)),
                       ticktext=[human_bytes(10 ** k) for k in range(int(max(0.0, top - 4)), int(top) + 1)],
                       tickfont=_FONT),
         hovertemplate=f"{unit} %{{y}} -> {unit} %{{x}}: %{{customdata}} B<extra></extra>"), row=1, col=1)
     figure.update_yaxes(autorange="reversed", title_text=f"from {unit}", row=1, col=1)
     figure.update_xaxes(title_text=f"to {unit}", row=1, col=1)
+    if len(labels) <= 16:       # whole nodes or groups: no fractional ticks
+        figure.update_xaxes(dtick=1, row=1, col=1)
+        figure.update_yaxes(dtick=1, row=1, col=1)
     ops = sorted(links)
     for link in (topology.link_type, NETWORK):
         figure.add_trace(go.Bar(
@@ -201,15 +205,15 @@ def plan_figure(trace: Trace, topology: str | Topology, *, by="node", ranks: Seq
     title = (f"{summary['ranks']} ranks on {topology.name}: modelled step {summary['step_time'] * scale:.4g} "
              f"{time_unit}<br><span style='font-size:{MIN_FONT_PX}px'>per rank (mean): compute "
              f"{summary['compute'] * scale:.3g}, communication {summary['communication'] * scale:.3g} of which "
-             f"exposed {summary['exposed'] * scale:.3g} (max {summary['exposed_max'] * scale:.3g}), hidden under "
+             f"exposed {summary['exposed'] * scale:.3g} (max {summary['exposed_max'] * scale:.3g}),<br>hidden under "
              f"compute {summary['hidden'] * scale:.3g} {time_unit}; "
              f"{human_bytes(total)} sent in all, {100 * network / total if total else 0:.0f}% over the network"
              f"</span>")
     figure.update_layout(
         title=dict(text=title, x=0.01, xanchor="left", font=dict(size=TITLE_FONT_PX)), font=_FONT, barmode="stack",
-        width=1200, height=720, plot_bgcolor="white", paper_bgcolor="white",
+        autosize=True, height=760, plot_bgcolor="white", paper_bgcolor="white",
         legend=dict(font=_FONT, orientation="h", x=0.0, y=-0.12, yanchor="top"),
-        margin=dict(l=80, r=40, t=120, b=110))
+        margin=dict(l=80, r=40, t=140, b=110))
     figure.update_annotations(font=_FONT)
     figure.layout.meta = {"step": summary}
     return figure

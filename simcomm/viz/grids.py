@@ -31,7 +31,7 @@ import torch
 
 from .provenance import decode
 from .style import MIN_FONT_PX as _STYLE_MIN_FONT_PX
-from .style import MIXED_COLOURSCALE, VALUE_COLOURSCALE, rank_colourscale
+from .style import MAX_WIDTH_PX, MIXED_COLOURSCALE, VALUE_COLOURSCALE, rank_colourscale
 
 __all__ = ["Panel", "as_grid", "grid_layout", "draw_panels", "rank_grid"]
 
@@ -42,7 +42,7 @@ MIN_FONT_PX = _STYLE_MIN_FONT_PX - 1
 _MAX_CELL_PX = 34
 _MIN_CELL_PX = 6
 _GAP_PX = 24
-_WIDTH_PX = 780   # panels of a figure fit a JupyterLab output area next to the file browser
+_WIDTH_PX = MAX_WIDTH_PX - 60 - 95   # the panels, the left margin and the colour bar's fit MAX_WIDTH_PX
 _HEIGHT_PX = 640   # and within a projected screen (SCREEN_HEIGHT_PX in collective.py, with titles)
 
 
@@ -268,7 +268,8 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
 
     # the largest cell (up to _MAX_CELL_PX) that keeps the panels within _WIDTH_PX and _HEIGHT_PX
     cell_px = max(_MIN_CELL_PX, min(_MAX_CELL_PX, _HEIGHT_PX / sum(grid_rows)))
-    while cell_px > _MIN_CELL_PX and sum(widths(cell_px)) + (col_count - 1) * _GAP_PX > _WIDTH_PX:
+    # (very long tensors: cells down to a pixel, colour only, rather than a figure wider than its column)
+    while cell_px > 1 and sum(widths(cell_px)) + (col_count - 1) * _GAP_PX > _WIDTH_PX:
         cell_px -= 0.5
     col_px = widths(cell_px)
     row_px = [rows * cell_px for rows in grid_rows]
@@ -358,6 +359,7 @@ def draw_panels(panels: Sequence[Sequence[Panel]], *, world_size: int, base: int
     # plotly places the first line of a multi-line title at its y and lets the rest hang below it
     top = 36 + 19 * max(title_lines - 1, 0) + 16 * heading_lines + 6
     right = max(95, _text_px(title.split("<sup>")[0], 14) + 20 - plot_width - 60)  # room for the title
+    right = min(right, max(95, MAX_WIDTH_PX - plot_width - 60))
     height = int(plot_height + top + 20)
     layout.update(
         title=dict(text=title, x=0.01, xanchor="left", y=1.0 - 28 / height, yref="container",

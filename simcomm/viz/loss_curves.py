@@ -6,7 +6,7 @@ curves that agree lie on each other and a disagreement shows as a marker off
 the pale line. The title states the largest difference from the first series.
 
 Plain plotly (survives an HTML export); text at least :data:`~simcomm.viz.style.MIN_FONT_PX`;
-880 px wide, so it fits the notebook column of a 1024 px screen.
+as wide as its output column (no fixed width), so it fits a 1024 px screen.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def loss_curves(series: Mapping[str, Sequence[float] | torch.Tensor],
     fig.update_yaxes(title_text="loss of the global batch")
     heading = f"{title}<br>{subtitle}" if subtitle else title
     fig.update_layout(title=dict(text=heading, font=dict(size=TITLE_FONT_PX)),
-                      font=_FONT, template="plotly_white", width=880, height=520,
+                      font=_FONT, template="plotly_white", height=520,
                       legend=dict(font=_FONT, orientation="h", yanchor="top", y=-0.18, x=0),
                       margin=dict(l=90, r=30, t=100, b=130))
     return fig

@@ -17,7 +17,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..trace import Trace, TraceEvent
-from .style import MIN_FONT_PX, TITLE_FONT_PX
+from .style import MIN_FONT_PX, TITLE_FONT_PX, fit_width
 from .timeline import human_bytes
 
 __all__ = ["comm_matrix_figure", "ring_sent", "RING_OPS", "blocks_of", "aggregated_matrix"]
@@ -164,8 +164,8 @@ def comm_matrix_figure(trace: Trace, schedule: str = "direct", *, by="rank", ran
             colorscale=_COLOURSCALE, zmin=0, xgap=1 if small else 0, ygap=1 if small else 0,
             visible=index == 0,
             colorbar=dict(title=dict(text="bytes", side="top", font=_FONT), thickness=14, tickfont=_FONT)))
-        titles.append(f"bytes sent from {unit} i (row) to {unit} j (column), {counted}<br>"
-                      f"<span style='font-size:14px'>{label}: {human_bytes(total)} in all</span>")
+        titles.append(f"bytes sent from {unit} i (row) to {unit} j (column)<br>"
+                      f"<span style='font-size:14px'>{counted}<br>{label}: {human_bytes(total)} in all</span>")
     size = len(traces[0]["z"])
     buttons = [dict(label=label, method="update",
                     args=[{"visible": [i == k for i in range(len(traces))]}, {"title.text": titles[k]}])
@@ -173,8 +173,10 @@ def comm_matrix_figure(trace: Trace, schedule: str = "direct", *, by="rank", ran
     # numbers like "1.5 KiB" at 14 px need about 64 px; beyond 12 ranks the cells carry colour only
     cell_px = 66 if size <= 12 else max(24, 800 // size) if size <= 64 else max(1, 900 // size)
     ticks = list(range(size)) if size <= 64 else list(range(0, size, -(-size // 16)))
-    layout = dict(
-        title=dict(text=titles[0], x=0.01, xanchor="left", font=dict(size=TITLE_FONT_PX)), font=_FONT,
+    height = int(270 + cell_px * size)
+    layout = dict(          # the title's three lines above the top axis's labels and title
+        title=dict(text=titles[0], x=0.01, xanchor="left", y=1.0 - 24 / height, yref="container", yanchor="top",
+                   font=dict(size=TITLE_FONT_PX)), font=_FONT,
         xaxis=dict(title=dict(text=f"to {unit}", font=_FONT), tickvals=ticks, side="top",
                    showgrid=False, zeroline=False, tickfont=_FONT),
         yaxis=dict(title=dict(text=f"from {unit}", font=_FONT), tickvals=ticks, autorange="reversed",
@@ -183,6 +185,6 @@ def comm_matrix_figure(trace: Trace, schedule: str = "direct", *, by="rank", ran
                           yanchor="top", showactive=True, font=_FONT)],
         annotations=[dict(text="op:", xref="paper", yref="paper", x=0.0, xanchor="right", y=-0.04,
                           yanchor="top", showarrow=False, yshift=-4, font=_FONT)],
-        width=int(max(520, 170 + cell_px * size)), height=int(230 + cell_px * size),
-        margin=dict(l=80, r=40, t=110, b=70), plot_bgcolor="white", paper_bgcolor="white")
+        width=fit_width(max(520, 170 + cell_px * size)), height=height,
+        margin=dict(l=80, r=40, t=150, b=70), plot_bgcolor="white", paper_bgcolor="white")
     return go.Figure(data=traces, layout=layout)

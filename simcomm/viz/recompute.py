@@ -24,7 +24,7 @@ _FONT = dict(size=BODY_FONT_PX)
 
 def _style(fig: go.Figure, title: str) -> go.Figure:
     fig.update_layout(title=dict(text=title, font=dict(size=TITLE_FONT_PX)), font=_FONT, template="plotly_white",
-                      width=1000, height=460, legend=dict(font=_FONT), margin=dict(l=90, r=30, t=80, b=90))
+                      height=460, legend=dict(font=_FONT), margin=dict(l=90, r=30, t=80, b=90))
     return fig
 
 
@@ -58,6 +58,9 @@ def trade_figure(rows: Sequence[dict]) -> go.Figure:
     pad = 0.1 * (high - low) or 0.05          # room for the end points' markers and labels
     fig.update_xaxes(title_text="compute of a step (x the step without recomputation)",
                      range=[low - pad, high + pad])
-    fig.update_yaxes(title_text="activations per layer and rank (KiB)", rangemode="tozero")
+    top = max(row["bytes"] for row in rows) / 2 ** 10
+    # room above the top point's label, and below a point at zero for its whole marker
+    fig.update_yaxes(title_text="activations per layer and rank (KiB)", range=[-0.07 * top, 1.2 * top or 1],
+                     zeroline=True)
     fig.update_layout(showlegend=False)
     return _style(fig, "Recomputation trades compute for activation memory")

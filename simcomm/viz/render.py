@@ -7,8 +7,9 @@ cannot represent it, so an exported lesson loses every figure. The
 
 * the plotly mimetype, which JupyterLab draws (interactive, as before);
 * a ``text/html`` form (a ``<div>`` and a ``Plotly.newPlot`` call) that an
-  HTML export keeps and a browser draws without a kernel, inside a box that
-  scrolls sideways when the figure is wider than the page (1024 px). It carries no copy
+  HTML export keeps and a browser draws without a kernel, sized to its output column
+  (:mod:`simcomm.viz.style`), inside a box that would scroll sideways rather than cut off a
+  figure wider than the page. It carries no copy
   of plotly.js: the library is written into the notebook *once*, by the
   renderer's activation before the first figure of a kernel session, so an
   exported lesson holds plotly.js once, not once per figure, and needs no
@@ -45,7 +46,7 @@ class EmbeddedHtmlRenderer(MimetypeRenderer):
     def to_mimebundle(self, fig_dict: dict) -> dict:
         html = pio.to_html(fig_dict, include_plotlyjs=False, include_mathjax=False, full_html=False,
                            auto_play=False, validate=False)
-        # a figure wider than the page (a projector at 1024 px) scrolls instead of being cut off
+        # the figures fit their column (style.MAX_WIDTH_PX); one wider than the page would scroll, not be cut off
         return {"text/html": f'<div class="{SCROLL_CLASS}" style="max-width:100%;overflow-x:auto">{html}</div>'}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .style import MIN_FONT_PX, rank_colour, rank_colourscale
+from .style import MAX_WIDTH_PX, MIN_FONT_PX, rank_colour, rank_colourscale
 
 __all__ = ["tp_mlp_shards_figure"]
 
@@ -49,11 +49,12 @@ def tp_mlp_shards_figure(hidden: int, ffn: int, world_size: int) -> go.Figure:
     for rank in range(world_size):      # a legend: one entry per rank, in its colour
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"rank {rank}",
                                  marker=dict(size=14, symbol="square", color=rank_colour(rank))))
-    cell = 26
+    cell = min(26, (MAX_WIDTH_PX - 160) * 0.88 / (hidden + ffn))     # the figure fits MAX_WIDTH_PX
     fig.update_layout(
         title=dict(text=(f"tensor-parallel MLP on {world_size} ranks: each rank holds {per_rank} rows of w1 "
                          f"and the same {per_rank} columns of w2"), font=dict(size=16)),
         font=dict(size=MIN_FONT_PX), plot_bgcolor="white", paper_bgcolor="white",
-        width=int(160 + cell * (hidden + ffn) / 0.88), height=int(150 + cell * max(ffn, hidden)),
-        legend=dict(orientation="h", y=-0.12), margin=dict(t=90, l=60, r=20, b=80))
+        width=int(160 + cell * (hidden + ffn) / 0.88), height=int(180 + cell * max(ffn, hidden)),
+        legend=dict(orientation="h", x=0, xref="container", y=0, yref="container", yanchor="bottom"),
+        margin=dict(t=90, l=60, r=20, b=110))
     return fig

@@ -6,6 +6,12 @@ use :data:`TITLE_FONT_PX`. Palettes other than the ranks' (ops, memory labels,
 series, links) are named here too, so one figure's op or label has the same
 colour in every other.
 
+Width: a figure sizes to its output column (plotly's autosize: no ``layout.width``), or,
+where its content has a natural width (heatmap cells), is at most :data:`MAX_WIDTH_PX`, so
+that it fits JupyterLab's output column at a 1024 px projector (844 px) and an exported
+page's (894 px); titles, legends, colour bars and annotations stay inside the figure
+(``tests/teaching/test_browser_figures.py`` measures every lesson's figures in Chromium).
+
 Rank colours are light enough for dark cell text and distinct for ten ranks;
 rank ``r`` and rank ``r + 10`` share a colour (their codes still differ, and
 hover text names the rank).
@@ -14,9 +20,18 @@ from __future__ import annotations
 
 import plotly.colors
 
-__all__ = ["MIN_FONT_PX", "BODY_FONT_PX", "TITLE_FONT_PX", "TEXT_COLOUR", "RANK_COLOURS", "SUM_COLOUR",
+__all__ = ["MAX_WIDTH_PX", "fit_width", "MIN_FONT_PX", "BODY_FONT_PX", "TITLE_FONT_PX", "TEXT_COLOUR", "RANK_COLOURS", "SUM_COLOUR",
            "MIXED_COLOURSCALE", "VALUE_COLOURSCALE", "OP_COLOURS", "SERIES_COLOURS", "rank_colour",
            "rank_colourscale", "colour_at"]
+
+#: the widest a figure may be (px): JupyterLab's output column at a 1024 px viewport is 844 px
+MAX_WIDTH_PX = 840
+
+
+def fit_width(width: float) -> int:
+    """``width`` (px) as a figure's ``layout.width``: at most :data:`MAX_WIDTH_PX`."""
+    return int(min(width, MAX_WIDTH_PX))
+
 
 #: the smallest text any figure draws (px); grids of many cells may go one pixel below
 MIN_FONT_PX = 14

@@ -16,7 +16,7 @@ from ..model.cost import modelled_timeline
 from ..model.overlap import Placed, Timeline
 from ..model.topology import Topology
 from ..trace import Trace, TraceEvent
-from .style import MIN_FONT_PX, OP_COLOURS
+from .style import MAX_WIDTH_PX, MIN_FONT_PX, OP_COLOURS
 
 __all__ = ["timeline_figure", "human_bytes", "MIN_FONT_PX", "sample_ranks", "SAMPLE_ABOVE"]
 
@@ -115,7 +115,7 @@ def _layout(rows: list[str], unit: str, title: dict, height_per_row: int, right:
         xaxis=dict(title=dict(text=f"time ({unit})", font=_FONT), tickfont=_FONT, showgrid=True,
                    gridcolor="rgb(225, 225, 225)", zeroline=False),
         yaxis=dict(categoryorder="array", categoryarray=rows, autorange="reversed", tickfont=_FONT),
-        legend=dict(font=_FONT, title=dict(font=_FONT)), height=170 + height_per_row * len(rows), width=1100,
+        legend=dict(font=_FONT, title=dict(font=_FONT)), height=170 + height_per_row * len(rows),
         margin=dict(l=150, r=right, t=110, b=60))
 
 
@@ -266,7 +266,7 @@ def _title_above_legend_below(layout: dict, title_text: str, names: list[str]) -
     lines = title_text.count("<br>")
     top = 20 + _HEADLINE_PX + _LINE_PX * lines + 20
     legend_title = "op: exposed / hidden"
-    rows = _legend_rows(names, legend_title, layout["width"] - layout["margin"]["l"] - layout["margin"]["r"])
+    rows = _legend_rows(names, legend_title, MAX_WIDTH_PX - layout["margin"]["l"] - layout["margin"]["r"])
     bottom = 70 + _LEGEND_ROW_PX * rows + 10
     layout["title"].update(y=1.0, yref="container", yanchor="top", pad=dict(t=20))
     layout["legend"].update(title=dict(text=legend_title, font=_FONT), orientation="h", x=0.0, xref="container",

@@ -87,6 +87,21 @@ def _view_after_all_reduce():
     return view.tolist()
 
 
+def _lifted_constant_after_all_reduce():
+    x = torch.tensor([float(dist.get_rank() + 1)])   # a constant the fake mode itself keeps
+    dist.all_reduce(x)
+    return x.item()
+
+
+def _lifted_constant_after_recv():
+    x = torch.tensor([1.0, 2.0])
+    if dist.get_rank() == 0:
+        dist.send(torch.ones(2), 1)
+    else:
+        dist.recv(x, 0)
+    return x.tolist()
+
+
 def _after_all_gather_into_tensor():
     out = torch.zeros(2 * dist.get_world_size())
     dist.all_gather_into_tensor(out, torch.arange(2.0))
@@ -129,7 +144,8 @@ def _over_the_limit():
     return torch.arange(VALUE_LIMIT + 1).sum().item()
 
 
-@pytest.mark.parametrize("read", [_after_all_reduce, _view_after_all_reduce, _after_all_gather_into_tensor,
+@pytest.mark.parametrize("read", [_after_all_reduce, _view_after_all_reduce, _lifted_constant_after_all_reduce,
+                                  _lifted_constant_after_recv, _after_all_gather_into_tensor,
                                   _after_recv, _random_mix, _written_with_random_values_through_data,
                                   _parameter, _uninitialised, _over_the_limit],
                          ids=lambda read: read.__name__.strip("_"))

@@ -6,7 +6,10 @@ workspaces and runtime files in the temporary folder too, so nothing is
 written into the repository), opens the notebook in Debian's Chromium
 (``/usr/bin/chromium``; no browser is ever downloaded), runs all cells, waits
 for a plotly figure and the explorer's world-size slider, moves the slider
-and checks that the explorer's figure is redrawn with one more rank. It saves
+and checks that the explorer's figure is redrawn with one more rank, then that at 1024 px every
+figure fits its output column with its title, legend, colour bars and annotations inside it
+(:data:`FIGURE_GEOMETRY`, also used on every lesson's export by
+``tests/teaching/test_browser_figures.py``). It saves
 a screenshot in the test's temporary folder and prints its path.
 
 JupyterLab is stopped the way it expects: SIGINT twice (the first asks for a
@@ -148,7 +151,8 @@ def serving_lesson(notebook: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
         assert not left, f"processes left after stopping JupyterLab: {left}\n{log.read_text()[-2000:]}"
 
 
-#: JavaScript: the figures (``.js-plotly-plot``) cut off at the right edge without a scrollbar, and
+#: JavaScript (the handout's tests, tests/teaching/test_handout.py): the figures (``.js-plotly-plot``)
+#: cut off at the right edge without a scrollbar, and
 #: how many figures it looked at. The edge is the page's (an exported page) or, given a selector,
 #: that element's (JupyterLab's notebook panel); a figure wider than the edge passes only inside a
 #: box that scrolls sideways (overflow-x auto or scroll) and itself ends within the edge.
@@ -174,15 +178,106 @@ CUT_OFF_FIGURES = """(boundary) => {
 }"""
 
 
+#: JavaScript: the geometry of every plotly figure of the page, measured as the browser drew it.
+#: Per figure (``.js-plotly-plot``): its width, its output column's (the closest
+#: ``.jp-OutputArea-output``, in JupyterLab and in an nbconvert export alike) and every problem
+#: found: the figure (its ``svg.main-svg``) reaching beyond its column or the viewport, or a
+#: title, axis title, legend, colour bar, annotation, slider or button row reaching beyond the
+#: figure (what lies outside a figure's svg is not drawn: a clipped label), or a text label of a
+#: point or bar cut off by its plot area (traces that clip to their axes), or two of the title, axis
+#: titles, legend and colour bars overlapping. Each problem names the part, its text and its
+#: overflow (for an overlap: its smaller extent) in px. A scrolling box around a figure does not excuse it.
+FIGURE_GEOMETRY = """() => {
+  const viewport = document.documentElement.clientWidth;
+  const parts = [['title', '.g-gtitle'], ['axis title', 'g[class^="g-"][class$="title"]:not(.g-gtitle)'],
+                 ['legend', 'g.legend'], ['colour bar', 'g.colorbar'], ['annotation', 'g.annotation'],
+                 ['slider', 'g.slider-container'], ['buttons', 'g.updatemenu-container']];
+  const beyond = (outer, r) => Math.max(outer.left - r.left, r.right - outer.right, outer.top - r.top,
+                                        r.bottom - outer.bottom);
+  return [...document.querySelectorAll('.js-plotly-plot')].map((plot) => {
+    const svg = plot.querySelector('svg.main-svg');
+    const figure = (svg || plot).getBoundingClientRect();
+    const column = (plot.closest('.jp-OutputArea-output') || plot.parentElement).getBoundingClientRect();
+    const title = plot.querySelector('.g-gtitle');
+    const problems = [];
+    if (!svg) problems.push({part: 'figure', text: 'not drawn', overflow: 0});
+    const wide = Math.max(figure.right - Math.min(column.right, viewport), column.left - figure.left);
+    if (wide > 1) problems.push({part: 'figure', text: 'wider than its column', overflow: Math.round(wide)});
+    for (const [name, selector] of parts) {
+      for (const element of plot.querySelectorAll(selector)) {
+        const box = element.getBoundingClientRect();
+        if (box.width < 1 || box.height < 1) continue;
+        const over = beyond(figure, box);
+        if (over > 1) problems.push({part: name, text: (element.textContent || '').slice(0, 60),
+                                     overflow: Math.round(over)});
+      }
+    }
+    // the title, axis titles, legend and colour bars do not overlap one another
+    const furniture = [['title', '.g-gtitle'], ['axis title', 'g[class^="g-"][class$="title"]:not(.g-gtitle)'],
+                       ['legend', 'g.legend'], ['colour bar', 'g.colorbar']].flatMap(([name, selector]) =>
+      [...plot.querySelectorAll(selector)].map((element) => [name, element, element.getBoundingClientRect()]))
+      .filter(([, , box]) => box.width >= 1 && box.height >= 1);
+    furniture.forEach(([name, element, box], i) => furniture.slice(i + 1).forEach(([other, next, box2]) => {
+      const across = Math.min(box.right, box2.right) - Math.max(box.left, box2.left);
+      const down = Math.min(box.bottom, box2.bottom) - Math.max(box.top, box2.top);
+      if (across > 2 && down > 2 && !element.contains(next) && !next.contains(element))
+        problems.push({part: name + ' and ' + other, text: (element.textContent || '').slice(0, 30) + ' / ' +
+                       (next.textContent || '').slice(0, 30), overflow: Math.round(Math.min(across, down))});
+    }));
+    // a point's or bar's text label of a trace that clips to its axes must lie in a plot area
+    const areas = [...plot.querySelectorAll('.nsewdrag')].map((area) => area.getBoundingClientRect());
+    for (const element of plot.querySelectorAll('g.trace g.textpoint text, g.trace.bars g.point text')) {
+      const bound = (element.closest('g.trace').__data__ || [{}])[0];
+      const box = element.getBoundingClientRect();
+      if (!bound || !bound.trace || bound.trace.cliponaxis === false || box.width < 1 || !areas.length) continue;
+      const over = Math.min(...areas.map((area) => beyond(area, box)));
+      if (over > 1) problems.push({part: 'point label', text: element.textContent.slice(0, 60),
+                                   overflow: Math.round(over)});
+    }
+    return {title: title ? title.textContent.slice(0, 80) : '', width: Math.round(figure.width),
+            column: Math.round(column.width), problems: problems};
+  });
+}"""
+
+
+def figure_geometry(page) -> list[dict]:
+    """:data:`FIGURE_GEOMETRY` of ``page``, measured once plotly has stopped resizing its figures
+    (two measurements a quarter second apart agree)."""
+    previous = None
+    for _ in range(40):
+        current = page.evaluate(FIGURE_GEOMETRY)
+        if current == previous:
+            return current
+        previous = current
+        page.wait_for_timeout(250)
+    return current
+
+
+def misfits(figures: list[dict]) -> list[str]:
+    """One line per problem of :func:`figure_geometry`'s figures: figure number, title, part, overflow."""
+    return [f"figure {index} ({figure['title'][:50]!r}, {figure['width']} px in a {figure['column']} px column): "
+            f"{problem['part']} {problem['text'][:40]!r} "
+            f"{'overlap' if ' and ' in problem['part'] else 'beyond'} by {problem['overflow']} px"
+            for index, figure in enumerate(figures) for problem in figure["problems"]]
+
+
 def figures_cut_off_at_1024_px(page, *, expect_at_least: int = 1) -> list[str]:
-    """Resize ``page`` (JupyterLab, every cell run) to a projector's 1024 px and return the figures
-    of the notebook cut off without a scrollbar (:data:`CUT_OFF_FIGURES`); at least
-    ``expect_at_least`` figures must have been looked at, so the check cannot pass on an empty page."""
+    """Close JupyterLab's left sidebar, resize ``page`` (JupyterLab, every cell run) to a projector's
+    1024 px (an output column of about 844 px) and return what does not
+    fit (:func:`misfits`): a figure wider than its output column, or a figure's title, legend,
+    colour bar, annotation or axis title outside it. At least ``expect_at_least`` figures must
+    have been measured, so the check cannot pass on an empty page."""
+    current = page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current")
+    if current.count():     # on a projector the notebook is shown without the file browser beside it
+        current.first.click()
     page.set_viewport_size({"width": 1024, "height": 900})
     page.wait_for_timeout(1500)                          # JupyterLab and plotly lay out again
-    result = page.evaluate(CUT_OFF_FIGURES, ".jp-NotebookPanel .jp-Notebook")
-    assert result["checked"] >= expect_at_least, f"only {result['checked']} figures in the notebook"
-    return result["cut"]
+    figures = figure_geometry(page)
+    assert len(figures) >= expect_at_least, f"only {len(figures)} figures in the notebook"
+    columns = sorted({figure["column"] for figure in figures})
+    print(f"JupyterLab at 1024 px: {len(figures)} figures, output columns {columns} px")
+    assert columns[-1] >= 800, f"JupyterLab's output column is {columns[-1]} px: did the file browser close?"
+    return misfits(figures)
 
 
 @pytest.fixture
@@ -280,7 +375,7 @@ def test_lesson_01_in_chromium(jupyterlab, tmp_path: Path):
         explorer.scroll_into_view_if_needed()
         page.screenshot(path=str(screenshot))
         cut = figures_cut_off_at_1024_px(page)
-        assert not cut, f"lesson 01 at 1024 px: figures cut off without a scrollbar: {cut}"
+        assert not cut, f"lesson 01 at 1024 px: figures that do not fit: {cut}"
     assert screenshot.stat().st_size > 10_000
     assert NOTEBOOK.read_bytes() == before, "JupyterLab wrote into the repository's notebook"
     print(f"screenshot: {screenshot}")

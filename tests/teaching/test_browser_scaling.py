@@ -4,7 +4,8 @@ The first test copies ``notebooks/12_a_transformer_in_3d.ipynb`` into a temporar
 starts JupyterLab there (the helpers and settings of ``tests/teaching/test_browser.py``), runs all
 cells in headless Chromium, waits for the layout explorer's figure of the default layout
 (tp=2 dp=2 pp=2), picks another layout in its dropdown and checks that the figure is redrawn
-for it, then that at 1024 px every figure fits the notebook's width or scrolls. The second
+for it, then that at 1024 px every figure fits its output column with its title, legend, colour
+bars and annotations inside it (``figures_cut_off_at_1024_px``). The second
 exports the lesson to static HTML (``nbconvert --execute``) and checks,
 offline, that the default layout's figure is drawn without a kernel.
 """
@@ -58,7 +59,7 @@ def test_lesson_12_layout_widget_in_chromium(jupyterlab_12, tmp_path: Path):
         _wait_for_idle_kernel(base_url, token)
         page.screenshot(path=str(tmp_path / "12_layout_widget.png"))
         cut = figures_cut_off_at_1024_px(page, expect_at_least=3)
-        assert not cut, f"lesson 12 at 1024 px: figures cut off without a scrollbar: {cut}"
+        assert not cut, f"lesson 12 at 1024 px: figures that do not fit: {cut}"
 
 
 def test_lesson_12_html_export_shows_the_default_layout(tmp_path: Path):

@@ -5,7 +5,7 @@ notebook, its settings and runtime files in the temporary folder, stopped with S
 to leave no process behind). Runs all cells, waits for the bucket slider and its timeline, moves
 the slider one step right (from 1 MiB buckets to one bucket) and checks that the timeline shown is
 redrawn with the one-bucket numbers. Then, at a projector's 1024 px, every figure of the notebook
-fits its width or scrolls. Saves a screenshot in the test's temporary folder.
+fits its output column, its title, legend and annotations inside it. Saves a screenshot in the test's temporary folder.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_lesson_06_bucket_slider_in_chromium(lab, tmp_path: Path):
         _wait_for_idle_kernel(base_url, token)
         page.screenshot(path=str(screenshot))
         cut = figures_cut_off_at_1024_px(page, expect_at_least=4)
-        assert not cut, f"lesson 06 at 1024 px: figures cut off without a scrollbar: {cut}"
+        assert not cut, f"lesson 06 at 1024 px: figures that do not fit: {cut}"
     assert screenshot.stat().st_size > 10_000
     assert NOTEBOOK.read_bytes() == before, "JupyterLab wrote into the repository's notebook"
     print(f"screenshot: {screenshot}")

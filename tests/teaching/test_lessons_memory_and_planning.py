@@ -1,6 +1,7 @@
 """The checkers of lessons 13 and 15 accept the solutions and reject wrong, partial and malformed answers."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -8,7 +9,8 @@ from simcomm.lessons import memory_and_planning as mp_checks
 from simcomm.lessons.verdicts import HINT_OFFER, NOT_ANSWERED
 from simcomm.parallel import mixed_precision
 from simcomm.planning import activations, planner
-from simcomm.models.llama import LLAMA3_8B, LLAMA3_70B
+from simcomm.models.llama import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
+from simcomm.parallel.mesh import Layout
 from simcomm.planning.planner import GiB
 
 SIZE = (256, 1, 128, 8, 4)
@@ -133,24 +135,50 @@ def test_skip_step_solution_buggy_version_and_other_mistakes():
 # -- lesson 15 ---------------------------------------------------------------------------------
 
 ROWS70 = planner.plan(LLAMA3_70B, 1024, seq=8192, global_batch=1024)
-LIMIT = 80 * GiB
+LIMIT = planner.H100_MEMORY
+BEST70 = (2, 4, 4, 32)
 
 
-def test_plan_choice_checker():
+def test_plan_choice_is_the_fastest_fitting_row_by_hand():
     fitting = [row for row in ROWS70 if row["total"] <= LIMIT]
-    best = planner.key(min(fitting, key=lambda row: row["step_time"]))
-    assert best == (1, 16, 8, 8) == planner.fastest_fitting(ROWS70, LIMIT)
-    assert kind(mp_checks.check_plan_choice(best, ROWS70, LIMIT)) == "correct"
-    assert mp_checks.check_plan_choice(..., ROWS70, LIMIT) == NOT_ANSWERED
-    too_big = next(planner.key(r) for r in ROWS70 if r["total"] > LIMIT)
-    assert "filter the rows by memory" not in mp_checks.check_plan_choice(too_big, ROWS70, LIMIT)
-    assert "filter the rows by memory" in mp_checks.check_plan_choice(too_big, ROWS70, LIMIT, show_hint=True)
-    slower = next(planner.key(r) for r in sorted(ROWS70, key=lambda r: -r["step_time"]) if r["total"] <= LIMIT)
-    assert "shorter modelled step" in mp_checks.check_plan_choice(slower, ROWS70, LIMIT)
-    assert "four ints" in mp_checks.check_plan_choice((1, 16, 8), ROWS70, LIMIT)
-    assert "four ints" in mp_checks.check_plan_choice("1, 16, 8, 8", ROWS70, LIMIT)
-    assert "not a layout of the table" in mp_checks.check_plan_choice((3, 1, 1, 1), ROWS70, LIMIT)
-    assert kind(mp_checks.check_plan_choice(list(best), ROWS70, LIMIT)) == "correct"   # a list is a layout too
+    assert planner.key(min(fitting, key=lambda row: row["step_time"])) == BEST70 == \
+        planner.fastest_fitting(ROWS70, LIMIT)
+
+
+TOO_BIG = next(planner.key(r) for r in ROWS70 if r["total"] > LIMIT)
+SLOWER = next(planner.key(r) for r in sorted(ROWS70, key=lambda r: -r["step_time"]) if r["total"] <= LIMIT)
+BEST_ROW = next(r for r in ROWS70 if planner.key(r) == BEST70)
+
+
+@pytest.mark.parametrize("answer, verdict, text", [
+    (BEST70, "correct", ""),
+    (list(BEST70), "correct", ""),
+    (tuple(np.int64(v) for v in BEST70), "correct", ""),                     # numpy ints
+    (tuple(torch.tensor(v) for v in BEST70), "correct", ""),                 # torch ints
+    ({"tp": 2, "cp": 4, "pp": 4, "dp": 32}, "correct", ""),
+    ({"TP": 2, "Cp": 4, " PP ": 4, "dp": 32}, "correct", ""),                # capitalisation
+    (Layout(tp=2, cp=4, pp=4, dp=32), "correct", ""),
+    (..., "not answered", ""),
+    (None, "not yet", "got None"),
+    (TOO_BIG, "not yet", "filter the rows by memory"),
+    (SLOWER, "not yet", "shorter modelled step"),
+    ((2, 4, 4), "not yet", "four ints"),                                    # partial
+    ("2, 4, 4, 32", "not yet", "four ints"),                                # malformed
+    ((2.0, 4, 4, 32), "not yet", "four ints"),
+    ((True, 4, 4, 32), "not yet", "four ints"),
+    ({"tp": 2, "cp": 4, "pp": 4}, "not yet", "exactly the keys"),
+    ((3, 1, 1, 1), "not yet", "not a layout of the table"),
+    (BEST_ROW, "not yet", "the planner's row"),                              # a helper's result, not a layout
+    ([BEST_ROW], "not yet", "the planner's row"),
+])
+def test_plan_choice_checker_table(answer, verdict, text):
+    got = mp_checks.check_plan_choice(answer, ROWS70, LIMIT, show_hint=True)
+    assert kind(got) == verdict and text in got, got
+
+
+def test_plan_choice_hint_only_on_request():
+    verdict = mp_checks.check_plan_choice(TOO_BIG, ROWS70, LIMIT)
+    assert "filter the rows by memory" not in verdict and verdict.endswith(HINT_OFFER)
 
 
 def test_sequence_doubling_checker():
@@ -158,23 +186,82 @@ def test_sequence_doubling_checker():
     before = planner.fastest_fitting(planner.plan(LLAMA3_8B, 1024, seq=8192, global_batch=1024), LIMIT)
     after = planner.fastest_fitting(planner.plan(LLAMA3_8B, 1024, seq=16384, global_batch=1024), LIMIT)
     assert [name for name, a, b in zip(planner.DIMENSIONS, before, after) if b > a] == ["cp"]
-    assert kind(mp_checks.check_sequence_doubling(" CP ", *args, global_batch=1024)) == "correct"
+    for right in (" CP ", "cp", "Cp", ["cp"]):
+        assert kind(mp_checks.check_sequence_doubling(right, *args, global_batch=1024)) == "correct", right
     for wrong in ("tp", "pp", "dp"):
         verdict = mp_checks.check_sequence_doubling(wrong, *args, global_batch=1024)
         assert kind(verdict) == "not yet" and "Hint" not in verdict and verdict.endswith(HINT_OFFER)
         verdict = mp_checks.check_sequence_doubling(wrong, *args, global_batch=1024, show_hint=True)
         assert kind(verdict) == "not yet" and "Hint: " in verdict
-    assert "answer one of" in mp_checks.check_sequence_doubling("sequence", *args, global_batch=1024)
+    for malformed in ("sequence", None, 2, ("cp", "tp")):
+        assert "answer one of" in mp_checks.check_sequence_doubling(malformed, *args, global_batch=1024)
     assert mp_checks.check_sequence_doubling(..., *args, global_batch=1024) == NOT_ANSWERED
 
 
 def test_out_of_memory_reason_checker():
     rows8 = planner.plan(LLAMA3_8B, 1024, seq=8192, global_batch=1024)
     oom = next(r for r in rows8 if planner.key(r) == (1, 1, 1, 1024))
-    assert oom["total"] > LIMIT and max(planner.LABELS, key=lambda label: oom[label]) == "activations"
-    assert kind(mp_checks.check_out_of_memory_reason("activations", oom, LIMIT)) == "correct"
-    assert "another label holds more" in mp_checks.check_out_of_memory_reason("gradients", oom, LIMIT)
-    verdict = mp_checks.check_out_of_memory_reason("gradients", oom, LIMIT, show_hint=True)
-    assert "stacked bar" in verdict
-    assert "answer one of" in mp_checks.check_out_of_memory_reason("memory", oom, LIMIT)
+    psi = LLAMA3_8B.parameters
+    assert oom["total"] > LIMIT and oom["gradients"] == 4 * psi                # fp32 main_grad, unsharded
+    assert max(planner.LABELS, key=lambda label: oom[label]) == "gradients"
+    for right in ("gradients", "Gradients ", ["gradients"]):
+        assert kind(mp_checks.check_out_of_memory_reason(right, oom, LIMIT)) == "correct"
+    assert "another label holds more" in mp_checks.check_out_of_memory_reason("activations", oom, LIMIT)
+    assert kind(mp_checks.check_out_of_memory_reason("Optimizer state", oom, LIMIT)) == "not yet"
+    assert "stacked bar" in mp_checks.check_out_of_memory_reason("parameters", oom, LIMIT, show_hint=True)
+    for malformed in ("memory", None, 3):
+        assert "answer one of" in mp_checks.check_out_of_memory_reason(malformed, oom, LIMIT)
     assert mp_checks.check_out_of_memory_reason(..., oom, LIMIT) == NOT_ANSWERED
+    # the lesson's claim: ZeRO-2 (gradients sharded 1024 ways) fits
+    assert planner.evaluate(LLAMA3_8B, (1, 1, 1, 1024), seq=8192, global_batch=1024, zero=2)["total"] <= LIMIT
+
+
+MODELS = (LLAMA3_8B, LLAMA3_70B, LLAMA3_405B)
+
+
+def _right(model, layout):
+    tp, cp, pp, dp = layout
+    stack = -(-model.layers // pp) * model.layer_parameters
+    embedding = model.vocab * model.hidden
+    return (stack + (2 * embedding if pp == 1 else embedding) + model.hidden) / tp
+
+
+def _buggy(model, layout):                        # the lesson's: the output layer missing when pp == 1
+    tp, cp, pp, dp = layout
+    stack = -(-model.layers // pp) * model.layer_parameters
+    return (stack + model.vocab * model.hidden + model.hidden) / tp
+
+
+def _not_implemented(model, layout):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("answer, verdict, text", [
+    (_right, "correct", ""),
+    (lambda model, layout: np.float64(_right(model, layout)), "correct", ""),
+    (lambda model, layout: torch.tensor(round(_right(model, layout))), "correct", ""),
+    (lambda model, layout: int(_right(model, layout)), "correct", ""),
+    (_buggy, "not yet", "embedding and the output layer"),
+    (lambda model, layout: _right(model, layout) * layout[0], "not yet", "split tp ways"),
+    (lambda model, layout: None, "not yet", "not a number"),
+    (lambda model, layout: str(_right(model, layout)), "not yet", "not a number"),
+    (lambda model: 0, "not yet", "raised TypeError"),
+    (_not_implemented, "not answered", ""),
+    (..., "not answered", ""),
+    (None, "not yet", "a function"),
+    (_right(LLAMA3_8B, (1, 1, 1, 1024)), "not yet", "a function"),        # a number, not the function
+    (planner.stage_parameters, "not yet", "the planner's own function"),  # the helper itself
+])
+def test_stage_parameters_checker_table(answer, verdict, text):
+    got = mp_checks.check_stage_parameters(answer, MODELS, show_hint=True)
+    assert kind(got) == verdict and text in got, got
+
+
+def test_stage_parameters_by_hand():
+    """The library copy against the count by hand: 8B pure data parallel holds every parameter."""
+    assert planner.stage_parameters(LLAMA3_8B, (1, 1, 1, 1024)) == LLAMA3_8B.parameters
+    assert planner.stage_parameters(LLAMA3_8B, (1, 1, 1, 1024)) - _buggy(LLAMA3_8B, (1, 1, 1, 1024)) == \
+        128256 * 4096                                                         # 525 M: 6.5 % of 8B
+    for model in MODELS:
+        for layout in mp_checks.STAGE_CASES:
+            assert planner.stage_parameters(model, layout) == _right(model, layout)

@@ -10,7 +10,9 @@ stored output and the ``nbval-check-output`` tag, and nbval compares them.
 
 ``SIMCOMM_BACKEND=sim`` runs the programs on virtual ranks in the kernel;
 ``SIMCOMM_BACKEND=real`` runs them on gloo worker processes through
-``real.Cluster``. Each run's wall time, kernel start included, is printed and
+``real.Cluster``; a lesson run with ``real`` must run at least one program on real
+worker processes (``real.Cluster.run``, counted by an IPython startup file in the kernel), so
+a lesson that ignores the variable fails. Each run's wall time, kernel start included, is printed and
 recorded (``record_property("seconds")``), not asserted: the lessons are kept
 well under a minute each, but a wall-time limit would fail on a loaded machine.
 
@@ -164,9 +166,32 @@ def test_checked_cells_get_their_expected_text(tmp_path: Path):
     assert checked >= len(LESSONS), "every lesson should check at least one printed result"
 
 
+#: an IPython startup file for the lesson's kernel: appends the world size of every program that
+#: ``real.Cluster.run`` ran to completion to the file ``SIMCOMM_TEST_CLUSTER_RUNS`` names
+_RECORD_CLUSTER_RUNS = """\
+import os
+import real
+
+def _recorded(run, path=os.environ["SIMCOMM_TEST_CLUSTER_RUNS"]):
+    def recorded_run(self, *args, **kwargs):
+        results = run(self, *args, **kwargs)
+        with open(path, "a") as out:
+            out.write(f"{self.world_size}\\n")
+        return results
+    return recorded_run
+
+real.Cluster.run = _recorded(real.Cluster.run)
+"""
+
+
 def _run_nbval(notebook: Path, backend: str, folder: Path) -> tuple[subprocess.CompletedProcess, float]:
     notebook, _ = with_expected_outputs(notebook, folder)
     env = dict(os.environ, SIMCOMM_BACKEND=backend, PYTHONDONTWRITEBYTECODE="1")
+    if backend == "real":        # count the programs the lesson runs on real worker processes
+        startup = folder / "ipython" / "profile_default" / "startup"
+        startup.mkdir(parents=True)
+        (startup / "00_record_cluster_runs.py").write_text(_RECORD_CLUSTER_RUNS)
+        env.update(IPYTHONDIR=str(folder / "ipython"), SIMCOMM_TEST_CLUSTER_RUNS=str(folder / "cluster_runs"))
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
                "--nbval-current-env", "--nbval-cell-timeout=300", str(notebook)]
     start = time.perf_counter()
@@ -184,3 +209,8 @@ def test_lesson_runs(notebook: Path, backend: str, record_property, tmp_path: Pa
     if result.returncode != 0:
         pytest.fail(f"nbval failed on {notebook.name} with SIMCOMM_BACKEND={backend}:\n"
                     + result.stdout[-8000:] + result.stderr[-2000:], pytrace=False)
+    if backend == "real":
+        runs = (tmp_path / "cluster_runs").read_text().split() if (tmp_path / "cluster_runs").exists() else []
+        print(f"{notebook.stem}: {len(runs)} programs on real.Cluster workers (world sizes {sorted(set(runs))})")
+        assert runs, (f"{notebook.name} with SIMCOMM_BACKEND=real ran no program on real worker processes "
+                      "(real.Cluster.run): it must run on the backend configured_backend() returns")

@@ -214,6 +214,7 @@ def test_compute_too_short_for_a_bar_is_drawn_as_a_tick_over_the_waits():
 def test_the_title_sits_above_the_plot_and_the_legend_below_it(ranks):
     """Title and legend cannot overlap, however many lines and rows: the title at the top of the
     figure in a margin sized to its lines, the legend at the bottom in a margin sized to its rows."""
+    from simcomm.viz.style import MAX_WIDTH_PX
     from simcomm.viz.timeline import _LEGEND_ROW_PX, _LINE_PX, _legend_rows
 
     fig = timeline_figure(_tiny_compute_trace(1e-9), modelled=True, topology="pcie-2gpu", ranks=ranks,
@@ -224,6 +225,7 @@ def test_the_title_sits_above_the_plot_and_the_legend_below_it(ranks):
     lines = layout.title.text.count("<br>")
     assert layout.margin.t >= 26 + _LINE_PX * lines + 20
     rows = _legend_rows([t.name for t in fig.data], layout.legend.title.text,
-                        layout.width - layout.margin.l - layout.margin.r)
+                        MAX_WIDTH_PX - layout.margin.l - layout.margin.r)
+    assert layout.width is None                            # sized to its column, at most MAX_WIDTH_PX wide
     assert rows >= 2                                       # 5 entries do not fit one row of the plot's width
     assert layout.margin.b >= 70 + _LEGEND_ROW_PX * rows   # below the x axis and its title
