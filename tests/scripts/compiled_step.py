@@ -16,5 +16,5 @@ x = torch.arange(4, dtype=torch.float32) + rank
 out = step(x)
 expected = torch.sin(x) * 2 + x.square()
 dist.all_reduce(out)
-print(f"rank{rank}: matches={torch.allclose(step(x), expected)} reduced={round(out.sum().item(), 4)}")
+print(f"rank{rank}: matches={torch.allclose(step(x), expected)} reduced={round(out.sum().item(), 4)}", flush=True)
 dist.destroy_process_group()

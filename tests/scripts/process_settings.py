@@ -24,5 +24,6 @@ def on_term(signum, frame):
 previous = signal.signal(signal.SIGTERM, on_term)
 dist.barrier()
 print(f"rank{rank}: method={mp.get_start_method()} second={second} "
-      f"handler_mine={signal.getsignal(signal.SIGTERM) is on_term} previous_default={previous == signal.SIG_DFL}")
+      f"handler_mine={signal.getsignal(signal.SIGTERM) is on_term} previous_default={previous == signal.SIG_DFL}",
+      flush=True)
 dist.destroy_process_group()

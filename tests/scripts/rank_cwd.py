@@ -16,5 +16,5 @@ mine = torch.load("state.pt").item()
 dist.barrier()
 siblings = sorted(name for name in os.listdir("..") if name.startswith("work"))
 print(f"rank{rank}: state={mine} folder={os.path.basename(os.getcwd())} siblings={','.join(siblings)} "
-      f"nested={os.path.exists('work1')}")
+      f"nested={os.path.exists('work1')}", flush=True)
 dist.destroy_process_group()

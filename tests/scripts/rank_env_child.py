@@ -21,5 +21,5 @@ child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['RANK
                        capture_output=True, text=True, check=True).stdout.split()
 shell = subprocess.run("echo $LOCAL_RANK-$MY_SETTING", shell=True, capture_output=True, text=True).stdout.strip()
 print(f"rank{rank}: c_rank={c_rank} c_setting={c_setting} child_rank={child[0]} child_setting={child[1]} "
-      f"child_unset={child[2]} shell={shell}")
+      f"child_unset={child[2]} shell={shell}", flush=True)
 dist.destroy_process_group()

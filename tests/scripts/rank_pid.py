@@ -17,7 +17,7 @@ pids = [None] * dist.get_world_size()
 dist.all_gather_object(pids, pid)
 os.kill(pid, 0)                                  # raises if no such process
 print(f"rank{rank}: files={len(files)} sum={total} distinct={len(set(pids)) == len(pids)} "
-      f"stable={os.getpid() == pid} alive=True")
+      f"stable={os.getpid() == pid} alive=True", flush=True)
 dist.barrier()
 os.remove(f"grad_{pid}.pt")
 dist.destroy_process_group()

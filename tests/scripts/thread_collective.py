@@ -16,7 +16,7 @@ def work():
     seen["reduced"] = value.tolist()
     seen["env_rank"] = os.environ.get("RANK")
     seen["group_rank"] = dist.get_rank()
-    print(f"rank{rank}: printed_by_thread rank_tag_check")
+    print(f"rank{rank}: printed_by_thread rank_tag_check", flush=True)
 
 
 thread = threading.Thread(target=work)
@@ -26,5 +26,5 @@ late = threading.Thread(target=lambda: seen.setdefault("late", dist.get_world_si
 late.start()
 late.join()
 print(f"rank{rank}: reduced={seen['reduced']} env_rank={seen['env_rank']} group_rank={seen['group_rank']} "
-      f"world={seen['late']}")
+      f"world={seen['late']}", flush=True)
 dist.destroy_process_group()

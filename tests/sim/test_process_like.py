@@ -46,7 +46,9 @@ def under_torchrun(script: str, nproc: int = 2, *args: str, cwd: Path | None = N
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), str(SCRIPTS / script), *args], capture_output=True, text=True,
                           timeout=240, cwd=cwd or ROOT, env=environment)
-    return done, report(done.stdout + done.stderr)
+    lines = report(done.stdout + done.stderr)
+    print("torchrun stdout:", done.stdout[-1500:], "stderr:", done.stderr[-1500:], sep="\n")   # shown on failure
+    return done, lines
 
 
 torchrun = pytest.mark.slow
