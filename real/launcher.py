@@ -92,6 +92,7 @@ from simcomm.errors import (
     RunTimeoutError,
     WorkerError,
 )
+from simcomm.fresh_state import run_seed
 from simcomm.memory import MemoryReport
 from simcomm.trace import Trace
 
@@ -431,7 +432,7 @@ class Cluster:
                 request = Run(blob, time.perf_counter(), self.tracing,
                               check_store.port if check_store is not None else None,
                               math.inf if timeout is None else timeout + _CHECK_MARGIN_S, self.track_memory,
-                              self._regroup)
+                              self._regroup, run_seed())
                 for worker in self._workers:
                     try:
                         messages.send(worker.conn, request)

@@ -71,6 +71,7 @@ class Run:
     check_timeout: float           # how long a check waits for its peers (seconds)
     track_memory: bool = False     # measure the bytes the program holds (simcomm.memory)
     regroup: int | None = None     # the default group is gone on every rank: make generation n first
+    seed: int | None = None        # the run seed (simcomm.fresh_state.run_seed); None: the default
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ from simcomm import memory
 from simcomm.c10d.init_join import install_init_join
 from simcomm.c10d.work import wait_returned
 from simcomm.communicator import Communicator
-from simcomm.fresh_state import FRESH_SEED, reset_python_and_numpy
+from simcomm.fresh_state import DEFAULT_RUN_SEED, rank_seed, seed_process
 
 from . import messages, pickling, startup
 from .checked import CheckedTransport
@@ -79,23 +79,16 @@ from .process_group import device_for
 from .groups import GroupCache
 from .transport import DistTransport
 
-__all__ = ["worker_main", "FRESH_PROCESS_SEED", "reset_random_state", "die_with_parent"]
+__all__ = ["worker_main", "reset_random_state", "die_with_parent"]
 
 #: how often the watchdog looks at the Cluster's process where there is no pidfd (seconds)
 _PARENT_POLL_S = 0.2
 
-#: The seed every run starts from, here and on the simulator's virtual ranks
-#: (:data:`simcomm.fresh_state.FRESH_SEED`, c10's ``default_rng_seed_val``), so a
-#: program draws the same numbers on both backends and in every run.
-FRESH_PROCESS_SEED = FRESH_SEED
-
-
-def reset_random_state() -> None:
-    """Start a run from the state every virtual rank starts from: the default CPU generator
-    (and every CUDA generator, lazily) as a fresh one, Python's ``random`` and NumPy's global
-    ``np.random`` seeded as :func:`simcomm.fresh_state.reset_python_and_numpy` seeds them."""
-    torch.manual_seed(FRESH_PROCESS_SEED)
-    reset_python_and_numpy()
+def reset_random_state(seed: int | None, rank: int) -> None:
+    """Start a run from the state virtual rank ``rank`` starts from: torch's generators (CPU and
+    CUDA), Python's ``random`` and NumPy's global ``np.random`` seeded with
+    :func:`simcomm.fresh_state.rank_seed` of the run seed ``seed`` (``None``: the default one)."""
+    seed_process(rank_seed(DEFAULT_RUN_SEED if seed is None else seed, rank))
 
 
 def die_with_parent(parent_pid: int) -> bool:
@@ -276,7 +269,7 @@ def _run(request: Run, rank: int, device: torch.device, cache: GroupCache) -> tu
     fd = None
     try:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-            reset_random_state()
+            reset_random_state(request.seed, rank)
             program, args, kwargs = pickling.loads(request.program)
             args, kwargs = _to_device((args, kwargs), device)
             transport = DistTransport(dist.group.WORLD, device, events=events,

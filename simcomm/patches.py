@@ -164,9 +164,57 @@ PATCHES: tuple[Patch, ...] = (
         "rank-environ", "``os.environ``: a view resolving to the calling rank thread's own "
         "variables", "simcomm.sim.process_state",
         "torchrun gives each process RANK, LOCAL_RANK, WORLD_SIZE...; python -m simcomm.run gives "
-        "each rank thread its own (C code's getenv still sees the process's one environment)",
+        "each rank thread its own. The C environment (getenv, child processes started without env=) "
+        "follows the rank holding the turn, for the variables that differ from the process's",
         "while any rank_environ block is active (simcomm.run's ranks)",
-        "when the last one ends: the process's os.environ object is put back", "run", ("os.environ",)),
+        "when the last one ends: the process's os.environ object and C environment are put back", "run",
+        ("os.environ",)),
+    Patch(
+        "rank-threads", "``threading.Thread.start`` and ``threading.Thread.__init__``: a thread started "
+        "by a rank thread (or by one of its threads) runs inside the rank's thread-local state (its "
+        "torch.distributed world, os.environ view, output tag, virtual GPU mode, seed, autograd on "
+        "its own thread) and may "
+        "communicate as the rank; one made there without daemon= is waited for as the rank ends",
+        "simcomm.sim.process_state",
+        "a thread of a process belongs to that process: a background thread's dist.all_reduce is the "
+        "rank's, its prints carry the rank's tag, and a process exits once its non-daemon threads "
+        "have; on every thread that is no rank's, both methods behave as Python's own",
+        "the first World.run", "never: stays for the process", "process",
+        ("threading.Thread.start", "threading.Thread.__init__", "torch.autograd.set_multithreading_enabled()"),
+        ("threading.Thread.start", "threading.Thread.__init__")),
+    Patch(
+        "rank-cwd", "``os.chdir`` and ``os.fchdir``: on a rank's thread (or a thread it started), the "
+        "new directory is the rank's; the process's working directory is then swapped to the rank's "
+        "at each turn handoff", "simcomm.sim.process_state",
+        "each process of a torchrun run has its own working directory: a rank's os.chdir must not move "
+        "the other ranks (relative paths, a relative script path) nor the caller after the run; on "
+        "every other thread both are os's own", "the first World.run",
+        "never: stays for the process (a run that changed directories puts the caller's back as it "
+        "ends)", "process", ("os.chdir", "os.fchdir"), ("os.chdir", "os.fchdir")),
+    Patch(
+        "rank-pid", "``os.getpid``: on a rank's thread (or a thread it started), the rank thread's Linux "
+        "thread id (``threading.get_native_id()``)", "simcomm.sim.process_state",
+        "each process of a torchrun run has its own pid, and scripts name files after it "
+        "(grad_{os.getpid()}.pt); a thread id is distinct per rank, stable for the run and an id of "
+        "this process to the kernel (os.kill, /proc); on every other thread it is os's own",
+        "the first World.run", "never: stays for the process", "process", ("os.getpid",), ("os.getpid",)),
+    Patch(
+        "rank-logging", "``logging.root.handlers`` and ``logging.root.level``: the rank's own at each turn "
+        "handoff (a copy of the caller's handlers in its first turn)", "simcomm.sim.process_state",
+        "each process of a torchrun run configures its own logging: logging.basicConfig(format=f'[r{rank}]"
+        " ...') on each rank must give each rank's records its own format (named loggers stay shared)",
+        "each World.run (the caller's saved first)", "when the run ends: the caller's put back", "run",
+        ("logging.root.handlers", "logging.root.level")),
+    Patch(
+        "rank-process-settings", "``multiprocessing``'s default context (its class: the chosen start "
+        "method is per rank on rank threads) and ``signal.signal``/``signal.getsignal`` (on a rank's "
+        "thread: the rank's own handler table, recorded and not installed)", "simcomm.sim.process_state",
+        "each process of a torchrun run calls mp.set_start_method('spawn') once and sets its own SIGTERM "
+        "handler; on rank threads the second rank's call raised 'context has already been set' and "
+        "signal.signal raised 'only works in main thread'. On every other thread all three are Python's own",
+        "the first World.run", "never: stays for the process", "process",
+        ("multiprocessing.context._default_context.__class__", "signal.signal", "signal.getsignal"),
+        ("signal.signal", "signal.getsignal")),
     Patch(
         "cuda-answers", "``torch.cuda``'s queries (is_available, device_count, current_device, "
         "set_device, device, memory_allocated, mem_get_info, memory_summary, manual_seed, get_rng_state, "

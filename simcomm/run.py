@@ -79,7 +79,7 @@ import torch
 from .errors import Aborted, RankError, SimcommError
 from .memory import MemoryReport
 from .sim.cuda_map import GPUS, VirtualGPUs, gpu_preset, parse_bytes
-from .sim.process_state import rank_environ
+from .sim.process_state import inherit_thread_local, rank_environ
 from .sim.world import World
 from .trace import Trace
 
@@ -163,10 +163,59 @@ class _TaggedStream(io.TextIOBase):
 
     @property
     def encoding(self) -> str:
-        return getattr(self._target, "encoding", "utf-8")
+        return getattr(self._target, "encoding", None) or "utf-8"
+
+    @property
+    def errors(self) -> str:
+        return getattr(self._target, "errors", None) or "strict"
+
+    @property
+    def line_buffering(self) -> bool:
+        return True           # each complete line is written and flushed at once
+
+    @property
+    def buffer(self) -> _TaggedBytes:
+        """The binary layer, as a process's ``sys.stdout.buffer``: bytes written here are decoded
+        with the stream's encoding and tagged like text."""
+        return _TaggedBytes(self)
+
+    def reconfigure(self, **settings) -> None:
+        """As ``TextIOWrapper.reconfigure``: ``encoding``/``errors``/``line_buffering``/``newline``/
+        ``write_through`` go to the real stream where it has the method; lines stay tagged."""
+        unknown = set(settings) - {"encoding", "errors", "newline", "line_buffering", "write_through"}
+        if unknown:
+            raise TypeError(f"reconfigure() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        reconfigure = getattr(self._target, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(**settings)
+
+    def writable(self) -> bool:
+        return True
 
     def fileno(self) -> int:
         return self._target.fileno()
+
+
+class _TaggedBytes(io.RawIOBase):
+    """``sys.stdout.buffer`` during a launch: bytes decoded and written to the tagged text stream."""
+
+    def __init__(self, text: _TaggedStream):
+        super().__init__()
+        self._text = text
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        self._text.write(data.decode(self._text.encoding, self._text.errors))
+        return len(data)
+
+    def flush(self) -> None:
+        self._text.flush()
+
+    def fileno(self) -> int:
+        return self._text.fileno()
 
 
 @contextlib.contextmanager
@@ -174,6 +223,7 @@ def _tagged_output(enabled: bool) -> Iterator[tuple[threading.local, tuple[_Tagg
     """Swap ``sys.stdout``/``sys.stderr`` for tagging streams for the length of a launch;
     yields the thread-local that names each rank thread's rank, and the streams."""
     local = threading.local()
+    inherit_thread_local(local, "rank")    # a thread a rank starts prints under its rank's tag
     if not enabled:
         yield local, ()
         return

@@ -28,8 +28,9 @@ device (``cpu``; fake on shape-only ranks) and every place a program names CUDA 
   ran on a device to time);
 * **CUDA random state, per rank**: ``torch.cuda.manual_seed`` / ``manual_seed_all`` /
   ``seed`` / ``initial_seed`` / ``get_rng_state`` / ``set_rng_state`` (and their ``_all``
-  forms) read and write a generator of the rank's own (a CPU ``torch.Generator``, seeded as
-  CUDA's default generator is). Draws "on cuda" (``torch.randn(n, device="cuda")``) are draws
+  forms) read and write a generator of the rank's own (a CPU ``torch.Generator``, starting
+  from the rank's seed as its CPU generator does, :mod:`simcomm.fresh_state`). Draws "on cuda"
+  (``torch.randn(n, device="cuda")``) are draws
   on the World's device and use its default generator, as the program's CPU twin does;
 * **memory**: ``memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats`` /
   ``memory_reserved`` / ``mem_get_info`` / ``memory_stats`` / ``memory_summary`` answer from the
@@ -74,11 +75,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import memory
+from .process_state import inherit_on_threads, inherit_thread_local, rank_start_seed
 
 __all__ = ["mesh_device_type", "CudaAsDevice", "cuda_answers", "is_cuda_name", "GPU", "GPUS", "VirtualGPUs", "parse_bytes",
            "gpu_preset"]
 
 _local = threading.local()     # per rank thread: .index (set_device), .mapped (the World's device), .generator
+inherit_thread_local(_local, "generator")   # a rank's threads share its CUDA generators (not its device:
+#                                              CUDA's current device is per thread, 0 on a new one)
 
 GiB = 2 ** 30
 
@@ -241,6 +245,10 @@ class CudaAsDevice(TorchFunctionMode):
         if func is torch.Tensor.to and changed:
             return _moved(args[0], out)
         return out
+
+
+# the threads a rank starts see its virtual GPUs too
+inherit_on_threads(lambda: CudaAsDevice(_local.mapped) if getattr(_local, "mapped", None) is not None else None)
 
 
 _ORDINAL_DEVICES: dict[tuple[torch.device, int], torch.device] = {}
@@ -456,7 +464,8 @@ class _Answers:
         generator = getattr(_local, "generator", None)
         if generator is None:
             generator = _local.generator = torch.Generator()
-            generator.manual_seed(_CUDA_DEFAULT_SEED)
+            seed = rank_start_seed()      # the rank's own, as its CPU generator's (simcomm.fresh_state)
+            generator.manual_seed(_CUDA_DEFAULT_SEED if seed is None else seed)
         return generator
 
     def manual_seed(self, seed: int) -> None:

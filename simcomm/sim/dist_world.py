@@ -43,6 +43,7 @@ from ..communicator import Communicator
 from ..errors import Aborted, CollectiveMismatchError
 from ..reports import local_group_mismatch
 from .cuda_map import mesh_device_type
+from .process_state import inherit_thread_local
 from .rendezvous import Group
 from .scheduler import RunState
 from .store import RunStore
@@ -51,6 +52,7 @@ from .transport import SimTransport
 __all__ = ["rank_process_group", "mesh_identity", "current_context"]
 
 _local = threading.local()          # .rank: the _RankContext of a rank thread with a program running
+inherit_thread_local(_local, "rank")   # and of the threads it starts
 _install_lock = threading.Lock()
 _switch: _WorldSwitch | None = None
 _active = 0                          # rank threads with torch.distributed initialised, all runs

@@ -9,15 +9,16 @@ the rank holding the turn: a rank saves the generator's state when it hands
 the turn on and loads its own state when it gets the turn back. Seeding or
 drawing on one rank therefore never changes another rank's numbers.
 
-**Where a rank starts.** Every rank starts every run from
-:data:`simcomm.fresh_state.FRESH_SEED`,
-the seed torch gives a generator nobody has seeded (``torch.Generator()``,
-c10's ``default_rng_seed_val``), on the CPU and, in a CUDA World, on the
-World's device. (torch 2.13 seeds a new interpreter's default generator from
-the operating system instead, so unseeded numbers differ from process to
-process and cannot be compared between backends at all; a fixed start keeps
-simulated runs reproducible. ``real`` resets its workers to the same state
-at the start of every run.)
+**Where a rank starts.** Rank ``r`` starts every run from its own seed,
+:func:`simcomm.fresh_state.rank_seed` of the run seed and ``r`` (``SIMCOMM_SEED``;
+by default rank 0 starts where a fresh ``torch.Generator()`` does), on the CPU
+and, in a CUDA World, on the World's device: unseeded numbers differ from rank to
+rank as they do between the processes of a torchrun run (torch 2.13 seeds each
+new interpreter from the operating system), and are the same in every run with
+the same run seed. ``real`` seeds each worker with the same seed at the start of
+every run. A rank's state is made in its first turn (:class:`RankRandomState`'s
+``seed``), not up front, so a run of thousands of ranks allocates nothing for
+ranks that never ran.
 
 The caller's own generator state is saved before a run and put back after
 it, so a run does not change the numbers the caller draws next.
@@ -40,41 +41,42 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..fresh_state import FRESH_SEED, fresh_cpu_state
 
 __all__ = ["RankRandomState", "RawState", "cpu_raw"]
 
 
 class RankRandomState:
-    """How to read and write torch's default generators in one run, and their fresh state.
+    """How to read, write and seed torch's default generators in one run.
 
     ``get_state()``/``set_state(state)`` read and write the CPU generator (and, in a CUDA
     World, the device's: each state then holds the CPU and the device state together);
-    ``states[0]`` is the fresh state every rank starts from. The per-rank copies live in
-    :class:`simcomm.sim.process_state.RankProcessState`, which uses these two calls where
+    ``seed(n)`` seeds the live generators as ``torch.manual_seed(n)`` does (in a CUDA World
+    only the World's device among the CUDA generators). The per-rank copies live in
+    :class:`simcomm.sim.process_state.RankProcessState`, which uses these calls where
     :func:`cpu_raw` has no raw access (a CUDA World, an unknown layout): about 1 us per
     handoff on the CPU, a 5 KB state copied out and in. The caller's state is saved before
     a run and put back after it (:meth:`save_caller`, :meth:`restore_caller`).
     """
 
-    __slots__ = ("states", "get_state", "set_state", "caller")
+    __slots__ = ("get_state", "set_state", "seed", "caller")
 
-    def __init__(self, world_size: int, device: torch.device):
-        fresh = fresh_cpu_state()
+    def __init__(self, device: torch.device):
+        cpu = torch.default_generator
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            fresh_cuda = torch.Generator(device=torch.device("cuda", index)).get_state()
-            fresh = (fresh, fresh_cuda)
-            self.get_state = lambda: (torch.default_generator.get_state(), torch.cuda.get_rng_state(index))
+            self.get_state = lambda: (cpu.get_state(), torch.cuda.get_rng_state(index))
 
             def set_state(state: tuple[torch.Tensor, torch.Tensor]) -> None:
-                torch.default_generator.set_state(state[0])
+                cpu.set_state(state[0])
                 torch.cuda.set_rng_state(state[1], index)
-            self.set_state = set_state
+
+            def seed(value: int) -> None:
+                cpu.manual_seed(value)
+                torch.cuda.default_generators[index].manual_seed(value)
+            self.set_state, self.seed = set_state, seed
         else:
-            self.get_state = torch.default_generator.get_state
-            self.set_state = torch.default_generator.set_state
-        self.states: list = [fresh] * world_size     # set_state copies in, so one state serves all
+            self.get_state, self.set_state = cpu.get_state, cpu.set_state
+            self.seed = cpu.manual_seed
         self.caller = None
 
     def save_caller(self) -> None:

@@ -53,7 +53,7 @@ import torch
 from ..checks import PartitionTable
 from ..errors import Aborted, CommunicatorClosedError, DeadlockError, WrongThreadError
 from ..reports import program_location
-from .process_state import RankProcessState
+from .process_state import RankProcessState, own_thread, thread_owner, waited_for_at_exit
 from .rendezvous import Group
 from .waits import Wait, describe_deadlock, describe_ranks, describe_waits
 
@@ -243,6 +243,9 @@ class RunState:
         #: when one lasts longer (:meth:`expired_wait_locked`)
         self.group_timeouts: dict[int, float] = {}
         self.blocked_since: dict[int, float] = {}
+        #: the threads each rank started (and their threads): a rank ends once its non-daemon ones
+        #: have, as a process exits once its non-daemon threads have
+        self.rank_threads: list[list[threading.Thread]] = [[] for _ in range(world_size)]
 
     # -- the run's life: called by World and by each rank thread (each takes the lock) --
 
@@ -256,6 +259,7 @@ class RunState:
         """Called by rank ``rank``'s thread before its program: wait for the first turn."""
         self.threads[rank] = threading.current_thread()
         self.thread_ids[rank] = threading.get_ident()
+        own_thread(self, rank)          # and the threads it starts (simcomm.sim.process_state)
         self.waiters[rank].acquire()
         if self.error is not None:
             raise Aborted
@@ -271,8 +275,25 @@ class RunState:
             if not (self.peers_run_on and self.error is None):
                 self.abort_locked(self.error or error)
 
+    def adopt_thread(self, rank: int, thread: threading.Thread) -> None:
+        """``thread``, being started by a thread of ``rank``, belongs to ``rank``."""
+        self.rank_threads[rank].append(thread)
+
+    def join_rank_threads(self, rank: int) -> None:
+        """Called by ``rank``'s thread when its program has returned: wait for the non-daemon
+        threads the rank started, as a process's exit does; they may communicate as the rank
+        meanwhile. In short waits, so that an interrupt (a timeout) reaches this thread."""
+        threads = self.rank_threads[rank]
+        while threads and self.error is None:
+            thread = threads[-1]
+            if thread is threading.current_thread() or not thread.is_alive() or not waited_for_at_exit(thread):
+                threads.pop()
+                continue
+            thread.join(0.05)
+
     def rank_finished(self, rank: int) -> None:
         """``rank``'s program returned (or unwound): hand the turn on, or end the run."""
+        self.join_rank_threads(rank)
         with self.exit_lock:
             self.exiting.add(rank)
         with self.lock:
@@ -321,12 +342,20 @@ class RunState:
         has ended; :class:`~simcomm.errors.WrongThreadError` (and the run fails with
         it) when the caller is not rank ``rank``'s thread.
         """
-        if _get_ident() != self.thread_ids[rank] or self.closed:
+        if (_get_ident() != self.thread_ids[rank] and thread_owner() != (self, rank)) or self.closed:
             raise self._refusal(rank, op)
         self.lock.acquire()
         if self.error is not None:
             self.lock.release()
             raise Aborted
+        if rank in self.blocked:     # another thread of this rank waits in a communication call
+            self.lock.release()
+            error = WrongThreadError(
+                f"{op} on rank {rank} from thread {threading.current_thread().name!r} while another "
+                f"thread of rank {rank} waits in a communication call: on virtual ranks a rank's "
+                f"threads communicate one at a time (join or wait for the other thread first)")
+            self.rank_failed(rank, error)
+            raise error
 
     def _refusal(self, rank: int, op: str) -> BaseException:
         """The error for a call of rank ``rank``'s communicator from a thread not its own."""

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .process_state import thread_owner
 from .scheduler import RunState
 from .waits import Wait
 
@@ -135,6 +136,9 @@ class RunStore(dist.Store):
         for rank, thread_id in enumerate(self._state.thread_ids):
             if thread_id == ident:
                 return rank
+        owner = thread_owner()          # a thread a rank started is the rank's
+        if owner is not None and owner[0] is self._state:
+            return owner[1]
         raise RuntimeError(
             f"store.{op} from thread {threading.current_thread().name!r}: the c10d store of a "
             f"World run is shared by its rank threads only; call it from a rank's program")

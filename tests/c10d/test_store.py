@@ -16,6 +16,8 @@ import torch.distributed as dist
 import simcomm
 from simcomm import DeadlockError
 
+from ..foreign_thread import ForeignThread
+
 WORLD = 4
 
 
@@ -75,21 +77,16 @@ def test_a_key_no_rank_sets_is_a_deadlock_naming_the_key():
     assert "rank 1 waits in store.wait" in message
 
 
-def test_the_store_refuses_a_helper_thread_and_adding_to_text():
+def test_the_store_refuses_a_thread_no_rank_started_and_adding_to_text():
     def program(comm):
         store = _default_store()
-        outcome: dict = {}
-
-        def helper():
-            try:
-                store.set("x", "1")
-            except BaseException as error:  # noqa: BLE001 - handed to the test
-                outcome["error"] = error
-
-        thread = threading.Thread(target=helper, name="helper")
-        thread.start()
-        thread.join(10)
+        outcome = helper.call(lambda: store.set("x", "1"))
         errors = [str(outcome.get("error"))]
+        mine: dict = {}
+        thread = threading.Thread(target=lambda: mine.update(value=store.set("y", "2") or store.get("y")))
+        thread.start()                      # a thread the rank started is the rank's
+        thread.join(10)
+        assert mine == {"value": b"2"}, mine
         store.set("text", "abc")
         try:
             store.add("text", 1)
@@ -97,7 +94,11 @@ def test_the_store_refuses_a_helper_thread_and_adding_to_text():
             errors.append(str(error))
         return errors
 
-    errors = simcomm.World(1).run(program)[0]
+    helper = ForeignThread("helper")       # started before the run: no rank's thread
+    try:
+        errors = simcomm.World(1).run(program)[0]
+    finally:
+        helper.close()
     assert "store.set from thread 'helper'" in errors[0] and "rank" in errors[0]
     assert "store.add" in errors[1] and "holds b'abc', not an integer" in errors[1]
 

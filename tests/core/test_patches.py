@@ -26,7 +26,8 @@ from simcomm.patches import LIFETIMES, PATCHES, STACK_DECISIONS, STACK_NAMING
 ROOT = Path(__file__).resolve().parents[2]
 
 #: the modules whose attributes are process-wide state
-ROOT_MODULES = ("torch", "os", "sys", "numpy", "random", "gc", "plotly", "signal", "faulthandler")
+ROOT_MODULES = ("torch", "os", "sys", "numpy", "random", "gc", "plotly", "signal", "faulthandler", "threading",
+                "time", "logging", "multiprocessing")
 #: calls that change process-wide state without an assignment
 PROCESS_CALLS = ("gc.set_threshold", "torch.set_num_threads", "signal.signal", "faulthandler.register",
                  "_set_thread_isolation_mode", "set_multithreading_enabled", "register_backend",

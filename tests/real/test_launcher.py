@@ -366,11 +366,20 @@ def _draws(comm, reseed):
 
 
 @pytest.mark.timeout(60)
-def test_every_run_draws_from_a_fresh_process_state(cluster):
-    fresh = torch.rand(3, generator=torch.Generator().manual_seed(real.worker.FRESH_PROCESS_SEED))
-    for reseed in (1, 2):
-        outs = cluster.run(_draws, reseed)
-        assert all(torch.equal(out, fresh) for out in outs), (outs, fresh)
+def test_every_run_draws_from_the_seed_virtual_ranks_start_from(cluster, monkeypatch):
+    """Rank r starts every run from torch.manual_seed(S + r), S the run seed, as virtual rank r does."""
+    from simcomm.fresh_state import DEFAULT_RUN_SEED, SEED_VARIABLE
+
+    for run_seed, variable in ((DEFAULT_RUN_SEED, None), (41, "41")):
+        if variable is None:
+            monkeypatch.delenv(SEED_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(SEED_VARIABLE, variable)
+        expected = [torch.rand(3, generator=torch.Generator().manual_seed(run_seed + rank)) for rank in range(2)]
+        for reseed in (1, 2):
+            outs = cluster.run(_draws, reseed)
+            assert all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True)), (outs, expected)
+        assert torch.equal(simcomm.World(2).run(_draws, 3)[1], expected[1])     # sim == real
 
 
 @pytest.mark.timeout(60)
@@ -428,7 +437,8 @@ def test_arguments_land_on_the_rank_device_and_cuda_starts_only_in_workers():
                     torch.ones(2), world_size=1, backend="nccl")
     assert outs[0][0] == outs[0][1] == "cuda:0"
     assert not torch.cuda.is_initialized()               # the parent never touched CUDA
-    generator = torch.Generator(device="cuda").manual_seed(real.worker.FRESH_PROCESS_SEED)
+    from simcomm.fresh_state import run_seed
+    generator = torch.Generator(device="cuda").manual_seed(run_seed())
     assert torch.equal(outs[0][2], torch.rand(2, device="cuda", generator=generator).cpu())
 
 

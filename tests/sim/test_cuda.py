@@ -322,7 +322,11 @@ def test_torch_accelerator_answers_as_a_cuda_machine_and_nccl_joins_the_world():
     assert torch.accelerator.is_available() == torch.cuda.is_available()   # torch's own again
 
 
-def test_cuda_random_state_is_per_rank_and_draws_on_cuda_use_the_worlds_generator():
+def test_cuda_random_state_is_per_rank_and_draws_on_cuda_use_the_worlds_generator(monkeypatch):
+    from simcomm.fresh_state import DEFAULT_RUN_SEED, SEED_VARIABLE
+
+    monkeypatch.delenv(SEED_VARIABLE, raising=False)
+
     def program(comm):
         initial = torch.cuda.initial_seed()
         torch.cuda.manual_seed(10 + comm.rank)
@@ -336,7 +340,7 @@ def test_cuda_random_state_is_per_rank_and_draws_on_cuda_use_the_worlds_generato
 
     expected_draw = torch.randn(3, generator=torch.Generator().manual_seed(3))
     for rank, (initial, state, seeded, draw, restored) in enumerate(simcomm.World(2, map_cuda=True).run(program)):
-        assert initial == 67280421310721           # CUDA's default generator's seed
+        assert initial == DEFAULT_RUN_SEED + rank   # the rank's own seed, as its CPU generator's
         assert torch.equal(state, torch.Generator().manual_seed(10 + rank).get_state())
         assert seeded == 3 and torch.equal(draw, expected_draw) and torch.equal(restored, state)
 

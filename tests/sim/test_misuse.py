@@ -18,6 +18,8 @@ from simcomm import RankError, RunTimeoutError
 from simcomm.errors import CommunicatorClosedError, SimcommError, WrongThreadError
 from simcomm.errors import Aborted
 
+from ..foreign_thread import ForeignThread
+
 
 def rank_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("simcomm-rank") and t.is_alive()]
@@ -89,23 +91,17 @@ def test_communicator_kept_from_a_failed_run_raises_a_public_error():
 
 # -- a communicator on a thread that is not its rank's ---------------------------------------------
 
-def test_communicator_used_from_a_helper_thread_is_a_clear_error_naming_rank_and_op():
+def test_communicator_used_from_a_thread_no_rank_started_is_a_clear_error_naming_rank_and_op():
+    helper = ForeignThread("my-helper")     # started here, before the run: no rank's thread
+
     def program(comm):
-        seen = {}
+        outcome = helper.call(lambda: comm.all_reduce(torch.ones(2)))
+        return type(outcome.get("error")).__name__
 
-        def helper():
-            try:
-                comm.all_reduce(torch.ones(2))
-            except BaseException as error:  # noqa: BLE001 - inspected below
-                seen["error"] = error
-
-        thread = threading.Thread(target=helper, name="my-helper")
-        thread.start()
-        thread.join(5)
-        assert not thread.is_alive(), "the helper thread hangs"
-        return type(seen.get("error")).__name__
-
-    outcome = call_bounded(lambda: simcomm.World(2).run(program))
+    try:
+        outcome = call_bounded(lambda: simcomm.World(2).run(program))
+    finally:
+        helper.close()
     error = outcome.get("error")
     assert isinstance(error, RankError), outcome
     assert isinstance(error.__cause__, WrongThreadError)
@@ -113,6 +109,20 @@ def test_communicator_used_from_a_helper_thread_is_a_clear_error_naming_rank_and
     assert "all_reduce on rank 0" in message and "'my-helper'" in message
     assert "must be used on its rank's thread" in message
     assert rank_threads() == []
+
+
+def test_communicator_used_from_a_thread_the_rank_started_is_the_ranks():
+    def program(comm):
+        seen = {}
+        thread = threading.Thread(target=lambda: seen.update(out=comm.all_reduce(torch.full((2,), comm.rank + 1.0))),
+                                  name="my-helper")
+        thread.start()
+        thread.join(5)
+        assert not thread.is_alive(), "the helper thread hangs"
+        return seen["out"]
+
+    outcome = call_bounded(lambda: simcomm.World(2).run(program))
+    assert [out.tolist() for out in outcome["value"]] == [[3.0, 3.0]] * 2, outcome
 
 
 def test_communicator_of_another_rank_used_on_a_rank_thread():

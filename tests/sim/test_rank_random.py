@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import simcomm
-from simcomm.fresh_state import FRESH_SEED, fresh_cpu_state
+from simcomm.fresh_state import DEFAULT_RUN_SEED, FRESH_SEED, SEED_VARIABLE, fresh_cpu_state
 
 
 def reference_draws(seed: int | None, count: int, shape=(3,)) -> list[torch.Tensor]:
@@ -52,18 +52,43 @@ def test_one_rank_seeding_and_drawing_never_changes_another_ranks_numbers():
         assert all(torch.equal(a, b) for a, b in zip(draws, expected, strict=True)), rank
 
 
-def test_every_rank_starts_every_run_from_a_fresh_generator_state():
+def test_each_rank_starts_every_run_from_a_seed_of_its_own(monkeypatch):
+    """Unseeded ranks draw different numbers, as the processes of a torchrun run do; rank r's are
+    those of one process after torch.manual_seed(S + r), S the run seed, in every run."""
+    monkeypatch.delenv(SEED_VARIABLE, raising=False)
+
     def program(comm):
         comm.barrier()
         return torch.randn(3), torch.initial_seed()
 
     world = simcomm.World(3)
-    expected = reference_draws(None, 1)[0]
     for run in range(2):   # the second run starts afresh too
-        for rank, (draw, seed) in enumerate(world.run(program)):
-            assert torch.equal(draw, expected), (run, rank)
-            assert seed == FRESH_SEED
-    assert torch.equal(fresh_cpu_state(), torch.Generator().get_state())
+        outs = world.run(program)
+        for rank, (draw, seed) in enumerate(outs):
+            assert seed == DEFAULT_RUN_SEED + rank, (run, rank)
+            assert torch.equal(draw, reference_draws(DEFAULT_RUN_SEED + rank, 1)[0]), (run, rank)
+        assert not torch.equal(outs[0][0], outs[1][0])
+    # rank 0 at the default run seed: what a generator nobody has seeded draws
+    assert torch.equal(world.run(program)[0][0], reference_draws(None, 1)[0])
+    assert torch.equal(fresh_cpu_state(), torch.Generator().get_state()) and DEFAULT_RUN_SEED == FRESH_SEED
+
+
+def test_simcomm_seed_picks_the_run_seed(monkeypatch):
+    def program(comm):
+        return torch.initial_seed(), torch.randn(2)
+
+    monkeypatch.setenv(SEED_VARIABLE, "0x10")
+    for rank, (seed, draw) in enumerate(simcomm.World(2).run(program)):
+        assert seed == 16 + rank and torch.equal(draw, reference_draws(16 + rank, 1, shape=(2,))[0])
+    monkeypatch.setenv(SEED_VARIABLE, str((1 << 64) - 1))          # wraps around for rank 1
+    assert [seed for seed, _ in simcomm.World(2).run(program)] == [(1 << 64) - 1, 0]
+    monkeypatch.setenv(SEED_VARIABLE, "random")
+    first, second = simcomm.World(2).run(program), simcomm.World(2).run(program)
+    assert first[1][0] == first[0][0] + 1 and first[0][0] != second[0][0]
+    for bad in ("twelve", "-1", str(1 << 64), "1.5"):
+        monkeypatch.setenv(SEED_VARIABLE, bad)
+        with pytest.raises(ValueError, match=f"SIMCOMM_SEED={bad!r}"):
+            simcomm.World(2).run(program)
 
 
 def test_a_run_leaves_the_callers_random_state_unchanged():
@@ -167,7 +192,7 @@ def _torch_draws(generator=None) -> list:
 
 @pytest.mark.parametrize("raw", [True, False], ids=["raw bytes", "get_state fallback"])
 def test_torch_cached_samples_and_seeds_stay_per_rank(raw, monkeypatch):
-    """Every rank but rank 1 seeds with its rank (rank 1 draws from the fresh state); each draws
+    """Every rank but rank 1 seeds with its rank (rank 1 draws from its own unseeded start); each draws
     between barriers, so a cached normal sample must survive the other ranks' draws. The oracle
     is one generator doing the same draws with nobody in between."""
     from simcomm.sim import process_state
@@ -186,9 +211,7 @@ def test_torch_cached_samples_and_seeds_stay_per_rank(raw, monkeypatch):
         return mine
 
     for rank, mine in enumerate(simcomm.World(3).run(program)):
-        generator = torch.Generator()
-        if rank != 1:
-            generator.manual_seed(rank)
+        generator = torch.Generator().manual_seed(rank if rank != 1 else DEFAULT_RUN_SEED + 1)
         expected = [draw() for _ in range(2) for draw in _torch_draws(generator)]
         assert all(torch.equal(a, b) for a, b in zip(mine, expected, strict=True)), rank
 

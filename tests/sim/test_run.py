@@ -94,8 +94,12 @@ def test_python_numpy_and_torch_random_state_are_per_rank(capsys):
         torch.set_rng_state(state[2])
 
 
-def test_unseeded_draws_start_from_the_same_fresh_state_on_every_rank():
-    from simcomm.fresh_state import NUMPY_FRESH_SEED, PYTHON_FRESH_SEED
+def test_unseeded_python_and_numpy_draws_differ_per_rank_as_between_processes(monkeypatch):
+    """Rank r draws what one process draws after random.seed(S + r) and np.random.seed((S + r) % 2**32),
+    S the run seed, in every run; the caller's streams are untouched."""
+    from simcomm.fresh_state import DEFAULT_RUN_SEED, SEED_VARIABLE
+
+    monkeypatch.delenv(SEED_VARIABLE, raising=False)
 
     def program(comm):
         comm.barrier()
@@ -103,12 +107,16 @@ def test_unseeded_draws_start_from_the_same_fresh_state_on_every_rank():
         comm.barrier()
         return first + (random.gauss(0, 1), np.random.randn())   # the cached second Gaussians
 
-    python, numpy_ = random.Random(PYTHON_FRESH_SEED), np.random.RandomState(NUMPY_FRESH_SEED)
-    expected = (python.random(), numpy_.rand(), python.gauss(0, 1), numpy_.randn(),
+    def expected(rank):
+        seed = DEFAULT_RUN_SEED + rank
+        python, numpy_ = random.Random(seed), np.random.RandomState(seed & 0xFFFF_FFFF)
+        return (python.random(), numpy_.rand(), python.gauss(0, 1), numpy_.randn(),
                 python.gauss(0, 1), numpy_.randn())
+
     caller = random.random(), np.random.rand()
     for outs in (simcomm.World(3).run(program), simcomm.World(2).run(program)):
-        assert all(out == expected for out in outs), outs
+        assert outs == [expected(rank) for rank in range(len(outs))], outs
+        assert outs[0][0] != outs[1][0] and outs[0][1] != outs[1][1]
     random.seed(5)
     np.random.seed(5)
     before = random.random(), np.random.rand()

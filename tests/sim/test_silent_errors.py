@@ -9,6 +9,8 @@ import torch
 import simcomm
 from simcomm import RankError
 
+from ..foreign_thread import ForeignThread
+
 
 def _complex_max(comm):
     return comm.all_reduce(torch.ones(2, dtype=torch.complex64), "max")
@@ -59,23 +61,16 @@ def test_a_handle_waited_on_from_a_helper_thread_fails_the_run_with_wrong_thread
 
     def program(comm):
         handle = comm.all_reduce(torch.ones(2), async_op=True)
-        seen = {}
-
-        def helper():
-            try:
-                handle.wait()
-            except BaseException as error:  # noqa: BLE001 - inspected below
-                seen["error"] = error
-
-        thread = threading.Thread(target=helper, name="my-helper")
-        thread.start()
-        thread.join(5)
-        assert not thread.is_alive(), "the helper thread hangs"
+        seen = helper.call(handle.wait)
         assert isinstance(seen.get("error"), WrongThreadError), seen
         return handle.wait()
 
-    with pytest.raises(RankError) as caught:
-        simcomm.World(2).run(program)
+    helper = ForeignThread("my-helper")     # started before the run: no rank's thread
+    try:
+        with pytest.raises(RankError) as caught:
+            simcomm.World(2).run(program)
+    finally:
+        helper.close()
     assert isinstance(caught.value.__cause__, WrongThreadError), repr(caught.value.__cause__)
     message = str(caught.value.__cause__)
     assert "wait() on the handle of all_reduce" in message and "'my-helper'" in message and "rank 0" in message
