@@ -248,9 +248,14 @@ def test_each_end_gives_torchruns_status_and_names_rank_1s_exit_code_both_ways(t
     for launcher in ("sim", "torchrun"):
         folder = tmp_path / launcher
         folder.mkdir()
-        done = _launch(launcher, ["--nproc-per-node", "2", str(PEER_FAILS), "--how", how, "--out", str(folder)],
-                       tmp_path)
-        text = done.stdout + done.stderr
+        for _attempt in range(2 if launcher == "torchrun" else 1):
+            done = _launch(launcher, ["--nproc-per-node", "2", str(PEER_FAILS), "--how", how, "--out", str(folder)],
+                           tmp_path)
+            text = done.stdout + done.stderr
+            # the reference side: torchrun's agent stops rank 0 when it sees rank 1's end, which on a
+            # loaded machine can come before rank 0's step-2 line (a race of the agent, rerun once)
+            if "step 2 local 20.0" in text:
+                break
         assert done.returncode == 1, (launcher, text[-3000:])
         if launcher == "torchrun":
             # gloo's threads sometimes abort a raising process in its teardown (SIGABRT, -6)
