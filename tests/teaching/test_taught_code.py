@@ -230,3 +230,52 @@ def test_lesson08_pipeline_step_is_the_library_step(stages, name):
             assert (g["loss"] is None) == (w["loss"] is None) and (g["loss"] is None or torch.equal(g["loss"], w["loss"]))
         assert _point_to_point(a.trace) == _point_to_point(b.trace)
         assert [e.op for e in a.trace.events if e.op == "compute"] == [e.op for e in b.trace.events if e.op == "compute"]
+
+
+# -- lesson 09: ring attention ------------------------------------------------------------------------
+
+def _lesson09_ring_attention():
+    from simcomm import P2POp
+    from simcomm.parallel.context import block_attention, chunk_ids, lse_merge
+    from simcomm.trace import backward_phase
+    import math
+    return taught("09", "ring_attention", "send_to_next", "received", "pairs", "block_flops", "ring_forward",
+                  "block_grads", "ring_backward", "RingAttention", P2POp=P2POp, block_attention=block_attention,
+                  chunk_ids=chunk_ids, lse_merge=lse_merge, backward_phase=backward_phase, math=math)
+
+
+def _ring_attention_program(comm, attend, q, k, v, weights, causal, layout):
+    from simcomm.parallel.context import shard_sequence
+    q, k, v = (shard_sequence(t, comm.rank, comm.world_size, layout).requires_grad_() for t in (q, k, v))
+    kept = [t.detach().clone() for t in (q, k, v)]
+    out = attend(comm, q, k, v, causal=causal, layout=layout)
+    assert all(torch.equal(t.detach(), c) for t, c in zip((q, k, v), kept)), "the ring modified its input"
+    (out * shard_sequence(weights, comm.rank, comm.world_size, layout)).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _events(trace):
+    return [(e.rank, e.op, e.nbytes, e.phase, e.args.get("flops")) for e in trace.events]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lesson09_ring_attention_is_the_library_ring(world_size, layout, causal):
+    from simcomm.parallel.context import ring_attention, unshard_sequence
+    from simcomm.parallel.sequence import attention, make_qkv
+    lesson = _lesson09_ring_attention()
+    for seed, heads in ((0, 2), (1, 3)):
+        q, k, v = make_qkv(2, 4 * world_size, heads, 4, seed=seed)
+        weights = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 5))
+        a, b = World(world_size), World(world_size)
+        got = a.run(_ring_attention_program, lesson, q, k, v, weights, causal, layout)
+        want = b.run(_ring_attention_program, ring_attention, q, k, v, weights, causal, layout)
+        for g, w in zip(got, want):
+            assert all(torch.equal(x, y) for x, y in zip(g, w))
+        assert _events(a.trace) == _events(b.trace)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = attention(*ref, causal=causal)
+        (ref_out * weights).sum().backward()
+        for index, expected in enumerate([ref_out.detach()] + [t.grad for t in ref]):
+            assert (unshard_sequence([o[index] for o in got], layout) - expected).abs().max() < 1e-12
