@@ -26,14 +26,16 @@ import torch.nn.functional as F
 
 from ..errors import DeadlockError, RankError, RunTimeoutError, SimcommError
 from ..parallel.context import block_attention, chunk_ids
-from ..parallel.expert import keep_mask, switch_aux_loss
+from ..parallel.expert import keep_mask, rows_per_rank, switch_aux_loss
 from ..planning.planner import fastest_fitting
 from ..parallel.mesh import Layout
 from ..sim.world import World
+from .verdicts import helper_verdict as _helper_verdict
 from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import NOT_ANSWERED, as_number, attempt, is_correct, is_placeholder
 from .verdicts import not_yet as _not_yet
+from .verdicts import uses_helper as _uses_helper
 
 __all__ = ["NOT_ANSWERED", "is_correct", "check_lse_merge", "check_zigzag_chunks", "check_split_sizes",
            "check_dropped", "check_aux_loss", "check_neighbour_exchange", "check_sp_layernorm", "check_mesh_coords",
@@ -178,6 +180,9 @@ def check_split_sizes(split_sizes: Callable) -> str:
     (``input_split_sizes``), experts sharded in contiguous blocks of ``E/P``."""
     if is_placeholder(split_sizes):
         return NOT_ANSWERED
+    helper = _uses_helper(split_sizes, rows_per_rank)
+    if helper is not None:
+        return _helper_verdict(helper, "the rows for each rank")
     for experts, num_experts, world_size in _routings():
         result, verdict = _call(split_sizes, experts.clone(), num_experts, world_size)
         if verdict:

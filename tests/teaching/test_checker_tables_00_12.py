@@ -185,3 +185,16 @@ def test_lesson08_refuses_the_library_schedule():
     from simcomm.parallel import pipeline as pp
     verdict = check08.check_1f1b(lambda s, p, m: pp.schedule("1f1b", p, m)[s])
     assert "pipeline.schedule is the lesson's own answer" in verdict
+
+
+def test_lesson10_refuses_the_library_rows_per_rank_and_accepts_the_counts_written_out():
+    from simcomm.parallel import expert as ep
+
+    def with_the_helper(experts, num_experts, world_size):
+        return ep.rows_per_rank(torch.bincount(experts.flatten(), minlength=num_experts), world_size)
+
+    def written_out(experts, num_experts, world_size):
+        per_expert = torch.bincount(experts.flatten(), minlength=num_experts)
+        return per_expert.view(world_size, -1).sum(1).tolist()
+    assert "expert.rows_per_rank is the lesson's own answer" in lesson_10.check_split_sizes(with_the_helper)
+    assert kind(lesson_10.check_split_sizes(written_out)) == "correct"

@@ -279,3 +279,62 @@ def test_lesson09_ring_attention_is_the_library_ring(world_size, layout, causal)
         (ref_out * weights).sum().backward()
         for index, expected in enumerate([ref_out.detach()] + [t.grad for t in ref]):
             assert (unshard_sequence([o[index] for o in got], layout) - expected).abs().max() < 1e-12
+
+
+# -- lesson 10: MoE dispatch and combine --------------------------------------------------------------
+
+def test_lesson10_route_is_the_library_route():
+    from simcomm.parallel import expert as ep
+    route = taught("10", "route")
+    params = ep.make_moe(8, 16, 8, seed=0)
+    x = torch.randn(12, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for top_k in (1, 2, 8):
+        got, want = route(x, params["router"], params["bias"], top_k), ep.route(x, params["router"], params["bias"], top_k)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _lesson10_layer():
+    from simcomm.parallel import expert as ep
+    names = ("capacity", "expert", "keep_mask", "rows_per_rank", "shared_output", "tokens_per_expert")
+    return taught("10", "expert_parallel_moe", "route", "run_experts", **{n: getattr(ep, n) for n in names})
+
+
+def _moe_program(comm, layer, x, probe, params, top_k, factor):
+    from simcomm.parallel.expert import shard_experts
+    tokens = x.shape[0] // comm.world_size
+    mine = slice(comm.rank * tokens, (comm.rank + 1) * tokens)
+    xr = x[mine].clone().requires_grad_()
+    shards = shard_experts(params, comm.rank, comm.world_size)
+    kept = {name: p.detach().clone() for name, p in shards.items()}
+    out, stats = layer(comm, xr, shards, top_k, capacity_factor=factor)
+    assert torch.equal(xr.detach(), x[mine]) and all(torch.equal(shards[n].detach(), kept[n]) for n in kept)
+    (out * probe[mine]).sum().backward()
+    return out.detach(), xr.grad, {name: p.grad for name, p in shards.items()}, stats
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("factor", [None, 1.25, 0.5])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_lesson10_expert_parallel_moe_is_the_library_layer(world_size, factor, shared):
+    from simcomm.parallel import expert as ep
+    layer = _lesson10_layer()
+    for seed, top_k, bias in ((0, 2, 0.0), (1, 1, 0.0), (2, 3, 3.0)):
+        params = ep.make_moe(6, 10, 8, seed=seed, shared_experts=shared)
+        params["bias"][0] = bias                                   # a skewed router: a rank receives most
+        gen = torch.Generator().manual_seed(seed + 7)
+        x, probe = (torch.randn(world_size * 6, 6, dtype=torch.float64, generator=gen) for _ in range(2))
+        a, b = World(world_size), World(world_size)
+        got = a.run(_moe_program, layer, x, probe, params, top_k, factor)
+        want = b.run(_moe_program, ep.expert_parallel_moe, x, probe, params, top_k, factor)
+        for (out, xg, grads, stats), (out2, xg2, grads2, stats2) in zip(got, want):
+            assert torch.equal(out, out2) and torch.equal(xg, xg2) and stats == stats2
+            assert grads.keys() == grads2.keys() and all(torch.equal(grads[k], grads2[k]) for k in grads)
+        assert _events(a.trace) == _events(b.trace)
+        assert [(e.args, e.sent) for e in a.trace.events] == [(e.args, e.sent) for e in b.trace.events]   # the splits
+        leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+        xr = x.clone().requires_grad_()
+        ref = ep.moe(xr, leaves, top_k, capacity_factor=factor, groups=world_size)
+        (ref * probe).sum().backward()
+        assert (torch.cat([g[0] for g in got]) - ref.detach()).abs().max() < 1e-12
+        assert (torch.cat([g[1] for g in got]) - xr.grad).abs().max() < 1e-12
+        assert (sum(g[2]["router"] for g in got) - leaves["router"].grad).abs().max() < 1e-12
