@@ -289,7 +289,8 @@ def test_lesson10_route_is_the_library_route():
     params = ep.make_moe(8, 16, 8, seed=0)
     x = torch.randn(12, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for top_k in (1, 2, 8):
-        got, want = route(x, params["router"], params["bias"], top_k), ep.route(x, params["router"], params["bias"], top_k)
+        args = (x, params["router"], params["bias"], top_k)
+        got, want = route(*args), ep.route(*args)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
@@ -338,3 +339,43 @@ def test_lesson10_expert_parallel_moe_is_the_library_layer(world_size, factor, s
         assert (torch.cat([g[0] for g in got]) - ref.detach()).abs().max() < 1e-12
         assert (torch.cat([g[1] for g in got]) - xr.grad).abs().max() < 1e-12
         assert (sum(g[2]["router"] for g in got) - leaves["router"].grad).abs().max() < 1e-12
+
+
+# -- lesson 12: the 3-D step ----------------------------------------------------------------------------
+
+def _lesson12_step():
+    import math
+    import torch.nn.functional as F
+    from simcomm import memory
+    from simcomm.models.transformer import SHARDING, shard_block
+    return taught("12", "block_step", "heads_attention", "sharded_attention", "sharded_mlp", "run_stages", "sync",
+                  "sync_grads", math=math, F=F, memory=memory, SHARDING=SHARDING, shard_block=shard_block)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_lesson12_block_step_is_the_library_step(world_size):
+    from simcomm.models import transformer as tf
+    step = _lesson12_step()
+    batch, seq, hidden, ffn, heads = 4, 8, 16, 32, 4
+    params = tf.make_block(hidden, ffn, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x, weights = (torch.randn(batch, seq, hidden, dtype=torch.float64, generator=gen) for _ in range(2))
+    leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+    reference = tf.loss(x, weights, leaves, heads)
+    reference.backward()
+    layouts = [layout for layout in tf.layouts(world_size) if layout.tp <= 4 and layout.dp <= batch]
+    assert len(layouts) >= min(world_size, 3)
+    for layout in layouts:
+        a, b = World(world_size, memory=True), World(world_size, memory=True)
+        got = a.run(step, x, weights, params, heads, layout)
+        want = b.run(tf.block_step, x, weights, params, heads, layout)
+        for g, w in zip(got, want):
+            assert g["coords"] == w["coords"] and torch.equal(g["loss"], w["loss"])
+            assert g["grads"].keys() == w["grads"].keys()
+            assert all(torch.equal(g["grads"][k], w["grads"][k]) for k in g["grads"])
+        assert _events(a.trace) == _events(b.trace), layout
+        assert [e.group for e in a.trace.events] == [e.group for e in b.trace.events]
+        assert [r.peak_bytes for r in a.memory.ranks] == [r.peak_bytes for r in b.memory.ranks], layout
+        assert (sum(g["loss"] for g in got) - reference).abs() < 1e-9
+        grads = tf.assemble_grads(got, layout)
+        assert all((grads[k] - leaves[k].grad).abs().max() < 1e-9 for k in grads)
