@@ -379,3 +379,53 @@ def test_lesson12_block_step_is_the_library_step(world_size):
         assert (sum(g["loss"] for g in got) - reference).abs() < 1e-9
         grads = tf.assemble_grads(got, layout)
         assert all((grads[k] - leaves[k].grad).abs().max() < 1e-9 for k in grads)
+
+
+# -- lesson 14: the 4-D training -------------------------------------------------------------------------
+
+def _lesson14_train():
+    from simcomm.models import llama, llama_pipeline, llama_training as lt
+    from simcomm.parallel import llama_fsdp
+    return taught("14", "train", "mesh_groups", "stage_leaves", "train_step", llama=llama,
+                  llama_pipeline=llama_pipeline, lt=lt, llama_fsdp=llama_fsdp)
+
+
+def _compare_llama_training(layout, steps, tmp_path=None):
+    from simcomm.models import llama, llama_training as lt
+    train = _lesson14_train()
+    config = llama.Config()
+    data, params = lt.corpus(config, sequences=16, length=9), llama.init_params(config)
+    saves = (tmp_path / "a", tmp_path / "b") if tmp_path else (None, None)    # equal lengths: equal bytes
+    a, b = World(layout.world_size), World(layout.world_size)
+    got = a.run(train, data, params, config, layout=layout, steps=steps, global_batch=4,
+                save=saves[0] and str(saves[0]))
+    want = b.run(lt.train, data, params, config, layout=layout, steps=steps, global_batch=4,
+                 save=saves[1] and str(saves[1]))
+    for g, w in zip(got, want):
+        assert torch.equal(g["losses"], w["losses"]) and g["coords"] == w["coords"] and g["held"] == w["held"]
+        assert g["shards"].keys() == w["shards"].keys()
+        assert all(torch.equal(g["shards"][k], w["shards"][k]) for k in g["shards"])
+    assert ops(a.trace) == ops(b.trace)
+    assert [e.group for e in a.trace.events] == [e.group for e in b.trace.events]
+    reference = lt.reference_losses(data, params, config, dp=layout.dp, steps=steps, global_batch=4)
+    assert (got[0]["losses"] - reference).abs().max() < 1e-10
+    return saves, data, params, config
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2), dict(dp_shard=2, tp=2), dict(pp=2, cp=2),
+                                   dict(pp=2, dp_replicate=2, dp_shard=2), dict(pp=2, dp_shard=2, cp=2, tp=2)])
+def test_lesson14_train_is_the_library_training(sizes):
+    from simcomm.parallel.mesh import Layout
+    _compare_llama_training(Layout(**sizes), steps=2)
+
+
+def test_lesson14_checkpoint_resumes_as_the_library_one(tmp_path):
+    from simcomm.models import llama_training as lt
+    from simcomm.parallel.mesh import Layout
+    (mine, theirs), data, params, config = _compare_llama_training(Layout(pp=2, dp_shard=2, tp=2), 2, tmp_path)
+    resume = Layout(dp_replicate=2, tp=2)
+    runs = [World(4).run(lt.train, data, params, config, layout=resume, steps=2, global_batch=4, load=str(path),
+                         first_step=2) for path in (mine, theirs)]
+    assert all(torch.equal(g["losses"], w["losses"]) for g, w in zip(*runs))
+    reference = lt.reference_losses(data, params, config, dp=2, steps=4, global_batch=4)
+    assert (runs[0][0]["losses"] - reference[2:]).abs().max() < 1e-10
