@@ -211,6 +211,9 @@ def check_dropped(dropped: Callable) -> str:
     (the first ``capacity`` in token order are kept)."""
     if is_placeholder(dropped):
         return NOT_ANSWERED
+    helper = _uses_helper(dropped, keep_mask)
+    if helper is not None:
+        return _helper_verdict(helper, "which copies each expert keeps")
     for experts, num_experts, _ in _routings():
         for limit in (0, 1, 2, 5):
             result, verdict = _call(dropped, experts.clone(), num_experts, limit)

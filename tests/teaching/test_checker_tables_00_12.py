@@ -198,3 +198,15 @@ def test_lesson10_refuses_the_library_rows_per_rank_and_accepts_the_counts_writt
         return per_expert.view(world_size, -1).sum(1).tolist()
     assert "expert.rows_per_rank is the lesson's own answer" in lesson_10.check_split_sizes(with_the_helper)
     assert kind(lesson_10.check_split_sizes(written_out)) == "correct"
+
+
+def test_lesson10_refuses_the_library_keep_mask_as_the_dropped_count():
+    from simcomm.parallel import expert as ep
+
+    def with_the_helper(experts, num_experts, capacity):
+        return int((~ep.keep_mask(experts, num_experts, capacity)).sum())
+
+    def written_out(experts, num_experts, capacity):
+        return sum(max(0, int((experts == e).sum()) - capacity) for e in range(num_experts))
+    assert "expert.keep_mask is the lesson's own answer" in lesson_10.check_dropped(with_the_helper)
+    assert kind(lesson_10.check_dropped(written_out)) == "correct"
