@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DeadlockError, RankError, RunTimeoutError, SimcommError
-from ..parallel.context import block_attention, chunk_ids
+from ..parallel.context import block_attention, chunk_ids, lse_merge, shard_sequence
 from ..parallel.expert import keep_mask, rows_per_rank, switch_aux_loss
 from ..planning.planner import fastest_fitting
 from ..parallel.mesh import Layout
@@ -81,6 +81,9 @@ def check_lse_merge(merge: Callable) -> str:
         return NOT_ANSWERED
     if not callable(merge):
         return _not_yet("merge must be a function merge(out1, lse1, out2, lse2) returning (out, lse)")
+    helper = lse_merge if merge is lse_merge else _uses_helper(merge, lse_merge)
+    if helper is not None:
+        return _helper_verdict(helper, "the merge")
     cases = 0
     for seed, split in ((0, 2), (1, 5), (2, 1)):
         (out1, lse1), (out2, lse2), (out, lse) = _blocks(seed, split)
@@ -139,6 +142,9 @@ def check_zigzag_chunks(chunks: Callable) -> str:
     """``chunks(rank, world_size) -> [i, j]``: the two of the ``2P`` chunks rank holds in zig-zag sharding."""
     if is_placeholder(chunks):
         return NOT_ANSWERED
+    helper = chunk_ids if chunks is chunk_ids else _uses_helper(chunks, chunk_ids, shard_sequence)
+    if helper is not None:
+        return _helper_verdict(helper, "the chunks of each rank")
     for world_size in (1, 2, 3, 4, 8):
         held = []
         for rank in range(world_size):

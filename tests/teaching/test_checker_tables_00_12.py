@@ -210,3 +210,22 @@ def test_lesson10_refuses_the_library_keep_mask_as_the_dropped_count():
         return sum(max(0, int((experts == e).sum()) - capacity) for e in range(num_experts))
     assert "expert.keep_mask is the lesson's own answer" in lesson_10.check_dropped(with_the_helper)
     assert kind(lesson_10.check_dropped(written_out)) == "correct"
+
+
+def test_lesson09_refuses_the_library_merge_and_chunks_the_lesson_imports():
+    from simcomm.parallel import context
+
+    def merged_by_the_library(out1, lse1, out2, lse2):
+        return context.lse_merge(out1, lse1, out2, lse2)
+
+    def chunks_of_the_library(rank, world_size):
+        return context.chunk_ids(rank, world_size, "zigzag")
+    for merge in (context.lse_merge, merged_by_the_library):
+        assert "context.lse_merge is the lesson's own answer" in lesson_09.check_lse_merge(merge)
+    assert "context.chunk_ids is the lesson's own answer" in lesson_09.check_zigzag_chunks(chunks_of_the_library)
+
+    def merged_written_out(out1, lse1, out2, lse2):
+        lse = torch.logaddexp(lse1, lse2)
+        return out1 * (lse1 - lse).exp()[..., None] + out2 * (lse2 - lse).exp()[..., None], lse
+    assert kind(lesson_09.check_lse_merge(merged_written_out)) == "correct"
+    assert kind(lesson_09.check_zigzag_chunks(lambda rank, p: (2 * p - 1 - rank, rank))) == "correct"
