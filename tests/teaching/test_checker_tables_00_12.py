@@ -229,3 +229,11 @@ def test_lesson09_refuses_the_library_merge_and_chunks_the_lesson_imports():
         return out1 * (lse1 - lse).exp()[..., None] + out2 * (lse2 - lse).exp()[..., None], lse
     assert kind(lesson_09.check_lse_merge(merged_written_out)) == "correct"
     assert kind(lesson_09.check_zigzag_chunks(lambda rank, p: (2 * p - 1 - rank, rank))) == "correct"
+
+
+def test_lesson12_refuses_the_coordinates_of_the_library_layout():
+    from simcomm.parallel.mesh import Layout
+    verdict = lesson_12.check_mesh_coords(lambda rank, *, pp, dp, tp: Layout(pp=pp, dp=dp, tp=tp).coordinates(rank))
+    assert kind(verdict) == "not yet" and "Layout computes the coordinates" in verdict
+    assert kind(lesson_12.check_mesh_coords(lambda rank, *, pp, dp, tp: (rank // (dp * tp), rank // tp % dp,
+                                                                         rank % tp))) == "correct"
