@@ -211,13 +211,11 @@ print(check.check_shapes(my_shapes, world_size=4, shape=(4, 8), args=calls))
 # %% expect=["Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again.", "Not answered yet: replace the ... (or the NotImplementedError) above, then run this cell again."]
 my_reduce_scatter_max_rank_3 = ...
 my_all_reduce_min_rank_1 = ...
-print(check.check_prediction(my_reduce_scatter_max_rank_3,
-                               world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
-                               "reduce_scatter(op=MAX) on rank 3",
-                               hint="first the element-wise maximum over ranks, then rank r keeps chunk r"))
-print(check.check_prediction(my_all_reduce_min_rank_1,
-                               world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
-                               "all_reduce(op=MIN) on rank 1", hint="compare the ranks element by element"))
+print(check.check_prediction(my_reduce_scatter_max_rank_3, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX},
+                             rank=3, what="reduce_scatter(op=MAX) on rank 3",
+                             hint="first the element-wise maximum over ranks, then rank r keeps chunk r"))
+print(check.check_prediction(my_all_reduce_min_rank_1, "all_reduce", {"op": ReduceOp.MIN}, rank=1,
+                             what="all_reduce(op=MIN) on rank 1", hint="compare the ranks element by element"))
 
 # %% [markdown] expect=["Correct: reduce_scatter(op=MAX) on rank 3 is [33].", "Correct: all_reduce(op=MIN) on rank 1 is [0, 1, 2, 3]."] tags=["solution"]
 # <details><summary>Solution of exercise 2 (open it once you have tried)</summary>
@@ -225,12 +223,11 @@ print(check.check_prediction(my_all_reduce_min_rank_1,
 # ```python
 # # Solution of exercise 2.
 # # chunk 3 of the element-wise maximum: element 3, largest on the last rank
-# print(check.check_prediction([10 * (world_size - 1) + 3],
-#                                world.run(apply, "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX})[3],
-#                                "reduce_scatter(op=MAX) on rank 3"))
+# print(check.check_prediction([10 * (world_size - 1) + 3], "reduce_scatter", {"dim": 0, "op": ReduceOp.MAX},
+#                              rank=3, what="reduce_scatter(op=MAX) on rank 3"))
 # # the element-wise minimum is rank 0's tensor, on every rank
-# print(check.check_prediction([0, 1, 2, 3], world.run(apply, "all_reduce", {"op": ReduceOp.MIN})[1],
-#                                "all_reduce(op=MIN) on rank 1"))
+# print(check.check_prediction([0, 1, 2, 3], "all_reduce", {"op": ReduceOp.MIN}, rank=1,
+#                              what="all_reduce(op=MIN) on rank 1"))
 # ```
 #
 # </details>

@@ -26,14 +26,16 @@
 # keys and values instead, one block per step.
 
 # %%
+import math
 import torch
 import simcomm
+from simcomm import P2POp, viz
 from simcomm.model import cost
+from simcomm.trace import backward_phase
 import simcomm.lessons.lesson_09 as check
-from simcomm import viz
 from simcomm.viz import scaling as figures
 from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
-from simcomm.parallel.context import (all_gather_kv_attention, block_attention, lse_merge, ring_attention, shard_sequence, unshard_sequence)
+from simcomm.parallel.context import (all_gather_kv_attention, block_attention, chunk_ids, lse_merge, shard_sequence, unshard_sequence)
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, seq, heads, head_dim = 4, 1, 16, 2, 4
@@ -67,9 +69,142 @@ print(check.assert_close(out, attention(q, k, v), "four blocks, one at a time"))
 #
 # Rank `r` holds tokens `4r .. 4r+3` of q, k and v. At step `t` it attends its queries to the
 # K/V block of rank `r - t`, while `batch_isend_irecv` already passes that block on to rank
-# `r + 1`. After `P` steps it has seen every block. The backward pass runs the ring again:
-# each K/V block travels with the dK/dV accumulated for it so far, every rank adds its queries'
-# share, and one last hop brings each dK/dV home. Outputs and all gradients equal one device:
+# `r + 1`. After `P` steps it has seen every block.
+#
+# A rank's shard is one chunk of the sequence (`layout="contiguous"`) or two (`"zigzag"`, section 3);
+# `chunk_ids(rank, P, layout)` says which. `pairs` lists the (query chunk, key chunk) pairs that
+# have anything to compute: under a causal mask a key chunk after the query chunk is all masked,
+# and the chunk on the diagonal needs the triangular mask. `send_to_next` issues the transfer
+# and returns at once; `received` waits for it.
+
+# %%
+def send_to_next(comm, tensor):
+    """Issue: send tensor to rank + 1, receive one like it from rank - 1. Returns the handles."""
+    nxt, prev = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+    return comm.batch_isend_irecv([P2POp("isend", tensor, nxt),
+                                   P2POp("irecv", (tuple(tensor.shape), tensor.dtype), prev)])
+
+def received(handles):
+    handles[0].wait()                 # our send is done
+    return handles[1].wait()          # the previous rank's block
+
+def pairs(q_ids, k_ids, causal):
+    """(query slot, key slot, diagonal) for every chunk pair with unmasked scores."""
+    return [(qi, ki, causal and k == q) for qi, q in enumerate(q_ids) for ki, k in enumerate(k_ids)
+            if not (causal and k > q)]
+
+def block_flops(q, k_len):
+    b, sq, h, d = q.shape
+    return 4.0 * b * h * sq * k_len * d          # two matmuls of 2 * sq * sk * d, per head
+
+# %% [markdown]
+# The forward ring. `kv` is the K/V block in hand; the next transfer is issued *before* the
+# block is computed, so it runs during the compute, and waited for after. Each block's partial
+# result joins the running one by `lse_merge` (section 1):
+
+# %%
+def ring_forward(comm, q, k, v, causal, layout):
+    P, rank = comm.world_size, comm.rank
+    q_ids = chunk_ids(rank, P, layout)
+    q_parts = q.chunk(len(q_ids), dim=1)                                  # (b, c, h, d) each
+    out = [torch.zeros_like(part) for part in q_parts]
+    lse = [torch.full(part.shape[:3], float("-inf"), dtype=q.dtype) for part in q_parts]   # nothing seen
+    kv = torch.stack([k, v])                                              # (2, b, s/P, h, d)
+    for step in range(P):
+        pending = send_to_next(comm, kv) if step < P - 1 else None        # pass the block on, now
+        k_ids = chunk_ids((rank - step) % P, P, layout)                   # whose block this is
+        k_parts, v_parts = kv[0].chunk(len(k_ids), dim=1), kv[1].chunk(len(k_ids), dim=1)
+        flops = 0.0
+        for qi, ki, diagonal in pairs(q_ids, k_ids, causal):
+            block_out, block_lse = block_attention(q_parts[qi], k_parts[ki], v_parts[ki], diagonal=diagonal)
+            out[qi], lse[qi] = lse_merge(out[qi], lse[qi], block_out, block_lse)
+            flops += block_flops(q_parts[qi], k_parts[ki].shape[1])
+        if flops:
+            comm.compute(flops=flops)                                     # the work, for the trace
+        if pending is not None:
+            kv = received(pending)
+    return torch.cat(out, dim=1), torch.cat(lse, dim=1)                   # (b, s/P, h, d), (b, s/P, h)
+
+# %% [markdown]
+# Backward. One block's gradients need only the block, the queries' *final* output and
+# log-sum-exp, and `dout`: the softmax probabilities are `exp(score - lse)` with the final `lse`,
+# so no block has to wait for another (the FlashAttention backward):
+
+# %%
+def block_grads(q, k, v, out, lse, dout, diagonal):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale                # (b, h, sq, sk)
+    if diagonal:
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.exp(scores - lse.transpose(1, 2).unsqueeze(-1))          # softmax over all keys
+    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout)
+    dprobs = torch.einsum("bqhd,bkhd->bhqk", dout, v)
+    delta = (dout * out).sum(-1).transpose(1, 2).unsqueeze(-1)             # (b, h, sq, 1)
+    dscores = probs * (dprobs - delta) * scale
+    return (torch.einsum("bhqk,bkhd->bqhd", dscores, k), torch.einsum("bhqk,bqhd->bkhd", dscores, q), dv)
+
+# %% [markdown]
+# The backward ring: K and V travel again, now with their dK and dV (zeros at the start, 4
+# tensors in one message). Every rank adds its queries' share to the block in hand before
+# passing it on; after `P` steps a rank holds the finished dK/dV of rank `r + 1`'s block, and one
+# more hop brings it home. dQ never leaves its rank:
+
+# %%
+def ring_backward(comm, q, k, v, out, lse, dout, causal, layout):
+    P, rank = comm.world_size, comm.rank
+    q_ids = chunk_ids(rank, P, layout)
+    n = len(q_ids)                                                        # chunks per shard
+    q_parts, out_parts, lse_parts, dout_parts = (t.chunk(n, dim=1) for t in (q, out, lse, dout))
+    dq = [torch.zeros_like(part) for part in q_parts]
+    travelling = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])   # k, v, dk, dv
+    for step in range(P):
+        k_ids = chunk_ids((rank - step) % P, P, layout)
+        k_parts, v_parts = travelling[0].chunk(n, dim=1), travelling[1].chunk(n, dim=1)
+        dk, dv, flops = [torch.zeros_like(p) for p in k_parts], [torch.zeros_like(p) for p in v_parts], 0.0
+        for qi, ki, diagonal in pairs(q_ids, k_ids, causal):
+            gq, gk, gv = block_grads(q_parts[qi], k_parts[ki], v_parts[ki], out_parts[qi], lse_parts[qi],
+                                     dout_parts[qi], diagonal)
+            dq[qi], dk[ki], dv[ki] = dq[qi] + gq, dk[ki] + gk, dv[ki] + gv
+            flops += 2 * block_flops(q_parts[qi], k_parts[ki].shape[1])
+        travelling = torch.cat([travelling[:2], travelling[2:] + torch.stack([torch.cat(dk, 1), torch.cat(dv, 1)])])
+        if flops:
+            comm.compute(flops=flops)
+        if step < P - 1:
+            travelling = received(send_to_next(comm, travelling))         # k, v, dk, dv move on
+    grads = travelling[2:]                        # the dK/dV of rank + 1's block: one hop home
+    if P > 1:
+        grads = received(send_to_next(comm, grads.contiguous()))
+    return torch.cat(dq, dim=1), grads[0], grads[1]
+
+# %% [markdown]
+# An autograd function joins the two rings, so that `.backward()` runs the second. Its backward
+# runs in `backward_phase()`, which labels the trace's events "backward":
+
+# %%
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, causal, layout, q, k, v):
+        out, lse = ring_forward(comm, q, k, v, causal, layout)
+        ctx.comm, ctx.causal, ctx.layout = comm, causal, layout
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        with backward_phase():
+            dq, dk, dv = ring_backward(ctx.comm, q, k, v, out, lse, dout.contiguous(), ctx.causal, ctx.layout)
+        return None, None, None, dq, dk, dv
+
+def ring_attention(comm, q, k, v, *, causal=False, layout="contiguous"):
+    """This rank's shard (b, s/P, h, d) of exact attention over the whole sequence."""
+    return RingAttention.apply(comm, causal, layout, q, k, v)
+
+# %% [markdown]
+# Outputs and all gradients equal one device. (The library keeps the same function,
+# `simcomm.parallel.context.ring_attention`, which later lessons import; a test checks that the
+# two agree: outputs, gradients and the collectives they call.)
 
 # %% expect=["causal=False output: matches the reference", "causal=False q.grad: matches the reference", "causal=False k.grad: matches the reference", "causal=False v.grad: matches the reference", "causal=True output: matches the reference", "causal=True q.grad: matches the reference", "causal=True k.grad: matches the reference", "causal=True v.grad: matches the reference"]
 weights = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -38,8 +38,9 @@ import simcomm
 from simcomm.model import cost
 import simcomm.lessons.lesson_10 as check
 from simcomm.viz import scaling as figures
-from simcomm.parallel.expert import (capacity, expert_parallel_moe, load_balancing_loss, load_imbalance, make_moe,
-                                     moe, route, shard_experts, train_router, train_router_reference)
+from simcomm.parallel.expert import (capacity, expert, keep_mask, load_balancing_loss, load_imbalance, make_moe,
+                                     moe, rows_per_rank, shard_experts, shared_output, tokens_per_expert,
+                                     train_router, train_router_reference)
 from simcomm.viz import use_export_renderer
 use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
@@ -51,6 +52,17 @@ x = torch.randn(world_size * tokens, hidden, dtype=torch.float64, generator=torc
 # %% [markdown]
 # ## 1. Routing: which expert gets which token
 #
+# The router is one linear layer, `(E, hidden)`, and a bias: a softmax over its `E` logits gives
+# each token a probability per expert; the token goes to the `k` most probable, and those
+# probabilities are its gates:
+
+# %%
+def route(x, router, bias, top_k):
+    """(gates (T, k), experts (T, k)): each token's top-k router probabilities and expert ids."""
+    probs = torch.softmax(x @ router.T + bias, dim=-1)          # (T, E)
+    return probs.topk(top_k, dim=-1)
+
+# %% [markdown]
 # Rank 0's first tokens each choose 2 of the 8 experts. Experts `2r` and `2r + 1` live on rank `r`:
 
 # %% expect=["token 0: experts [7, 4]", "token 1: experts [6, 4]", "token 2: experts [1, 0]", "token 3: experts [6, 7]"]
@@ -61,12 +73,65 @@ for token in range(4):
 # %% [markdown]
 # ## 2. The expert-parallel layer equals one device
 #
-# `expert_parallel_moe(comm, x, shards, top_k)` sorts the token copies by expert, exchanges the
-# counts with an even `all_to_all_single` (so every rank knows its `output_split_sizes`),
-# dispatches the rows with the uneven `all_to_all_single(rows, output_split_sizes,
-# input_split_sizes)`, runs its experts, and returns the results with the split lists swapped.
+# Each rank routes its own `T` tokens. A token with `k` experts makes `k` *copies*, one per
+# chosen expert; `keep_mask` keeps them all for now (section 3 gives it a limit). The layer
+# sorts the copies by expert, so that the rows for each rank are one contiguous block, and counts
+# them per expert. `rows_per_rank` adds up the counts of the experts each rank holds: the rows
+# this rank sends to each rank, the dispatch's `input_split_sizes` (exercise 1 asks you to work
+# them out; until then the library's function does it).
+#
+# The receiving rank must know how many rows to expect before they come: an *even*
+# `all_to_all_single` of the `E` counts first gives every rank the counts for its own experts,
+# from each rank (its `output_split_sizes`). Then the *uneven*
+# `all_to_all_single(rows, output_split_sizes, input_split_sizes)` dispatches the rows, the
+# rank runs its experts on them, and a second uneven all-to-all, the split lists swapped,
+# brings each result home (the combine), where it is weighed by its gate and added to its token:
+
+# %%
+def expert_parallel_moe(comm, x, shards, top_k, *, capacity_factor=None):
+    P, local_experts = comm.world_size, shards["w1"].shape[0]
+    num_experts = P * local_experts
+    gates, experts = route(x, shards["router"], shards["bias"], top_k)          # (T, k) each
+    kept = keep_mask(experts, num_experts, capacity(x.shape[0], top_k, num_experts, capacity_factor))
+    token, slot = torch.nonzero(kept, as_tuple=True)                            # the kept copies
+    order = torch.argsort(experts[token, slot], stable=True)                    # sorted by expert
+    token, slot = token[order], slot[order]
+    per_expert = tokens_per_expert(experts, kept, num_experts)                  # (E,) copies per expert
+    sent = rows_per_rank(per_expert, P)                                         # rows to each rank
+    from_each = comm.all_to_all_single(per_expert)                              # counts for my experts
+    received = rows_per_rank(from_each, P)                                      # rows from each rank
+    arrived = comm.all_to_all_single(x[token], received, sent)                  # dispatch
+    results = run_experts(arrived, from_each, shards)
+    back = comm.all_to_all_single(results, sent, received)                      # combine: lists swapped
+    out = shared_output(x, shards).index_add(0, token, back * gates[token, slot].unsqueeze(-1))
+    stats = {"sent": sent, "received": received, "per_expert": per_expert.tolist(),
+             "dropped": int((~kept).sum())}
+    return out, stats
+
+# %% [markdown]
+# The rows arrive grouped by sender, and within each sender by expert: `from_each` holds, for
+# every sender, the count for each of this rank's experts. `run_experts` labels every row with
+# its expert, groups the rows by expert, runs each expert once on its group (`expert` is a
+# two-layer MLP, `gelu(x @ w1.T) @ w2.T`), and puts the results back in arrival order, the order
+# the combine sends them in:
+
+# %%
+def run_experts(arrived, from_each, shards):
+    local_experts = shards["w1"].shape[0]
+    local_id = torch.arange(local_experts).repeat(len(from_each) // local_experts)   # expert of each count
+    local_id = local_id.repeat_interleave(from_each)                                 # expert of each row
+    grouped = torch.argsort(local_id, stable=True)                                   # rows grouped by expert
+    counts = torch.bincount(local_id, minlength=local_experts).tolist()
+    outputs = [expert(rows, shards["w1"][e], shards["w2"][e])
+               for e, rows in enumerate(arrived[grouped].split(counts))]
+    return torch.cat(outputs)[torch.argsort(grouped)]                                # arrival order
+
+# %% [markdown]
 # The router is replicated: each rank's router gradient comes from its own tokens, and the sum
-# over ranks is the single-device gradient (what data parallelism's all-reduce would give).
+# over ranks is the single-device gradient (what data parallelism's all-reduce would give). The
+# backward runs the two uneven all-to-alls again, swapped. (The library keeps the same layer,
+# `simcomm.parallel.expert.expert_parallel_moe`, which section 6 and later lessons use; a test
+# checks that the two agree: outputs, gradients, statistics and the collectives they call.)
 
 # %%
 probe = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))

@@ -28,13 +28,16 @@
 # each sublayer and a reduce-scatter (backward: all-gather) leaves it.
 
 # %%
+import math
 import torch
+import torch.nn.functional as F
 import simcomm
+from simcomm import memory
 import simcomm.lessons.lesson_12 as check
 from simcomm.planning import layout_choice
 from simcomm.viz import scaling as figures
 from simcomm.parallel.mesh import Layout
-from simcomm.models.transformer import assemble_grads, block_step, loss, make_block
+from simcomm.models.transformer import SHARDING, assemble_grads, loss, make_block, shard_block
 from simcomm.viz import use_export_renderer
 use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
@@ -63,12 +66,116 @@ print(f"tp groups {layout.groups('tp')}; dp groups {layout.groups('dp')}; stage 
 # %% [markdown]
 # ## 2. One step, equal to one device
 #
-# `block_step(comm, x, weights, params, heads, layout)`: each rank takes its batch rows (dp) and
-# sequence shard (tp), runs its stage (pp = 2: stage 0 the attention sublayer, stage 1 the MLP
-# sublayer; the activation goes forward with `send`, its gradient comes back with `recv`),
-# computes its share of the loss `sum(block(x) * weights)`, and synchronises gradients: the
-# replicated LayerNorm weights and output biases are all-reduced over the tp group (each rank
-# saw only its sequence shard), and every gradient over the dp group.
+# The block is `h = x + attention(LN1(x)) @ wo.T + bo`, then `out = h + gelu(LN2(h) @ w1.T + b1) @ w2.T + b2`,
+# and the loss `sum(out * weights)`. We build its step from the bottom up.
+#
+# **The sublayers, tensor + sequence parallel.** Between the sublayers each tp rank holds a
+# sequence shard `(b, S/tp, H)`. A sublayer runs LayerNorm on the shard, all-gathers the
+# sequence, applies its column-parallel layer (this rank's heads of wq/wk/wv, its rows of w1)
+# and its row-parallel layer (its columns of wo, w2), whose partial sums the reduce-scatter adds
+# up and shards by sequence again. Their backward passes are the duals: reduce-scatter for the
+# all-gather, all-gather for the reduce-scatter.
+
+# %%
+def heads_attention(y, wq, wk, wv, head_dim):
+    """Causal attention of y (b, s, H) for the heads whose rows of wq, wk, wv are given."""
+    b, s, _ = y.shape
+    q, k, v = ((y @ w.T).view(b, s, -1, head_dim).transpose(1, 2) for w in (wq, wk, wv))  # (b, heads, s, hd)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim)                              # (b, heads, s, s)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)                   # (b, s, heads * hd)
+
+def sharded_attention(tp, x, p, head_dim):
+    y = F.layer_norm(x, x.shape[-1:], p["ln1_w"], p["ln1_b"])            # (b, S/tp, H)
+    y = tp.all_gather(y, dim=1)                                           # (b, S, H)
+    heads_out = heads_attention(y, p["wq"], p["wk"], p["wv"], head_dim)   # (b, S, H/tp): my heads
+    return x + tp.reduce_scatter(heads_out @ p["wo"].T, dim=1) + p["bo"]  # (b, S/tp, H)
+
+def sharded_mlp(tp, h, p):
+    y = tp.all_gather(F.layer_norm(h, h.shape[-1:], p["ln2_w"], p["ln2_b"]), dim=1)  # (b, S, H)
+    partial = F.gelu(y @ p["w1"].T + p["b1"]) @ p["w2"].T                            # (b, S, H), a share
+    return h + tp.reduce_scatter(partial, dim=1) + p["b2"]                           # (b, S/tp, H)
+
+# %% [markdown]
+# **The pipeline.** With pp = 2, stage 0 runs the attention sublayer and stage 1 the MLP
+# sublayer: `h` goes forward with `send`, its gradient comes back with `recv`, and each stage
+# waits while the other works (one micro-batch: the bubble of lesson 8). With pp = 1 a rank runs
+# both. Each matmul is declared to the trace (`comm.compute(flops=...)`, backward twice the
+# forward), so that the cost model can time the step:
+
+# %%
+def run_stages(comm, tp, stage, partner, x, weights, shards, head_dim, flops):
+    """This rank's stage, forward and backward (partner: the other stage's rank, None if pp = 1).
+    Returns its share of the loss, 0 on stage 0 of two."""
+    attention_flops, mlp_flops = flops
+    if partner is None or stage == 0:
+        h = sharded_attention(tp, x, shards, head_dim)                   # (b, S/tp, H)
+        comm.compute(flops=attention_flops)
+    if partner is not None and stage == 0:
+        comm.send(h.detach(), partner)                                   # h to stage 1 ...
+        grad_h = comm.recv(h.shape, h.dtype, partner)                    # ... dloss/dh back
+        comm.compute(flops=2 * attention_flops)
+        h.backward(grad_h)
+        return torch.zeros((), dtype=x.dtype)
+    if partner is not None:
+        h = comm.recv(x.shape, x.dtype, partner).requires_grad_()        # stage 1: h from stage 0
+    out = sharded_mlp(tp, h, shards)
+    comm.compute(flops=mlp_flops)
+    part = (out * weights).sum()                                         # my share of the loss
+    comm.compute(flops=2 * (mlp_flops + (attention_flops if partner is None else 0)))
+    part.backward()
+    if partner is not None:
+        comm.send(h.grad, partner)                                       # dloss/dh to stage 0
+    return part.detach()
+
+# %% [markdown]
+# **The gradients.** A parameter's gradient must be summed over the ranks that hold a copy of
+# it and saw different data. The LayerNorm weights and output biases are whole on every tp rank
+# (`SHARDING[name]` says which dimension tp splits, `None`: none), but each rank saw only its
+# sequence shard: they are all-reduced over the tp group. Every gradient is then all-reduced
+# over the dp group (other batch rows). Each sum is one flat all-reduce, one bucket:
+
+# %%
+def sync(group, grads):
+    """Sum grads over group in one flat all-reduce."""
+    if not grads or group.world_size == 1:
+        return grads
+    total = group.all_reduce(torch.cat([g.flatten() for g in grads]))
+    return [part.view_as(g) for part, g in zip(total.split([g.numel() for g in grads]), grads)]
+
+def sync_grads(tp, dp, shards):
+    names = list(shards)
+    replicated = [n for n in names if SHARDING[n][1] is None]            # whole on every tp rank
+    tp_synced = dict(zip(replicated, sync(tp, [shards[n].grad for n in replicated])))
+    grads = [tp_synced.get(n, shards[n].grad) for n in names]
+    with memory.label("gradients"):
+        return dict(zip(names, sync(dp, grads)))
+
+# %% [markdown]
+# **The step.** Each rank finds its coordinates and its two subgroups, clones its shards of the
+# parameters (`shard_block`: its stage's, split by tp), takes its batch rows (dp) and sequence
+# shard (tp), runs its stage and synchronises its gradients:
+
+# %%
+def block_step(comm, x, weights, params, heads, layout):
+    (batch, seq, hidden), ffn = x.shape, params["w1"].shape[0]
+    stage, d, t = layout.coordinates(comm.rank)
+    tp, dp = comm.subgroup(layout.groups("tp")), comm.subgroup(layout.groups("dp"))
+    with memory.label("parameters"):
+        shards = shard_block(params, layout, comm.rank)
+    b, s = batch // layout.dp, seq // layout.tp
+    mine = (slice(d * b, (d + 1) * b), slice(t * s, (t + 1) * s))          # my rows, my sequence shard
+    flops = ((8 * b * seq * hidden * hidden + 4 * b * seq * seq * hidden) / layout.tp,   # q, k, v, o; scores, AV
+             4 * b * seq * hidden * ffn / layout.tp)                                  # w1, w2
+    partner = layout.rank(pp=1 - stage, dp=d, tp=t) if layout.pp == 2 else None
+    part = run_stages(comm, tp, stage, partner, x[mine], weights[mine], shards, hidden // heads, flops)
+    return {"coords": (stage, d, t), "loss": part, "grads": sync_grads(tp, dp, shards)}
+
+# %% [markdown]
+# The step gives the single-device loss (the ranks' shares add up to it) and every gradient.
+# (The library keeps the same step, `simcomm.models.transformer.block_step`, which also checks
+# that the layout fits the block; section 3 and later lessons use it, and a test checks that the
+# two agree: loss, gradients, the collectives they call and the memory they hold.)
 
 # %% expect=["Layout(pp=2, dp=2, tp=2): loss and all 13 gradients match the single-device block"]
 leaves = {name: p.clone().requires_grad_() for name, p in params.items()}

@@ -33,7 +33,8 @@ import torch
 from simcomm import configured_backend
 from simcomm.backend import backend_name
 import simcomm.lessons.lesson_14 as check
-from simcomm.models import llama, llama_training as lt
+from simcomm.models import llama, llama_pipeline, llama_training as lt
+from simcomm.parallel import llama_fsdp
 from simcomm.parallel.mesh import Layout
 from simcomm.parallel.pipeline import schedule
 from simcomm.viz import use_export_renderer
@@ -144,13 +145,89 @@ for stage, plan in enumerate(schedule("1f1b", 2, 2)):
     print(f"stage {stage}: " + " ".join(f"{kind}{index}" for kind, index in plan))
 
 # %% [markdown]
-# After the schedule, `lt.train` finishes the step: gradients all-reduced over the replicas and
-# context ranks (one bucket), the RMSNorm weights' parts summed over the tensor ranks,
-# **global gradient-norm clipping** (the squared norm summed over tensor shards, FSDP pieces and
-# pipeline stages, each element once), and Adam.
-#
 # ## 4. All four at once, 100 steps
 #
+# Here is the 4-D training, put together from the pieces of sections 1-3. Each rank first makes
+# its subgroups of the 5-D mesh, one per job:
+
+# %%
+def mesh_groups(comm, layout):
+    return {"tensor": comm.subgroup(layout.groups("tp")), "context": comm.subgroup(layout.groups("cp")),
+            "pipe": comm.subgroup(layout.groups("pp")), "shard": comm.subgroup(layout.groups("dp_shard")),
+            "replicate": comm.subgroup(layout.groups("dp_replicate", "cp")),   # gradients all-reduced over these
+            "data_context": comm.subgroup(layout.groups("dp", "cp"))}          # loss parts summed over these
+
+# %% [markdown]
+# and keeps its parameters: its stage's (section 3), its tensor shard of each (section 1), and
+# under FSDP its flat piece of that (section 2). `shapes` remembers each tensor shard's shape,
+# which `unshard` needs to put the pieces back together:
+
+# %%
+def stage_leaves(params, config, layout, rank):
+    stage, t = layout.coordinate(rank, "pp"), layout.coordinate(rank, "tp")
+    fsdp, shard = layout.dp_shard, layout.coordinate(rank, "dp_shard")
+    names = llama_pipeline.stage_names(config, stage, layout.pp)                 # this stage's parameters
+    full = llama.shard_params(params, config, t, layout.tp)                      # tensor shards
+    shapes = {n: full[n].shape for n in names}
+    leaves = {n: llama_fsdp.piece(full[n], shard, fsdp).requires_grad_() if fsdp > 1
+              else full[n].clone().requires_grad_() for n in names}              # FSDP: one piece each
+    return leaves, shapes
+
+# %% [markdown]
+# One step: the 1F1B pipeline runs the rank's sequences as micro-batches, forward and backward
+# (under FSDP each micro-batch's forward first gathers the stage's pieces); the loss parts are
+# summed. Then the gradients: all-reduced over the replicas and context ranks (one bucket), the
+# RMSNorm weights' parts summed over the tensor ranks too (each saw its sequence shard only),
+# **global gradient-norm clipping** as `torch.nn.utils.clip_grad_norm_` does it, by
+# `min(1, max_norm / norm)`, and Adam. The norm of the whole model's gradient, from shards, pieces
+# and stages, is exercise 1: until you have written it, `lt.grad_norm_sq` computes it.
+
+# %%
+def train_step(groups, layout, leaves, shapes, optimizer, sequences, config, global_batch, max_norm):
+    optimizer.zero_grad()
+    stage_params = (lambda: llama_fsdp.unshard(groups["shard"], leaves, shapes)) if layout.dp_shard > 1 else leaves
+    local = llama_pipeline.stage_step(groups["pipe"], groups["tensor"], sequences, stage_params, config,
+                                      global_batch, groups["context"] if layout.cp > 1 else None)   # 1F1B
+    loss = groups["pipe"].all_reduce(groups["data_context"].all_reduce(local))   # the last stage holds it
+    with torch.no_grad():
+        names = list(leaves)
+        grads = dict(zip(names, llama_fsdp.all_reduce_bucket(groups["replicate"], [leaves[n].grad for n in names])))
+        norms = [n for n in names if n.split(".")[-1] in llama.REPLICATED]       # RMSNorm weights: whole
+        grads.update(zip(norms, llama_fsdp.all_reduce_bucket(groups["tensor"], [grads[n] for n in norms])))
+        for name in names:
+            leaves[name].grad = grads[name]
+        norm_sq = lt.grad_norm_sq(groups["tensor"], groups["shard"], groups["pipe"], grads, norms)   # exercise 1
+        coefficient = torch.clamp(max_norm / (norm_sq.sqrt() + 1e-6), max=1.0)
+        for leaf in leaves.values():
+            leaf.grad.mul_(coefficient.to(leaf.grad.dtype))
+    optimizer.step()
+    return loss
+
+# %% [markdown]
+# The training: every step's sequences come from `lt.batches` (a `DistributedSampler` per
+# data-parallel rank, section 1). After the last step it can write a checkpoint (section 5), and
+# it returns every step's loss, the rank's final tensor shards (FSDP pieces gathered) and how many
+# elements it kept. (The library's `lt.train`, which sections 2 and 5 use, is the same training;
+# it can also resume from a checkpoint. A test checks that the two agree: losses, shards and the
+# collectives they call.)
+
+# %%
+def train(comm, data, params, config, *, layout, steps, global_batch, lr=1e-2, max_norm=1.0, seed=0, save=None):
+    groups = mesh_groups(comm, layout)
+    leaves, shapes = stage_leaves(params, config, layout, comm.rank)
+    optimizer = torch.optim.Adam(leaves.values(), lr=lr)
+    mine = lt.batches(data, steps, global_batch, layout.dp, layout.coordinate(comm.rank, "dp"), seed)
+    losses = [train_step(groups, layout, leaves, shapes, optimizer, [data[i] for i in indices.tolist()], config,
+                         global_batch, max_norm) for indices in mine]
+    if save:
+        lt.save_checkpoint(save, layout, leaves, optimizer, groups["shard"], shapes)
+    shards = {n: llama_fsdp.gather_piece(groups["shard"], leaf, shapes[n]) if layout.dp_shard > 1 else leaf.detach()
+              for n, leaf in leaves.items()}
+    coords = {dim: layout.coordinate(comm.rank, dim) for dim in ("pp", "dp", "cp", "tp")}
+    return {"losses": torch.stack(losses).double(), "shards": shards, "coords": coords,
+            "held": sum(leaf.numel() for leaf in leaves.values())}
+
+# %% [markdown]
 # On 16 virtual ranks: `pp 2 x dp 2 x cp 2 x tp 2`, FSDP over the two data-parallel ranks
 # (`dp_shard = 2`). On real workers the layout is `pp 2 x cp 2 x tp 2` (8 gloo processes) for 10
 # steps: the same context-parallel attention, across processes (FSDP ran on them in section 2). The tolerance is `1e-10` (float64 sums in a different order differ in the last bits:
@@ -159,7 +236,7 @@ for stage, plan in enumerate(schedule("1f1b", 2, 2)):
 
 # %% expect=["every step's loss equals one device's within 1e-10"]
 checkpoint = tempfile.mkdtemp(prefix="llama4d_")
-outs = world.run(lt.train, data, params, config, layout=layout, steps=steps, global_batch=4, save=checkpoint)
+outs = world.run(train, data, params, config, layout=layout, steps=steps, global_batch=4, save=checkpoint)
 losses = outs[0]["losses"]
 error = max(float((out["losses"] - reference[:steps]).abs().max()) for out in outs)
 assert error < 1e-10 and all(torch.equal(out["losses"], losses) for out in outs)

@@ -95,19 +95,39 @@ def _as_numbers(value: Any, what: str) -> tuple[torch.Tensor | None, str | None]
 
 # -- exercise checkers --------------------------------------------------------------------------
 
+#: the collectives whose result lesson 01's second exercise asks to predict
+PREDICTED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+
+
+def _lesson01_collective(comm, op: str, kwargs: dict):
+    x = 10.0 * comm.rank + torch.arange(4.0)          # lesson 01's inputs: rank r holds [10r, ..., 10r + 3]
+    return getattr(comm, op)(x, **kwargs)
+
+
 @_hint_on_request
-def check_prediction(prediction: Any, actual: Any, what: str, hint: str | None = None) -> str:
-    """Compare a learner's predicted value (a number, list or tensor) with the actual one.
+def check_prediction(prediction: Any, op: str, kwargs: dict, rank: int, what: str, hint: str | None = None,
+                     world_size: int = 4) -> str:
+    """Compare a learner's predicted value (a number, list or tensor) with what ``comm.op(x, **kwargs)``
+    returns on ``rank`` of ``world_size`` virtual ranks when rank ``r`` holds ``[10r, ..., 10r + 3]``
+    (lesson 01's inputs). The checker runs the collective itself; it trusts no value from the caller.
 
     A wrong prediction is answered with what differs (how many numbers, or that
     the values differ) and ``hint``, not with the actual value.
     """
     if _is_placeholder(prediction):
         return NOT_ANSWERED
+    if op not in PREDICTED_OPS:
+        raise ValueError(f"check_prediction: op={op!r} is not one of {list(PREDICTED_OPS)}")
+    if not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"check_prediction: rank={rank!r} is not a rank of {world_size}")
     predicted, problem = _as_numbers(prediction, what)
     if problem:
         return problem
-    actual, _ = _as_numbers(actual, what)
+    actual, _ = _as_numbers(World(world_size).run(_lesson01_collective, op, dict(kwargs))[rank], what)
+    return _compare_prediction(predicted, actual, what, hint)
+
+
+def _compare_prediction(predicted: torch.Tensor, actual: torch.Tensor, what: str, hint: str | None) -> str:
     if predicted.numel() != actual.numel():
         return _not_yet(f"{what} holds {actual.numel()} number(s); you gave {predicted.numel()}", hint)
     if not torch.allclose(predicted.flatten(), actual.flatten()):

@@ -21,7 +21,7 @@ from ..models import llama_training as lt
 from ..parallel.mesh import Layout
 from ..sim.world import World
 from .verdicts import (NOT_ANSWERED, as_number, attempt, helper_in_caller, helper_verdict, hint_on_request,
-                       is_correct, is_placeholder, judged_apart, not_yet)
+                       is_correct, is_placeholder, judged_apart, not_yet, uses_helper)
 
 __all__ = ["NOT_ANSWERED", "is_correct", "NORM_RANKS", "NORM_PRECISION", "HELD_LAYOUT", "check_grad_norm",
            "check_held_bytes"]
@@ -107,6 +107,9 @@ def check_grad_norm(fn: Callable[..., Any]) -> str:
         return NOT_ANSWERED
     if not callable(fn):
         return not_yet(f"give a function fn(comm, sharded, replicated); got {type(fn).__name__}")
+    helper = uses_helper(fn, lt.grad_norm_sq)
+    if helper is not None:
+        return helper_verdict(helper, "the norm of the whole gradient")
     verdict = judged_apart(fn, _judge_norm)
     return verdict or "Correct: every rank computes the norm of the whole gradient, so all clip by the same factor."
 

@@ -25,15 +25,17 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DeadlockError, RankError, RunTimeoutError, SimcommError
-from ..parallel.context import block_attention, chunk_ids
-from ..parallel.expert import keep_mask, switch_aux_loss
+from ..parallel.context import block_attention, chunk_ids, lse_merge, shard_sequence
+from ..parallel.expert import keep_mask, rows_per_rank, switch_aux_loss
 from ..planning.planner import fastest_fitting
 from ..parallel.mesh import Layout
 from ..sim.world import World
+from .verdicts import helper_verdict as _helper_verdict
 from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import NOT_ANSWERED, as_number, attempt, is_correct, is_placeholder
 from .verdicts import not_yet as _not_yet
+from .verdicts import uses_helper as _uses_helper
 
 __all__ = ["NOT_ANSWERED", "is_correct", "check_lse_merge", "check_zigzag_chunks", "check_split_sizes",
            "check_dropped", "check_aux_loss", "check_neighbour_exchange", "check_sp_layernorm", "check_mesh_coords",
@@ -79,6 +81,9 @@ def check_lse_merge(merge: Callable) -> str:
         return NOT_ANSWERED
     if not callable(merge):
         return _not_yet("merge must be a function merge(out1, lse1, out2, lse2) returning (out, lse)")
+    helper = lse_merge if merge is lse_merge else _uses_helper(merge, lse_merge)
+    if helper is not None:
+        return _helper_verdict(helper, "the merge")
     cases = 0
     for seed, split in ((0, 2), (1, 5), (2, 1)):
         (out1, lse1), (out2, lse2), (out, lse) = _blocks(seed, split)
@@ -137,6 +142,9 @@ def check_zigzag_chunks(chunks: Callable) -> str:
     """``chunks(rank, world_size) -> [i, j]``: the two of the ``2P`` chunks rank holds in zig-zag sharding."""
     if is_placeholder(chunks):
         return NOT_ANSWERED
+    helper = chunk_ids if chunks is chunk_ids else _uses_helper(chunks, chunk_ids, shard_sequence)
+    if helper is not None:
+        return _helper_verdict(helper, "the chunks of each rank")
     for world_size in (1, 2, 3, 4, 8):
         held = []
         for rank in range(world_size):
@@ -178,6 +186,9 @@ def check_split_sizes(split_sizes: Callable) -> str:
     (``input_split_sizes``), experts sharded in contiguous blocks of ``E/P``."""
     if is_placeholder(split_sizes):
         return NOT_ANSWERED
+    helper = _uses_helper(split_sizes, rows_per_rank)
+    if helper is not None:
+        return _helper_verdict(helper, "the rows for each rank")
     for experts, num_experts, world_size in _routings():
         result, verdict = _call(split_sizes, experts.clone(), num_experts, world_size)
         if verdict:
@@ -206,6 +217,9 @@ def check_dropped(dropped: Callable) -> str:
     (the first ``capacity`` in token order are kept)."""
     if is_placeholder(dropped):
         return NOT_ANSWERED
+    helper = _uses_helper(dropped, keep_mask)
+    if helper is not None:
+        return _helper_verdict(helper, "which copies each expert keeps")
     for experts, num_experts, _ in _routings():
         for limit in (0, 1, 2, 5):
             result, verdict = _call(dropped, experts.clone(), num_experts, limit)
@@ -427,6 +441,10 @@ def check_mesh_coords(coords: Callable) -> str:
     :class:`simcomm.parallel.mesh.Layout` (pipeline outermost, tensor parallelism innermost)."""
     if is_placeholder(coords):
         return NOT_ANSWERED
+    if _uses_helper(coords, Layout) is not None:
+        return _not_yet("Layout computes the coordinates for you: the exercise asks you to work them out from "
+                        "the rank and the sizes", "the tensor index changes fastest, then the data index, "
+                        "then the stage")
     for sizes in (dict(pp=2, dp=2, tp=2), dict(pp=1, dp=2, tp=4), dict(pp=2, dp=4, tp=1), dict(pp=4, dp=1, tp=2),
                   dict(pp=1, dp=2, tp=3)):
         layout = Layout(**sizes)

@@ -49,7 +49,7 @@ from ..communicator import Communicator
 from . import llama, llama_pipeline
 from ..parallel import llama_fsdp, mesh
 
-__all__ = ["corpus", "batches", "train", "held_numel", "reference_losses"]
+__all__ = ["corpus", "batches", "train", "grad_norm_sq", "save_checkpoint", "held_numel", "reference_losses"]
 
 
 def corpus(config: llama.Config, sequences: int = 64, length: int = 17, seed: int = 0) -> torch.Tensor:
@@ -131,9 +131,8 @@ def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor
               else full[n].clone().requires_grad_() for n in names}
     optimizer = torch.optim.Adam(leaves.values(), lr=lr)
     stage_params = (lambda: llama_fsdp.unshard(shard_group, leaves, shapes)) if fsdp > 1 else leaves
-    stage_mesh = _stage_mesh(layout) if load or save else None
     if load:
-        _load(load, stage_mesh, leaves, optimizer, shapes, shard, fsdp)
+        _load(load, _stage_mesh(layout), leaves, optimizer, shapes, shard, fsdp)
     losses = []
     for indices in batches(data, first_step + steps, global_batch, layout.dp, d, seed)[first_step:]:
         optimizer.zero_grad()
@@ -145,23 +144,41 @@ def train(comm: Communicator, data: torch.Tensor, params: dict[str, torch.Tensor
             grads = dict(zip(names, llama_fsdp.all_reduce_bucket(replicate, [leaves[n].grad for n in names])))
             norms = [n for n in names if n.split(".")[-1] in llama.REPLICATED]   # and over the sequence shards
             grads.update(zip(norms, llama_fsdp.all_reduce_bucket(tensor, [grads[n] for n in norms])))
-            sharded_sq = sum((grads[n].double().pow(2).sum() for n in names if n not in norms),
-                             torch.zeros((), dtype=torch.float64))
-            replicated_sq = sum((grads[n].double().pow(2).sum() for n in norms), torch.zeros((), dtype=torch.float64))
             for name in names:
                 leaves[name].grad = grads[name]
-            norm_sq = tensor.all_reduce(sharded_sq) + replicated_sq         # every tensor shard once
-            norm_sq = pipe.all_reduce(shard_group.all_reduce(norm_sq))      # every FSDP piece, every stage
+            norm_sq = grad_norm_sq(tensor, shard_group, pipe, grads, norms)
             coefficient = _clip_coefficient(norm_sq, max_norm)
             for leaf in leaves.values():
                 leaf.grad.mul_(coefficient.to(leaf.grad.dtype))
         optimizer.step()
     if save:
-        dcp.save(_state(stage_mesh, leaves, optimizer, shard_group, shapes), checkpoint_id=save)
+        save_checkpoint(save, layout, leaves, optimizer, shard_group, shapes)
     shards = {n: llama_fsdp.gather_piece(shard_group, leaf, shapes[n]) if fsdp > 1 else leaf.detach()
               for n, leaf in leaves.items()}
     return {"losses": torch.stack(losses).double(), "shards": shards, "coords": coords,
             "held": sum(leaf.numel() for leaf in leaves.values())}
+
+
+def grad_norm_sq(tensor: Communicator, shard_group: Communicator, pipe: Communicator,
+                 grads: dict[str, torch.Tensor], replicated: list[str]) -> torch.Tensor:
+    """The squared norm of the whole model's gradient (float64, 0-d, the same on every rank) from this
+    rank's ``grads`` (tensor shards, FSDP pieces of them, its stage's): the sharded squares summed over
+    the tensor group, the ``replicated`` ones (whole on every tensor rank) counted once, then summed
+    over the FSDP pieces and the pipeline stages. Collective over the three groups."""
+    zero = torch.zeros((), dtype=torch.float64)
+    sharded_sq = sum((g.double().pow(2).sum() for n, g in grads.items() if n not in replicated), zero)
+    replicated_sq = sum((grads[n].double().pow(2).sum() for n in replicated), zero)
+    norm_sq = tensor.all_reduce(sharded_sq) + replicated_sq         # every tensor shard once
+    return pipe.all_reduce(shard_group.all_reduce(norm_sq))         # every FSDP piece, every stage
+
+
+def save_checkpoint(path: str, layout: mesh.Layout, leaves: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                    shard_group: Communicator, shapes: dict[str, torch.Size]) -> None:
+    """Write this rank's part of a checkpoint that :func:`train` (``load=``) reads on any layout: its
+    stage's tensor shards and Adam's state as DTensors on the stage's ``(dp_replicate, dp_shard, cp, tp)``
+    sub-mesh (FSDP pieces, of the parameters ``shapes`` gives, gathered over ``shard_group`` first),
+    with ``torch.distributed.checkpoint``. Collective over the world."""
+    dcp.save(_state(_stage_mesh(layout), leaves, optimizer, shard_group, shapes), checkpoint_id=path)
 
 
 def held_numel(config: llama.Config, layout: mesh.Layout, rank: int) -> int:

@@ -275,33 +275,45 @@ def block_step(comm: Communicator, x: torch.Tensor, weights: torch.Tensor, param
     head_dim = hidden // heads
     fwd_attention, fwd_mlp = _attention_flops(b, seq, hidden, layout.tp), _mlp_flops(b, seq, hidden, ffn, layout.tp)
     partner = layout.rank(pp=1 - stage, dp=d, tp=t) if layout.pp == 2 else None   # the other stage
-    result_loss = torch.zeros((), dtype=x.dtype, device=x.device)
-    if layout.pp == 1 or stage == 0:
-        h = _sharded_attention(tp, x[mine], shards, head_dim)                  # (b, S/tp, H)
+    part = _run_stages(comm, tp, stage, partner, x[mine], weights[mine], shards, head_dim, (fwd_attention, fwd_mlp))
+    return {"coords": (stage, d, t), "loss": part, "grads": _sync_grads(tp, dp, shards)}
+
+
+def _run_stages(comm: Communicator, tp: Communicator, stage: int, partner: int | None, x, weights, shards,
+                head_dim: int, flops: tuple[float, float]) -> torch.Tensor:
+    """This rank's stage of :func:`block_step`, forward and backward (``partner``: the other stage's rank,
+    ``None`` with one stage); its share of the loss, 0 on stage 0 of two. The stage's activations are
+    freed when it returns, before the gradients are synchronised."""
+    fwd_attention, fwd_mlp = flops
+    if partner is None or stage == 0:
+        h = _sharded_attention(tp, x, shards, head_dim)                        # (b, S/tp, H)
         comm.compute(flops=fwd_attention)
-    if layout.pp == 2 and stage == 0:
+    if partner is not None and stage == 0:
         comm.send(h.detach(), partner)
         grad_h = comm.recv(h.shape, h.dtype, partner)                          # dloss/dh from stage 1
         comm.compute(flops=2 * fwd_attention)
         h.backward(grad_h)
-    else:
-        if layout.pp == 2:
-            h = comm.recv((b, s, hidden), x.dtype, partner).requires_grad_()
-        out = _sharded_mlp(tp, h, shards)
-        comm.compute(flops=fwd_mlp)
-        part = (out * weights[mine]).sum()
-        comm.compute(flops=2 * (fwd_mlp + (fwd_attention if layout.pp == 1 else 0)))
-        part.backward()
-        result_loss = part.detach()
-        if layout.pp == 2:
-            comm.send(h.grad, partner)
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    if partner is not None:
+        h = comm.recv(x.shape, x.dtype, partner).requires_grad_()
+    out = _sharded_mlp(tp, h, shards)
+    comm.compute(flops=fwd_mlp)
+    part = (out * weights).sum()
+    comm.compute(flops=2 * (fwd_mlp + (fwd_attention if partner is None else 0)))
+    part.backward()
+    if partner is not None:
+        comm.send(h.grad, partner)
+    return part.detach()
+
+
+def _sync_grads(tp: Communicator, dp: Communicator, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The shards' gradients summed over tp (the replicated parameters) and then over dp (all)."""
     names = list(shards)
     replicated = [n for n in names if SHARDING[n][1] is None]
     tp_synced = dict(zip(replicated, _sync(tp, [shards[n].grad for n in replicated])))
     grads = [tp_synced.get(n, shards[n].grad) for n in names]
     with memory.label("gradients"):
-        grads = dict(zip(names, _sync(dp, grads)))
-    return {"coords": (stage, d, t), "loss": result_loss, "grads": grads}
+        return dict(zip(names, _sync(dp, grads)))
 
 
 def assemble_grads(outs: list[dict], layout: Layout) -> dict[str, torch.Tensor]:

@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from ..communicator import Communicator
 
 __all__ = ["make_moe", "route", "keep_mask", "capacity", "expert", "moe", "shard_experts",
-           "expert_parallel_moe", "tokens_per_expert", "load_balancing_loss", "switch_aux_loss", "shared_output",
-           "train_router", "train_router_reference", "load_imbalance"]
+           "expert_parallel_moe", "rows_per_rank", "tokens_per_expert", "load_balancing_loss", "switch_aux_loss",
+           "shared_output", "train_router", "train_router_reference", "load_imbalance"]
 
 
 def make_moe(hidden: int, ffn: int, num_experts: int, *, seed: int = 0, dtype: torch.dtype = torch.float64,
@@ -174,6 +174,12 @@ def tokens_per_expert(experts: torch.Tensor, kept: torch.Tensor, num_experts: in
     return torch.bincount(experts[kept], minlength=num_experts)
 
 
+def rows_per_rank(per_expert: torch.Tensor, world_size: int) -> list[int]:
+    """Rows for each rank from counts per expert ``(E,)`` (``(P * E/P,)`` after the counts' all-to-all):
+    the counts of the ``E/P`` experts each rank holds (contiguous blocks), added up, as ``P`` ints."""
+    return per_expert.view(world_size, -1).sum(1).tolist()
+
+
 def expert_parallel_moe(comm: Communicator, x: torch.Tensor, shards: dict[str, torch.Tensor], top_k: int, *,
                         capacity_factor: float | None = None) -> tuple[torch.Tensor, dict]:
     """The MoE layer on this rank's tokens ``x (T, hidden)``, experts sharded over the group.
@@ -197,9 +203,9 @@ def expert_parallel_moe(comm: Communicator, x: torch.Tensor, shards: dict[str, t
     order = torch.argsort(experts[token, slot], stable=True)                    # sorted by expert
     token, slot = token[order], slot[order]
     per_expert = tokens_per_expert(experts, kept, num_experts)                  # (E,)
-    sent = per_expert.view(world_size, local_experts).sum(1).tolist()           # rows to each rank
+    sent = rows_per_rank(per_expert, world_size)                                # rows to each rank
     from_each = comm.all_to_all_single(per_expert)                              # (P * E/P,): counts for my experts
-    received = from_each.view(world_size, local_experts).sum(1).tolist()        # rows from each rank
+    received = rows_per_rank(from_each, world_size)                             # rows from each rank
     arrived = comm.all_to_all_single(x[token], received, sent)                  # (sum(received), hidden)
     local_id = torch.arange(local_experts, device=x.device).repeat(world_size)     # (P * E/P,) expert of each count
     local_id = local_id.repeat_interleave(from_each)                               # (rows,) expert of each row

@@ -185,3 +185,55 @@ def test_lesson08_refuses_the_library_schedule():
     from simcomm.parallel import pipeline as pp
     verdict = check08.check_1f1b(lambda s, p, m: pp.schedule("1f1b", p, m)[s])
     assert "pipeline.schedule is the lesson's own answer" in verdict
+
+
+def test_lesson10_refuses_the_library_rows_per_rank_and_accepts_the_counts_written_out():
+    from simcomm.parallel import expert as ep
+
+    def with_the_helper(experts, num_experts, world_size):
+        return ep.rows_per_rank(torch.bincount(experts.flatten(), minlength=num_experts), world_size)
+
+    def written_out(experts, num_experts, world_size):
+        per_expert = torch.bincount(experts.flatten(), minlength=num_experts)
+        return per_expert.view(world_size, -1).sum(1).tolist()
+    assert "expert.rows_per_rank is the lesson's own answer" in lesson_10.check_split_sizes(with_the_helper)
+    assert kind(lesson_10.check_split_sizes(written_out)) == "correct"
+
+
+def test_lesson10_refuses_the_library_keep_mask_as_the_dropped_count():
+    from simcomm.parallel import expert as ep
+
+    def with_the_helper(experts, num_experts, capacity):
+        return int((~ep.keep_mask(experts, num_experts, capacity)).sum())
+
+    def written_out(experts, num_experts, capacity):
+        return sum(max(0, int((experts == e).sum()) - capacity) for e in range(num_experts))
+    assert "expert.keep_mask is the lesson's own answer" in lesson_10.check_dropped(with_the_helper)
+    assert kind(lesson_10.check_dropped(written_out)) == "correct"
+
+
+def test_lesson09_refuses_the_library_merge_and_chunks_the_lesson_imports():
+    from simcomm.parallel import context
+
+    def merged_by_the_library(out1, lse1, out2, lse2):
+        return context.lse_merge(out1, lse1, out2, lse2)
+
+    def chunks_of_the_library(rank, world_size):
+        return context.chunk_ids(rank, world_size, "zigzag")
+    for merge in (context.lse_merge, merged_by_the_library):
+        assert "context.lse_merge is the lesson's own answer" in lesson_09.check_lse_merge(merge)
+    assert "context.chunk_ids is the lesson's own answer" in lesson_09.check_zigzag_chunks(chunks_of_the_library)
+
+    def merged_written_out(out1, lse1, out2, lse2):
+        lse = torch.logaddexp(lse1, lse2)
+        return out1 * (lse1 - lse).exp()[..., None] + out2 * (lse2 - lse).exp()[..., None], lse
+    assert kind(lesson_09.check_lse_merge(merged_written_out)) == "correct"
+    assert kind(lesson_09.check_zigzag_chunks(lambda rank, p: (2 * p - 1 - rank, rank))) == "correct"
+
+
+def test_lesson12_refuses_the_coordinates_of_the_library_layout():
+    from simcomm.parallel.mesh import Layout
+    verdict = lesson_12.check_mesh_coords(lambda rank, *, pp, dp, tp: Layout(pp=pp, dp=dp, tp=tp).coordinates(rank))
+    assert kind(verdict) == "not yet" and "Layout computes the coordinates" in verdict
+    assert kind(lesson_12.check_mesh_coords(lambda rank, *, pp, dp, tp: (rank // (dp * tp), rank // tp % dp,
+                                                                         rank % tp))) == "correct"

@@ -310,6 +310,13 @@ def norm_through_a_global(comm, sharded, replicated):                 # cheating
     return (total + float(squares(replicated))) ** 0.5
 
 
+def norm_from_the_library(comm, sharded, replicated):                 # the lesson's helper, not an answer
+    from simcomm.models import llama_training
+    grads = dict(enumerate(sharded + replicated))
+    alone = comm.subgroup([[rank] for rank in range(comm.world_size)])
+    return llama_training.grad_norm_sq(comm, alone, alone, grads, list(range(len(sharded), len(grads)))).sqrt()
+
+
 ACCEPT_14_1 = [norm_solution, norm_float32, norm_gathered_python_float]
 REJECT_14_1 = [
     (None, "give a function"), (..., NOT_ANSWERED), (1.0, "give a function"),
@@ -318,6 +325,7 @@ REJECT_14_1 = [
     (norm_bf16, "that is rounding"), (lambda c, s, r: torch.ones(2), "one number"),
     (lambda c, s, r: None, "one number"), (lambda c, s, r: 14.476835, "the whole gradient's is"),   # a printed number
     (norm_through_a_global, "through Python objects (SQUARES)"),
+    (norm_from_the_library, "llama_training.grad_norm_sq is the lesson's own answer"),
 ]
 
 

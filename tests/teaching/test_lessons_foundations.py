@@ -135,15 +135,26 @@ def test_check_shapes_wrong_partial_malformed():
     _not_yet(_shapes({"all_gather": ("4", 2), "gather": None}), "tuple of ints")
 
 
-def test_check_prediction():
-    assert lessons.check_prediction(..., torch.tensor([1.0]), "x") == lessons.NOT_ANSWERED
-    assert lessons.check_prediction([1], torch.tensor([1.0]), "x") == "Correct: x is [1]."
-    assert lessons.check_prediction(1, torch.tensor([1.0]), "x") == "Correct: x is [1]."
-    _not_yet(lessons.check_prediction([2], torch.tensor([1.0]), "x", hint="think", show_hint=True), "x is not [2]", "Hint: think")
-    _not_yet(lessons.check_prediction([1, 2], torch.tensor([1.0]), "x"), "holds 1 number(s); you gave 2")  # partial
-    _not_yet(lessons.check_prediction("one", torch.tensor([1.0]), "x"), "not a number")                      # malformed
-    _not_yet(lessons.check_prediction([[1], [2, 3]], torch.tensor([1.0]), "x"), "not a number")
-
+def test_check_prediction_runs_the_collective_itself():
+    from torch.distributed import ReduceOp
+    check = lessons.check_prediction
+    rs_max, ar_min = ("reduce_scatter", {"dim": 0, "op": ReduceOp.MAX}), ("all_reduce", {"op": ReduceOp.MIN})
+    assert check(..., *rs_max, rank=3, what="x") == lessons.NOT_ANSWERED
+    for right in ([33], 33, 33.0, (33,), torch.tensor([33.0]), torch.tensor(33)):     # other forms
+        assert check(right, *rs_max, rank=3, what="x") == "Correct: x is [33]."
+    for right in ([0, 1, 2, 3], torch.arange(4), (0.0, 1.0, 2.0, 3.0)):
+        assert check(right, *ar_min, rank=1, what="y") == "Correct: y is [0, 1, 2, 3]."
+    assert check([60, 64, 68, 72], "all_reduce", {}, rank=2, what="z") == "Correct: z is [60, 64, 68, 72]."
+    _not_yet(check([30], *rs_max, rank=3, what="x", hint="think", show_hint=True), "x is not [30]", "Hint: think")
+    _not_yet(check([3], *rs_max, rank=0, what="x"), "x is not [3]")          # rank 3's answer for rank 0
+    _not_yet(check([0, 1], *ar_min, rank=1, what="y"), "holds 4 number(s); you gave 2")           # partial
+    _not_yet(check("one", *ar_min, rank=1, what="y"), "not a number")                              # malformed
+    _not_yet(check([[1], [2, 3]], *ar_min, rank=1, what="y"), "not a number")
+    _not_yet(check(None, *ar_min, rank=1, what="y"), "not a number")
+    with pytest.raises(ValueError, match="op='send'"):
+        check([1], "send", {}, rank=0, what="x")
+    with pytest.raises(ValueError, match="rank=4"):
+        check([1], "all_reduce", {}, rank=4, what="x")
 
 def _count_with_all_reduce(comm):
     return comm.all_reduce(torch.ones(1)).item()

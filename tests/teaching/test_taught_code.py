@@ -230,3 +230,202 @@ def test_lesson08_pipeline_step_is_the_library_step(stages, name):
             assert (g["loss"] is None) == (w["loss"] is None) and (g["loss"] is None or torch.equal(g["loss"], w["loss"]))
         assert _point_to_point(a.trace) == _point_to_point(b.trace)
         assert [e.op for e in a.trace.events if e.op == "compute"] == [e.op for e in b.trace.events if e.op == "compute"]
+
+
+# -- lesson 09: ring attention ------------------------------------------------------------------------
+
+def _lesson09_ring_attention():
+    from simcomm import P2POp
+    from simcomm.parallel.context import block_attention, chunk_ids, lse_merge
+    from simcomm.trace import backward_phase
+    import math
+    return taught("09", "ring_attention", "send_to_next", "received", "pairs", "block_flops", "ring_forward",
+                  "block_grads", "ring_backward", "RingAttention", P2POp=P2POp, block_attention=block_attention,
+                  chunk_ids=chunk_ids, lse_merge=lse_merge, backward_phase=backward_phase, math=math)
+
+
+def _ring_attention_program(comm, attend, q, k, v, weights, causal, layout):
+    from simcomm.parallel.context import shard_sequence
+    q, k, v = (shard_sequence(t, comm.rank, comm.world_size, layout).requires_grad_() for t in (q, k, v))
+    kept = [t.detach().clone() for t in (q, k, v)]
+    out = attend(comm, q, k, v, causal=causal, layout=layout)
+    assert all(torch.equal(t.detach(), c) for t, c in zip((q, k, v), kept)), "the ring modified its input"
+    (out * shard_sequence(weights, comm.rank, comm.world_size, layout)).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _events(trace):
+    return [(e.rank, e.op, e.nbytes, e.phase, e.args.get("flops")) for e in trace.events]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lesson09_ring_attention_is_the_library_ring(world_size, layout, causal):
+    from simcomm.parallel.context import ring_attention, unshard_sequence
+    from simcomm.parallel.sequence import attention, make_qkv
+    lesson = _lesson09_ring_attention()
+    for seed, heads in ((0, 2), (1, 3)):
+        q, k, v = make_qkv(2, 4 * world_size, heads, 4, seed=seed)
+        weights = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 5))
+        a, b = World(world_size), World(world_size)
+        got = a.run(_ring_attention_program, lesson, q, k, v, weights, causal, layout)
+        want = b.run(_ring_attention_program, ring_attention, q, k, v, weights, causal, layout)
+        for g, w in zip(got, want):
+            assert all(torch.equal(x, y) for x, y in zip(g, w))
+        assert _events(a.trace) == _events(b.trace)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = attention(*ref, causal=causal)
+        (ref_out * weights).sum().backward()
+        for index, expected in enumerate([ref_out.detach()] + [t.grad for t in ref]):
+            assert (unshard_sequence([o[index] for o in got], layout) - expected).abs().max() < 1e-12
+
+
+# -- lesson 10: MoE dispatch and combine --------------------------------------------------------------
+
+def test_lesson10_route_is_the_library_route():
+    from simcomm.parallel import expert as ep
+    route = taught("10", "route")
+    params = ep.make_moe(8, 16, 8, seed=0)
+    x = torch.randn(12, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for top_k in (1, 2, 8):
+        args = (x, params["router"], params["bias"], top_k)
+        got, want = route(*args), ep.route(*args)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _lesson10_layer():
+    from simcomm.parallel import expert as ep
+    names = ("capacity", "expert", "keep_mask", "rows_per_rank", "shared_output", "tokens_per_expert")
+    return taught("10", "expert_parallel_moe", "route", "run_experts", **{n: getattr(ep, n) for n in names})
+
+
+def _moe_program(comm, layer, x, probe, params, top_k, factor):
+    from simcomm.parallel.expert import shard_experts
+    tokens = x.shape[0] // comm.world_size
+    mine = slice(comm.rank * tokens, (comm.rank + 1) * tokens)
+    xr = x[mine].clone().requires_grad_()
+    shards = shard_experts(params, comm.rank, comm.world_size)
+    kept = {name: p.detach().clone() for name, p in shards.items()}
+    out, stats = layer(comm, xr, shards, top_k, capacity_factor=factor)
+    assert torch.equal(xr.detach(), x[mine]) and all(torch.equal(shards[n].detach(), kept[n]) for n in kept)
+    (out * probe[mine]).sum().backward()
+    return out.detach(), xr.grad, {name: p.grad for name, p in shards.items()}, stats
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("factor", [None, 1.25, 0.5])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_lesson10_expert_parallel_moe_is_the_library_layer(world_size, factor, shared):
+    from simcomm.parallel import expert as ep
+    layer = _lesson10_layer()
+    for seed, top_k, bias in ((0, 2, 0.0), (1, 1, 0.0), (2, 3, 3.0)):
+        params = ep.make_moe(6, 10, 8, seed=seed, shared_experts=shared)
+        params["bias"][0] = bias                                   # a skewed router: a rank receives most
+        gen = torch.Generator().manual_seed(seed + 7)
+        x, probe = (torch.randn(world_size * 6, 6, dtype=torch.float64, generator=gen) for _ in range(2))
+        a, b = World(world_size), World(world_size)
+        got = a.run(_moe_program, layer, x, probe, params, top_k, factor)
+        want = b.run(_moe_program, ep.expert_parallel_moe, x, probe, params, top_k, factor)
+        for (out, xg, grads, stats), (out2, xg2, grads2, stats2) in zip(got, want):
+            assert torch.equal(out, out2) and torch.equal(xg, xg2) and stats == stats2
+            assert grads.keys() == grads2.keys() and all(torch.equal(grads[k], grads2[k]) for k in grads)
+        assert _events(a.trace) == _events(b.trace)
+        assert [(e.args, e.sent) for e in a.trace.events] == [(e.args, e.sent) for e in b.trace.events]   # the splits
+        leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+        xr = x.clone().requires_grad_()
+        ref = ep.moe(xr, leaves, top_k, capacity_factor=factor, groups=world_size)
+        (ref * probe).sum().backward()
+        assert (torch.cat([g[0] for g in got]) - ref.detach()).abs().max() < 1e-12
+        assert (torch.cat([g[1] for g in got]) - xr.grad).abs().max() < 1e-12
+        assert (sum(g[2]["router"] for g in got) - leaves["router"].grad).abs().max() < 1e-12
+
+
+# -- lesson 12: the 3-D step ----------------------------------------------------------------------------
+
+def _lesson12_step():
+    import math
+    import torch.nn.functional as F
+    from simcomm import memory
+    from simcomm.models.transformer import SHARDING, shard_block
+    return taught("12", "block_step", "heads_attention", "sharded_attention", "sharded_mlp", "run_stages", "sync",
+                  "sync_grads", math=math, F=F, memory=memory, SHARDING=SHARDING, shard_block=shard_block)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_lesson12_block_step_is_the_library_step(world_size):
+    from simcomm.models import transformer as tf
+    step = _lesson12_step()
+    batch, seq, hidden, ffn, heads = 4, 8, 16, 32, 4
+    params = tf.make_block(hidden, ffn, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x, weights = (torch.randn(batch, seq, hidden, dtype=torch.float64, generator=gen) for _ in range(2))
+    leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+    reference = tf.loss(x, weights, leaves, heads)
+    reference.backward()
+    layouts = [layout for layout in tf.layouts(world_size) if layout.tp <= 4 and layout.dp <= batch]
+    assert len(layouts) >= min(world_size, 3)
+    for layout in layouts:
+        a, b = World(world_size, memory=True), World(world_size, memory=True)
+        got = a.run(step, x, weights, params, heads, layout)
+        want = b.run(tf.block_step, x, weights, params, heads, layout)
+        for g, w in zip(got, want):
+            assert g["coords"] == w["coords"] and torch.equal(g["loss"], w["loss"])
+            assert g["grads"].keys() == w["grads"].keys()
+            assert all(torch.equal(g["grads"][k], w["grads"][k]) for k in g["grads"])
+        assert _events(a.trace) == _events(b.trace), layout
+        assert [e.group for e in a.trace.events] == [e.group for e in b.trace.events]
+        assert [r.peak_bytes for r in a.memory.ranks] == [r.peak_bytes for r in b.memory.ranks], layout
+        assert (sum(g["loss"] for g in got) - reference).abs() < 1e-9
+        grads = tf.assemble_grads(got, layout)
+        assert all((grads[k] - leaves[k].grad).abs().max() < 1e-9 for k in grads)
+
+
+# -- lesson 14: the 4-D training -------------------------------------------------------------------------
+
+def _lesson14_train():
+    from simcomm.models import llama, llama_pipeline, llama_training as lt
+    from simcomm.parallel import llama_fsdp
+    return taught("14", "train", "mesh_groups", "stage_leaves", "train_step", llama=llama,
+                  llama_pipeline=llama_pipeline, lt=lt, llama_fsdp=llama_fsdp)
+
+
+def _compare_llama_training(layout, steps, tmp_path=None):
+    from simcomm.models import llama, llama_training as lt
+    train = _lesson14_train()
+    config = llama.Config()
+    data, params = lt.corpus(config, sequences=16, length=9), llama.init_params(config)
+    saves = (tmp_path / "a", tmp_path / "b") if tmp_path else (None, None)    # equal lengths: equal bytes
+    a, b = World(layout.world_size), World(layout.world_size)
+    got = a.run(train, data, params, config, layout=layout, steps=steps, global_batch=4,
+                save=saves[0] and str(saves[0]))
+    want = b.run(lt.train, data, params, config, layout=layout, steps=steps, global_batch=4,
+                 save=saves[1] and str(saves[1]))
+    for g, w in zip(got, want):
+        assert torch.equal(g["losses"], w["losses"]) and g["coords"] == w["coords"] and g["held"] == w["held"]
+        assert g["shards"].keys() == w["shards"].keys()
+        assert all(torch.equal(g["shards"][k], w["shards"][k]) for k in g["shards"])
+    assert ops(a.trace) == ops(b.trace)
+    assert [e.group for e in a.trace.events] == [e.group for e in b.trace.events]
+    reference = lt.reference_losses(data, params, config, dp=layout.dp, steps=steps, global_batch=4)
+    assert (got[0]["losses"] - reference).abs().max() < 1e-10
+    return saves, data, params, config
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2), dict(dp_shard=2, tp=2), dict(pp=2, cp=2),
+                                   dict(pp=2, dp_replicate=2, dp_shard=2), dict(pp=2, dp_shard=2, cp=2, tp=2)])
+def test_lesson14_train_is_the_library_training(sizes):
+    from simcomm.parallel.mesh import Layout
+    _compare_llama_training(Layout(**sizes), steps=2)
+
+
+def test_lesson14_checkpoint_resumes_as_the_library_one(tmp_path):
+    from simcomm.models import llama_training as lt
+    from simcomm.parallel.mesh import Layout
+    (mine, theirs), data, params, config = _compare_llama_training(Layout(pp=2, dp_shard=2, tp=2), 2, tmp_path)
+    resume = Layout(dp_replicate=2, tp=2)
+    runs = [World(4).run(lt.train, data, params, config, layout=resume, steps=2, global_batch=4, load=str(path),
+                         first_step=2) for path in (mine, theirs)]
+    assert all(torch.equal(g["losses"], w["losses"]) for g, w in zip(*runs))
+    reference = lt.reference_losses(data, params, config, dp=2, steps=4, global_batch=4)
+    assert (runs[0][0]["losses"] - reference[2:]).abs().max() < 1e-10
