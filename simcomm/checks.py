@@ -230,12 +230,12 @@ class PartitionTable:
         an equal partition (see the class docstring); raises as :func:`check_partition` does."""
         bucket = _bucket(groups, world_size)
         known = self._known.get(bucket, ()) if bucket is not None else ()
-        key = None
+        key = _UNWRITTEN
         for raw, raw_key, normalized in reversed(known):
             if groups is raw or groups is normalized:
                 self.hits += 1
                 return normalized
-            if key is None:
+            if key is _UNWRITTEN:                # written once, compared with every entry
                 key = _key(groups)
             if key == raw_key:
                 self.hits += 1
@@ -246,7 +246,7 @@ class PartitionTable:
         same = self._known.get(_bucket(normalized, world_size), ())
         normalized = next((entry for _raw, _key, entry in same if entry == normalized), normalized)
         if bucket is not None:
-            key = _key(groups) if key is None else key     # None: entries marshal does not write
+            key = _key(groups) if key is _UNWRITTEN else key   # None: entries marshal does not write
             if key is not None:
                 # an immutable tuple of tuples of ints is kept as it is (the same object passed by
                 # another rank is a hit at once); lists only as their bytes: the caller may change
@@ -273,6 +273,9 @@ def _bucket(groups: object, world_size: int) -> tuple | None:
 def _nested_sequences(groups: object) -> bool:
     """Whether ``groups`` is a list or tuple of lists and tuples (what the table compares)."""
     return type(groups) in (list, tuple) and set(map(type, groups)) <= {list, tuple}
+
+
+_UNWRITTEN = object()   # check's key before it is written
 
 
 def _key(groups: Sequence) -> bytes | None:
