@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout.write
     out(f"TP {args.tp} x PP {args.pp} x DP, {args.layers} MLP blocks per stage, hidden {args.hidden}, "
         f"ffn {args.ffn}, {args.tokens} tokens, bf16, shape-only\n")
-    out("code    ranks  run wall  run CPU  CPU/wall  check  cost wall  total wall  events    peak RSS  "
-        "modelled step  fake dispatch hits\n")
+    out("code    ranks  run wall  run CPU  CPU/wall  check wall  check CPU  cost wall  cost CPU  total wall  "
+        "total CPU  events    peak RSS  modelled step  fake dispatch hits\n")
     for dp in args.dp:
         ranks = args.tp * args.pp * dp
         sides = [("before", args.before)] if args.before and ranks <= args.before_max else []
@@ -188,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in result:
                 out(f"{side:6s}  {ranks:5d}  {result['error']}\n")
                 continue
-            (run_w, run_c), (check_w, _), (cost_w, _) = (result["times"][k] for k in ("run", "check", "cost"))
-            out(f"{side:6s}  {ranks:5d}  {run_w:8.1f}  {run_c:7.1f}  {run_c / run_w:8.2f}  {check_w:5.1f}  "
-                f"{cost_w:9.1f}  {run_w + check_w + cost_w:10.1f}  {result['events']:7d}  "
+            (run_w, run_c), (check_w, check_c), (cost_w, cost_c) = (result["times"][k] for k in ("run", "check", "cost"))
+            out(f"{side:6s}  {ranks:5d}  {run_w:8.1f}  {run_c:7.1f}  {run_c / run_w:8.2f}  {check_w:10.1f}  "
+                f"{check_c:9.1f}  {cost_w:9.1f}  {cost_c:8.1f}  {run_w + check_w + cost_w:10.1f}  "
+                f"{run_c + check_c + cost_c:9.1f}  {result['events']:7d}  "
                 f"{result['peak_rss'] / 2**30:6.2f} GiB  {result['modelled_step_s'] * 1e3:9.1f} ms  "
                 f"{result['hit_rate']:.1%}\n")
     return 0

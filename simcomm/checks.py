@@ -8,7 +8,7 @@ the same way on virtual ranks and on real processes.
 """
 from __future__ import annotations
 
-import itertools
+import marshal
 import operator
 import reprlib
 from collections.abc import Iterable, Sequence
@@ -189,16 +189,22 @@ class PartitionTable:
     ``O(world size**2)`` for a run. :meth:`check` returns the *same* normalized tuple
     to every rank whose ``groups`` equals one accepted before: held once, compared
     in C. What counts as equal is strict, so the table never accepts what
-    :func:`check_partition` refuses: the identical tuple of tuples (immutable), or
-    lists/tuples equal to an accepted partition whose every entry is an ``int``
-    (``True == 1`` and ``1.0 == 1`` in Python, but ``check_partition`` refuses both).
+    :func:`check_partition` refuses: the identical object (an immutable tuple of
+    tuples, or the normalized tuple itself), or lists and tuples whose
+    :func:`marshal.dumps` bytes (format 2: no back-references, so the bytes depend on
+    the values alone) are those of an accepted partition. Those bytes encode each part's
+    type and length and each entry's type and value: only an exact ``int`` is written as
+    one, so ``True``, ``1.0`` or a numpy scalar never match an accepted ``1`` (``True == 1``
+    and ``1.0 == 1`` in Python, but ``check_partition`` refuses both), and one pass of C code
+    over the entries (no Python call per entry) both compares and type-checks them.
     Anything else is checked by :func:`check_partition` itself. One table per run
     of virtual ranks (or per process); it grows by one entry per distinct partition.
     """
 
     def __init__(self) -> None:
-        # by (world size, number of parts, first part): (raw input as given, its normalized form)
-        self._known: dict[tuple, list[tuple[object, tuple[tuple[int, ...], ...]]]] = {}
+        # by (world size, number of parts, first part): (the object as given when it is an
+        # immutable tuple of tuples, else None; its marshal bytes; its normalized form)
+        self._known: dict[tuple, list[tuple[object, bytes, tuple[tuple[int, ...], ...]]]] = {}
         # id of an accepted normalized partition -> (the partition, kept alive; each rank's
         # (part index, position in the part)): built once, read by every rank of the partition
         self._members: dict[int, tuple[tuple[tuple[int, ...], ...], list[tuple[int, int]]]] = {}
@@ -224,23 +230,32 @@ class PartitionTable:
         an equal partition (see the class docstring); raises as :func:`check_partition` does."""
         bucket = _bucket(groups, world_size)
         known = self._known.get(bucket, ()) if bucket is not None else ()
-        for raw, normalized in reversed(known):
-            if groups is raw or groups is normalized or (_equal(groups, raw) and _only_ints(groups)):
+        key = _UNWRITTEN
+        for raw, raw_key, normalized in reversed(known):
+            if groups is raw or groups is normalized:
+                self.hits += 1
+                return normalized
+            if key is _UNWRITTEN:                # written once, compared with every entry
+                key = _key(groups)
+            if key == raw_key:
                 self.hits += 1
                 return normalized
         normalized = check_partition(op, groups, world_size, rank)
         self.misses += 1
         # the same partition given another way (tuples for lists, unsorted parts): one copy
         same = self._known.get(_bucket(normalized, world_size), ())
-        normalized = next((entry for _raw, entry in same if entry == normalized), normalized)
-        if bucket is not None and _only_ints(groups):
-            # an immutable tuple of tuples of ints is kept as it is (the same object passed by
-            # another rank is a hit at once); lists are kept as a snapshot: the caller may
-            # change them afterwards
-            immutable = type(groups) is tuple and set(map(type, groups)) == {tuple}
-            self._known.setdefault(bucket, []).append((groups if immutable else _snapshot(groups), normalized))
+        normalized = next((entry for _raw, _key, entry in same if entry == normalized), normalized)
+        if bucket is not None:
+            key = _key(groups) if key is _UNWRITTEN else key   # None: entries marshal does not write
+            if key is not None:
+                # an immutable tuple of tuples of ints is kept as it is (the same object passed by
+                # another rank is a hit at once); lists only as their bytes: the caller may change
+                # them afterwards
+                immutable = type(groups) is tuple and set(map(type, groups)) == {tuple}
+                self._known.setdefault(bucket, []).append((groups if immutable else None, key, normalized))
         if _bucket(normalized, world_size) != bucket:
-            self._known.setdefault(_bucket(normalized, world_size), []).append((normalized, normalized))
+            self._known.setdefault(_bucket(normalized, world_size), []).append(
+                (normalized, _key(normalized), normalized))
         return normalized
 
 
@@ -260,20 +275,17 @@ def _nested_sequences(groups: object) -> bool:
     return type(groups) in (list, tuple) and set(map(type, groups)) <= {list, tuple}
 
 
-def _equal(groups: Sequence, raw: object) -> bool:
+_UNWRITTEN = object()   # check's key before it is written
+
+
+def _key(groups: Sequence) -> bytes | None:
+    """``groups`` as :func:`marshal.dumps` writes it in format 2 (deterministic: no references
+    between objects, so equal values of equal types give equal bytes), or ``None`` when an entry
+    is something marshal does not write (a numpy scalar, a tensor, an ``int`` subclass)."""
     try:
-        return bool(groups == raw)
-    except Exception:   # an entry whose comparison has no truth value (a tensor of several elements)
-        return False
-
-
-def _only_ints(groups: Sequence) -> bool:
-    """Whether every entry of the parts is an exact ``int`` (in C, no Python loop per entry)."""
-    return set(map(type, itertools.chain.from_iterable(groups))) <= {int}
-
-
-def _snapshot(groups: Sequence) -> object:
-    return type(groups)(part.copy() if type(part) is list else part for part in groups)
+        return marshal.dumps(groups, 2)
+    except (ValueError, TypeError):
+        return None
 
 
 # -- reductions and the ranks' arguments checked against each other ------------------------

@@ -117,3 +117,22 @@ def test_new_group_partitions_are_shared_by_the_ranks_too():
     recorded = [event.args["groups"] for event in world.trace.events if event.op == "subgroup"]
     assert len(recorded) == 4 and len({id(groups) for groups in recorded}) == 1
     assert recorded[0] == ((1, 3), (0, 2))
+
+
+@pytest.mark.parametrize("last", [299.0, True, "299"])
+def test_a_large_partition_with_one_entry_of_another_type_is_refused(last):
+    table = PartitionTable()
+    table.check("subgroup", [list(range(150)), list(range(150, 300))], 300, 0)
+    bad = [list(range(150)), [*range(150, 299), last]]
+    with pytest.raises(ValueError) as caught:
+        table.check("subgroup", bad, 300, 1)
+    assert str(caught.value) == _refusal(bad, 300)
+
+
+def test_int_subclasses_are_accepted_as_check_partition_accepts_them():
+    class Rank(int):
+        pass
+    table = PartitionTable()
+    first = table.check("subgroup", [[0, 1], [2, 3]], 4, 0)
+    assert table.check("subgroup", [[Rank(0), 1], [2, Rank(3)]], 4, 1) == first
+    assert table.check("subgroup", [[0, 1], [2, 3]], 4, 2) is first
