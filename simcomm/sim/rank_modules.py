@@ -159,7 +159,7 @@ class RankModules:
     """The per-rank modules of one run (see the module docstring).
 
     :meth:`hand_off` and :meth:`take_turn` are called by the rank holding the
-    turn, :meth:`start` and :meth:`end` by the thread that runs the World.
+    turn, ``start()`` and ``end()`` by the thread that runs the World.
     """
 
     def __init__(self, world_size: int):
@@ -182,6 +182,8 @@ class RankModules:
     # -- the run's start and end ------------------------------------------------------------
 
     def start(self) -> None:
+        """The run starts: every module imported so far stays shared, and the finder goes first in
+        ``sys.meta_path``."""
         self.shared = set(sys.modules)
         self._expected = len(sys.modules)
         self._finder = _Finder(self)
