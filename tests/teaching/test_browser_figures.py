@@ -22,10 +22,6 @@ legend over an axis title, a wide figure in a scrolling box, and an empty page a
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +29,7 @@ import pytest
 
 from simcomm import handout
 from tests.teaching.test_browser import CHROMIUM, CHROMIUM_ARGS, figure_geometry, misfits
+from tests.teaching.test_handout import export_in_a_fresh_process
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = handout.lesson_notebooks()
@@ -44,30 +41,13 @@ pytestmark = [
     pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (apt-get install chromium)"),
 ]
 
-_BUILD = ("import json, sys\nfrom pathlib import Path\nfrom simcomm import handout\n"
-          "page = handout.build_page(Path(sys.argv[1]), Path(sys.argv[2]), timeout=300)\n"
-          "print(json.dumps(page.figures))")
-
 
 def build(notebook: Path, out: Path) -> tuple[Path, int, float]:
     """Execute and export ``notebook`` into ``out`` in a fresh process: ``(page, figures, seconds)``.
     A build that times out is tried once more (nbclient has now and then waited forever on a kernel
     that had gone idle, see test_handout.py)."""
-    env = {**os.environ, "SIMCOMM_BACKEND": "sim",
-           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     start = time.perf_counter()
-    for attempt in (1, 2):
-        try:
-            done = subprocess.run([sys.executable, "-c", _BUILD, str(notebook), str(out)], env=env, cwd=ROOT,
-                                  capture_output=True, text=True, timeout=420)
-        except subprocess.TimeoutExpired:
-            if attempt == 2:
-                raise
-            continue
-        if done.returncode == 0 or attempt == 2 or "Timeout" not in done.stderr:
-            break
-    assert done.returncode == 0, f"{notebook.name} did not run:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    figures = export_in_a_fresh_process(notebook, out, cell_timeout=300, timeout=420)
     return out / f"{notebook.stem}.html", figures, time.perf_counter() - start
 
 

@@ -28,6 +28,32 @@ import pytest
 from simcomm import handout
 from tests.teaching.test_browser import CHROMIUM, CHROMIUM_ARGS, CUT_OFF_FIGURES
 
+
+_EXPORT = ("import json, sys\nfrom pathlib import Path\nfrom simcomm import handout\n"
+           "page = handout.build_page(Path(sys.argv[1]), Path(sys.argv[2]), timeout=float(sys.argv[3]))\n"
+           "print(json.dumps(page.figures))")
+
+
+def export_in_a_fresh_process(notebook: Path, out: Path, *, cell_timeout: float, timeout: float):
+    """Execute and export ``notebook`` into ``out`` with :func:`simcomm.handout.build_page` in a fresh
+    process on the simulator; returns the page's figure count. A build that times out is tried once
+    more: nbclient, executing widgets, has now and then waited forever on a kernel that had gone idle."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "SIMCOMM_BACKEND": "sim",
+           "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    for attempt in (1, 2):
+        try:
+            done = subprocess.run([sys.executable, "-c", _EXPORT, str(notebook), str(out), str(cell_timeout)],
+                                  env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if attempt == 2:
+                raise
+            continue
+        if done.returncode == 0 or attempt == 2 or "Timeout" not in done.stderr:
+            break
+    assert done.returncode == 0, f"{notebook.name} did not run:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
 pytestmark = pytest.mark.slow
 
 #: the lessons built here: links between lessons and the ring animation that must play offline.
@@ -251,24 +277,8 @@ def test_an_exported_bucket_slider_draws_its_default_figure_offline_at_1024_px(t
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(source) for source in _SLIDER_NOTEBOOK]
     nbformat.write(nb, notebook)
-    script = ("import json, sys\nfrom pathlib import Path\nfrom simcomm import handout\n"
-              "page = handout.build_page(Path(sys.argv[1]), Path(sys.argv[2]), timeout=120)\n"
-              "print(json.dumps(page.figures))")
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "SIMCOMM_BACKEND": "sim",
-           "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    for attempt in (1, 2):      # nbclient, executing widgets, has now and then waited forever (PREFIXES)
-        try:
-            done = subprocess.run([sys.executable, "-c", script, str(notebook), str(tmp_path)], env=env,
-                                  cwd=root, capture_output=True, text=True, timeout=240)
-        except subprocess.TimeoutExpired:
-            if attempt == 2:
-                raise
-            continue
-        if done.returncode == 0 or attempt == 2 or "Timeout" not in done.stderr:
-            break
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == 1
+    figures = export_in_a_fresh_process(notebook, tmp_path, cell_timeout=120, timeout=240)
+    assert figures == 1
     text = (tmp_path / "slider.html").read_text(encoding="utf-8")
     assert "widget-view+json" not in text and "widget-state+json" not in text
     assert "bucket size: 1 MiB" in text and "An interactive widget was here" in text
