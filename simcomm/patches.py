@@ -410,6 +410,14 @@ PATCHES: tuple[Patch, ...] = (
         "the first shape-only World.run", "never: stays for the process", "process",
         ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__"),
         ("torch._subclasses.fake_tensor.FakeTensor.__reduce_ex__", "torch.distributed.tensor.DTensor.__reduce_ex__")),
+    Patch(
+        "trunc-normal", "``torch.nn.init._no_grad_trunc_normal_`` (what ``trunc_normal_`` calls): a fake "
+        "tensor is left as it is", "simcomm.sim.shape",
+        "torch's redraws values outside the bounds until none is left, reading ``mask.any()`` of random "
+        "data, which a shape-only rank does not have (ShapeOnlyError in a model's weight "
+        "initialisation); every other tensor gets torch's own",
+        "the first shape-only World.run", "never: stays for the process", "process",
+        ("torch.nn.init._no_grad_trunc_normal_",), ("torch.nn.init._no_grad_trunc_normal_",)),
 )
 
 STACK_DECISIONS: tuple[StackDecision, ...] = (
