@@ -218,7 +218,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cuda-answers", "``torch.cuda``'s queries (is_available, device_count, current_device, "
         "set_device, device, memory_allocated, mem_get_info, memory_summary, manual_seed, get_rng_state, "
-        "Stream, Event, ...) and ``torch.nn.Module.cuda``/``.to``",
+        "Stream, Event, ...; CUDA graphs: a named NotImplementedError) and ``torch.nn.Module.cuda``/``.to``",
         "simcomm.sim.cuda_map",
         "virtual GPUs (World(map_cuda=True); python -m simcomm.run without a GPU): a GPU script runs "
         "unchanged; torch.cuda answers as one GPU per rank (random state and memory statistics per "
@@ -238,7 +238,8 @@ PATCHES: tuple[Patch, ...] = (
          "torch.cuda.get_rng_state", "torch.cuda.set_rng_state", "torch.cuda.get_rng_state_all",
          "torch.cuda.set_rng_state_all", "torch.cuda.Stream",
          "torch.cuda.Event", "torch.cuda.current_stream", "torch.cuda.default_stream", "torch.cuda.stream",
-         "torch.nn.Module.cuda", "torch.nn.Module.to")),
+         "torch.cuda.CUDAGraph", "torch.cuda.graph", "torch.cuda.graph_pool_handle",
+         "torch.cuda.make_graphed_callables", "torch.nn.Module.cuda", "torch.nn.Module.to")),
     Patch(
         "accelerator-answers", "``torch.accelerator``'s queries (is_available, current_accelerator, "
         "device_count, set_device_index, current_device_index, device_index, synchronize, current_stream, "
@@ -409,6 +410,14 @@ PATCHES: tuple[Patch, ...] = (
         "the first shape-only World.run", "never: stays for the process", "process",
         ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__"),
         ("torch._subclasses.fake_tensor.FakeTensor.__reduce_ex__", "torch.distributed.tensor.DTensor.__reduce_ex__")),
+    Patch(
+        "trunc-normal", "``torch.nn.init._no_grad_trunc_normal_`` (what ``trunc_normal_`` calls): a fake "
+        "tensor is left as it is", "simcomm.sim.shape",
+        "torch's redraws values outside the bounds until none is left, reading ``mask.any()`` of random "
+        "data, which a shape-only rank does not have (ShapeOnlyError in a model's weight "
+        "initialisation); every other tensor gets torch's own",
+        "the first shape-only World.run", "never: stays for the process", "process",
+        ("torch.nn.init._no_grad_trunc_normal_",), ("torch.nn.init._no_grad_trunc_normal_",)),
 )
 
 STACK_DECISIONS: tuple[StackDecision, ...] = (

@@ -41,6 +41,9 @@ __all__ = ["SimcommProcessGroup", "register", "install_group_tags", "claim_cuda"
 
 BACKEND_NAME = "simcomm"
 
+#: torch's backend that communicates nothing (``dist.Backend.FAKE``)
+FAKE_BACKEND = "fake"
+
 #: the calling rank thread's group maker (``register``'s argument: the simulator's per-rank
 #: context, with ``transport_for`` and ``agree_on_local_group``); None until registered
 _rank_groups: Callable[[], Any] | None = None
@@ -130,10 +133,14 @@ class SimcommProcessGroup(dist.ProcessGroup):
         DeadlockError on both backends, never a hang. Each call makes a group of its own,
         even with the same ranks as another (or as the world).
         """
-        self._check_backend(_requested_backend(sys._getframe(1)))
+        backend = _requested_backend(sys._getframe(1))
         ranks = [int(rank) for rank in ranks]
         me = self.transport.global_rank
         name = "" if group_name is None else str(group_name)
+        if backend is not None and backend.lower() == FAKE_BACKEND:
+            return _fake_group(ranks, me, name, "undefined" if group_desc is None else str(group_desc),
+                               timeout, pg_options)
+        self._check_backend(backend)
         if name.isdigit():                       # world-synchronised: a collective of the world
             others = tuple(rank for rank in self.transport.ranks if rank not in ranks)
             local = {rank: index for index, rank in enumerate(self.transport.ranks)}
@@ -155,7 +162,7 @@ class SimcommProcessGroup(dist.ProcessGroup):
     def _check_backend(self, backend: str | None) -> None:
         """Refuse a ``new_group(backend=...)`` this process group cannot serve: on virtual
         ranks every group is a "simcomm" group (a gloo group would block in its store where
-        the simulator cannot see)."""
+        the simulator cannot see), or a ``"fake"`` one (:func:`_fake_group`)."""
         if backend is not None and backend.lower() != BACKEND_NAME:
             raise NotImplementedError(
                 f"only the {BACKEND_NAME!r} backend runs on virtual ranks: a process group of "
@@ -332,6 +339,43 @@ def _requested_backend(frame) -> str | None:
     return None if backend is None else str(backend)
 
 
+def _fake_group(ranks: list[int], me: int, name: str, desc: str, timeout, pg_options) -> dist.ProcessGroup | None:
+    """``dist.new_group(ranks, backend="fake")`` on a virtual rank: torch's own fake group,
+    made as c10d makes it for a default group of gloo or NCCL, or None off ``ranks``.
+
+    A fake group communicates nothing: each rank's collectives complete at once on its own
+    tensors (torch's ``FakeProcessGroup``: ``all_reduce`` and ``broadcast`` leave the tensor
+    as it is, ``all_gather`` copies the rank's input into every output, ``reduce_scatter``
+    keeps the rank's own chunk, ``send``/``recv`` do nothing). DeviceMesh makes one for a
+    mesh dimension given ``backend_override="fake"``. So, as on real processes, the group is
+    made by each rank on its own (no rank waits for another, nothing is traced), and its
+    collectives are torch's, unchanged. torch knows the name ``"fake"`` once
+    ``torch.testing._internal.distributed.fake_pg`` is imported (``torch.distributed.fsdp``
+    imports it); before that c10d's own error is raised, as for gloo.
+    """
+    if FAKE_BACKEND.upper() not in dist.Backend._plugins:
+        raise AssertionError(f"Unknown c10d backend type {FAKE_BACKEND.upper()}")   # c10d's words
+    if me not in ranks:
+        return None
+    group_rank = ranks.index(me)
+    store = dist.PrefixStore(f"{name}/", dist.HashStore())   # the fake backend never reads it
+    pg = dist.ProcessGroup(store, group_rank, len(ranks))
+    pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    options = c10d._DistributedBackendOptions()
+    options.store = store
+    options.group_rank = group_rank
+    options.group_size = len(ranks)
+    options.timeout = timeout if timeout is not None else c10d.default_pg_timeout
+    options.group_id = name
+    options.global_ranks_in_group = ranks
+    backend = dist.Backend._plugins[FAKE_BACKEND.upper()].creator_fn(options, pg_options)
+    for device in c10d.BackendConfig(dist.Backend(FAKE_BACKEND)).get_device_backend_map():
+        pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
+    pg._set_group_name(name)
+    pg._set_group_desc(desc)
+    return pg
+
+
 def _create(backend_options, _pg_options) -> SimcommProcessGroup:
     """c10d's backend constructor (extended API: it gets the group's global ranks)."""
     context = _current_groups()
@@ -353,7 +397,7 @@ def _register_pg_in_world(pg, *args, **kwargs):
     alone). A program can tell: the functional collectives find the group for a list of ranks
     under the default tag (``funcol.all_reduce(t, "sum", group=[0, 1])``).
     """
-    if isinstance(pg, SimcommProcessGroup) and not ({"pg_tag", "user_tag", "add_to_default_tag"} & kwargs.keys()):
+    if _made_by_simcomm_default(pg) and not ({"pg_tag", "user_tag", "add_to_default_tag"} & kwargs.keys()):
         caller = sys._getframe(1)
         if caller.f_code.co_name == "_new_group_with_tag":
             tag = caller.f_locals.get("pg_tag")
@@ -362,6 +406,15 @@ def _register_pg_in_world(pg, *args, **kwargs):
             else:
                 kwargs["pg_tag"] = f"user:{tag}"
     return _torch_register_pg_in_world(pg, *args, **kwargs)
+
+
+def _made_by_simcomm_default(pg) -> bool:
+    """Whether ``pg`` is a group a simcomm default group made: a SimcommProcessGroup, or a fake
+    group (:func:`_fake_group`) that c10d registers after the default group's ``new_group``."""
+    if isinstance(pg, SimcommProcessGroup):
+        return True
+    default = c10d.GroupMember.WORLD
+    return isinstance(default, SimcommProcessGroup) and pg is not default
 
 
 def install_group_tags() -> None:

@@ -55,8 +55,9 @@ device (``cpu``; fake on shape-only ranks) and every place a program names CUDA 
 
 What a program can still tell (docs/torchrun.md, "Virtual GPUs"): its tensors report
 ``device.type == "cpu"`` and ``is_cuda`` False, kernels are the CPU's (no TF32, CPU autocast's
-op lists), and anything else of ``torch.cuda`` (CUDA graphs, ``torch.cuda.nvtx``, custom
-kernels) raises as on a CPU-only build. ``torch.cuda`` is patched for the whole process during
+op lists), CUDA graphs (``torch.cuda.CUDAGraph``, ``graph``, ``graph_pool_handle``,
+``make_graphed_callables``) raise a NotImplementedError that names them, and anything else of
+``torch.cuda`` (``torch.cuda.nvtx``, custom kernels) raises as on a CPU-only build. ``torch.cuda`` is patched for the whole process during
 the run: do not run two such Worlds at once in one process.
 """
 from __future__ import annotations
@@ -401,6 +402,37 @@ def _mapped_type() -> str:
 _ERROR = getattr(torch, "AcceleratorError", RuntimeError)
 
 
+def _no_cuda_graphs(name: str) -> NotImplementedError:
+    """The error of ``torch.cuda.<name>`` (CUDA graph capture) on a virtual GPU."""
+    return NotImplementedError(
+        f"torch.cuda.{name}: CUDA graphs are not available on simcomm's virtual GPUs (virtual GPU "
+        f"{_current_device()}): a virtual GPU runs the CPU's kernels, which cannot be captured and "
+        f"replayed; turn the script's CUDA graphs off (its option for them), or run it on a real GPU")
+
+
+class _CUDAGraph:
+    """``torch.cuda.CUDAGraph`` on virtual GPUs: a class (``isinstance`` checks work) that no
+    program can make."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        raise _no_cuda_graphs("CUDAGraph")
+
+
+class _graph:  # noqa: N801 - torch.cuda.graph is a class used as a context manager
+    """``torch.cuda.graph(...)`` on virtual GPUs: a named error (capture needs a CUDA runtime)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        raise _no_cuda_graphs("graph")
+
+
+def _graph_pool_handle() -> Any:
+    raise _no_cuda_graphs("graph_pool_handle")
+
+
+def _make_graphed_callables(*args: Any, **kwargs: Any) -> Any:
+    raise _no_cuda_graphs("make_graphed_callables")
+
+
 def _check_ordinal(index: int, count: int) -> int:
     if index < 0 or index >= count:
         raise _ERROR(f"CUDA error: invalid device ordinal (device {index}; this node has {count} virtual "
@@ -599,6 +631,10 @@ class _Answers:
             "current_stream": lambda device=None: stream,
             "default_stream": lambda device=None: stream,
             "stream": lambda stream=None: contextlib.nullcontext(stream),
+            "CUDAGraph": _CUDAGraph,
+            "graph": _graph,
+            "graph_pool_handle": _graph_pool_handle,
+            "make_graphed_callables": _make_graphed_callables,
         }
 
     def accelerator(self) -> dict[str, Any]:

@@ -87,6 +87,11 @@ with the DeviceMesh wrappers on the first shape-only run) lets a conversion that
 returns every parameter and gradient as it is leave the module as torch does
 without a swap (``simcomm.patches``: ``"module-apply"``).
 
+**Truncated normal initialisation.** ``torch.nn.init.trunc_normal_`` redraws until
+every value lies in its bounds, reading ``mask.any()`` of random data; on a fake tensor
+it leaves the tensor as it is (:func:`install_trunc_normal`, process-long, installed with
+the DeviceMesh wrappers; ``simcomm.patches``: ``"trunc-normal"``).
+
 **Checkpoints.** ``torch.save`` of a shape-only rank's fake tensors writes meta tensors (shape,
 dtype, strides, requires_grad; a fake Parameter as a meta Parameter; a DTensor over one as a
 DTensor on the meta device), and ``torch.load`` gives them back; stderr says so once per run
@@ -128,6 +133,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
     UnsupportedFakeTensorException,
+    is_fake,
 )
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -139,7 +145,7 @@ __all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_in
            "fake_arguments",
            "compute_on_meta", "own",
            "shapes", "is_shape_only", "data_dependent_error", "trace_signature", "FunctionalCollectives",
-           "install_device_mesh_values", "install_module_apply", "install_fake_pickling", "SAVE_NOTICE", "value_of", "forget_values",
+           "install_device_mesh_values", "install_module_apply", "install_fake_pickling", "install_trunc_normal", "SAVE_NOTICE", "value_of", "forget_values",
            "VALUE_LIMIT"]
 
 #: the values of ``World(..., tensors=)``
@@ -473,8 +479,9 @@ def install_device_mesh_values() -> None:
         if name.startswith("torch.distributed") and getattr(module, "init_device_mesh", None) is original:
             module.init_device_mesh = wrapped
     _OUTSIDE_FAKE_INSTALLED = True
-    install_module_apply()      # the first shape-only run installs all three
+    install_module_apply()      # the first shape-only run installs all four
     install_fake_pickling()
+    install_trunc_normal()
 
 
 # -- a module conversion that changes nothing ----------------------------------------------------
@@ -521,6 +528,33 @@ def install_module_apply() -> None:
     if _torch_module_apply is None:
         _torch_module_apply = torch.nn.Module._apply
         torch.nn.Module._apply = _module_apply      # simcomm.patches: "module-apply"
+
+
+# -- a truncated normal initialisation of a fake tensor --------------------------------------------
+
+_torch_trunc_normal: Callable | None = None
+
+
+def _trunc_normal(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """torch's ``torch.nn.init._no_grad_trunc_normal_`` (what ``trunc_normal_`` calls), where
+    a fake tensor is left as it is.
+
+    torch's draws, then redraws the values outside ``[a, b]`` until none is left, reading
+    ``mask.any()`` each time: a value of random data, which a shape-only rank does not have
+    (ShapeOnlyError), though the result is a tensor of the same shape whose values a shape-only
+    rank never has either. Any other tensor (real values, on every thread) gets torch's own."""
+    if is_fake(tensor):
+        return tensor
+    return _torch_trunc_normal(tensor, *args, **kwargs)
+
+
+def install_trunc_normal() -> None:
+    """Put :func:`_trunc_normal` in ``torch.nn.init._no_grad_trunc_normal_``'s place (once per
+    process), where torch's ``trunc_normal_`` looks it up on each call."""
+    global _torch_trunc_normal
+    if _torch_trunc_normal is None and hasattr(torch.nn.init, "_no_grad_trunc_normal_"):
+        _torch_trunc_normal = torch.nn.init._no_grad_trunc_normal_
+        torch.nn.init._no_grad_trunc_normal_ = _trunc_normal      # simcomm.patches: "trunc-normal"
 
 
 # -- saving fake tensors: meta tensors in the file ----------------------------------------------
