@@ -179,6 +179,16 @@ class OneCpu:
                 pass
 
 
+#: how long a rank whose program returned waits for the non-daemon threads it started
+#: (:meth:`RunState.join_rank_threads`)
+RANK_THREAD_GRACE_S = 10.0
+
+
+def _is_executor_worker(thread: threading.Thread) -> bool:
+    target = getattr(thread, "_target", None)
+    return getattr(target, "__module__", None) == "concurrent.futures.thread"
+
+
 class RunState:
     """Everything the ranks of one run share: the lock, whose turn it is, the first error.
 
@@ -282,13 +292,34 @@ class RunState:
     def join_rank_threads(self, rank: int) -> None:
         """Called by ``rank``'s thread when its program has returned: wait for the non-daemon
         threads the rank started, as a process's exit does; they may communicate as the rank
-        meanwhile. In short waits, so that an interrupt (a timeout) reaches this thread."""
+        meanwhile. In short waits, so that an interrupt (a timeout) reaches this thread.
+
+        Not waited for: the threads of a rank whose program failed (its failure is reported at
+        once: the other ranks must learn of it), the worker threads of ``concurrent.futures``
+        executors (a process's exit tells them to stop before it joins its threads; here the
+        exit is the rank's, not the process's), and a thread still running
+        :data:`RANK_THREAD_GRACE_S` seconds after its rank's program returned (a thread that
+        waits for the main thread's end, say): the rank ends with a notice naming it and its
+        line, instead of holding every rank up."""
         threads = self.rank_threads[rank]
+        if any(failed == rank for failed, _ in self.rank_errors):
+            threads.clear()
+            return
+        deadline = time.monotonic() + RANK_THREAD_GRACE_S
         while threads and self.error is None:
             thread = threads[-1]
-            if thread is threading.current_thread() or not thread.is_alive() or not waited_for_at_exit(thread):
+            if (thread is threading.current_thread() or not thread.is_alive() or not waited_for_at_exit(thread)
+                    or _is_executor_worker(thread)):
                 threads.pop()
                 continue
+            if time.monotonic() > deadline:
+                frame = sys._current_frames().get(thread.ident)
+                where = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+                print(f"simcomm: rank {rank}'s program has returned, but a thread it started, {thread.name!r}, "
+                      f"is still running{where} after {RANK_THREAD_GRACE_S:g} s; the rank ends without "
+                      "waiting for it (a process would wait for it at exit)", file=sys.stderr, flush=True)
+                threads.clear()
+                return
             thread.join(0.05)
 
     def rank_finished(self, rank: int) -> None:

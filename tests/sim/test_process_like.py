@@ -379,3 +379,47 @@ def test_stdout_is_a_full_text_stream_under_torchrun():
     done, _ = under_torchrun("rank_streams.py", env={"PYTHONIOENCODING": "utf-8"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert _stream_lines(done.stdout) == EXPECTED_STREAMS, done.stdout
+
+
+# -- the threads a rank waits for as it ends ------------------------------------------------------
+
+_LINGERING = '''
+import sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+how = sys.argv[1]
+if how == "executor":
+    pool = ThreadPoolExecutor(2)             # never shut down: a process's exit stops its workers
+    pool.submit(time.sleep, 0.01).result()
+elif rank == 0:
+    forever = threading.Event()
+    threading.Thread(target=forever.wait, name="waits-forever").start()     # not a daemon
+dist.barrier()
+if how == "fails" and rank == 0:
+    raise RuntimeError("rank 0 fails")
+print(f"rank{rank}: done", flush=True)
+'''
+
+
+@pytest.mark.parametrize("how", ["fails", "returns", "executor"])
+def test_a_rank_does_not_hang_on_a_thread_that_never_ends(how, tmp_path, capsys, monkeypatch):
+    from simcomm.sim import scheduler
+    monkeypatch.setattr(scheduler, "RANK_THREAD_GRACE_S", 0.5)
+    script = tmp_path / "lingering.py"
+    script.write_text(_LINGERING)
+    result = run_script(script, 2, [how], timeout=60)
+    out = capsys.readouterr()
+    lines = report(out.out + out.err)
+    if how == "fails":      # the failure is reported, not held up by the thread
+        assert result.exit_codes == [1, 0] and "rank 0 fails" in repr(result), result.summary()
+        assert lines.get(1) == "done", lines
+    else:
+        assert result.returncode == 0, result.summary() + out.err
+        assert lines == {0: "done", 1: "done"}, lines
+        if how == "returns":
+            assert "a thread it started, 'waits-forever', is still running" in out.err, out.err
+        else:
+            assert "still running" not in out.err, out.err
