@@ -448,7 +448,7 @@ STACK_DECISIONS: tuple[StackDecision, ...] = (
 
 #: functions that read frames only to name where a program is, in messages and reports
 STACK_NAMING = ("simcomm.reports:program_frame", "simcomm.reports:program_location",
-                "simcomm.sim.waits:describe_waits")
+                "simcomm.sim.waits:describe_waits", "simcomm.sim.scheduler:RunState.join_rank_threads")
 
 
 def patch(name: str) -> Patch:
