@@ -760,6 +760,11 @@ def _start(self: threading.Thread) -> None:
                 target()
         self.run = run_as_rank
         owner[0].adopt_thread(owner[1], self)
+    if getattr(self, "_simcomm_waited_for", False):
+        # made daemon after construction: not waited for; either way it runs as a daemon thread of
+        # the process, so that a leftover thread never holds up the interpreter's exit
+        self._simcomm_waited_for = not self._daemonic
+        self._daemonic = True
     _original_start(self)
 
 
@@ -774,8 +779,13 @@ def _init(self: threading.Thread, *args: Any, **kwargs: Any) -> None:
         # made on a rank's own thread (a daemon thread of World's) without daemon=: on a process's
         # main thread it would be a non-daemon thread, which the process waits for as it exits
         run, rank = owner
-        self._simcomm_waited_for = threading.current_thread() is run.threads[rank] or \
+        waited_for = threading.current_thread() is run.threads[rank] or \
             getattr(threading.current_thread(), "_simcomm_waited_for", False)
+        if waited_for:
+            # until start() it reads as a process's would (not a daemon), so that a library that
+            # makes it a daemon after construction (multiprocessing's queue feeder) is seen to
+            self._daemonic = False
+            self._simcomm_waited_for = True
 
 
 _init.__doc__ = _original_init.__doc__
