@@ -9,9 +9,6 @@ script under torchrun and compares torchrun's output with it too.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ import torch.distributed as dist
 
 from simcomm import World
 from simcomm.run import run_script
+from tests.launchers import TORCHRUN, launch_ok
 from tests.sim.test_run import tagged_lines
 
 SCRIPT = '"""A torchrun script: "fake" process groups (torch\'s backend that communicates nothing) beside gloo."""\nimport torch\nimport torch.distributed as dist\nimport torch.distributed._functional_collectives as funcol\nimport torch.distributed.fsdp  # noqa: F401  (registers the "fake" backend, as torchtitan\'s imports do)\nfrom torch.distributed.device_mesh import init_device_mesh\n\ndist.init_process_group("gloo")\nrank, world = dist.get_rank(), dist.get_world_size()\nfake = dist.new_group(list(range(world)), backend="fake", group_desc="mine")\nprint(f"fake: backend={dist.get_backend(fake)} rank={fake.rank()} size={fake.size()} "\n      f"ranks={dist.get_process_group_ranks(fake)} name={fake.group_name} desc={fake.group_desc}")\nmine = torch.arange(4.0) + 10 * rank\nt = mine.clone(); dist.all_reduce(t, group=fake); print(f"all_reduce={t.tolist()}")\nt = mine.clone(); dist.broadcast(t, src=0, group=fake); print(f"broadcast={t.tolist()}")\nouts = [torch.full((4,), -1.0) for _ in range(world)]; dist.all_gather(outs, mine, group=fake)\nprint(f"all_gather={[o.tolist() for o in outs]}")\nout = torch.full((4 * world,), -1.0); dist.all_gather_into_tensor(out, mine, group=fake)\nprint(f"all_gather_into_tensor={out.tolist()}")\nout = torch.full((4 // world,), -1.0); dist.reduce_scatter_tensor(out, mine, group=fake)\nprint(f"reduce_scatter_tensor={out.tolist()}")\nout = torch.full((4,), -1.0); dist.all_to_all_single(out, mine, group=fake); print(f"all_to_all_single={out.tolist()}")\nt = mine.clone(); dist.reduce(t, dst=0, group=fake); print(f"reduce={t.tolist()}")\nwork = dist.all_reduce(mine.clone(), group=fake, async_op=True)\nprint(f"async: completed_before_wait={work.is_completed()} wait={work.wait()}")\ndist.barrier(group=fake)\nif rank == 1:\n    dist.send(mine, 0, group=fake)           # communicates nothing: nobody receives\nprint(f"funcol={funcol.all_reduce(mine, \'sum\', fake).tolist()}")\npart = dist.new_group([0], backend="fake")\nprint(f"member_of_[0]={part is not dist.GroupMember.NON_GROUP_MEMBER}")\nreal = dist.new_group(list(range(world)))\nt = mine.clone(); dist.all_reduce(t, group=real)\nprint(f"after: name={real.group_name} all_reduce={t.tolist()}")\nmesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))\ngrid = mesh._unflatten(0, (1, world), ("pp", "dp"), backend_override={"pp": "fake", "dp": "fake"})\nfor dim in ("pp", "dp"):\n    group = grid[dim].get_group()\n    print(f"mesh {dim}: backend={dist.get_backend(group)} size={group.size()} local_rank={grid[dim].get_local_rank()} "\n          f"desc={group.group_desc} ranks={dist.get_process_group_ranks(group)}")\nt = mine.clone(); dist.all_reduce(t, group=grid["dp"].get_group()); print(f"mesh dp all_reduce={t.tolist()}")\nt = mine.clone(); dist.all_reduce(t, group=mesh.get_group()); print(f"mesh world all_reduce={t.tolist()}")\ndist.destroy_process_group()\nprint("done")\n'
@@ -149,15 +147,11 @@ def test_other_backends_are_still_refused_by_name():
     assert World(2).run(program) == [True, True]
 
 
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
 @pytest.mark.real
 @pytest.mark.skipif(not TORCHRUN.exists(), reason=f"no torchrun at {TORCHRUN}")
 def test_the_script_under_torchrun_gloo_prints_the_expected_rows(script, tmp_path):
-    root = Path(__file__).parents[2]
-    done = subprocess.run([str(TORCHRUN), "--standalone", "--tee", "3", "--nproc-per-node", "2", str(script)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert _printed(done.stdout + done.stderr) == EXPECTED
+    text = launch_ok([str(TORCHRUN), "--standalone", "--tee", "3", "--nproc-per-node", "2", str(script)],
+                     tmp_path, reference=True, timeout=300)
+    assert _printed(text) == EXPECTED

@@ -7,7 +7,6 @@ state, written out here per rank), the slow tests run the same script under torc
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -160,7 +159,7 @@ def test_a_program_that_imports_nothing_new_gives_no_rank_a_module():
 
 # -- the same scripts under torchrun (gloo processes) ---------------------------------------------
 
-TORCHRUN = Path(sys.executable).parent / "torchrun"
+from tests.launchers import TORCHRUN, launch_ok
 
 
 @pytest.mark.real
@@ -169,14 +168,11 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
     ("borg_state.py", 2, BORG), ("pgm_grid.py", 4, GRID), ("rank_log_script.py", 2, LOG),
     ("registers_op.py", 3, {rank: ["scaled_sum=18"] for rank in range(3)})])
 def test_each_script_prints_under_simcomm_run_what_it_prints_under_torchrun(tmp_path, script, nproc, expected):
-    root = Path(__file__).parents[2]
     outputs = []
     for launcher in ([sys.executable, "-m", "simcomm.run"], [str(TORCHRUN), "--standalone", "--tee", "3"]):
-        done = subprocess.run([*launcher, "--nproc-per-node", str(nproc), str(SCRIPTS / script)],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env={**__import__("os").environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        tagged = lines(done.stdout + done.stderr)
+        text = launch_ok([*launcher, "--nproc-per-node", str(nproc), str(SCRIPTS / script)], tmp_path,
+                         reference=launcher[0] == str(TORCHRUN), timeout=300)
+        tagged = lines(text)
         outputs.append({rank: [line for line in tagged.get(rank, []) if "own import of module" not in line]
                         for rank in range(nproc)})
     assert outputs[0] == outputs[1] == expected

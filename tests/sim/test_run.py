@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import simcomm
 from simcomm.run import ScriptRun, rank_environment, run_script
+from tests.launchers import launch_ok
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 ROOT = Path(__file__).parents[2]
@@ -381,17 +382,8 @@ def test_real_workers_draw_the_same_numbers_and_join_init_process_group(gloo_clu
 # -- the same script through torchrun (gloo processes) and simcomm.run -----------------------------
 
 def _run_command(command: list[str], cwd: Path, *, reference: bool = False) -> str:
-    """Run ``command``; its output. ``reference``: the torchrun side, run once more when one of its
-    gloo processes was killed by a signal (gloo's threads sometimes abort a process in its
-    teardown, ``terminate called without an active exception``, after the script has finished)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for attempt in range(2 if reference else 1):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
-        aborted = "failed (exitcode: -" in done.stderr
-        if done.returncode == 0 or not aborted:
-            break
-    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout + done.stderr
+    """Run ``command``; its output (``reference``: the torchrun side, see tests/launchers.py)."""
+    return launch_ok(command, cwd, reference=reference)
 
 
 def both_ways(tmp_path: Path, script: str, nproc: int, *args: str, out: bool = False):

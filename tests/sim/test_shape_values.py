@@ -11,10 +11,7 @@ ShapeOnlyError naming the op as before. A conversion that changes nothing
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ from simcomm import RankError
 from simcomm.errors import ShapeOnlyError
 from simcomm.run import run_script
 from simcomm.sim.shape import VALUE_LIMIT
+from tests.launchers import TORCHRUN, launch_ok
 
 
 def bookkeeping_program(comm) -> dict:
@@ -251,11 +249,8 @@ def test_a_grid_bookkeeping_script_prints_the_same_shape_only_as_with_values(cap
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_grid_bookkeeping_script_prints_what_torchrun_prints(tmp_path, capsys):
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([str(torchrun), "--standalone", "--tee", "3", "--nproc-per-node", "8", str(SCRIPT)],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    text = launch_ok([str(TORCHRUN), "--standalone", "--tee", "3", "--nproc-per-node", "8", str(SCRIPT)], tmp_path,
+                     reference=True, timeout=240)
     shape = run_script(SCRIPT, 8, tensors="shape")
     assert shape.returncode == 0, shape.summary()
-    assert _lines(capsys.readouterr().out) == _lines(done.stdout + done.stderr)
+    assert _lines(capsys.readouterr().out) == _lines(text)

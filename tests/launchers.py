@@ -1,0 +1,42 @@
+"""Running a script under a launcher (``torchrun`` or ``python -m simcomm.run``) in a subprocess.
+
+torchrun is the reference side of many tests. Its gloo processes sometimes die by a signal in
+their teardown after the script has finished (gloo's threads abort the process: ``terminate
+called ...``, the agent then reports ``exitcode: -6`` and stops the other workers with SIGTERM).
+Such a run says nothing about the script, so a reference run that ends that way is run again.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+REFERENCE_ATTEMPTS = 3
+
+
+def killed_in_teardown(done: subprocess.CompletedProcess) -> bool:
+    """Whether torchrun reports a worker that died by a signal (its exit code negative)."""
+    return done.returncode != 0 and "(exitcode: -" in done.stderr + done.stdout
+
+
+def launch(command: list[str], cwd: Path, *, reference: bool = False, env: dict | None = None,
+           timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``command`` in ``cwd`` with the project importable and one OpenMP thread per process.
+    ``reference``: the torchrun side, run again (up to ``REFERENCE_ATTEMPTS`` times in all) while a
+    gloo process dies by a signal."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    for _attempt in range(REFERENCE_ATTEMPTS if reference else 1):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=environment)
+        if not killed_in_teardown(done):
+            break
+    return done
+
+
+def launch_ok(command: list[str], cwd: Path, **options) -> str:
+    """``launch``, asserting the run ended with 0; its stdout and stderr together."""
+    done = launch(command, cwd, **options)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
