@@ -115,6 +115,54 @@ def test_lesson04_tp_mlp_and_shards_are_the_library_ones(world_size, conjugate):
         shard_mlp(tensor.make_mlp(6, 6, seed=0), 0, 4)
 
 
+# -- lesson 05: Ulysses attention ------------------------------------------------------------------
+
+def _ulysses_program(comm, attend, q, k, v, weights, causal):
+    shard = q.shape[1] // comm.world_size
+    mine = slice(comm.rank * shard, (comm.rank + 1) * shard)
+    q, k, v = (t[:, mine].clone().requires_grad_() for t in (q, k, v))
+    kept = [t.detach().clone() for t in (q, k, v)]
+    out = attend(comm, q, k, v, causal=causal)
+    assert all(torch.equal(t.detach(), c) for t, c in zip((q, k, v), kept)), "Ulysses modified its input"
+    (out * weights[:, mine]).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lesson05_ulysses_attention_is_the_library_one(world_size, causal):
+    from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
+    lesson = taught("05", "ulysses_attention", attention=attention)
+    for seed, heads, seq in ((0, 4, 8), (1, 8, 4 * world_size)):
+        q, k, v = make_qkv(2, seq, heads, 3, seed=seed)
+        weights = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 5))
+        a, b = World(world_size), World(world_size)
+        got = a.run(_ulysses_program, lesson, q, k, v, weights, causal)
+        want = b.run(_ulysses_program, ulysses_attention, q, k, v, weights, causal)
+        for g, w in zip(got, want):
+            assert all(torch.equal(x, y) for x, y in zip(g, w))
+        assert _events(a.trace) == _events(b.trace)
+        assert [(e.args, e.sent) for e in a.trace.events] == [(e.args, e.sent) for e in b.trace.events]
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = attention(*ref, causal=causal)
+        (ref_out * weights).sum().backward()
+        for index, expected in enumerate([ref_out.detach()] + [t.grad for t in ref]):
+            assert (torch.cat([o[index] for o in got], dim=1) - expected).abs().max() < 1e-12
+
+
+def test_lesson05_ulysses_attention_refuses_indivisible_heads_as_the_library_does():
+    from simcomm.errors import RankError
+    from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
+    lesson = taught("05", "ulysses_attention", attention=attention)
+    q, k, v = make_qkv(1, 8, 6, 2)
+    messages = []
+    for attend in (lesson, ulysses_attention):
+        with pytest.raises(RankError, match="not divisible by the world size 4") as error:
+            World(4).run(_ulysses_program, attend, q, k, v, torch.ones(q.shape, dtype=torch.float64), False)
+        messages.append(str(error.value).splitlines()[0])     # the error; the traceback names each file
+    assert messages[0] == messages[1] and "all_to_all_4D" in messages[0]
+
+
 # -- lesson 06: the bucketed reducer ----------------------------------------------------------------
 
 def _lesson06():
