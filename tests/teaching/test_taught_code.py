@@ -389,6 +389,39 @@ def test_lesson10_expert_parallel_moe_is_the_library_layer(world_size, factor, s
         assert (sum(g[2]["router"] for g in got) - leaves["router"].grad).abs().max() < 1e-12
 
 
+def _lesson10_train_router():
+    from simcomm.parallel import expert as ep
+    names = ("capacity", "expert", "keep_mask", "rows_per_rank", "shared_output", "tokens_per_expert",
+             "shard_experts", "load_balancing_loss")
+    return taught("10", "train_router", "expert_parallel_moe", "route", "run_experts",
+                  **{n: getattr(ep, n) for n in names})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("factor", [None, 1.0])
+def test_lesson10_train_router_is_the_library_training(world_size, factor):
+    from simcomm.parallel import expert as ep
+    train_router = _lesson10_train_router()
+    params = ep.make_moe(8, 16, 8, seed=0, shared_experts=1)
+    params["bias"][0] = 2.0
+    gen = torch.Generator().manual_seed(5)
+    x, target = (torch.randn(world_size * 8, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+    for weight in (0.0, 1.0):
+        kwargs = dict(steps=3, lr=2.0, aux_weight=weight, capacity_factor=factor)
+        a, b = World(world_size), World(world_size)
+        got = a.run(train_router, x, target, params, 2, **kwargs)
+        want = b.run(ep.train_router, x, target, params, 2, **kwargs)
+        for g, w in zip(got, want):
+            assert g.keys() == w.keys() and g["per_expert"] == w["per_expert"] and g["aux"] == w["aux"]
+            assert torch.equal(g["router"], w["router"]) and torch.equal(g["bias"], w["bias"])
+        assert _events(a.trace) == _events(b.trace)
+        assert [(e.args, e.sent) for e in a.trace.events] == [(e.args, e.sent) for e in b.trace.events]
+        one = ep.train_router_reference(x, target, params, 2, groups=world_size, **kwargs)
+        assert got[0]["per_expert"] == one["per_expert"]
+        assert (got[0]["router"] - one["router"]).abs().max() < 1e-12
+    assert got[0]["per_expert"][0] != got[0]["per_expert"][-1]        # the router moved
+
+
 # -- lesson 12: the 3-D step ----------------------------------------------------------------------------
 
 def _lesson12_step():
@@ -427,6 +460,74 @@ def test_lesson12_block_step_is_the_library_step(world_size):
         assert (sum(g["loss"] for g in got) - reference).abs() < 1e-9
         grads = tf.assemble_grads(got, layout)
         assert all((grads[k] - leaves[k].grad).abs().max() < 1e-9 for k in grads)
+
+
+# -- lesson 13: mixed-precision training ------------------------------------------------------------------
+
+def _lesson13_train():
+    from simcomm import memory
+    from simcomm.parallel import mixed_precision as mp
+    from simcomm.parallel.zero import MLP, Adam, make_batch, padded, shard
+    return taught("13", "train", "keep_states", "backward", "sum_gradients", "master_step", "LossScaler",
+                  memory=memory, mp=mp, MLP=MLP, Adam=Adam, make_batch=make_batch, padded=padded, shard=shard)
+
+
+def _compare_mixed_precision(world_size, stage, **kwargs):
+    from simcomm.parallel import mixed_precision as mp
+    train = _lesson13_train()
+    a, b = World(world_size, memory=True), World(world_size, memory=True)
+    got, want = a.run(train, stage, **kwargs), b.run(mp.train, stage, **kwargs)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() and torch.equal(g["losses"], w["losses"])
+        assert all(torch.equal(m, n) for m, n in zip(g["master"], w["master"]))
+        assert g.get("history") == w.get("history")
+    assert ops(a.trace) == ops(b.trace)
+    assert [(e.op, e.phase, e.args) for e in a.trace.events] == [(e.op, e.phase, e.args) for e in b.trace.events]
+    for k in range(1, kwargs["steps"] + 1):                # the same bytes under the same labels, every rank
+        assert a.memory.at(f"after step {k}") == b.memory.at(f"after step {k}")
+    assert [r.peak_bytes for r in a.memory.ranks] == [r.peak_bytes for r in b.memory.ranks]
+    return got
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("gradients", ["16-bit", "fp32 main_grad"])
+def test_lesson13_mixed_precision_training_is_the_library_training(world_size, stage, gradients):
+    from simcomm.parallel import mixed_precision as mp
+    got = _compare_mixed_precision(world_size, stage, gradients=gradients, steps=2, micro_batches=2, seed=1)
+    error = ((got[0]["losses"] - mp.reference_losses(steps=2, seed=1)).abs() / mp.reference_losses(steps=2, seed=1))
+    assert 0 < error.max() < 2.0 ** -9                     # bf16: close to float64, not equal to it
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 2])
+def test_lesson13_loss_scaling_is_the_library_loss_scaling(world_size, stage):
+    got = _compare_mixed_precision(world_size, stage, dtype=torch.float16, loss_scale=2.0 ** 24, growth_interval=2,
+                                   steps=10)
+    overflowed = [over for _, _, over in got[0]["history"]]
+    assert any(overflowed) and not all(overflowed)           # skipped, halved, applied and grown: every branch
+
+
+def test_lesson13_exercise3_refuses_the_library_decision_the_lesson_trains_with():
+    import simcomm.lessons.lesson_13 as check
+    from simcomm.parallel import mixed_precision as mp
+    assert "mp.any_overflow(comm, mine)" in lesson_cells("13", "train")
+    for answer in (mp.any_overflow, lambda comm, grads: mp.any_overflow(comm, grads)):
+        verdict = check.check_skip_step(answer)
+        assert verdict.startswith("Not yet") and "mixed_precision.any_overflow" in verdict, verdict
+
+
+def test_lesson13_loss_scaler_is_the_library_scaler():
+    from simcomm.parallel.mixed_precision import LossScaler
+    lesson = _lesson13_train().__globals__["LossScaler"]
+    flags = [True, True, False, False, False, True, False, False, False, False, False]
+    for interval in (1, 2, 3):
+        mine, theirs = lesson(2.0 ** 10, interval), LossScaler(2.0 ** 10, interval)
+        for step, flag in enumerate(flags):
+            mine.update(step, flag)
+            theirs.update(step, flag)
+            assert mine.scale == theirs.scale and mine.good_steps == theirs.good_steps
+        assert mine.history == theirs.history and len({s for _, s, _ in mine.history}) > 2
 
 
 # -- lesson 14: the 4-D training -------------------------------------------------------------------------
