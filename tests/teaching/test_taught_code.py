@@ -533,10 +533,14 @@ def test_lesson13_loss_scaler_is_the_library_scaler():
 # -- lesson 14: the 4-D training -------------------------------------------------------------------------
 
 def _lesson14_train():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from simcomm.models import llama, llama_pipeline, llama_training as lt
     from simcomm.parallel import llama_fsdp
-    return taught("14", "train", "mesh_groups", "stage_leaves", "train_step", llama=llama,
-                  llama_pipeline=llama_pipeline, lt=lt, llama_fsdp=llama_fsdp)
+    from simcomm.parallel.mesh import Layout
+    return taught("14", "train", "mesh_groups", "stage_leaves", "train_step", "save_checkpoint", "load_checkpoint",
+                  llama=llama, llama_pipeline=llama_pipeline, lt=lt, llama_fsdp=llama_fsdp, dcp=dcp,
+                  DTensor=DTensor, Replicate=Replicate, Shard=Shard, Layout=Layout)
 
 
 def _compare_llama_training(layout, steps, tmp_path=None):
@@ -568,13 +572,23 @@ def test_lesson14_train_is_the_library_training(sizes):
     _compare_llama_training(Layout(**sizes), steps=2)
 
 
-def test_lesson14_checkpoint_resumes_as_the_library_one(tmp_path):
+@pytest.mark.parametrize("saved, resume", [(dict(pp=2, dp_shard=2, tp=2), dict(dp_replicate=2, tp=2)),
+                                           (dict(dp_replicate=2, cp=2), dict(pp=2, dp_shard=2))])
+def test_lesson14_checkpoint_and_resume_are_the_library_ones(tmp_path, saved, resume):
     from simcomm.models import llama_training as lt
     from simcomm.parallel.mesh import Layout
-    (mine, theirs), data, params, config = _compare_llama_training(Layout(pp=2, dp_shard=2, tp=2), 2, tmp_path)
-    resume = Layout(dp_replicate=2, tp=2)
-    runs = [World(4).run(lt.train, data, params, config, layout=resume, steps=2, global_batch=4, load=str(path),
-                         first_step=2) for path in (mine, theirs)]
-    assert all(torch.equal(g["losses"], w["losses"]) for g, w in zip(*runs))
-    reference = lt.reference_losses(data, params, config, dp=2, steps=4, global_batch=4)
-    assert (runs[0][0]["losses"] - reference[2:]).abs().max() < 1e-10
+    (mine, theirs), data, params, config = _compare_llama_training(Layout(**saved), 2, tmp_path)
+    train, resume = _lesson14_train(), Layout(**resume)
+    kwargs = dict(layout=resume, steps=2, global_batch=4, first_step=2)
+    runs, traces = [], []
+    for fn, path in ((train, mine), (lt.train, theirs), (train, theirs), (lt.train, mine)):   # and crossed
+        world = World(resume.world_size)
+        runs.append(world.run(fn, data, params, config, load=str(path), **kwargs))
+        traces.append(ops(world.trace))
+    for run in runs[1:]:
+        for g, w in zip(runs[0], run):
+            assert torch.equal(g["losses"], w["losses"]) and g["held"] == w["held"]
+            assert all(torch.equal(g["shards"][k], w["shards"][k]) for k in w["shards"])
+    assert all(trace == traces[0] for trace in traces)
+    reference = lt.reference_losses(data, params, config, dp=resume.dp, steps=4, global_batch=4)
+    assert (runs[0][0]["losses"] - reference[2:]).abs().max() < 1e-10          # steps 3 and 4: the checkpoint's
