@@ -154,8 +154,9 @@ class Recipe:
     ``compiled``: torch.compile fuses the elementwise ops; ``attention``: a key of
     :data:`ATTENTION`; ``kernels``: which tensors a layer saves without checkpointing
     (:data:`KERNELS`, :func:`layer_activation_bytes`); ``balanced``: the first and last pipeline
-    stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``attention_scale``:
-    a factor on the attention kernel's efficiency (1: the published figure; what-if studies);
+    stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``repeat_kv``: the K/V heads are repeated to all
+    heads before attention (torchtitan's Llama; ring attention then sends them at full width);
+    ``attention_scale``: a factor on the attention kernel's efficiency (1: the published figure; what-if studies);
     ``topology``: the network (a preset name)."""
 
     seq: int = 8192
@@ -175,6 +176,7 @@ class Recipe:
     kernels: str = "eager"
     balanced: bool = False
     attention_scale: float = 1.0
+    repeat_kv: bool = False
     topology: str = "h100-ndr-cluster"
 
     def __post_init__(self) -> None:
@@ -429,6 +431,51 @@ def flops_per_token(model: Config, seq: int, causal: bool = False) -> float:
     return 6 * n + (6 if causal else 12) * model.layers * model.hidden * seq
 
 
+def ring_attention_exposed(model: Config, recipe: Recipe, tp: int, cp: int, one: dict[str, float],
+                           topology: Topology, ranks: list[int], gpu: GPU = H100_SXM) -> dict[str, float]:
+    """Seconds ring attention adds to one layer and one micro-batch beyond its attention kernels, on one
+    GPU (``one``: :func:`_layer_times`), as ``torch.distributed.tensor.experimental.context_parallel``
+    runs it (torchtitan's CP; its defaults: K/V rotated by one all-gather, head-tail load balancing,
+    partial results merged and gradients accumulated in fp32):
+
+    * **load balancing**: each GPU holds two of ``2 cp`` sequence chunks (the i-th and the
+      ``(2 cp - 1 - i)``-th), so each of the ``cp`` ring steps is one kernel over an equal share of the
+      causal work: step 0 the local block (causal), every later step half a block (all local queries
+      against the first half of the arriving K/V, or the second half of the queries against all of it);
+      one step's kernel is ``1/cp`` of the layer's attention;
+    * **forward** (run twice under full recomputation): the K/V of every other GPU arrive by one
+      all-gather issued before step 0 and awaited before step 1: exposed ``max(0, all-gather - step)``;
+    * **backward**: the same all-gather for K/V, and each step's dK/dV (fp32) sent point to point to the
+      next GPU, awaited after the following step: exposed ``max(0, send - step)`` per step, and the last
+      send entirely;
+    * **merge and accumulation** at HBM bandwidth: each forward step after the first merges its partial
+      output into the fp32 running output (cast 6, difference 12, scaled 8, update 12: 38 bytes per
+      output element) and concatenates K/V for sending (4 bytes per element); each backward step adds
+      dQ, dK, dV into fp32 accumulators (10 bytes per element) and concatenates dK/dV in fp32 (8) and K/V
+      (4).
+
+    K/V travel at the width attention sees them: ``kv = h kv_heads / heads`` per token, or ``h`` when
+    ``recipe.repeat_kv`` (torchtitan's Llama repeats the K/V heads before calling SDPA). Returns
+    ``exposed`` (the sum) and its parts ``forward_comm``, ``backward_comm``, ``merge``."""
+    t = recipe.seq * recipe.micro_batch / cp
+    h = model.hidden
+    width = h if recipe.repeat_kv else h * model.kv_heads / model.heads
+    q_elems = t * h / tp
+    kv_elems = 2 * t * width / tp                                   # K and V of the local chunks
+    gather = estimate("all_gather", int(2 * kv_elems * cp), cp, topology, ranks=ranks).time
+    send = estimate("send_recv", int(4 * kv_elems), 2, topology, ranks=ranks[:2]).time
+    step_forward = one["attention_forward"] / cp
+    step_backward = one["attention_backward"] / cp
+    forwards = 2 if recipe.recompute == "full" else 1
+    forward_comm = forwards * max(0.0, gather - step_forward)
+    backward_comm = (max(0.0, gather - step_backward) + (cp - 1) * max(0.0, send - step_backward) + send)
+    merge_forward = (cp - 1) * 38 * q_elems * 0.75 + cp * 4 * kv_elems + 6 * q_elems   # partial steps: 3/4 on average
+    merge_backward = cp * (10 * q_elems + 10 * kv_elems + 8 * kv_elems + 4 * kv_elems)
+    merge = (forwards * merge_forward + merge_backward) / gpu.hbm
+    return {"exposed": forward_comm + backward_comm + merge, "forward_comm": forward_comm,
+            "backward_comm": backward_comm, "merge": merge}
+
+
 def step_time(model: Config, layout: tuple[int, int, int, int], topology: Topology | str | None = None,
               recipe: Recipe | None = None, *, gpu: GPU = H100_SXM, **kwargs: Any) -> dict[str, float]:
     """The modelled step (seconds) and its parts (module docstring): ``compute`` (every micro-batch on
@@ -464,13 +511,14 @@ def step_time(model: Config, layout: tuple[int, int, int, int], topology: Topolo
         gemms = one["gemm_forward"] + one["gemm_backward"]
         tp_layer = max(0.0, total - gemms) if recipe.async_tp else total
     if cp > 1:
-        nbytes = int(2 * 2 * t * kv / tp * cp)                       # K and V of the whole sequence
         ranks = grid.group_of(0, "cp")
-        gather = estimate("all_gather", nbytes, cp, topology, ranks=ranks).time
-        scatter = estimate("reduce_scatter", nbytes, cp, topology, ranks=ranks).time
-        total = gather * (3 if recipe.recompute == "full" else 2) + scatter
-        attention = one["attention_forward"] + one["attention_backward"]
-        cp_layer = max(0.0, total - attention) if recipe.cp_ring else total
+        if recipe.cp_ring:
+            cp_layer = ring_attention_exposed(model, recipe, tp, cp, one, topology, ranks, gpu)["exposed"]
+        else:
+            nbytes = int(2 * 2 * t * kv / tp * cp)                   # K and V of the whole sequence
+            gather = estimate("all_gather", nbytes, cp, topology, ranks=ranks).time
+            scatter = estimate("reduce_scatter", nbytes, cp, topology, ranks=ranks).time
+            cp_layer = gather * (3 if recipe.recompute == "full" else 2) + scatter
     per_micro_batch = stage + layers * (tp_layer + cp_layer)
     compute = m * stage
     if pp == 1:
