@@ -83,7 +83,7 @@ from ..parallel.mixed_precision import expected_bytes
 
 __all__ = ["DIMENSIONS", "LABELS", "RECOMPUTE", "SCHEDULES", "STATES", "ATTENTION", "GPU", "H100_SXM",
            "H100_HBM2E", "H100_MEMORY", "Recipe", "layouts", "mesh", "plan", "memory_per_gpu", "step_time",
-           "layer_activation_bytes", "stage_parameters", "in_flight", "KERNELS", "evaluate", "stage_layers", "gemm_time", "flops_per_token", "fastest_fitting", "key",
+           "layer_activation_bytes", "loss_bytes", "ring_attention_exposed", "stage_parameters", "in_flight", "KERNELS", "evaluate", "stage_layers", "gemm_time", "flops_per_token", "fastest_fitting", "key",
            "sized", "GiB", "published_layouts", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B"]
 
 GiB = 2 ** 30
@@ -156,6 +156,10 @@ class Recipe:
     (:data:`KERNELS`, :func:`layer_activation_bytes`); ``balanced``: the first and last pipeline
     stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``repeat_kv``: the K/V heads are repeated to all
     heads before attention (torchtitan's Llama; ring attention then sends them at full width);
+    ``loss_parallel``: tensor parallelism through DTensor as torchtitan applies it, with
+    ``torch.distributed.tensor.parallel.loss_parallel`` (:func:`loss_bytes`; the layer's all-gathered
+    attention and FFN inputs, saved at full width, in the recompute working set: Float8 gathers them
+    in fp8);
     ``attention_scale``: a factor on the attention kernel's efficiency (1: the published figure; what-if studies);
     ``topology``: the network (a preset name)."""
 
@@ -177,6 +181,7 @@ class Recipe:
     balanced: bool = False
     attention_scale: float = 1.0
     repeat_kv: bool = False
+    loss_parallel: bool = False
     topology: str = "h100-ndr-cluster"
 
     def __post_init__(self) -> None:
@@ -277,6 +282,21 @@ def _working_set(model: Config, tokens: float, tp: int, recompute: str, kernels:
     return recomputed + 2 * tokens * 2 * model.ffn / tp
 
 
+def loss_bytes(model: Config, tokens: float, tp: int, loss_parallel: bool = False) -> float:
+    """The loss's transient peak on the last stage, one micro-batch of ``tokens``, logits sharded over
+    ``tp`` by vocabulary: ``torch.nn.functional.cross_entropy`` on fp32 logits holds, at the backward's
+    peak, the saved fp32 log-probabilities, the NLL's gradient and log-softmax's gradient: 12 bytes per
+    logit. Under DTensor tensor parallelism with ``loss_parallel`` (torchtitan's default), the NLL and
+    log-softmax backward are one decomposed expression, ``(grad_input + exp(x)) * grad_output``: the
+    saved log-probabilities, the zeroed ``grad_input``, their sum and the product are held at once,
+    16 bytes per logit; and the output layer keeps its all-gathered input (the final norm's output,
+    ``tokens x h`` bf16, full width) for its weight gradient."""
+    logits = tokens * model.vocab / tp
+    if tp > 1 and loss_parallel:
+        return 16 * logits + 2 * tokens * model.hidden
+    return 12 * logits
+
+
 def in_flight(pp: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1,
               stage: int = 0) -> float:
     """How many micro-batches' worth of a stage's activations ``stage`` holds at its peak: 1F1B and
@@ -363,8 +383,10 @@ def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], recipe: Rec
         held = in_flight(pp, m, recipe.schedule, _virtual(recipe, layers), stage)
         row["activations"] = held * layers * per_layer
         working = _working_set(model, tokens, tp, recipe.recompute, recipe.kernels)
-        if last:                                   # the loss: fp32 log-probabilities, their gradient, dlogits
-            working = max(working, 12 * tokens * model.vocab / tp)
+        if tp > 1 and recipe.loss_parallel:        # DTensor TP saves each gathered matmul input at full width
+            working += 2 * tokens * model.hidden * (1 if recipe.float8 else 2)
+        if last:
+            working = max(working, loss_bytes(model, tokens, tp, recipe.loss_parallel))
         row["workspace"] = working
         counted = sum(row[label] for label in LABELS[:-1])
         row["overhead"] = gpu.memory_overhead * counted
