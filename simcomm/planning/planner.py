@@ -156,10 +156,11 @@ class Recipe:
     (:data:`KERNELS`, :func:`layer_activation_bytes`); ``balanced``: the first and last pipeline
     stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``repeat_kv``: the K/V heads are repeated to all
     heads before attention (torchtitan's Llama; ring attention then sends them at full width);
-    ``loss_parallel``: tensor parallelism through DTensor as torchtitan applies it, with
-    ``torch.distributed.tensor.parallel.loss_parallel`` (:func:`loss_bytes`; the layer's all-gathered
-    attention and FFN inputs, saved at full width, in the recompute working set: Float8 gathers them
-    in fp8);
+    ``dtensor_tp``: tensor parallelism through DTensor as torchtitan applies it: the loss under
+    ``torch.distributed.tensor.parallel.loss_parallel`` (:func:`loss_bytes`), each layer's all-gathered
+    attention and FFN inputs saved at full width (in the recompute working set), and with Float8 those
+    inputs cast once per sublayer before their all-gather (torchtitan's ``PrepareFloat8ModuleInput``:
+    the casts cost ``1/tp`` of the gathered input);
     ``attention_scale``: a factor on the attention kernel's efficiency (1: the published figure; what-if studies);
     ``topology``: the network (a preset name)."""
 
@@ -181,7 +182,7 @@ class Recipe:
     balanced: bool = False
     attention_scale: float = 1.0
     repeat_kv: bool = False
-    loss_parallel: bool = False
+    dtensor_tp: bool = False
     topology: str = "h100-ndr-cluster"
 
     def __post_init__(self) -> None:
@@ -282,17 +283,17 @@ def _working_set(model: Config, tokens: float, tp: int, recompute: str, kernels:
     return recomputed + 2 * tokens * 2 * model.ffn / tp
 
 
-def loss_bytes(model: Config, tokens: float, tp: int, loss_parallel: bool = False) -> float:
+def loss_bytes(model: Config, tokens: float, tp: int, dtensor_tp: bool = False) -> float:
     """The loss's transient peak on the last stage, one micro-batch of ``tokens``, logits sharded over
     ``tp`` by vocabulary: ``torch.nn.functional.cross_entropy`` on fp32 logits holds, at the backward's
     peak, the saved fp32 log-probabilities, the NLL's gradient and log-softmax's gradient: 12 bytes per
-    logit. Under DTensor tensor parallelism with ``loss_parallel`` (torchtitan's default), the NLL and
+    logit. Under DTensor tensor parallelism (``dtensor_tp``) with ``loss_parallel`` (torchtitan's default), the NLL and
     log-softmax backward are one decomposed expression, ``(grad_input + exp(x)) * grad_output``: the
     saved log-probabilities, the zeroed ``grad_input``, their sum and the product are held at once,
     16 bytes per logit; and the output layer keeps its all-gathered input (the final norm's output,
     ``tokens x h`` bf16, full width) for its weight gradient."""
     logits = tokens * model.vocab / tp
-    if tp > 1 and loss_parallel:
+    if tp > 1 and dtensor_tp:
         return 16 * logits + 2 * tokens * model.hidden
     return 12 * logits
 
@@ -383,10 +384,10 @@ def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], recipe: Rec
         held = in_flight(pp, m, recipe.schedule, _virtual(recipe, layers), stage)
         row["activations"] = held * layers * per_layer
         working = _working_set(model, tokens, tp, recipe.recompute, recipe.kernels)
-        if tp > 1 and recipe.loss_parallel:        # DTensor TP saves each gathered matmul input at full width
+        if tp > 1 and recipe.dtensor_tp:           # DTensor TP saves each gathered matmul input at full width
             working += 2 * tokens * model.hidden * (1 if recipe.float8 else 2)
         if last:
-            working = max(working, loss_bytes(model, tokens, tp, recipe.loss_parallel))
+            working = max(working, loss_bytes(model, tokens, tp, recipe.dtensor_tp))
         row["workspace"] = working
         counted = sum(row[label] for label in LABELS[:-1])
         row["overhead"] = gpu.memory_overhead * counted
@@ -397,12 +398,14 @@ def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], recipe: Rec
     return best
 
 
-def gemm_time(m: float, n: float, k: float, gpu: GPU = H100_SXM, float8: bool = False) -> float:
+def gemm_time(m: float, n: float, k: float, gpu: GPU = H100_SXM, float8: bool = False,
+              input_cast: float = 1.0) -> float:
     """Seconds of one ``(m x k) @ (k x n)`` GEMM: ``2 m n k`` flops at ``gpu.peak x gpu.gemm`` (twice
     the peak in Float8) times the wave efficiency (output tiles of 128 x 256, one per SM at a time:
     ``tiles / (waves x SMs)``), or the HBM time of reading both operands and writing the bf16 result
     when that is longer; Float8 adds the casts (read bf16, take the amax, write fp8: 5 bytes per
-    operand element)."""
+    operand element; ``input_cast``: the fraction of the ``m x k`` operand this GEMM casts itself, less
+    than 1 when the cast happened once before a tensor-parallel all-gather or is shared)."""
     tiles = math.ceil(m / 128) * math.ceil(n / 256)
     waves = math.ceil(tiles / gpu.sms)
     wave_efficiency = tiles / (waves * gpu.sms)
@@ -410,7 +413,7 @@ def gemm_time(m: float, n: float, k: float, gpu: GPU = H100_SXM, float8: bool = 
     itemsize = 1 if float8 else 2
     compute = 2 * m * n * k / (peak * gpu.gemm * wave_efficiency)
     memory = (itemsize * (m * k + k * n) + 2 * m * n) / gpu.hbm
-    casts = 5 * (m * k + k * n) / gpu.hbm if float8 else 0.0
+    casts = 5 * (input_cast * m * k + k * n) / gpu.hbm if float8 else 0.0
     return max(compute, memory) + casts
 
 
@@ -424,7 +427,10 @@ def _layer_times(model: Config, recipe: Recipe, tp: int, cp: int, gpu: GPU) -> d
     shapes = {"qkv": (t, (h + 2 * kv) / tp, h), "wo": (t, h, h / tp), "w1": (t, f / tp, h),
               "w3": (t, f / tp, h), "w2": (t, h, f / tp)}
     f8 = recipe.float8
-    forward = {name: gemm_time(*mnk, gpu, f8) for name, mnk in shapes.items()}
+    cast = {name: 1.0 for name in shapes}
+    if tp > 1 and recipe.dtensor_tp:      # cast once per sublayer before the all-gather: 1/tp of it
+        cast.update(qkv=1 / tp, w1=1 / tp, w3=0.0)
+    forward = {name: gemm_time(*mnk, gpu, f8, cast[name]) for name, mnk in shapes.items()}
     backward = sum(gemm_time(m_, k_, n_, gpu, f8) + gemm_time(k_, n_, m_, gpu, f8)
                    for m_, n_, k_ in shapes.values())
     att_fwd, att_bwd = (value * recipe.attention_scale for value in ATTENTION[recipe.attention])
