@@ -42,6 +42,18 @@ def table() -> list[str]:
     return lines
 
 
+def memory_parts() -> list[str]:
+    """The plan's memory of each published row by part (GiB), on the stage that needs the most."""
+    lines = ["| run | stage | " + " | ".join(planner.LABELS) + " | total | published |",
+             "|---|---|" + "---:|" * (len(planner.LABELS) + 2)]
+    for run in published.published_runs():
+        row = published.evaluate_run(run)
+        lines.append(f"| {run['name']} | {row['stage']} | "
+                     + " | ".join(f"{row[label] / GiB:.1f}" for label in planner.LABELS)
+                     + f" | {row['total'] / GiB:.1f} | {run['memory_gib'] or '-'} |")
+    return lines
+
+
 PARTS = ("compute", "bubble", "tp_comm", "cp_comm", "pp_comm", "dp_exposed", "optimizer")
 
 
@@ -174,6 +186,9 @@ def main() -> int:
     print()
     print("validation rows outside the targets (memory 10 %, throughput 15 %):")
     print("\n".join(misses()))
+    print()
+    print("the plan's memory by part, GiB:")
+    print("\n".join(memory_parts()))
     if args.ranking:
         table_lines, notes = ranking()
         print()
