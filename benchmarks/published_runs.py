@@ -61,7 +61,8 @@ def _differences(mine: dict, best: dict) -> str:
     """The modelled parts of the step that differ between two rows, published minus fastest, largest
     first (the three largest; seconds)."""
     parts = sorted(PARTS, key=lambda part: -abs(mine[part] - best[part]))[:3]
-    return ", ".join(f"{part} {mine[part] - best[part]:+.2f}" for part in parts if abs(mine[part] - best[part]) >= 0.005)
+    return ", ".join(f"{part} {mine[part] - best[part]:+.2f}" for part in parts
+                     if abs(mine[part] - best[part]) >= 0.005)
 
 
 def _bubble(run: dict, row: dict) -> str:
@@ -70,7 +71,8 @@ def _bubble(run: dict, row: dict) -> str:
         return ""
     pp, m, v = run["layout"][2], row["micro_batches"], row["virtual_stages"]
     return (f" (the {run['recipe'].schedule} bubble, (pp - 1) / (v m) = {pp - 1}/({v} x {m}) of the "
-            f"micro-batch times with their exposed communication, is {row['bubble'] / row['compute']:.0%} of the compute)")
+            f"micro-batch times with their exposed communication, is {row['bubble'] / row['compute']:.0%} "
+            "of the compute)")
 
 
 def ranking() -> tuple[list[str], list[str]]:

@@ -30,8 +30,9 @@ recipes of published runs.
   by ``recompute``), times the stage's layers, times the micro-batches the schedule
   keeps in flight on the first stage (:func:`in_flight`);
 * ``workspace``: the transient peak of the backward: one layer's recomputed
-  activations and gradient temporaries, or on the last stage the loss's fp32
-  log-probabilities, their gradient and the logits' gradient (12 bytes per logit);
+  activations and gradient temporaries (under DTensor TP also its all-gathered inputs at
+  full width), or on the last stage the loss (:func:`loss_bytes`: 12 bytes per logit,
+  16 under DTensor's ``loss_parallel`` with the output layer's gathered input);
 * ``overhead``: the caching allocator's fragmentation, NCCL and library workspaces,
   as a fraction of the rest (``GPU.memory_overhead``, calibrated).
 
@@ -52,8 +53,9 @@ recipes of published runs.
   interleaved ``(pp - 1) / v``, zero bubble (ZB-H1) ``(pp - 1) / 3``;
 * tensor parallel collectives (sequence parallel: all-gather + reduce-scatter per
   sublayer) exposed, or with async TP only what exceeds the GEMMs they overlap;
-  context parallel K/V all-gathers exposed, or (ring attention) what exceeds the
-  attention they overlap; data parallel reduce-scatter / all-gather exposed beyond
+  context parallel K/V all-gathers exposed (the Llama 3 paper's), or ring attention
+  step by step (:func:`ring_attention_exposed`: the exchange that outlasts a ring step's
+  attention, and the fp32 merges); data parallel reduce-scatter / all-gather exposed beyond
   the compute they overlap (the whole step without pipeline parallelism, the last
   micro-batch's backward and the first one's forward with it); each collective from
   :func:`simcomm.model.cost.estimate` on the group's real GPUs.
@@ -154,8 +156,8 @@ class Recipe:
     ``compiled``: torch.compile fuses the elementwise ops; ``attention``: a key of
     :data:`ATTENTION`; ``kernels``: which tensors a layer saves without checkpointing
     (:data:`KERNELS`, :func:`layer_activation_bytes`); ``balanced``: the first and last pipeline
-    stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``repeat_kv``: the K/V heads are repeated to all
-    heads before attention (torchtitan's Llama; ring attention then sends them at full width);
+    stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``repeat_kv``: the K/V heads
+    are repeated to all heads before attention (torchtitan's Llama; ring attention then sends them at full width);
     ``dtensor_tp``: tensor parallelism through DTensor as torchtitan applies it: the loss under
     ``torch.distributed.tensor.parallel.loss_parallel`` (:func:`loss_bytes`), each layer's all-gathered
     attention and FFN inputs saved at full width (in the recompute working set), and with Float8 those

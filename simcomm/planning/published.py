@@ -21,7 +21,10 @@ used in any fitting; the planner's figure is compared only):
   ``benchmarks/``; measured with torchtitan 9dec370, torch 1963fc8, 2024-12):
   Llama 3.1 8B / 70B / 405B on H100 96GB HBM2e at 500 W, Tables 1-6: TPS/GPU and
   memory (GiB, the maximum over GPUs), with FSDP2, TP, PP, CP, torch.compile,
-  Float8 and async TP as each row states.
+  Float8 and async TP as each row states. What torchtitan 9dec370 with torch 1963fc8 does
+  whichever layout is planned: its Llama repeats the K/V heads before SDPA (``repeat_kv``),
+  TP goes through DTensor with ``loss_parallel`` and Float8 inputs cast before their
+  all-gather (``dtensor_tp``), and CP is ``context_parallel``'s ring attention (``cp_ring``).
 
 ``python benchmarks/published_runs.py`` prints the table of
 ``docs/planning_llama.md``.
@@ -61,7 +64,8 @@ def published_runs() -> list[dict[str, Any]]:
         _run(PAPER, LLAMA3_405B, (8, 1, 16, 64), meta, H100_SXM, tflops=430, name="405B 8K, 8,192 GPUs"),
         _run(PAPER, LLAMA3_405B, (8, 16, 16, 8), long, H100_SXM, tflops=380, name="405B 128K, 16,384 GPUs"),
     ]
-    fsdp = Recipe(seq=8192, micro_batch=2, recompute="selective", states="fsdp2", attention="fa2", repeat_kv=True, dtensor_tp=True, cp_ring=True)
+    fsdp = Recipe(seq=8192, micro_batch=2, recompute="selective", states="fsdp2", attention="fa2", repeat_kv=True,
+                  dtensor_tp=True, cp_ring=True)
     for table, gpus, figures in (("Table 1", 8, ((5762, 82.4), (6667, 77.0), (8532, 76.8))),
                                  ("Table 3", 128, ((5605, 67.0), (6514, 62.0), (8380, 61.8)))):
         for index, (label, compiled, float8) in enumerate((("FSDP", False, False),
