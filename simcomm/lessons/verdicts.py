@@ -484,7 +484,9 @@ def judged_apart(fn: Any, judge: Callable[[Any], str | None]) -> str | None:
     ``judge(f)`` runs the checker's cases with ``f`` as the learner's function and returns ``None``
     if all pass, else the verdict. ``fn`` is judged as :class:`RanksApart` (each rank its own Python
     state). Only when that fails is it run once more as the virtual ranks share one process: if it
-    passes there, the verdict names the mistake, data passed between ranks through Python objects."""
+    passes there, or fails otherwise while it reaches Python state (:func:`shared_state_names`), the
+    verdict names the mistake, data passed between ranks through Python objects. A function that
+    writes attributes of objects no copy separates (:class:`SharedObjects`) is refused, naming them."""
     watch = SharedObjects(fn)
     apart = RanksApart(fn)
     verdict = judge(apart)
@@ -493,7 +495,8 @@ def judged_apart(fn: Any, judge: Callable[[Any], str | None]) -> str | None:
         return shared_objects_verdict(written)
     if verdict is None or verdict == NOT_ANSWERED:
         return verdict
-    if judge(fn) is not None:
+    shared = judge(fn)
+    if shared is not None and (shared == verdict or not shared_state_names(fn)):
         return verdict
     return cheating_verdict(fn, verdict)
 
@@ -593,8 +596,10 @@ def cheating_verdict(fn: Any, verdict: str) -> str:
 def judged_as_processes(checker: Callable[..., str]) -> Callable[..., str]:
     """Make ``checker`` (whose first argument is the learner's distributed function) judge that function
     as real processes would run it: it gets :class:`RanksApart` of the function. Only a failing
-    verdict costs a second run, with the function as the threads share it: if that one passes, the
-    verdict names the mistake (:func:`cheating_verdict`). Apply it under :func:`hint_on_request`."""
+    verdict costs a second run, with the function as the threads share it: if that one passes, or
+    fails otherwise while the function reaches Python state, the verdict names the mistake
+    (:func:`cheating_verdict`). A function that writes attributes of objects no copy separates
+    (:class:`SharedObjects`) is refused, naming them. Apply it under :func:`hint_on_request`."""
     @functools.wraps(checker)
     def judged(fn: Any, *args: Any, **kwargs: Any) -> str:
         if is_placeholder(fn):
@@ -608,7 +613,10 @@ def judged_as_processes(checker: Callable[..., str]) -> Callable[..., str]:
         written = watch.written()
         if written and verdict != NOT_ANSWERED:
             return shared_objects_verdict(written)
-        if is_correct(verdict) or verdict == NOT_ANSWERED or not is_correct(checker(fn, *args, **kwargs)):
+        if is_correct(verdict) or verdict == NOT_ANSWERED:
+            return verdict
+        shared = checker(fn, *args, **kwargs)
+        if not is_correct(shared) and (shared == verdict or not shared_state_names(fn)):
             return verdict
         return cheating_verdict(fn, verdict)
     return judged

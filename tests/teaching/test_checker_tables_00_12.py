@@ -25,6 +25,7 @@ from simcomm.lessons import (lesson_00, lesson_01, lesson_02, lesson_03, lesson_
                              lesson_07, lesson_08, lesson_09, lesson_10, lesson_11, lesson_12)
 from simcomm.lessons.verdicts import NOT_ANSWERED
 from simcomm.parallel import data as dp
+from tests.teaching.shared_object_cheats import CHANNELS, reset
 
 MODULES = [lesson_00, lesson_01, lesson_02, lesson_03, lesson_04, lesson_05, lesson_06, lesson_07, lesson_08,
            lesson_09, lesson_10, lesson_11, lesson_12]
@@ -237,3 +238,86 @@ def test_lesson12_refuses_the_coordinates_of_the_library_layout():
     assert kind(verdict) == "not yet" and "Layout computes the coordinates" in verdict
     assert kind(lesson_12.check_mesh_coords(lambda rank, *, pp, dp, tp: (rank // (dp * tp), rank // tp % dp,
                                                                          rank % tp))) == "correct"
+
+
+# -- data passed through objects no per-rank copy separates: class, module and function attributes,
+# -- builtins, sys.modules["__main__"], a helper module (tests/teaching/shared_object_cheats.py) --------
+
+def _gather_through(put, take, comm, value):
+    put(comm.rank, value)
+    comm.barrier()
+    values = [take(rank) for rank in range(comm.world_size)]
+    comm.barrier()
+    return values
+
+
+def count_cheat(put, take):                              # lesson 00
+    def count_ranks(comm):
+        comm.all_reduce(torch.zeros(1))
+        put(comm.rank, 1)
+        comm.barrier()
+        seen = 0
+        while True:
+            try:
+                take(seen)
+            except (KeyError, AttributeError, NameError):
+                break
+            seen += 1
+        comm.barrier()
+        return seen
+    return count_ranks
+
+
+def backward_cheat(put, take):                           # lesson 02
+    def backward(comm, grad_out, dim):
+        total = sum(_gather_through(put, take, comm, grad_out.detach().clone()))
+        return total.chunk(comm.world_size, dim)[comm.rank].clone()
+    return backward
+
+
+def ring_cheat(put, take):                               # lesson 03
+    def all_gather(comm, x):
+        return torch.cat(_gather_through(put, take, comm, x.clone()))
+    return all_gather
+
+
+def dp_step_cheat(put, take):                            # lesson 06
+    def step(comm, model, xs, ys):
+        (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+        grads = _gather_through(put, take, comm, [p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = sum(g[i] for g in grads) / comm.world_size
+    return step
+
+
+def zero2_cheat(put, take):                              # lesson 07
+    def shard(comm, grad):
+        return sum(_gather_through(put, take, comm, grad.clone())).chunk(comm.world_size)[comm.rank].clone()
+    return shard
+
+
+def exchange_cheat(put, take):                           # lesson 11
+    def exchange(comm, x):
+        values, n = _gather_through(put, take, comm, x.clone()), comm.world_size
+        return values[(comm.rank - 1) % n], values[(comm.rank + 1) % n]
+    return exchange
+
+
+SHARED_OBJECT_CHEATS = [(check, make, channel) for check, make in [
+    (check00.check_count_ranks, count_cheat), (check02.check_all_gather_backward, backward_cheat),
+    (check03.check_ring_all_gather, ring_cheat), (check06.check_dp_step, dp_step_cheat),
+    (check07.check_zero2_grads, zero2_cheat), (check11.check_neighbour_exchange, exchange_cheat)]
+    for channel in CHANNELS]
+
+
+@pytest.mark.parametrize("check, make, channel", SHARED_OBJECT_CHEATS,
+                         ids=[f"{check.__name__}-{channel}" for check, _, channel in SHARED_OBJECT_CHEATS])
+def test_data_kept_on_shared_objects_is_refused_naming_the_object(check, make, channel):
+    put, take, label = CHANNELS[channel]
+    reset()
+    try:
+        verdict = check(make(put, take), show_hint=True)
+    finally:
+        reset()
+    assert kind(verdict) == "not yet" and label in verdict, verdict
+    assert "real processes each have their own copy" in verdict and "comm.barrier() only waits" in verdict, verdict
