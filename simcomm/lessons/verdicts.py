@@ -7,14 +7,15 @@ and a hint for a wrong, partial or malformed answer (or code that raised,
 deadlocked or broke a rule of the exercise); ``"Correct ..."`` for a right
 one. A verdict states the problem only; the hint (how to fix it) is a second
 answer the learner asks for, by calling the checker again with
-``show_hint=True`` (:func:`hint_on_request`). The checker modules of the lessons (:mod:`simcomm.lessons.foundations`,
-:mod:`simcomm.lessons.training`, :mod:`simcomm.lessons.scaling`) share these.
+``show_hint=True`` (:func:`hint_on_request`). Every lesson's checker module
+(:mod:`simcomm.lessons.lesson_00` ...) shares these.
 """
 from __future__ import annotations
 
 import copy
 import dis
 import functools
+import math
 import numbers
 import sys
 import threading
@@ -29,7 +30,7 @@ from ..errors import CollectiveMismatchError, DeadlockError, RankError
 from ..reports import format_ranks
 
 __all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
-           "as_number", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
+           "as_number", "as_numbers", "as_int", "as_ints", "not_a_function", "called", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
            "Forbidden", "attempt", "RanksApart", "judged_apart", "shared_state_names",
            "SharedObjects", "shared_objects_verdict", "uses_helper", "helper_in_caller", "helper_verdict",
            "cheating_verdict", "judged_as_processes"]
@@ -90,6 +91,49 @@ def is_placeholder(answer: Any) -> bool:
         return True
     values = answer.values() if isinstance(answer, dict) else answer if isinstance(answer, (list, tuple)) else ()
     return any(value is ... for value in values)
+
+
+# -- reading an answer: what several lessons' checkers share ---------------------------------------
+
+def as_numbers(value: Any, what: str) -> tuple[torch.Tensor | None, str | None]:
+    """A float64 tensor of ``value`` (a number, a list of numbers or a tensor), or a verdict."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().double(), None
+    try:
+        return torch.as_tensor(value, dtype=torch.float64), None
+    except (TypeError, ValueError, RuntimeError):
+        return None, not_yet(f"{what}: {value!r} is not a number or a list of numbers")
+
+
+def not_a_function(fn: Any, name: str) -> str | None:
+    """:data:`NOT_ANSWERED` for the placeholder, a ``Not yet`` verdict naming ``name`` for an answer that
+    is not a function, else ``None``."""
+    if is_placeholder(fn):
+        return NOT_ANSWERED
+    if not callable(fn):
+        return not_yet(f"{name} must be a function, got {type(fn).__name__}")
+    return None
+
+
+def called(function: Callable, *args: Any) -> tuple[Any, str | None]:
+    """``(result, None)``, or ``(None, verdict)`` when the call raised (:func:`simcomm.lessons.verdicts.attempt`)."""
+    return attempt(lambda: function(*args))
+
+
+def as_int(value: Any) -> int | None:
+    """One whole number of any numeric type (``int``, numpy integers, 0-d tensors, ``2.0``), else ``None``."""
+    number = as_number(value)
+    return int(number) if number is not None and math.isfinite(number) and number.is_integer() else None
+
+
+def as_ints(value: Any) -> list[int] | None:
+    """A list or tuple (or 1-d tensor or array) of whole numbers of any numeric type, else ``None``."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return None
+    ints = [as_int(v) for v in value]
+    return None if any(v is None for v in ints) else ints
 
 
 #: the one traffic rule, as the lessons state it (02's all-gather backward, 07's ZeRO-2 shard)
