@@ -23,6 +23,7 @@ from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import is_placeholder as _is_placeholder
 from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import not_yet as _not_yet
+from .verdicts import spelled_as as _spelled_as
 
 __all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_count_ranks', 'check_deadlocks']
 
@@ -87,17 +88,25 @@ def check_deadlocks(my_answer: Any, programs: dict[str, Callable], *, world_size
     """Lesson 00: ``my_answer`` names the programs (keys of ``programs``) that deadlock.
 
     Each program is run on ``world_size`` virtual ranks to find out; the answer
-    is a set (or list) of names, empty if none deadlocks.
+    is a set (or list, tuple, array) of names, empty if none deadlocks, or one name alone, or a dict
+    from names to ``True`` (deadlocks) and ``False``. A name is read whatever its capitals and the
+    spaces around it.
     """
     if _is_placeholder(my_answer):
         return NOT_ANSWERED
     if isinstance(my_answer, str):
         my_answer = {my_answer}
+    if isinstance(my_answer, dict) and all(type(value).__name__ in ("bool", "bool_") for value in my_answer.values()):
+        my_answer = [name for name, deadlocks in my_answer.items() if deadlocks]
+    if hasattr(my_answer, "tolist") and not isinstance(my_answer, (list, tuple)):
+        my_answer = my_answer.tolist()
+        my_answer = [my_answer] if isinstance(my_answer, str) else my_answer
     if not isinstance(my_answer, (set, frozenset, list, tuple)):
         return _not_yet(f"write a set of program names, like {{'{next(iter(programs))}'}}, not {my_answer!r}")
-    unknown = sorted(str(name) for name in my_answer if name not in programs)
+    unknown = sorted(str(name) for name in my_answer if _spelled_as(name, programs) is None)
     if unknown:
         return _not_yet(f"{unknown} is not one of the programs {sorted(programs)}")
+    my_answer = {_spelled_as(name, programs) for name in my_answer}
     deadlocking = {name for name, program in programs.items() if _outcome(program, world_size) == "deadlock"}
     if set(my_answer) != deadlocking:
         wrong = len(set(my_answer) ^ deadlocking)

@@ -9,6 +9,7 @@ uses: an exercise checks understanding, and a deadlocking answer must fail at on
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from .verdicts import NOT_ANSWERED, is_correct
 from .verdicts import as_numbers as _as_numbers
 from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import is_placeholder as _is_placeholder
+from .verdicts import keys_spelled_as as _keys_spelled_as
 from .verdicts import not_yet as _not_yet
 
 __all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_shapes', 'check_prediction']
@@ -84,13 +86,31 @@ def _shape_of(op: str, world_size: int, shape: tuple[int, ...], args: dict) -> t
 
 
 def _as_shape(value: Any) -> tuple[int, ...] | None | str:
-    """A shape tuple, ``None``, or the string ``"malformed"``."""
+    """A shape tuple, ``None``, or the string ``"malformed"``. A shape is a tuple, list,
+    ``torch.Size`` or 1-d integer array of sizes, each an integer of any type (numpy, a 0-d tensor)."""
     if value is None:
         return None
-    if isinstance(value, (tuple, list, torch.Size)) and all(
-            isinstance(size, int) and not isinstance(size, bool) for size in value):
-        return tuple(value)
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)) and \
+            str(getattr(value, "dtype", "")).rpartition(".")[2].startswith(("int", "uint")):
+        value = value.tolist()
+    if isinstance(value, (tuple, list, torch.Size)):
+        sizes = [_as_size(size) for size in value]
+        if all(size is not None and size >= 0 for size in sizes):
+            return tuple(sizes)
     return "malformed"
+
+
+def _as_size(size: Any) -> int | None:
+    """One size of a shape: an integer of any integer type (numpy, a one-element integer tensor), not
+    ``True``/``False`` and not a float."""
+    if isinstance(size, bool) or type(size).__name__ == "bool_":
+        return None
+    if isinstance(size, numbers.Integral):
+        return int(size)
+    if isinstance(size, torch.Tensor) and size.numel() == 1 and not (size.is_floating_point() or size.is_complex()
+                                                                     or size.dtype == torch.bool):
+        return int(size.item())
+    return None
 
 
 @_hint_on_request
@@ -99,13 +119,14 @@ def check_shapes(predictions: Any, *, world_size: int, shape: tuple[int, ...], a
 
     ``args`` maps every op of the exercise to the keyword arguments it is
     called with; ``predictions`` must map each of those ops to a shape tuple
-    (``None`` where rank 0 gets nothing). Wrong shapes are named, with a
-    hint, but not corrected.
+    (``None`` where rank 0 gets nothing; an op's name whatever its capitals). Wrong shapes are named,
+    with a hint, but not corrected.
     """
     if _is_placeholder(predictions):
         return NOT_ANSWERED
     if not isinstance(predictions, dict):
         return _not_yet(f"write a dict from op name to shape, like {{'all_reduce': (4, 8)}}, not {predictions!r}")
+    predictions = _keys_spelled_as(predictions, args)
     unknown = sorted(str(op) for op in predictions if op not in args)
     if unknown:
         return _not_yet(f"{unknown} is not one of the calls {sorted(args)}")

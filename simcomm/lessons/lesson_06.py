@@ -23,7 +23,7 @@ from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import not_a_function as _callable
 from .verdicts import not_yet as _not_yet
 
-__all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_dp_step', 'check_accumulation_step']
+__all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_dp_step', 'check_accumulation_step', 'ACCUMULATION_EXERCISE']
 
 
 #: lesson 06's exercise 2: micro-batches per step and the reducer's bucket size (on the checkers' model)

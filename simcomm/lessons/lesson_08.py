@@ -22,7 +22,7 @@ from .verdicts import not_a_function as _callable
 from .verdicts import not_yet as _not_yet
 from .verdicts import uses_helper as _uses_helper
 
-__all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_bubble', 'check_1f1b', 'check_zero_bubble', 'schedule_makespan']
+__all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_bubble', 'check_1f1b', 'check_zero_bubble', 'schedule_makespan', 'BUBBLE_EXERCISE']
 
 
 #: lesson 08's prediction
@@ -31,11 +31,18 @@ BUBBLE_EXERCISE = {"stages": 8, "microbatches": 32}
 
 @_hint_on_request
 def check_bubble(answer: Any) -> str:
-    """Lesson 08 (predict): the bubble fraction of GPipe/1F1B for :data:`BUBBLE_EXERCISE`."""
+    """Lesson 08 (predict): the bubble fraction of GPipe/1F1B for :data:`BUBBLE_EXERCISE`: a number of
+    any numeric type (``Fraction``, float, numpy, a one-element tensor) or a fraction written as text
+    (``"3/11"``), within 0.001."""
     if is_placeholder(answer):
         return NOT_ANSWERED
     if isinstance(answer, bool):
         return _not_yet("a fraction is a number, not True/False")
+    if isinstance(answer, str):
+        try:
+            answer = Fraction(answer.strip())
+        except (ValueError, ZeroDivisionError):
+            pass
     value = as_number(answer)
     if value is None:
         return _not_yet(f"{answer!r} is not a number: give a fraction like Fraction(3, 11), 3/11 or a float")

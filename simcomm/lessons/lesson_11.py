@@ -24,7 +24,7 @@ from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import judged_as_processes as _judged_as_processes
 from .verdicts import not_yet as _not_yet
 
-__all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_neighbour_exchange', 'check_sp_layernorm', 'assert_replicated', 'error_summary']
+__all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_neighbour_exchange', 'check_sp_layernorm', 'assert_replicated', 'error_summary', 'EXCHANGE_TIMEOUT_S']
 
 
 def _exchange_program(comm, exchange: Callable):

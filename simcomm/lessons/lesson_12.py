@@ -23,7 +23,7 @@ from .verdicts import hint_on_request as _hint_on_request
 from .verdicts import not_yet as _not_yet
 from .verdicts import uses_helper as _uses_helper
 
-__all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_mesh_coords', 'check_layout_choice']
+__all__ = ['NOT_ANSWERED', 'is_correct', 'per_rank', 'max_error', 'assert_close', 'expect_error', 'gradcheck_across_ranks', 'check_mesh_coords', 'check_layout_choice', 'LAYOUT_EXERCISE']
 
 
 @_hint_on_request
@@ -84,9 +84,11 @@ def _not_the_table(rows: Any, memory_limit: Any, topology: Any) -> str | None:
 def check_layout_choice(choice: Any, rows: list[dict], memory_limit: int, topology: str) -> str:
     """``choice``: the ``Layout(pp=, dp=, tp=)`` with the shortest ``topology`` step time whose peak memory
     per rank fits ``memory_limit`` bytes, read from ``rows``
-    (:func:`simcomm.planning.layout_choice.layout_table`)."""
+    (:func:`simcomm.planning.layout_choice.layout_table`); or that row of ``rows`` itself."""
     if is_placeholder(choice):
         return NOT_ANSWERED
+    if isinstance(choice, dict) and isinstance(choice.get("layout"), Layout) and any(choice is row for row in rows):
+        choice = choice["layout"]                            # the chosen row of the table itself
     if not isinstance(choice, Layout) or choice.cp != 1:
         return _not_yet(f"give the layout by name, as Layout(pp=..., dp=..., tp=...); got {choice!r}",
                         "a row's own row['layout'] is one")

@@ -17,11 +17,12 @@ import dis
 import functools
 import math
 import numbers
+import re
 import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from ..errors import CollectiveMismatchError, DeadlockError, RankError
 from ..reports import format_ranks
 
 __all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
-           "as_number", "as_numbers", "as_int", "as_ints", "not_a_function", "called", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
+           "as_number", "as_numbers", "as_int", "as_ints", "not_a_function", "called", "spelled_as", "keys_spelled_as", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
            "Forbidden", "attempt", "RanksApart", "judged_apart", "shared_state_names",
            "SharedObjects", "shared_objects_verdict", "uses_helper", "helper_in_caller", "helper_verdict",
            "cheating_verdict", "judged_as_processes"]
@@ -103,6 +104,30 @@ def as_numbers(value: Any, what: str) -> tuple[torch.Tensor | None, str | None]:
         return torch.as_tensor(value, dtype=torch.float64), None
     except (TypeError, ValueError, RuntimeError):
         return None, not_yet(f"{what}: {value!r} is not a number or a list of numbers")
+
+
+def _spelling(name: str) -> str:
+    return re.sub(r"[\s\-_]+", "_", name.strip()).lower()
+
+
+def spelled_as(name: Any, names: Iterable[str]) -> str | None:
+    """The one of ``names`` that the string ``name`` spells, whatever its capitals, the spaces around it
+    and whether its words are joined by spaces, hyphens or underscores (``"Optimizer state"`` is
+    ``"optimizer_state"``); ``None`` if it spells none of them (or several)."""
+    names = list(names)
+    if not isinstance(name, str):
+        return None
+    if name in names:
+        return name
+    matches = [known for known in names if _spelling(known) == _spelling(name)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def keys_spelled_as(answer: dict, names: Iterable[str]) -> dict:
+    """``answer`` with every key that spells one of ``names`` (:func:`spelled_as`) written as that name;
+    other keys stay as they are."""
+    names = list(names)
+    return {(spelled_as(key, names) or key): value for key, value in answer.items()}
 
 
 def not_a_function(fn: Any, name: str) -> str | None:

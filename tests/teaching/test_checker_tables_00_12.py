@@ -10,6 +10,9 @@ library's ``pp.schedule`` as an answer.
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 from torch.distributed import ReduceOp
@@ -25,6 +28,7 @@ from simcomm.lessons import (lesson_00, lesson_01, lesson_02, lesson_03, lesson_
                              lesson_07, lesson_08, lesson_09, lesson_10, lesson_11, lesson_12)
 from simcomm.lessons.verdicts import NOT_ANSWERED
 from simcomm.parallel import data as dp
+from simcomm.parallel.mesh import Layout
 from tests.teaching.shared_object_cheats import CHANNELS, reset
 
 MODULES = [lesson_00, lesson_01, lesson_02, lesson_03, lesson_04, lesson_05, lesson_06, lesson_07, lesson_08,
@@ -321,3 +325,182 @@ def test_data_kept_on_shared_objects_is_refused_naming_the_object(check, make, c
         reset()
     assert kind(verdict) == "not yet" and label in verdict, verdict
     assert "real processes each have their own copy" in verdict and "comm.barrier() only waits" in verdict, verdict
+
+
+# -- value exercises: the solution and other correct forms accepted, wrong ones refused --------------
+
+def program_a(comm):                                     # lesson 00's three programs: only B deadlocks
+    x = torch.ones(2)
+    if comm.rank % 2 == 0:
+        comm.send(x)
+        return comm.recv((2,))
+    y = comm.recv((2,))
+    comm.send(x)
+    return y
+
+
+def program_b(comm):
+    total = comm.all_reduce(torch.ones(1))
+    if comm.rank == 0:
+        comm.barrier()
+    return total
+
+
+def program_c(comm):
+    if comm.rank == 0:
+        comm.send(torch.ones(2), dst=1)
+    if comm.rank == 1:
+        return comm.recv((2,), src=0)
+    return None
+
+
+PROGRAMS = {"A": program_a, "B": program_b, "C": program_c}
+ACCEPT_00_2 = [{"B"}, ["B"], "B", ("b",), {" b "}, frozenset({"B"}), np.array(["B"]),
+               {"A": False, "B": True, "C": False}]
+REJECT_00_2 = [({"A"}, "classified wrongly"), ({"A", "B"}, "classified wrongly"), (set(), "classified wrongly"),
+               ({"D"}, "not one of the programs"), (None, "write a set"), (3, "write a set"),
+               ({"A": "no", "B": "yes"}, "write a set"), ([None], "not one of the programs")]
+
+CALLS = {"all_reduce": {}, "all_gather": {"dim": 0}, "reduce_scatter": {"dim": 1},
+         "all_to_all": {"scatter_dim": 1, "gather_dim": 0}, "gather": {"dst": 3, "dim": 1}}
+SHAPES = {"all_reduce": (4, 8), "all_gather": (16, 8), "reduce_scatter": (4, 2), "all_to_all": (16, 2), "gather": None}
+
+
+def _shapes(make, keys=str):
+    return {keys(op): None if shape is None else make(shape) for op, shape in SHAPES.items()}
+
+
+ACCEPT_01_1 = [SHAPES, _shapes(list), _shapes(torch.Size), _shapes(lambda s: tuple(np.int64(n) for n in s)),
+               _shapes(lambda s: tuple(torch.tensor(n) for n in s)), _shapes(np.array), _shapes(tuple, str.upper),
+               _shapes(tuple, lambda op: op.replace("_", " "))]
+REJECT_01_1 = [({**SHAPES, "all_gather": (4, 8)}, "1 of 5 shapes are wrong"),
+               ({**SHAPES, "gather": (4, 32)}, "['gather']"),
+               ({op: s for op, s in SHAPES.items() if op != "gather"}, "still missing: ['gather']"),
+               (_shapes(lambda s: tuple(float(n) for n in s)), "a tuple of ints"),
+               ({**SHAPES, "all_reduce": (True, 8)}, "a tuple of ints"),
+               ({**SHAPES, "all_reduce": "(4, 8)"}, "a tuple of ints"),
+               ({**SHAPES, "broadcast": (4, 8)}, "not one of the calls"),
+               ([(4, 8)] * 5, "write a dict")]
+
+MAX3 = ("reduce_scatter", {"dim": 0, "op": ReduceOp.MAX}, 3)
+MIN1 = ("all_reduce", {"op": ReduceOp.MIN}, 1)
+ACCEPT_01_2 = [(MAX3, [33]), (MAX3, 33), (MAX3, (33,)), (MAX3, torch.tensor([33.0])), (MAX3, np.array([33])),
+               (MAX3, np.int64(33)), (MAX3, [33.0000000001]), (MAX3, torch.tensor(33)),
+               (MIN1, [0, 1, 2, 3]), (MIN1, (0, 1, 2, 3)), (MIN1, torch.arange(4)), (MIN1, np.arange(4.0)),
+               (MIN1, [np.int64(i) for i in range(4)])]
+REJECT_01_2 = [(MAX3, [30], "is not [30]"), (MAX3, [33, 33], "holds 1 number"), (MAX3, "33", "not a number"),
+               (MAX3, None, "not a number"), (MIN1, [0, 1, 2], "holds 4 number(s); you gave 3"),
+               (MIN1, [30, 31, 32, 33], "is not"), (MIN1, [[0, 1], [2, 3]], "Correct")]     # the numbers, reshaped
+
+ZERO3 = {"parameters": 2 * 7.5e9 / 64, "gradients": 2 * 7.5e9 / 64, "optimizer_state": 12 * 7.5e9 / 64}
+ACCEPT_07_1 = [ZERO3, {k: int(v) for k, v in ZERO3.items()}, {k: np.float64(v) for k, v in ZERO3.items()},
+               {k: torch.tensor(v) for k, v in ZERO3.items()}, {k: np.int64(v) for k, v in ZERO3.items()},
+               {"parameters": 2.34e8, "gradients": 2.34e8, "optimizer_state": 1.41e9},      # three figures
+               {"Parameters": 234375000, "Gradients": 234375000, "Optimizer state": 1406250000}]
+REJECT_07_1 = [({k: v * 64 for k, v in ZERO3.items()}, "unsharded size"),
+               ({**ZERO3, "parameters": 2 * ZERO3["parameters"]}, "counts 4 bytes per value"),
+               ({k: v for k, v in ZERO3.items() if k != "gradients"}, "missing ['gradients']"),
+               ({**ZERO3, "gradients": "234375000"}, "must be numbers"), ({**ZERO3, "gradients": None}, "must be numbers"),
+               (list(ZERO3.values()), "must be a dict"),
+               ({"parameters": 2.3e8, "gradients": 2.3e8, "optimizer_state": 1.4e9}, "are off"),   # two figures
+               ({**ZERO3, "optimizer_state": 16 * 7.5e9 / 64}, "are off")]
+
+ACCEPT_08_1 = [7 / 39, Fraction(7, 39), np.float64(7 / 39), np.float32(7 / 39), torch.tensor(7 / 39),
+               torch.tensor([7 / 39]), 0.1795, "7/39"]
+REJECT_08_1 = [(7 / 32, "(p-1)/m"), (7 / 8, "naive schedule"), (17.95, "not a percentage"), (True, "not True/False"),
+               ("seven", "is not a number"), (0.2, "is not it"), (torch.tensor([0.1, 0.2]), "is not a number")]
+
+
+def _table_row(tp, dp, pp, peak, cluster):
+    return {"tp": tp, "dp": dp, "pp": pp, "peak_bytes": peak, "NVLink node": cluster / 3, "InfiniBand cluster": cluster,
+            "layout": Layout(pp=pp, dp=dp, tp=tp)}
+
+
+#: a table of lesson 12's shape: seven layouts of 8 ranks, five of them within 700 bytes
+LAYOUT_ROWS = [_table_row(1, 8, 1, 900, 1e-5), _table_row(2, 4, 1, 500, 3e-5), _table_row(1, 4, 2, 600, 2e-5),
+               _table_row(8, 1, 1, 300, 9e-5), _table_row(4, 2, 1, 400, 5e-5), _table_row(2, 2, 2, 450, 4e-5),
+               _table_row(1, 2, 4, 800, 1.5e-5)]
+ACCEPT_12_2 = [Layout(pp=2, dp=4, tp=1), Layout(tp=1, dp=4, pp=2), Layout(pp=2, dp=4), LAYOUT_ROWS[2],
+               LAYOUT_ROWS[2]["layout"], Layout(pp=2, dp_replicate=4, tp=1)]
+REJECT_12_2 = [((1, 4, 2), "by name"), ("Layout(pp=2, dp=4, tp=1)", "by name"), (None, "by name"),
+               (Layout(pp=1, dp=8, tp=1), "more than the limit"), (Layout(pp=1, dp=4, tp=2), "another layout"),
+               (Layout(pp=8, dp=1, tp=1), "not a layout of the table"), (Layout(pp=2, dp=4, cp=1, tp=1, ), "Correct"),
+               ({"pp": 2, "dp": 4, "tp": 1}, "by name")]
+
+
+@pytest.mark.parametrize("answer", ACCEPT_00_2, ids=range(len(ACCEPT_00_2)))
+def test_lesson00_deadlocks_accepts(answer):
+    assert kind(check00.check_deadlocks(answer, PROGRAMS)) == "correct", answer
+
+
+@pytest.mark.parametrize("answer, phrase", REJECT_00_2, ids=range(len(REJECT_00_2)))
+def test_lesson00_deadlocks_rejects(answer, phrase):
+    verdict = check00.check_deadlocks(answer, PROGRAMS, show_hint=True)
+    assert kind(verdict) == "not yet" and phrase in verdict, verdict
+
+
+@pytest.mark.parametrize("answer", ACCEPT_01_1, ids=range(len(ACCEPT_01_1)))
+def test_lesson01_shapes_accepts(answer):
+    verdict = lesson_01.check_shapes(answer, world_size=4, shape=(4, 8), args=CALLS)
+    assert kind(verdict) == "correct", verdict
+
+
+@pytest.mark.parametrize("answer, phrase", REJECT_01_1, ids=range(len(REJECT_01_1)))
+def test_lesson01_shapes_rejects(answer, phrase):
+    verdict = lesson_01.check_shapes(answer, world_size=4, shape=(4, 8), args=CALLS, show_hint=True)
+    assert kind(verdict) == "not yet" and phrase in verdict, verdict
+
+
+@pytest.mark.parametrize("case, answer", ACCEPT_01_2, ids=range(len(ACCEPT_01_2)))
+def test_lesson01_predictions_accept(case, answer):
+    op, kwargs, rank = case
+    verdict = lesson_01.check_prediction(answer, op, kwargs, rank=rank, what="the result")
+    assert kind(verdict) == "correct", verdict
+
+
+@pytest.mark.parametrize("case, answer, phrase", REJECT_01_2, ids=range(len(REJECT_01_2)))
+def test_lesson01_predictions_reject(case, answer, phrase):
+    op, kwargs, rank = case
+    verdict = lesson_01.check_prediction(answer, op, kwargs, rank=rank, what="the result", hint="a hint",
+                                         show_hint=True)
+    if phrase == "Correct":             # a nested list of the right numbers reads as the same numbers
+        assert kind(verdict) == "correct", verdict
+    else:
+        assert kind(verdict) == "not yet" and phrase in verdict, verdict
+
+
+@pytest.mark.parametrize("answer", ACCEPT_07_1, ids=range(len(ACCEPT_07_1)))
+def test_lesson07_zero3_bytes_accepts(answer):
+    assert kind(check07.check_zero3_bytes(answer)) == "correct", answer
+
+
+@pytest.mark.parametrize("answer, phrase", REJECT_07_1, ids=range(len(REJECT_07_1)))
+def test_lesson07_zero3_bytes_rejects(answer, phrase):
+    verdict = check07.check_zero3_bytes(answer, show_hint=True)
+    assert kind(verdict) == "not yet" and phrase in verdict, verdict
+
+
+@pytest.mark.parametrize("answer", ACCEPT_08_1, ids=range(len(ACCEPT_08_1)))
+def test_lesson08_bubble_accepts(answer):
+    assert kind(check08.check_bubble(answer)) == "correct", answer
+
+
+@pytest.mark.parametrize("answer, phrase", REJECT_08_1, ids=range(len(REJECT_08_1)))
+def test_lesson08_bubble_rejects(answer, phrase):
+    verdict = check08.check_bubble(answer, show_hint=True)
+    assert kind(verdict) == "not yet" and phrase in verdict, verdict
+
+
+@pytest.mark.parametrize("answer", ACCEPT_12_2, ids=range(len(ACCEPT_12_2)))
+def test_lesson12_layout_choice_accepts(answer):
+    verdict = lesson_12.check_layout_choice(answer, LAYOUT_ROWS, 700, "InfiniBand cluster")
+    assert kind(verdict) == "correct", verdict
+
+
+@pytest.mark.parametrize("answer, phrase", REJECT_12_2, ids=range(len(REJECT_12_2)))
+def test_lesson12_layout_choice_rejects(answer, phrase):
+    verdict = lesson_12.check_layout_choice(answer, LAYOUT_ROWS, 700, "InfiniBand cluster", show_hint=True)
+    if phrase == "Correct":             # cp=1 named: the same mesh
+        assert kind(verdict) == "correct", verdict
+    else:
+        assert kind(verdict) == "not yet" and phrase in verdict, verdict
