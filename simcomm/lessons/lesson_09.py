@@ -100,7 +100,8 @@ def check_lse_merge(merge: Callable) -> str:
 
 @_hint_on_request
 def check_zigzag_chunks(chunks: Callable) -> str:
-    """``chunks(rank, world_size) -> [i, j]``: the two of the ``2P`` chunks rank holds in zig-zag sharding."""
+    """``chunks(rank, world_size) -> [i, j]``: the two of the ``2P`` chunks rank holds in zig-zag sharding
+    (a list, tuple, set, array or tensor of two whole numbers of any numeric type, in any order)."""
     if is_placeholder(chunks):
         return NOT_ANSWERED
     helper = chunk_ids if chunks is chunk_ids else _uses_helper(chunks, chunk_ids, shard_sequence)
@@ -112,7 +113,7 @@ def check_zigzag_chunks(chunks: Callable) -> str:
             result, verdict = _call(chunks, rank, world_size)
             if verdict:
                 return verdict
-            ids = _as_ints(result)
+            ids = _as_ints(sorted(result, key=repr) if isinstance(result, (set, frozenset)) else result)
             if ids is None or len(ids) != 2:
                 return _not_yet(f"chunks({rank}, {world_size}) returned {result!r}; return a list of two chunk "
                                 "indices (whole numbers)")

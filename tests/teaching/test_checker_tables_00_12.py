@@ -504,3 +504,63 @@ def test_lesson12_layout_choice_rejects(answer, phrase):
         assert kind(verdict) == "correct", verdict
     else:
         assert kind(verdict) == "not yet" and phrase in verdict, verdict
+
+
+# -- functions whose result is a value: the result in other correct forms ----------------------------
+
+def gqa_bytes(batch, seq, q_heads, kv_heads, head_dim, world_size, itemsize):          # lesson 05
+    return batch * (seq // world_size) * head_dim * itemsize * (2 * q_heads + 2 * kv_heads) * (world_size - 1) \
+        // world_size
+
+
+def split_sizes(experts, num_experts, world_size):                                      # lesson 10
+    return torch.bincount(experts.flatten(), minlength=num_experts).view(world_size, -1).sum(1)
+
+
+def dropped(experts, num_experts, capacity):                                            # lesson 10
+    return sum(max(0, int((experts == e).sum()) - capacity) for e in range(num_experts))
+
+
+def coords(rank, *, pp, dp, tp):                                                         # lesson 12
+    return rank // (dp * tp), rank // tp % dp, rank % tp
+
+
+RESULT_FORMS = [
+    (lesson_05.check_ulysses_gqa_bytes, [gqa_bytes, lambda *a: float(gqa_bytes(*a)), lambda *a: np.int64(gqa_bytes(*a)),
+                                         lambda *a: torch.tensor(gqa_bytes(*a))]),
+    (lesson_09.check_zigzag_chunks, [lambda r, p: [r, 2 * p - 1 - r], lambda r, p: (2 * p - 1 - r, r),
+                                     lambda r, p: np.array([r, 2 * p - 1 - r]), lambda r, p: {r, 2 * p - 1 - r},
+                                     lambda r, p: torch.tensor([r, 2 * p - 1 - r])]),
+    (lesson_10.check_split_sizes, [lambda *a: split_sizes(*a).tolist(), split_sizes, lambda *a: split_sizes(*a).numpy(),
+                                   lambda *a: tuple(float(n) for n in split_sizes(*a))]),
+    (lesson_10.check_dropped, [dropped, lambda *a: np.int64(dropped(*a)), lambda *a: torch.tensor(dropped(*a)),
+                               lambda *a: float(dropped(*a))]),
+    (lesson_12.check_mesh_coords, [coords, lambda rank, **sizes: list(coords(rank, **sizes)),
+                                   lambda rank, **sizes: np.array(coords(rank, **sizes)),
+                                   lambda rank, **sizes: torch.tensor(coords(rank, **sizes))]),
+]
+RESULT_ROWS = [(check, form) for check, forms in RESULT_FORMS for form in forms]
+WRONG_RESULTS = [
+    (lesson_05.check_ulysses_gqa_bytes, lambda *a: str(gqa_bytes(*a)), "is not a number"),
+    (lesson_05.check_ulysses_gqa_bytes, lambda *a: 2 * gqa_bytes(*a), "does not send"),
+    (lesson_05.check_ulysses_gqa_bytes, lambda b, s, hq, hkv, d, p, i: gqa_bytes(b, s, hq, hq, d, p, i), "does not send"),
+    (lesson_09.check_zigzag_chunks, lambda r, p: [2 * r, 2 * r + 1], "not balanced"),
+    (lesson_09.check_zigzag_chunks, lambda r, p: [r], "two chunk"),
+    (lesson_10.check_split_sizes, lambda *a: split_sizes(*a).tolist()[::-1], "Not yet"),
+    (lesson_10.check_dropped, lambda *a: dropped(*a) + 0.5, "Not yet"),
+    (lesson_12.check_mesh_coords, lambda rank, *, pp, dp, tp: coords(rank, pp=pp, dp=dp, tp=tp)[::-1], "is not its"),
+    (lesson_12.check_mesh_coords, lambda rank, *, pp, dp, tp: str(coords(rank, pp=pp, dp=dp, tp=tp)), "three whole"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(RESULT_ROWS)))
+def test_results_in_other_forms_are_accepted(index):
+    check, form = RESULT_ROWS[index]
+    verdict = check(form)
+    assert kind(verdict) == "correct", (check.__name__, verdict)
+
+
+@pytest.mark.parametrize("check, answer, phrase", WRONG_RESULTS, ids=range(len(WRONG_RESULTS)))
+def test_wrong_results_are_refused(check, answer, phrase):
+    verdict = check(answer, show_hint=True)
+    assert kind(verdict) == "not yet" and phrase in verdict, verdict
