@@ -32,17 +32,12 @@ BUBBLE_EXERCISE = {"stages": 8, "microbatches": 32}
 @_hint_on_request
 def check_bubble(answer: Any) -> str:
     """Lesson 08 (predict): the bubble fraction of GPipe/1F1B for :data:`BUBBLE_EXERCISE`: a number of
-    any numeric type (``Fraction``, float, numpy, a one-element tensor) or a fraction written as text
-    (``"3/11"``), within 0.001."""
+    any numeric type (``Fraction``, float, numpy, a one-element tensor; text is not a number), within
+    0.001."""
     if is_placeholder(answer):
         return NOT_ANSWERED
     if isinstance(answer, bool):
         return _not_yet("a fraction is a number, not True/False")
-    if isinstance(answer, str):
-        try:
-            answer = Fraction(answer.strip())
-        except (ValueError, ZeroDivisionError):
-            pass
     value = as_number(answer)
     if value is None:
         return _not_yet(f"{answer!r} is not a number: give a fraction like Fraction(3, 11), 3/11 or a float")

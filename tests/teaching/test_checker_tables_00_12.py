@@ -4,9 +4,14 @@ Each lesson's own solution is accepted by the nbval run of the lesson (its colla
 as code there and must print ``Correct``). Here: every checker answers ``...`` with
 ``NOT_ANSWERED`` and rejects ``None``, a string and a number of the wrong kind with a ``Not yet``
 verdict (never a traceback); the distributed exercises reject the same right computation done
-through a module-level Python object plus ``comm.barrier()`` instead of a collective, naming
-that mistake, and accept right answers in other forms; the schedule exercises refuse the
-library's ``pp.schedule`` as an answer.
+through Python objects plus ``comm.barrier()`` instead of a collective, naming that mistake: a
+module-level object, and (:mod:`tests.teaching.shared_object_cheats`) a class's, an imported
+class's, an imported module's, ``__main__``'s, ``builtins``', a function's and a helper module's
+attributes; and accept right answers in other forms; the value exercises (00's deadlocks, 01's
+shapes and predictions, 07's ZeRO-3 bytes, 08's bubble, 12's layout) accept the solution and other
+correct forms (other numeric types and containers, other capitals, a number within the stated
+precision) and refuse wrong, partial and malformed ones; so do the functions whose result is a value
+(05, 09, 10, 12); the schedule exercises refuse the library's ``pp.schedule`` as an answer.
 """
 from __future__ import annotations
 
@@ -406,9 +411,9 @@ REJECT_07_1 = [({k: v * 64 for k, v in ZERO3.items()}, "unsharded size"),
                ({**ZERO3, "optimizer_state": 16 * 7.5e9 / 64}, "are off")]
 
 ACCEPT_08_1 = [7 / 39, Fraction(7, 39), np.float64(7 / 39), np.float32(7 / 39), torch.tensor(7 / 39),
-               torch.tensor([7 / 39]), 0.1795, "7/39"]
+               torch.tensor([7 / 39]), 0.1795]
 REJECT_08_1 = [(7 / 32, "(p-1)/m"), (7 / 8, "naive schedule"), (17.95, "not a percentage"), (True, "not True/False"),
-               ("seven", "is not a number"), (0.2, "is not it"), (torch.tensor([0.1, 0.2]), "is not a number")]
+               ("seven", "is not a number"), ("7/39", "is not a number"), (0.2, "is not it"), (torch.tensor([0.1, 0.2]), "is not a number")]
 
 
 def _table_row(tp, dp, pp, peak, cluster):
