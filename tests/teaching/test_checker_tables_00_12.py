@@ -563,3 +563,38 @@ def test_results_in_other_forms_are_accepted(index):
 def test_wrong_results_are_refused(check, answer, phrase):
     verdict = check(answer, show_hint=True)
     assert kind(verdict) == "not yet" and phrase in verdict, verdict
+
+
+def one_f_one_b(stage, stages, microbatches):                                           # lesson 08's solution
+    warmup = min(stages - stage - 1, microbatches)
+    plan = [("F", i) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        plan += [("F", warmup + i), ("B", i)]
+    return plan + [("B", i) for i in range(microbatches - warmup, microbatches)]
+
+
+SCHEDULE_FORMS = [
+    one_f_one_b,
+    lambda *a: [[kind, i] for kind, i in one_f_one_b(*a)],                              # lists for pairs
+    lambda *a: tuple((kind, np.int64(i)) for kind, i in one_f_one_b(*a)),                # numpy numbers, a tuple
+    lambda *a: iter([(kind, torch.tensor(i)) for kind, i in one_f_one_b(*a)]),          # 0-d tensors, an iterator
+]
+WRONG_SCHEDULES = [
+    (lambda *a: [(kind.lower(), i) for kind, i in one_f_one_b(*a)], "is not ('F', i) or ('B', i)"),
+    (lambda *a: [(kind, i + 0.5) for kind, i in one_f_one_b(*a)], "is not ('F', i) or ('B', i)"),
+    (lambda s, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)], "holds"),          # GPipe
+    (lambda s, p, m: one_f_one_b(s, p, m)[:-1], "Not yet"),                                           # partial
+]
+
+
+@pytest.mark.parametrize("index", range(len(SCHEDULE_FORMS)))
+def test_lesson08_1f1b_accepts_other_forms(index):
+    verdict = check08.check_1f1b(SCHEDULE_FORMS[index])
+    assert kind(verdict) == "correct", verdict
+
+
+@pytest.mark.parametrize("index", range(len(WRONG_SCHEDULES)))
+def test_lesson08_1f1b_refuses_wrong_schedules(index):
+    answer, phrase = WRONG_SCHEDULES[index]
+    verdict = check08.check_1f1b(answer, show_hint=True)
+    assert kind(verdict) == "not yet" and phrase in verdict, verdict
