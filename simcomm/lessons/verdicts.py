@@ -547,6 +547,12 @@ def shared_objects_verdict(written: list[str]) -> str:
                    "waits, it moves no data")
 
 
+def _same_verdict(one: str, other: str) -> bool:
+    """Whether two verdicts on the same function say the same, but for the objects' addresses."""
+    address = re.compile(r"0x[0-9a-fA-F]+")
+    return address.sub("0x", one) == address.sub("0x", other)
+
+
 def judged_apart(fn: Any, judge: Callable[[Any], str | None]) -> str | None:
     """Judge a learner's distributed function by what it does on real processes.
 
@@ -565,7 +571,7 @@ def judged_apart(fn: Any, judge: Callable[[Any], str | None]) -> str | None:
     if verdict is None or verdict == NOT_ANSWERED:
         return verdict
     shared = judge(fn)
-    if shared is not None and (shared == verdict or not shared_state_names(fn)):
+    if shared is not None and (_same_verdict(shared, verdict) or not shared_state_names(fn)):
         return verdict
     return cheating_verdict(fn, verdict)
 
@@ -685,7 +691,7 @@ def judged_as_processes(checker: Callable[..., str]) -> Callable[..., str]:
         if is_correct(verdict) or verdict == NOT_ANSWERED:
             return verdict
         shared = checker(fn, *args, **kwargs)
-        if not is_correct(shared) and (shared == verdict or not shared_state_names(fn)):
+        if not is_correct(shared) and (_same_verdict(shared, verdict) or not shared_state_names(fn)):
             return verdict
         return cheating_verdict(fn, verdict)
     return judged

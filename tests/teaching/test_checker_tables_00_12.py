@@ -598,3 +598,51 @@ def test_lesson08_1f1b_refuses_wrong_schedules(index):
     answer, phrase = WRONG_SCHEDULES[index]
     verdict = check08.check_1f1b(answer, show_hint=True)
     assert kind(verdict) == "not yet" and phrase in verdict, verdict
+
+
+# -- right answers that use Python objects without passing data between ranks are accepted ----------
+
+ONES = [1.0]
+
+
+class Tally:                                             # a class of the learner's, its state per instance
+    def __init__(self):
+        self.total = 0.0
+
+
+def count_reading_a_global_list(comm):                   # reads module-level data, writes nothing shared
+    tally = Tally()
+    tally.total = comm.all_reduce(torch.tensor(ONES)).item()
+    return tally.total
+
+
+def exchange_with_torch_distributed(comm, x):            # torch.distributed's own module state is not the learner's
+    import torch.distributed as dist
+    n, rank = dist.get_world_size(), dist.get_rank()
+    left, right = torch.empty_like(x), torch.empty_like(x)
+    if rank % 2 == 0:
+        dist.send(x, (rank + 1) % n), dist.recv(left, (rank - 1) % n)
+        dist.send(x, (rank - 1) % n), dist.recv(right, (rank + 1) % n)
+    else:
+        dist.recv(left, (rank - 1) % n), dist.send(x, (rank + 1) % n)
+        dist.recv(right, (rank + 1) % n), dist.send(x, (rank - 1) % n)
+    return left, right
+
+
+def dp_step_over_modules(comm, model, xs, ys):           # model.modules(), dist.all_reduce on every gradient
+    import torch.distributed as dist
+    (dp.sum_loss(model, xs, ys) / xs.shape[0]).backward()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+NOT_SHARING = [(check00.check_count_ranks, count_reading_a_global_list),
+               (check11.check_neighbour_exchange, exchange_with_torch_distributed),
+               (check06.check_dp_step, dp_step_over_modules)]
+
+
+@pytest.mark.parametrize("check, answer", NOT_SHARING, ids=[a.__name__ for _, a in NOT_SHARING])
+def test_answers_that_share_no_data_are_accepted(check, answer):
+    verdict = check(answer)
+    assert kind(verdict) == "correct", verdict
