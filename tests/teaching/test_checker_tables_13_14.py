@@ -3,8 +3,11 @@ must accept (the solution and other correct forms).
 
 Rejected: wrong, partial, malformed, ``None``/``...``, the lesson's own helper, a number an earlier
 cell printed, and functions that pass data between virtual ranks through Python objects (a
-module-level global, a mutable default, a closure) with ``comm.barrier()`` instead of a collective:
-these would be right on threads of one process and wrong on real processes, and the verdict says so.
+module-level global, a mutable default, a closure, and through every channel of
+:mod:`tests.teaching.shared_object_cheats`: a class's, an imported class's, an imported module's,
+``__main__``'s, ``builtins``', a function's and a helper module's attributes) with ``comm.barrier()``
+instead of a collective: these would be right on threads of one process and wrong on real processes,
+and the verdict says so, naming the object.
 """
 from __future__ import annotations
 
