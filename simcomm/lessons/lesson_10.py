@@ -116,6 +116,9 @@ def check_aux_loss(aux_loss: Callable) -> str:
         return NOT_ANSWERED
     if not callable(aux_loss):
         return _not_yet(f"aux_loss must be a function, got {type(aux_loss).__name__}")
+    helper = switch_aux_loss if aux_loss is switch_aux_loss else _uses_helper(aux_loss, switch_aux_loss)
+    if helper is not None:
+        return _helper_verdict(helper, "the load-balancing loss")
     for probs, experts in _aux_cases():
         tokens, num_experts = probs.shape
         where = f"for {tokens} tokens, {num_experts} experts, top-{experts.shape[1]}"
