@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: the modules whose attributes are process-wide state
 ROOT_MODULES = ("torch", "os", "sys", "numpy", "random", "gc", "plotly", "signal", "faulthandler", "threading",
-                "time", "logging", "multiprocessing")
+                "time", "logging", "multiprocessing", "warnings")
 #: calls that change process-wide state without an assignment
 PROCESS_CALLS = ("gc.set_threshold", "torch.set_num_threads", "signal.signal", "faulthandler.register",
                  "_set_thread_isolation_mode", "set_multithreading_enabled", "register_backend",
