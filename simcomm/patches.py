@@ -427,6 +427,14 @@ PATCHES: tuple[Patch, ...] = (
         ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__"),
         ("torch._subclasses.fake_tensor.FakeTensor.__reduce_ex__", "torch.distributed.tensor.DTensor.__reduce_ex__")),
     Patch(
+        "fake-tolist", "``FakeTensor.tolist``: a fake tensor with a value (a shape-only rank's bookkeeping "
+        "computed from constants, or an index draw from a generator whose state is known) answers with "
+        "its value's list at once", "simcomm.sim.shape",
+        "torch's own reads a fake tensor element by element (one dispatched item() each): a sampler's "
+        "randperm(n).tolist() of a million indices took minutes; every other tensor gets torch's own",
+        "the first shape-only World.run", "never: stays for the process", "process",
+        ("FakeTensor.tolist",), ("torch._subclasses.fake_tensor.FakeTensor.tolist",)),
+    Patch(
         "trunc-normal", "``torch.nn.init._no_grad_trunc_normal_`` (what ``trunc_normal_`` calls): a fake "
         "tensor is left as it is", "simcomm.sim.shape",
         "torch's redraws values outside the bounds until none is left, reading ``mask.any()`` of random "
