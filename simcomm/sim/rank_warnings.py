@@ -214,8 +214,8 @@ class RankWarnings:
         self._started = False
         _runs.discard(self)
         try:
-            if self.active or warnings.filters is not self._caller[0]:
-                caller_filters = self._caller[0]
+            caller_filters = self._caller[0]
+            if self.active or _events != self._seen or warnings.filters is not caller_filters:
                 if caller_filters != self._caller_filters:    # a rank changed the caller's list in place
                     caller_filters[:] = self._caller_filters
                 _make_live(self._caller)

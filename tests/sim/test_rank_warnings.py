@@ -81,6 +81,7 @@ def test_the_callers_warnings_state_is_as_before_the_run():
         return [str(w.message) for w in seen], [f[0] for f in warnings.filters[:1]]
 
     assert World(2).run(program) == [([f"rank {rank}"], ["ignore"]) for rank in range(2)]
+    World(1).run(lambda comm: warnings.simplefilter("error"))      # one rank, no handoff
     assert warnings.filters is filters and warnings.filters == before
     assert warnings.showwarning is show and warnings._showwarnmsg_impl is impl
     assert warnings._filters_mutated.__module__ == "_warnings" and warnings._showwarnmsg.__module__ == "warnings"
