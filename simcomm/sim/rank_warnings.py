@@ -52,6 +52,8 @@ _showwarnmsg = warnings._showwarnmsg
 #: how many times, since the process started, a rank changed or used the warnings state while
 #: the wrappers were installed (a rank's handoff compares it with what it saw)
 _events = 0
+#: how many of those changed a filter list (the comparisons of two ranks' lists hold until it moves)
+_filter_changes = 0
 #: the module globals from which a warning was shown while the wrappers were installed
 _shown_from: dict[int, dict] = {}
 _installs = 0
@@ -68,8 +70,9 @@ def _counted_filters_mutated() -> None:
     A filter added while a module is imported (``warnings._add_filter`` called from a module
     body that importlib runs: sympy's, a library's) is added to every rank's filters: the
     module is imported once for the process, where each torchrun process imports it."""
-    global _events
+    global _events, _filter_changes
     _events += 1
+    _filter_changes += 1
     caller = sys._getframe(1)
     if caller.f_code.co_name == "_add_filter" and caller.f_globals is vars(warnings):
         item, append = caller.f_locals.get("item"), caller.f_locals.get("append")
@@ -148,6 +151,8 @@ class RankWarnings:
         self._caller_filters: list = []
         self._caller_registries: dict[int, tuple[dict, Any]] = {}
         self._started = False
+        self._comparisons: dict[tuple[int, int], bool] = {}
+        self._compared_at = -1
 
     def start(self) -> None:
         """Before the run: remember the caller's state, count from now."""
@@ -197,7 +202,7 @@ class RankWarnings:
             state = self.states[rank] = (list(self._caller_filters), caller[1], caller[2], caller[3], {})
         live_filters = warnings.filters
         _make_live(state)
-        if state[0] is not live_filters and state[0] != live_filters:
+        if state[0] is not live_filters and self._differ(state[0], live_filters):
             _filters_mutated()         # registries written under other filters are stale
         mine = self.registries[rank]
         for key, module_globals in list(_shown_from.items()):
@@ -206,6 +211,17 @@ class RankWarnings:
                 registry = mine[key] = {}
             if module_globals.get(_REGISTRY) is not registry:
                 module_globals[_REGISTRY] = registry
+
+    def _differ(self, mine: list, live: list) -> bool:
+        """Whether two ranks' filter lists differ (remembered until a filter list changes)."""
+        if self._compared_at != _filter_changes:
+            self._comparisons.clear()
+            self._compared_at = _filter_changes
+        key = (id(mine), id(live)) if id(mine) < id(live) else (id(live), id(mine))
+        differ = self._comparisons.get(key)
+        if differ is None:
+            differ = self._comparisons[key] = mine != live
+        return differ
 
     def end(self) -> None:
         """After the run: the caller's state as it was before it (also after an error)."""
