@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
@@ -101,3 +102,26 @@ def test_a_simcomm_group_serves_cpu_as_gloo_does():
                     dist.distributed_c10d._get_pg_default_device(sub).type)
     assert simcomm.World(WORLD).run(program) == [(True, "cpu", "cpu")] * WORLD
     assert simcomm.World(WORLD, map_cuda=True).run(program) == [(True, "cpu", "cpu")] * WORLD
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp1_state_dicts_on_a_cuda_world_place_the_shards_on_cuda_as_nccl_does():
+    def program(comm):
+        torch.cuda.set_device(0)
+        fsdp = FSDP(_model(), device_id=torch.cuda.current_device())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with FSDP.state_dict_type(fsdp, StateDictType.SHARDED_STATE_DICT):
+                shards = {name: (str(value.local_shards()[0].metadata.placement),
+                                 value.local_shards()[0].tensor.cpu()) for name, value in fsdp.state_dict().items()}
+            default = dist.distributed_c10d._get_pg_default_device().type
+        return default, shards
+
+    expected = {name: value.detach() for name, value in _model().state_dict().items()}
+    for rank, (default, shards) in enumerate(simcomm.World(WORLD, device="cuda").run(program)):
+        assert default == "cuda"
+        for name, whole in expected.items():
+            placement, shard = shards[name]
+            rows = -(-whole.shape[0] // WORLD)
+            assert placement.startswith(f"rank:{rank}/cuda")
+            torch.testing.assert_close(shard, whole[rows * rank: rows * (rank + 1)])
