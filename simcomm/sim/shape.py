@@ -73,7 +73,7 @@ in-place op through a view changes both, as with data. ``.item()``,
 ``torch.equal`` on tensors with values answer with those values, the same as
 the real-valued run's (computed on the CPU: for a CUDA World, float results
 as the CPU computes them). Everything else has no value: parameters (and any
-tensor that requires grad), a random op's result, uninitialised memory, data
+tensor that requires grad), a random op's result (but for index draws, below), uninitialised memory, data
 passed in, and a tensor a collective wrote; a value is lost when its storage
 is written by an op without values (``x.data.uniform_()`` too) or by a
 collective (:func:`forget_values`). The values cost memory on each rank (a
