@@ -192,6 +192,22 @@ PATCHES: tuple[Patch, ...] = (
         "never: stays for the process (a run that changed directories puts the caller's back as it "
         "ends)", "process", ("os.chdir", "os.fchdir"), ("os.chdir", "os.fchdir")),
     Patch(
+        "rank-warnings", "``warnings.filters``, ``warnings.showwarning``, ``warnings._showwarnmsg_impl``, "
+        "``warnings._defaultaction``, ``warnings._onceregistry`` and the ``__warningregistry__`` of each "
+        "module a warning was shown from during the run: each rank's own, swapped at each turn handoff once "
+        "a rank changed or used them; ``warnings._filters_mutated`` and ``warnings._showwarnmsg``: "
+        "wrapped to count those changes (a filter added by a module's import goes to every rank)",
+        "simcomm.sim.rank_warnings",
+        "each process of a torchrun run has its own warnings state: one rank's catch_warnings(record=True) "
+        "recorded, and its simplefilter silenced, the other ranks' warnings, and a warning one rank showed "
+        "was not shown by the next; a program that never touches warnings pays one integer comparison per "
+        "handoff",
+        "each World.run (the wrappers; a rank's own state once the state was touched)",
+        "when the run ends: the caller's state and Python's own functions put back", "run",
+        ("warnings._filters_mutated", "warnings._showwarnmsg", "warnings.filters", "warnings.showwarning",
+         "warnings._showwarnmsg_impl", "warnings._defaultaction", "warnings._onceregistry"),
+        ("warnings._filters_mutated", "warnings._showwarnmsg")),
+    Patch(
         "rank-pid", "``os.getpid``: on a rank's thread (or a thread it started), the rank thread's Linux "
         "thread id (``threading.get_native_id()``)", "simcomm.sim.process_state",
         "each process of a torchrun run has its own pid, and scripts name files after it "
@@ -411,6 +427,14 @@ PATCHES: tuple[Patch, ...] = (
         ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__"),
         ("torch._subclasses.fake_tensor.FakeTensor.__reduce_ex__", "torch.distributed.tensor.DTensor.__reduce_ex__")),
     Patch(
+        "fake-tolist", "``FakeTensor.tolist``: a fake tensor with a value (a shape-only rank's bookkeeping "
+        "computed from constants, or an index draw from a generator whose state is known) answers with "
+        "its value's list at once", "simcomm.sim.shape",
+        "torch's own reads a fake tensor element by element (one dispatched item() each): a sampler's "
+        "randperm(n).tolist() of a million indices took minutes; every other tensor gets torch's own",
+        "the first shape-only World.run", "never: stays for the process", "process",
+        ("FakeTensor.tolist",), ("torch._subclasses.fake_tensor.FakeTensor.tolist",)),
+    Patch(
         "trunc-normal", "``torch.nn.init._no_grad_trunc_normal_`` (what ``trunc_normal_`` calls): a fake "
         "tensor is left as it is", "simcomm.sim.shape",
         "torch's redraws values outside the bounds until none is left, reading ``mask.any()`` of random "
@@ -439,6 +463,13 @@ STACK_DECISIONS: tuple[StackDecision, ...] = (
                   "a checker gets a number, which does not say how it was computed; the cell's code does"),
     StackDecision("simcomm.c10d.process_group:_register_pg_in_world", "the ``pg_tag`` new_group was "
                   "given (c10d's _new_group_with_tag local)", "see the group-tags patch"),
+    StackDecision("simcomm.sim.rank_warnings:_counted_filters_mutated", "whether a change of the warning "
+                  "filters is a filter added while a module is imported (``warnings._add_filter``'s locals "
+                  "``item`` and ``append``, below importlib's frame)", "the module is imported once for the "
+                  "process, where each torchrun process imports it: the filter goes to every rank"),
+    StackDecision("simcomm.sim.rank_warnings:_noted_showwarnmsg", "which module's ``__warningregistry__`` a "
+                  "shown warning was written to (the frame at the file and line the warning names)",
+                  "the registry of each such module is made per rank"),
     StackDecision("simcomm.sim.rank_modules:RankModules.program_import", "whether an import during a "
                   "run comes from the program (its first frame outside importlib belongs to __main__, the "
                   "World program's module or a per-rank module) or from torch, NumPy, simcomm or the "

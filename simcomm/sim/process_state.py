@@ -124,6 +124,7 @@ import torch
 
 from ..fresh_state import numpy_seed, rank_seed, run_seed
 from .rank_modules import RankModules
+from .rank_warnings import RankWarnings
 from .rank_random import RankRandomState, cpu_raw
 
 __all__ = ["RankProcessState", "rank_environ", "rank_start_seed", "inherit_on_threads", "inherit_thread_local",
@@ -364,6 +365,8 @@ class RankProcessState:
         self.caller_log: tuple | None = None
         #: the program's own modules, one copy per rank (simcomm.sim.rank_modules)
         self.modules = RankModules(world_size)
+        #: the warnings module's state, one per rank once a rank touched it (simcomm.sim.rank_warnings)
+        self.warnings = RankWarnings(world_size)
 
     def hand_off(self, rank: int) -> None:
         """``rank`` hands the turn on: keep its state."""
@@ -378,6 +381,7 @@ class RankProcessState:
         root = logging.root
         self.log_handlers[rank], self.log_levels[rank] = root.handlers, root.level
         self.modules.hand_off(rank)
+        self.warnings.hand_off(rank)
 
     def take_turn(self, rank: int) -> None:
         """``rank`` takes the turn: make its state the live one."""
@@ -411,6 +415,7 @@ class RankProcessState:
             logging.root.level = self.log_levels[rank]
             logging.root.manager._clear_cache()    # loggers cache what their level lets through
         self.modules.take_turn(rank)
+        self.warnings.take_turn(rank)
 
     def _enter(self, folder: str) -> None:
         """Make ``folder`` the process's working directory (the rank holding the turn's)."""
@@ -437,9 +442,11 @@ class RankProcessState:
         self._caller_sys = (sys.argv, sys.modules.get("__main__"))
         self.caller_log = (logging.root.handlers, logging.root.level)
         self.modules.start()
+        self.warnings.start()
 
     def restore_caller(self) -> None:
         """After a run: the caller's state is as it was before it."""
+        self.warnings.end()
         self.modules.end()
         self._torch_generators.restore_caller()
         if self.python.caller is not None:
