@@ -5,8 +5,9 @@ would be: two ``comm.subgroup`` partitions (tensor groups of 8 consecutive
 ranks, data groups of ranks ``tp * pp`` apart), each passed whole by every rank
 (as ``new_subgroups_by_enumeration`` and ``DeviceMesh`` callers do): built once by
 the script and given to every rank, or with ``--per-rank-partitions`` built by
-every rank itself at each call and dropped after it, as ``DeviceMesh`` builds its
-groups (each rank's lists are ``O(ranks)``: 0.6 MB a partition at 16,384 ranks; on
+every rank itself, each partition once, right before its call, and dropped after it, as
+``DeviceMesh`` builds its groups (each rank's lists are ``O(ranks)``: 0.6 MB a partition
+at 16,384 ranks; on
 virtual ranks ``subgroup`` does not wait for the other ranks, so a rank's lists are
 garbage before the next rank builds its own; a program that keeps its lists
 for the whole step holds ``O(ranks**2)`` in one process, as it would hold
@@ -24,7 +25,9 @@ trace on the ``h100-ndr-cluster`` preset, with as many of
 its nodes as the run has ranks (costed). Printed per size: wall and
 CPU seconds (``time.process_time``) of each phase, CPU/wall, the trace's
 events, the process's peak resident memory, and the share of fake dispatches the
-ranks' shared cache answered (:func:`simcomm.sim.shape.dispatch_cache_info`). A watchdog in the child stops
+ranks' shared cache answered (:func:`simcomm.sim.shape.dispatch_cache_info`), the run's CPU per
+rank and, with ``--per-rank-partitions``, the part of it spent in the program's own list building
+(the ranks' thread CPU time around it: what each real process pays too). A watchdog in the child stops
 it (exit 3) once its resident memory passes ``--max-rss`` GiB (default 12),
 so a run that grows too large never reaches the kernel's OOM killer on a
 shared machine.
@@ -65,17 +68,29 @@ from simcomm.model.topology import PRESETS
 import dataclasses
 tp, pp, dp, layers, hidden, ffn, tokens, per_rank = json.loads(sys.argv[1])
 
-def partitions(world, tp, pp):
-    # rank = (d * pp + p) * tp + t: tensor groups are tp consecutive ranks, data groups tp * pp apart
-    return ([list(range(base, base + tp)) for base in range(0, world, tp)],
-            [list(range(first, world, tp * pp)) for first in range(tp * pp)])
+lists = [0.0]      # CPU seconds of the program's own list building, all ranks (thread time)
+
+def tensor_groups(world, tp):
+    # rank = (d * pp + p) * tp + t: tensor groups are tp consecutive ranks
+    return [list(range(base, base + tp)) for base in range(0, world, tp)]
+
+def data_groups(world, tp, pp):
+    # data groups: ranks tp * pp apart
+    return [list(range(first, world, tp * pp)) for first in range(tp * pp)]
 
 def step(comm, tp, pp, dp, layers, hidden, ffn, tokens, parts=None):
     if parts is not None:
         tensor, data = comm.subgroup(parts[0]), comm.subgroup(parts[1])
-    else:   # each rank builds its own lists, as DeviceMesh does, and keeps none after the call
-        tensor = comm.subgroup(partitions(comm.world_size, tp, pp)[0])
-        data = comm.subgroup(partitions(comm.world_size, tp, pp)[1])
+    else:   # each rank builds each partition itself, as DeviceMesh does, and keeps none after its call
+        clock = time.thread_time()
+        groups = tensor_groups(comm.world_size, tp)
+        lists[0] += time.thread_time() - clock
+        tensor = comm.subgroup(groups)
+        clock = time.thread_time()
+        groups = data_groups(comm.world_size, tp, pp)
+        lists[0] += time.thread_time() - clock
+        data = comm.subgroup(groups)
+        del groups
     stage = comm.rank // tp % pp
     dtype = torch.bfloat16
     weights = [(torch.empty(ffn // tp, hidden, dtype=dtype).requires_grad_(),     # column-parallel
@@ -106,7 +121,8 @@ times = {}
 wall, cpu = time.perf_counter(), time.process_time()
 # the partitions built once and passed to every rank (a planning script's mesh), as tuples; or
 # built by every rank itself (each rank's lists are alive while it waits in subgroup: O(ranks) each)
-parts = None if per_rank else tuple(tuple(map(tuple, part)) for part in partitions(tp * pp * dp, tp, pp))
+parts = None if per_rank else tuple(tuple(map(tuple, part)) for part in (tensor_groups(tp * pp * dp, tp),
+                                                                         data_groups(tp * pp * dp, tp, pp)))
 world.run(step, tp, pp, dp, layers, hidden, ffn, tokens, parts)
 times["run"] = (time.perf_counter() - wall, time.process_time() - cpu)
 wall, cpu = time.perf_counter(), time.process_time()
@@ -135,7 +151,7 @@ except ImportError:                       # a checkout from before it
     from torch._subclasses.fake_tensor import FakeTensorMode
     cache = FakeTensorMode.cache_info()
     hit_rate = cache.hits / max(cache.hits + cache.misses + sum(cache.bypasses.values()), 1)
-print(json.dumps({"times": times, "events": len(world.trace), "modelled_step_s": step_s,
+print(json.dumps({"times": times, "lists_cpu": lists[0], "events": len(world.trace), "modelled_step_s": step_s,
                   "hit_rate": hit_rate,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -178,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     out(f"TP {args.tp} x PP {args.pp} x DP, {args.layers} MLP blocks per stage, hidden {args.hidden}, "
         f"ffn {args.ffn}, {args.tokens} tokens, bf16, shape-only\n")
     out("code    ranks  run wall  run CPU  CPU/wall  check wall  check CPU  cost wall  cost CPU  total wall  "
-        "total CPU  events    peak RSS  modelled step  fake dispatch hits\n")
+        "total CPU  events    peak RSS  modelled step  fake dispatch hits  run CPU per rank  "
+        "of it the program's lists\n")
     for dp in args.dp:
         ranks = args.tp * args.pp * dp
         sides = [("before", args.before)] if args.before and ranks <= args.before_max else []
@@ -193,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{check_c:9.1f}  {cost_w:9.1f}  {cost_c:8.1f}  {run_w + check_w + cost_w:10.1f}  "
                 f"{run_c + check_c + cost_c:9.1f}  {result['events']:7d}  "
                 f"{result['peak_rss'] / 2**30:6.2f} GiB  {result['modelled_step_s'] * 1e3:9.1f} ms  "
-                f"{result['hit_rate']:.1%}\n")
+                f"{result['hit_rate']:18.1%}  {run_c / ranks * 1e6:13.0f} us  "
+                f"{result.get('lists_cpu', 0.0) / ranks * 1e6:22.0f} us\n")
     return 0
 
 
