@@ -27,7 +27,11 @@ CPU seconds (``time.process_time``) of each phase, CPU/wall, the trace's
 events, the process's peak resident memory, and the share of fake dispatches the
 ranks' shared cache answered (:func:`simcomm.sim.shape.dispatch_cache_info`), the run's CPU per
 rank and, with ``--per-rank-partitions``, the part of it spent in the program's own list building
-(the ranks' thread CPU time around it: what each real process pays too). A watchdog in the child stops
+(the ranks' thread CPU time around it: what each real process pays too), and a line of the run's
+CPU per rank by part: the program's lists, its ``subgroup`` calls, the rest of the program (its
+ops, autograd, communication, hand-offs), outside the program (each rank's thread start and end,
+the first run's imports) and, within these, Python's garbage collections (``gc.callbacks``,
+during ``World.run`` only). A watchdog in the child stops
 it (exit 3) once its resident memory passes ``--max-rss`` GiB (default 12),
 so a run that grows too large never reaches the kernel's OOM killer on a
 shared machine.
@@ -68,7 +72,9 @@ from simcomm.model.topology import PRESETS
 import dataclasses
 tp, pp, dp, layers, hidden, ffn, tokens, per_rank = json.loads(sys.argv[1])
 
-lists = [0.0]      # CPU seconds of the program's own list building, all ranks (thread time)
+# CPU seconds, all ranks (each rank's thread time): the program's own list building, its subgroup
+# calls, the whole program
+lists, spent = [0.0], {"subgroup": 0.0, "program": 0.0}
 
 def tensor_groups(world, tp):
     # rank = (d * pp + p) * tp + t: tensor groups are tp consecutive ranks
@@ -80,16 +86,20 @@ def data_groups(world, tp, pp):
 
 def step(comm, tp, pp, dp, layers, hidden, ffn, tokens, parts=None):
     if parts is not None:
+        clock = time.thread_time()
         tensor, data = comm.subgroup(parts[0]), comm.subgroup(parts[1])
+        spent["subgroup"] += time.thread_time() - clock
     else:   # each rank builds each partition itself, as DeviceMesh does, and keeps none after its call
         clock = time.thread_time()
         groups = tensor_groups(comm.world_size, tp)
-        lists[0] += time.thread_time() - clock
+        built = time.thread_time()
         tensor = comm.subgroup(groups)
-        clock = time.thread_time()
+        called = time.thread_time()
         groups = data_groups(comm.world_size, tp, pp)
-        lists[0] += time.thread_time() - clock
+        built2 = time.thread_time()
         data = comm.subgroup(groups)
+        lists[0] += built - clock + built2 - called
+        spent["subgroup"] += called - built + time.thread_time() - built2
         del groups
     stage = comm.rank // tp % pp
     dtype = torch.bfloat16
@@ -123,7 +133,26 @@ wall, cpu = time.perf_counter(), time.process_time()
 # built by every rank itself (each rank's lists are alive while it waits in subgroup: O(ranks) each)
 parts = None if per_rank else tuple(tuple(map(tuple, part)) for part in (tensor_groups(tp * pp * dp, tp),
                                                                          data_groups(tp * pp * dp, tp, pp)))
-world.run(step, tp, pp, dp, layers, hidden, ffn, tokens, parts)
+def timed(comm, *args):
+    clock = time.thread_time()
+    try:
+        return step(comm, *args)
+    finally:
+        spent["program"] += time.thread_time() - clock
+
+collector = [0.0, 0, 0.0]          # CPU seconds in garbage collections during the run, their number
+
+def on_collection(phase, info):
+    if phase == "start":
+        collector[2] = time.process_time()
+    else:
+        collector[0] += time.process_time() - collector[2]
+        collector[1] += 1
+
+import gc
+gc.callbacks.append(on_collection)
+world.run(timed, tp, pp, dp, layers, hidden, ffn, tokens, parts)
+gc.callbacks.remove(on_collection)
 times["run"] = (time.perf_counter() - wall, time.process_time() - cpu)
 wall, cpu = time.perf_counter(), time.process_time()
 per_rank = {}
@@ -151,7 +180,8 @@ except ImportError:                       # a checkout from before it
     from torch._subclasses.fake_tensor import FakeTensorMode
     cache = FakeTensorMode.cache_info()
     hit_rate = cache.hits / max(cache.hits + cache.misses + sum(cache.bypasses.values()), 1)
-print(json.dumps({"times": times, "lists_cpu": lists[0], "events": len(world.trace), "modelled_step_s": step_s,
+print(json.dumps({"times": times, "lists_cpu": lists[0], "subgroup_cpu": spent["subgroup"],
+                  "program_cpu": spent["program"], "collections": collector[:2], "events": len(world.trace), "modelled_step_s": step_s,
                   "hit_rate": hit_rate,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -212,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result['peak_rss'] / 2**30:6.2f} GiB  {result['modelled_step_s'] * 1e3:9.1f} ms  "
                 f"{result['hit_rate']:18.1%}  {run_c / ranks * 1e6:13.0f} us  "
                 f"{result.get('lists_cpu', 0.0) / ranks * 1e6:22.0f} us\n")
+            if "program_cpu" in result:
+                lists, sub, program = (result[k] / ranks * 1e6 for k in ("lists_cpu", "subgroup_cpu", "program_cpu"))
+                collected, collections = result["collections"]
+                out(f"        per rank: the program's own lists {lists:.0f} us, its subgroup calls {sub:.0f} us, the rest "
+                    f"of the program {program - lists - sub:.0f} us, outside the program {run_c / ranks * 1e6 - program:.0f} us "
+                    f"(thread start and end, imports, the run's set-up); within all these, garbage collections "
+                    f"{collected / ranks * 1e6:.0f} us ({collections} collections)\n")
     return 0
 
 
