@@ -45,7 +45,8 @@ code is entered at all:
 The queries torch's fake mode answers before its cache (``prim.device``,
 ``aten.size``, ``aten.stride``, ``aten.storage_offset``: autograd asks the
 device of every tensor it meets) are answered by the same handlers, without
-the fake mode's entry code.
+the fake mode's entry code (``prim.device`` on a fake tensor by the rank's dispatch mode
+itself, :class:`~simcomm.sim.shape.FunctionalCollectives`, as its handler answers it).
 
 ``TORCH_FAKE_TENSOR_DISPATCH_CACHE=0`` (or a mode with ``cache_enabled``
 false) turns this cache off with torch's. :func:`cache_info` counts hits,
