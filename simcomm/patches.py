@@ -324,10 +324,12 @@ PATCHES: tuple[Patch, ...] = (
         "while the rank threads are started", "at once after: the caller's own CPUs", "call",
         ("os.sched_setaffinity()",)),
     Patch(
-        "gc-thresholds", "Python's garbage collector thresholds: the oldest generation's raised",
+        "gc-thresholds", "Python's garbage collector thresholds: the oldest generation's raised "
+        "(and, in a shape-only World.run, the youngest's)",
         "simcomm.collector",
         "a full collection walks every object; shape-only runs of thousands of ranks and trace "
-        "building make many, and only cycles wait",
+        "building make many, and only cycles wait; a young collection walks every live young "
+        "object, and each of thousands of ranks set off several",
         "each shape-only World.run and each trace's events and timeline built",
         "at the end of the block (unless something inside changed them)", "run",
         ("gc.set_threshold()",)),

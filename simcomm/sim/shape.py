@@ -714,6 +714,9 @@ def _functional(func, args: tuple, kwargs: dict):
 
 _get_fake_mode = torch._C._get_dispatch_mode
 _FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_PRIM_DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
+_QUERIES = _fake_cache.QUERIES
 
 
 class FunctionalCollectives(TorchDispatchMode):
@@ -748,7 +751,12 @@ class FunctionalCollectives(TorchDispatchMode):
             fake_mode = None           # another fake mode, or none, is set (the program's own, or
             #                            DeviceMesh's bookkeeping outside it): torch decides
         if fake_mode is not None:
-            query = _fake_cache.QUERIES.get(func)    # prim.device, aten.size, ...: most calls
+            if func is _PRIM_DEVICE and type(args[0]) is FakeTensor and len(args) == 1:
+                # autograd asks the device of every tensor it meets: most calls. What the fake
+                # mode's own handler answers (fake_tensor._device_handler), without the call
+                tensor = args[0]
+                return _META if tensor.fake_mode.in_kernel_invocation else tensor._fake_device
+            query = _QUERIES.get(func)    # aten.size, aten.stride, ...
             if query is not None:
                 return query(args)
         if func.namespace == "_c10d_functional":
@@ -956,12 +964,12 @@ def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, o
     if inputs is not None and rule.mutated and not _writes_fakes_only(rule, args, kwargs):
         inputs = None       # the fake mode writes a fake copy of a real tensor: so do the values
     if inputs is None:
-        out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
+        out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
         if rule.mutated and getattr(mode, _LIVE, None):
             _forget_mutated(rule, args, kwargs)
         return out
     try:
-        out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
+        out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
     except _DATA_DEPENDENT as refusal:
         try:
             value = _compute(func, *inputs)
