@@ -46,18 +46,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 
 from ..checks import PartitionTable
 from ..errors import Aborted, CommunicatorClosedError, DeadlockError, WrongThreadError
-from ..reports import program_location
+from ..reports import format_ranks, program_location
 from .process_state import RankProcessState, own_thread, thread_owner, waited_for_at_exit
 from .rendezvous import Group
+from .waiting import install_waits
 from .waits import Wait, describe_deadlock, describe_ranks, describe_waits
 
-__all__ = ["OneCpu", "RunState", "widen_futex_hash", "new_waiter", "handoff", "HANDOFF"]
+__all__ = ["OneCpu", "RunState", "Pause", "idle_limit", "widen_futex_hash", "new_waiter", "handoff", "HANDOFF"]
 
 
 _get_ident = threading.get_ident
@@ -189,6 +191,57 @@ def _is_executor_worker(thread: threading.Thread) -> bool:
     return getattr(target, "__module__", None) == "concurrent.futures.thread"
 
 
+_real_sleep = time.sleep
+
+#: the longest piece of a real sleep of a pausing rank that holds the turn (an abort, or a rank
+#: made ready by another thread, is seen within it)
+PAUSE_SLICE_S = 0.02
+#: the default of ``SIMCOMM_IDLE_S``: how long every rank may only poll with ``time.sleep``
+#: (and wait) before the run is taken to wait forever (:meth:`RunState._idle_verdict_locked`)
+IDLE_LIMIT_S = 10.0
+
+
+def idle_limit() -> float:
+    """``SIMCOMM_IDLE_S`` (seconds; ``inf`` never), else :data:`IDLE_LIMIT_S`."""
+    text = os.environ.get("SIMCOMM_IDLE_S", "").strip()
+    if not text:
+        return IDLE_LIMIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"SIMCOMM_IDLE_S={text!r} must be a positive number of seconds (or inf)")
+    return value
+
+
+@dataclass(slots=True)
+class Pause:
+    """A rank that waits without a collective (:meth:`RunState.pause`)."""
+
+    deadline: float       # time.monotonic() when the pause ends
+    what: str             # "time.sleep(0.1)", "TCPStore.get for key 'x'"
+    frame: object
+    store: bool           # a poll of a store wait; else a time.sleep
+
+
+class _Quiet:
+    """A stretch in which no rank made progress (:meth:`RunState._idle_verdict_locked`)."""
+
+    __slots__ = ("since", "blocked", "running", "pauses")
+
+    def __init__(self, now: float, state: RunState):
+        self.since = now
+        self.blocked = dict(state.blocked)     # holds the Wait objects: identity is the test
+        self.running = state.running
+        self.pauses = dict(state.pauses)
+
+    def holds(self, state: RunState) -> bool:
+        blocked = state.blocked
+        return (state.running == self.running and len(blocked) == len(self.blocked)
+                and all(blocked.get(rank) is wait for rank, wait in self.blocked.items()))
+
+
 class RunState:
     """Everything the ranks of one run share: the lock, whose turn it is, the first error.
 
@@ -256,6 +309,15 @@ class RunState:
         #: the threads each rank started (and their threads): a rank ends once its non-daemon ones
         #: have, as a process exits once its non-daemon threads have
         self.rank_threads: list[list[threading.Thread]] = [[] for _ in range(world_size)]
+        #: ranks that wait without a collective (``time.sleep``, a poll of a script's own store):
+        #: :meth:`pause`. Touched only by pausing ranks, so a program that never sleeps pays nothing
+        self.sleeping: dict[int, Pause] = {}
+        self.pauses: dict[int, int] = {}       # pauses each rank began, for the idle rule
+        self.quiet: _Quiet | None = None
+        self.idle_limit = idle_limit()
+        #: the TCPStore servers the ranks created: port -> [clients joined + 1, world_size]
+        self.tcp_servers: dict[int, list] = {}
+        install_waits()
 
     # -- the run's life: called by World and by each rank thread (each takes the lock) --
 
@@ -437,6 +499,129 @@ class RunState:
             raise Aborted
         random.take_turn(rank)
 
+    # -- waiting without a collective: time.sleep, polls of a script's own store --
+
+    def pause(self, rank: int, seconds: float, what: str, frame: object, store: bool = False) -> None:
+        """Rank ``rank``'s thread, holding the turn, waits ``seconds`` without keeping the turn, as
+        a sleeping process leaves the CPU to the others (``time.sleep`` on a rank thread, and each
+        poll of a store wait: :mod:`simcomm.sim.waiting`).
+
+        The rank joins the ready queue and hands the turn on; each time it gets the turn back it
+        returns once ``seconds`` have passed, or passes the turn on again while other ranks are
+        ready. ``pause(0)`` hands the turn to the ranks that are ready once. When no rank but
+        pausing ones can run, the one whose time ends first sleeps for real (holding the turn,
+        in short pieces, so that an abort or a rank woken by another thread is seen), and the
+        scheduler looks whether the wait can end (:meth:`_idle_verdict_locked`): if it cannot,
+        the run is aborted with a :class:`~simcomm.errors.DeadlockError` naming each rank's line.
+        ``store``: a poll of a store wait (its keys are checked by the caller between pauses).
+        Raises :class:`~simcomm.errors.Aborted` if the run is aborted meanwhile.
+        """
+        lock = self.lock
+        deadline = time.monotonic() + seconds
+        lock.acquire()
+        held = True
+        try:
+            if self.error is not None:
+                raise Aborted
+            self.sleeping[rank] = Pause(deadline, what, frame, store)
+            self.pauses[rank] = self.pauses.get(rank, 0) + 1
+            handed = False
+            while True:
+                now = time.monotonic()
+                # ranks ready to run that do not pause themselves (every pausing rank but this
+                # one waits in the ready queue)
+                others = len(self.ready) - len(self.sleeping) + 1
+                if others > 0 and not (handed and now >= deadline):
+                    self.ready.append(rank)
+                    next_rank = self.ready.popleft()
+                elif now >= deadline:
+                    return
+                else:
+                    verdict = self._idle_verdict_locked(now)
+                    if verdict is not None:
+                        self.abort_locked(DeadlockError(verdict))
+                        raise Aborted
+                    next_rank = min(self.sleeping, key=lambda r: self.sleeping[r].deadline)
+                    if next_rank == rank:      # nobody else can run before this rank's time ends
+                        lock.release()
+                        held = False
+                        _real_sleep(min(deadline - now, PAUSE_SLICE_S))
+                        lock.acquire()
+                        held = True
+                        if self.error is not None:
+                            raise Aborted
+                        continue
+                    self.ready.remove(next_rank)
+                    self.ready.append(rank)
+                self.random.hand_off(rank)
+                lock.release()
+                held = False
+                handoff(self.waiters[next_rank], self.waiters[rank])
+                if self.error is not None:
+                    raise Aborted
+                self.random.take_turn(rank)
+                lock.acquire()
+                held = True
+                if self.error is not None:
+                    raise Aborted
+                handed = True
+        finally:
+            if not held:
+                lock.acquire()
+            self.sleeping.pop(rank, None)
+            lock.release()
+
+    def store_wait_ended(self) -> None:
+        """A rank's store wait found its keys: the program made progress (the idle rule starts over)."""
+        self.quiet = None
+
+    def _idle_verdict_locked(self, now: float) -> str | None:
+        """Called when every unfinished rank is blocked or pausing (the caller, holding the turn,
+        pauses too): the DeadlockError message if the wait cannot end, else None.
+
+        A *quiet stretch* begins at the first such moment and lasts while no rank makes progress:
+        the same ranks blocked in the same calls, none finished, no store wait ended (a
+        ``time.sleep`` returning to a poll loop that sleeps again is no progress). It is
+
+        * certain that nothing ends it when every pausing rank waits in a store and has looked at
+          its keys again within the stretch, and no rank has a thread of its own alive: nothing
+          but the ranks (which all wait) can set a key, so the run ends at once;
+        * taken as endless when every rank that sleeps with ``time.sleep`` has woken and slept
+          again within the stretch (it polls) and the stretch has lasted :attr:`idle_limit`
+          seconds (``SIMCOMM_IDLE_S``): a poller may wait for something outside the run (a file
+          another program writes, the clock), so this is no certainty, only a bound. One long
+          ``time.sleep`` is never cut short.
+        """
+        quiet = self.quiet
+        if quiet is None or not quiet.holds(self):
+            self.quiet = _Quiet(now, self)
+            return None
+        sleepers = self.sleeping
+        if not all(self.pauses[r] > quiet.pauses.get(r, 0) for r in sleepers):
+            return None
+        polls = [r for r in sleepers if not sleepers[r].store]
+        if not polls:
+            if any(thread.is_alive() for threads in self.rank_threads for thread in threads):
+                return None
+            head = ("every rank that has not finished waits, and none can make progress (the ranks "
+                    "that wait for a store key have each looked again since the others began to wait):")
+        elif now - quiet.since >= self.idle_limit:
+            head = (f"for {now - quiet.since:.1f} s no rank has made progress: every rank that has not "
+                    f"finished is blocked or polls with time.sleep (taken as a wait nobody ends after "
+                    f"SIMCOMM_IDLE_S={self.idle_limit:g} s; a poll for something outside the run needs "
+                    f"a larger value):")
+        else:
+            return None
+        lines = [head, *describe_waits(self.blocked, self.world_size)]
+        lines.extend(describe_ranks({r: f"{'waits in' if p.store else 'polls with'} {p.what} at "
+                                        f"{program_location(p.frame)}" for r, p in sleepers.items()},
+                                    self.world_size))
+        done = sorted(self.finished)
+        if done:
+            lines.append(f"  {'rank' if len(done) == 1 else 'ranks'} {format_ranks(done)} "
+                         f"{'has' if len(done) == 1 else 'have'} finished")
+        return "\n".join(lines)
+
     def abort_and_release(self, error: BaseException) -> NoReturn:
         """Abort the run with ``error``. Called with the lock held; releases it and
         raises :class:`~simcomm.errors.Aborted` to unwind the calling rank."""
@@ -519,6 +704,10 @@ class RunState:
             thread = self.threads[rank]
             if rank not in self.started:
                 others[rank] = "never started (waiting for a first turn)"
+            elif rank in self.sleeping:
+                pause = self.sleeping[rank]
+                others[rank] = (f"{'waits in' if pause.store else 'sleeps in'} {pause.what} at "
+                                + program_location(frames.get(thread.ident) if thread else None))
             elif rank in self.ready:
                 others[rank] = ("is ready and waits for its turn at "
                                 + program_location(frames.get(thread.ident) if thread else None))
