@@ -223,18 +223,19 @@ class Pause:
     what: str             # "time.sleep(0.1)", "TCPStore.get for key 'x'"
     frame: object
     store: bool           # a poll of a store wait; else a time.sleep
+    number: int           # RunState.pause_count when it began
 
 
 class _Quiet:
     """A stretch in which no rank made progress (:meth:`RunState._idle_verdict_locked`)."""
 
-    __slots__ = ("since", "blocked", "running", "pauses")
+    __slots__ = ("since", "blocked", "running", "begun")
 
     def __init__(self, now: float, state: RunState):
         self.since = now
         self.blocked = dict(state.blocked)     # holds the Wait objects: identity is the test
         self.running = state.running
-        self.pauses = dict(state.pauses)
+        self.begun = state.pause_count           # the pauses begun before the stretch
 
     def holds(self, state: RunState) -> bool:
         blocked = state.blocked
@@ -312,7 +313,10 @@ class RunState:
         #: ranks that wait without a collective (``time.sleep``, a poll of a script's own store):
         #: :meth:`pause`. Touched only by pausing ranks, so a program that never sleeps pays nothing
         self.sleeping: dict[int, Pause] = {}
-        self.pauses: dict[int, int] = {}       # pauses each rank began, for the idle rule
+        #: pauses begun in the run (each Pause has its number), and the number at the last return
+        #: of a time.sleep to its program (which may have changed anything since)
+        self.pause_count = 0
+        self.returned_at = 0
         self.quiet: _Quiet | None = None
         self.idle_limit = idle_limit()
         #: the TCPStore servers the ranks created: port -> [clients joined + 1, world_size]
@@ -523,8 +527,8 @@ class RunState:
         try:
             if self.error is not None:
                 raise Aborted
-            self.sleeping[rank] = Pause(deadline, what, frame, store)
-            self.pauses[rank] = self.pauses.get(rank, 0) + 1
+            self.pause_count += 1
+            self.sleeping[rank] = Pause(deadline, what, frame, store, self.pause_count)
             handed = False
             while True:
                 now = time.monotonic()
@@ -535,6 +539,8 @@ class RunState:
                     self.ready.append(rank)
                     next_rank = self.ready.popleft()
                 elif now >= deadline:
+                    if not store:
+                        self.returned_at = self.pause_count
                     return
                 else:
                     verdict = self._idle_verdict_locked(now)
@@ -597,10 +603,12 @@ class RunState:
             self.quiet = _Quiet(now, self)
             return None
         sleepers = self.sleeping
-        if not all(self.pauses[r] > quiet.pauses.get(r, 0) for r in sleepers):
+        if not all(pause.number > quiet.begun for pause in sleepers.values()):
             return None
         polls = [r for r in sleepers if not sleepers[r].store]
         if not polls:
+            if not all(pause.number > self.returned_at for pause in sleepers.values()):
+                return None
             if any(thread.is_alive() for threads in self.rank_threads for thread in threads):
                 return None
             head = ("every rank that has not finished waits, and none can make progress (the ranks "
