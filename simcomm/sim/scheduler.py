@@ -229,13 +229,14 @@ class Pause:
 class _Quiet:
     """A stretch in which no rank made progress (:meth:`RunState._idle_verdict_locked`)."""
 
-    __slots__ = ("since", "blocked", "running", "begun")
+    __slots__ = ("since", "blocked", "running", "begun", "busy")
 
     def __init__(self, now: float, state: RunState):
         self.since = now
         self.blocked = dict(state.blocked)     # holds the Wait objects: identity is the test
         self.running = state.running
         self.begun = state.pause_count           # the pauses begun before the stretch
+        self.busy = state.busy
 
     def holds(self, state: RunState) -> bool:
         blocked = state.blocked
@@ -317,6 +318,10 @@ class RunState:
         #: of a time.sleep to its program (which may have changed anything since)
         self.pause_count = 0
         self.returned_at = 0
+        #: seconds ranks spent in their programs between a time.sleep's return and their next pause
+        #: (counted against the idle rule), and the rank whose time.sleep returned last, and when
+        self.busy = 0.0
+        self.resumed: tuple[int, float] | None = None
         self.quiet: _Quiet | None = None
         self.idle_limit = idle_limit()
         #: the TCPStore servers the ranks created: port -> [clients joined + 1, world_size]
@@ -512,8 +517,9 @@ class RunState:
 
         The rank joins the ready queue and hands the turn on; each time it gets the turn back it
         returns once ``seconds`` have passed, or passes the turn on again while other ranks are
-        ready. ``pause(0)`` hands the turn to the ranks that are ready once. When no rank but
-        pausing ones can run, the one whose time ends first sleeps for real (holding the turn,
+        ready. ``pause(0)`` lets the ranks that are ready run once. When no rank but pausing ones
+        can run, the one whose time ends first runs (a rank whose pause is over returns to its
+        program); if that is the caller and its time has not ended, it sleeps for real (holding the turn,
         in short pieces, so that an abort or a rank woken by another thread is seen), and the
         scheduler looks whether the wait can end (:meth:`_idle_verdict_locked`): if it cannot,
         the run is aborted with a :class:`~simcomm.errors.DeadlockError` naming each rank's line.
@@ -529,26 +535,34 @@ class RunState:
                 raise Aborted
             self.pause_count += 1
             self.sleeping[rank] = Pause(deadline, what, frame, store, self.pause_count)
+            if self.resumed is not None:
+                if self.resumed[0] == rank:
+                    self.busy += deadline - seconds - self.resumed[1]
+                self.resumed = None
             handed = False
             while True:
                 now = time.monotonic()
-                # ranks ready to run that do not pause themselves (every pausing rank but this
-                # one waits in the ready queue)
-                others = len(self.ready) - len(self.sleeping) + 1
-                if others > 0 and not (handed and now >= deadline):
-                    self.ready.append(rank)
-                    next_rank = self.ready.popleft()
-                elif now >= deadline:
+                if handed and now >= deadline:
                     if not store:
                         self.returned_at = self.pause_count
+                        self.resumed = (rank, now)
                     return
+                if len(self.ready) >= len(self.sleeping):
+                    # a rank that does not pause is ready (every pausing rank but this one waits
+                    # in the ready queue): it runs first
+                    self.ready.append(rank)
+                    next_rank = self.ready.popleft()
                 else:
+                    # every unfinished rank is blocked or pauses: the one whose time ends first runs
                     verdict = self._idle_verdict_locked(now)
                     if verdict is not None:
                         self.abort_locked(DeadlockError(verdict))
                         raise Aborted
                     next_rank = min(self.sleeping, key=lambda r: self.sleeping[r].deadline)
-                    if next_rank == rank:      # nobody else can run before this rank's time ends
+                    if next_rank == rank:
+                        if now >= deadline:
+                            handed = True      # nobody else may run first: the pause is over
+                            continue
                         lock.release()
                         held = False
                         _real_sleep(min(deadline - now, PAUSE_SLICE_S))
@@ -585,18 +599,21 @@ class RunState:
         """Called when every unfinished rank is blocked or pausing (the caller, holding the turn,
         pauses too): the DeadlockError message if the wait cannot end, else None.
 
-        A *quiet stretch* begins at the first such moment and lasts while no rank makes progress:
-        the same ranks blocked in the same calls, none finished, no store wait ended (a
-        ``time.sleep`` returning to a poll loop that sleeps again is no progress). It is
+        A *quiet stretch* begins at the first such moment and lasts while the same ranks are
+        blocked in the same calls, none has finished, and no store wait has ended (a
+        ``time.sleep`` returning to a poll loop that sleeps again does not end it). The wait is
 
-        * certain that nothing ends it when every pausing rank waits in a store and has looked at
-          its keys again within the stretch, and no rank has a thread of its own alive: nothing
-          but the ranks (which all wait) can set a key, so the run ends at once;
-        * taken as endless when every rank that sleeps with ``time.sleep`` has woken and slept
-          again within the stretch (it polls) and the stretch has lasted :attr:`idle_limit`
-          seconds (``SIMCOMM_IDLE_S``): a poller may wait for something outside the run (a file
-          another program writes, the clock), so this is no certainty, only a bound. One long
-          ``time.sleep`` is never cut short.
+        * certain never to end when every pausing rank waits for a store key (or a TCPStore's
+          server or clients), each has looked again since the stretch began and since any
+          ``time.sleep`` last returned to its program, and no rank has a thread of its own
+          alive: only the ranks, which all wait, could set a key (the run's ranks are taken to
+          be the store's only users), so the run ends at once;
+        * taken as endless when every rank that pauses in ``time.sleep`` has woken and slept again
+          within the stretch (it polls) and the stretch has lasted :attr:`idle_limit` seconds
+          (``SIMCOMM_IDLE_S``), not counting the time ranks spent in their programs between
+          polls: a poller may wait for something outside the run (a file another program
+          writes, the clock), so this is a bound, not a certainty. One long ``time.sleep`` is
+          never cut short, nor is a rank that works between short sleeps.
         """
         quiet = self.quiet
         if quiet is None or not quiet.holds(self):
@@ -613,11 +630,11 @@ class RunState:
                 return None
             head = ("every rank that has not finished waits, and none can make progress (the ranks "
                     "that wait for a store key have each looked again since the others began to wait):")
-        elif now - quiet.since >= self.idle_limit:
+        elif now - quiet.since - (self.busy - quiet.busy) >= self.idle_limit:
             head = (f"for {now - quiet.since:.1f} s no rank has made progress: every rank that has not "
                     f"finished is blocked or polls with time.sleep (taken as a wait nobody ends after "
-                    f"SIMCOMM_IDLE_S={self.idle_limit:g} s; a poll for something outside the run needs "
-                    f"a larger value):")
+                    f"SIMCOMM_IDLE_S={self.idle_limit:g} s of it; a poll for something outside the run "
+                    f"needs a larger value):")
         else:
             return None
         lines = [head, *describe_waits(self.blocked, self.world_size)]

@@ -235,6 +235,36 @@ def test_one_long_sleep_is_never_cut_short_by_the_idle_rule(monkeypatch):
     assert simcomm.World(3).run(program, timeout=30) == [0, 1, 2]
 
 
+def test_ranks_that_work_between_short_sleeps_are_not_cut_short(monkeypatch):
+    # longer than the idle limit, nobody communicates, and every rank sleeps often: but they work
+    monkeypatch.setenv("SIMCOMM_IDLE_S", "0.3")
+
+    def program(comm):
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            busy = time.monotonic()
+            while time.monotonic() - busy < 0.01:
+                pass
+            time.sleep(0.001)
+        comm.barrier()
+        return comm.rank
+
+    assert simcomm.World(2).run(program, timeout=30) == [0, 1]
+
+
+def test_ranks_spinning_on_sleep_zero_for_a_file_nobody_writes_are_a_deadlock(monkeypatch):
+    monkeypatch.setenv("SIMCOMM_IDLE_S", "0.5")
+
+    def program(comm):
+        while not Path("/nonexistent/flag").exists():
+            time.sleep(0)
+
+    started = time.monotonic()
+    with pytest.raises(DeadlockError, match=r"rank 1 polls with time.sleep\(0\) at .*test_waiting.py:\d+ in program"):
+        simcomm.World(2).run(program, timeout=30)
+    assert time.monotonic() - started < 5
+
+
 def test_the_idle_limit_must_be_a_positive_number(monkeypatch):
     monkeypatch.setenv("SIMCOMM_IDLE_S", "soon")
     with pytest.raises(ValueError, match="SIMCOMM_IDLE_S='soon' must be a positive number"):
