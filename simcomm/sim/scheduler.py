@@ -623,7 +623,11 @@ class RunState:
         if not all(pause.number > quiet.begun for pause in sleepers.values()):
             return None
         polls = [r for r in sleepers if not sleepers[r].store]
-        if not polls:
+        if self.rank_errors:
+            # a rank has failed (peers_run_on): the others wait for nothing but that rank, or poll;
+            # the run ends with its failure, as torchrun's agent stops its workers
+            head = "a rank has failed, and every other rank that has not finished waits or polls:"
+        elif not polls:
             if not all(pause.number > self.returned_at for pause in sleepers.values()):
                 return None
             if any(thread.is_alive() for threads in self.rank_threads for thread in threads):

@@ -62,6 +62,8 @@ def _turn(store: Any = None) -> tuple[Any, int] | None:
     if (run.closed or run.error is not None or run.thread_ids[rank] != threading.get_ident()
             or rank in run.blocked or rank in run.finished):
         return None
+    while isinstance(store, dist.PrefixStore):     # c10d's groups wrap the run's own store so
+        store = store.underlying_store
     if store is not None and type(store).__module__.startswith("simcomm"):
         return None
     return owner

@@ -223,6 +223,23 @@ def test_a_poll_that_gives_up_fails_under_torchrun(tmp_path):
     assert "TimeoutError: rank 0: nobody wrote the flag within 0.5 s" in done.stdout + done.stderr
 
 
+def test_ranks_polling_for_a_rank_that_failed_end_with_its_failure_at_once(monkeypatch):
+    # as torchrun's agent stops the other workers when one fails; not after the idle limit
+    monkeypatch.setenv("SIMCOMM_IDLE_S", "30")
+
+    def program(comm):
+        if comm.rank == 1:
+            raise RuntimeError("rank 1 fails before writing the flag")
+        while not Path("/nonexistent/flag").exists():
+            time.sleep(0.05)
+
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        simcomm.World(3, peers_run_on=True).run(program, timeout=60)
+    assert info.value.rank == 1 and "fails before writing the flag" in str(info.value.__cause__)
+    assert time.monotonic() - started < 5
+
+
 def test_one_long_sleep_is_never_cut_short_by_the_idle_rule(monkeypatch):
     monkeypatch.setenv("SIMCOMM_IDLE_S", "0.3")
 
