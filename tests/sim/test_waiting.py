@@ -124,6 +124,23 @@ def test_a_tcpstore_server_created_after_its_clients_is_waited_for():
     assert time.monotonic() - started < 10
 
 
+def test_torch_elastics_store_barrier_and_synchronize_over_a_scripts_own_tcpstore():
+    from torch.distributed.elastic.utils import store as elastic_store
+    port = free_port()
+
+    def program(comm):
+        store = dist.TCPStore("127.0.0.1", port, 3, is_master=comm.rank == 0,
+                              timeout=datetime.timedelta(seconds=20))
+        if comm.rank == 2:
+            time.sleep(0.2)                  # the last to arrive
+        elastic_store.barrier(store, 3, key_prefix="barrier")
+        values = elastic_store.synchronize(store, f"r{comm.rank}".encode(), comm.rank, 3, key_prefix="sync")
+        comm.barrier()
+        return [value.decode() for value in values]
+
+    assert simcomm.World(3).run(program, timeout=30) == [["r0", "r1", "r2"]] * 3
+
+
 def test_store_waits_and_multi_get_of_a_hashstore_and_a_prefixstore():
     store = dist.HashStore()
 
