@@ -323,6 +323,10 @@ class RunState:
         self.busy = 0.0
         self.resumed: tuple[int, float] | None = None
         self.quiet: _Quiet | None = None
+        #: ranks a thread of which would communicate while the rank's own thread pauses, and those
+        #: whose own thread then keeps the turn in a plain sleep (:meth:`_step_in_for`)
+        self.step_aside: set[int] = set()
+        self.stepped_aside: set[int] = set()
         self.idle_limit = idle_limit()
         #: the TCPStore servers the ranks created: port -> [clients joined + 1, world_size]
         self.tcp_servers: dict[int, list] = {}
@@ -444,7 +448,12 @@ class RunState:
         has ended; :class:`~simcomm.errors.WrongThreadError` (and the run fails with
         it) when the caller is not rank ``rank``'s thread.
         """
-        if (_get_ident() != self.thread_ids[rank] and thread_owner() != (self, rank)) or self.closed:
+        if _get_ident() != self.thread_ids[rank]:
+            if thread_owner() != (self, rank) or self.closed:
+                raise self._refusal(rank, op)
+            if rank in self.sleeping:     # a thread the rank started, while the rank's own pauses
+                self._step_in_for(rank)
+        elif self.closed:
             raise self._refusal(rank, op)
         self.lock.acquire()
         if self.error is not None:
@@ -542,23 +551,36 @@ class RunState:
             handed = False
             while True:
                 now = time.monotonic()
+                if rank in self.step_aside:
+                    # a thread this rank started communicates as the rank: this thread keeps the
+                    # turn and sleeps, as time.sleep did before pauses (the thread's wait then
+                    # hands the turn on); a pause would share the rank's waiter with it
+                    self.stepped_aside.add(rank)
+                    lock.release()
+                    held = False
+                    while self.error is None and time.monotonic() < deadline:
+                        _real_sleep(min(deadline - time.monotonic(), PAUSE_SLICE_S))
+                    if self.error is not None:
+                        raise Aborted
+                    return
                 if handed and now >= deadline:
                     if not store:
                         self.returned_at = self.pause_count
                         self.resumed = (rank, now)
                     return
-                if len(self.ready) >= len(self.sleeping):
-                    # a rank that does not pause is ready (every pausing rank but this one waits
-                    # in the ready queue): it runs first
+                if len(self.ready) >= len(self.sleeping) - len(self.stepped_aside):
+                    # a rank that does not pause is ready (every pausing rank but this one, and
+                    # those that stepped aside, waits in the ready queue): it runs first
                     self.ready.append(rank)
                     next_rank = self.ready.popleft()
                 else:
                     # every unfinished rank is blocked or pauses: the one whose time ends first runs
-                    verdict = self._idle_verdict_locked(now)
+                    verdict = self._idle_verdict_locked(now) if not self.stepped_aside else None
                     if verdict is not None:
                         self.abort_locked(DeadlockError(verdict))
                         raise Aborted
-                    next_rank = min(self.sleeping, key=lambda r: self.sleeping[r].deadline)
+                    next_rank = min((r for r in self.sleeping if r not in self.stepped_aside),
+                                    key=lambda r: self.sleeping[r].deadline)
                     if next_rank == rank:
                         if now >= deadline:
                             handed = True      # nobody else may run first: the pause is over
@@ -589,7 +611,24 @@ class RunState:
             if not held:
                 lock.acquire()
             self.sleeping.pop(rank, None)
+            self.stepped_aside.discard(rank)
             lock.release()
+
+    def _step_in_for(self, rank: int) -> None:
+        """A thread rank ``rank`` started is about to communicate as the rank while the rank's own
+        thread pauses: wait until that thread holds the turn and keeps it in a plain sleep
+        (:meth:`pause`), or its pause has ended."""
+        with self.lock:
+            self.step_aside.add(rank)
+        try:
+            while self.error is None:
+                with self.lock:
+                    if rank not in self.sleeping or rank in self.stepped_aside:
+                        return
+                _real_sleep(0.001)
+        finally:
+            with self.lock:
+                self.step_aside.discard(rank)
 
     def store_wait_ended(self) -> None:
         """A rank's store wait found its keys: the program made progress (the idle rule starts over)."""

@@ -342,6 +342,27 @@ def test_sleep_is_pythons_own_off_rank_threads_and_on_a_ranks_own_threads():
     assert len(slept) == 2 and min(slept) >= 0.05
 
 
+def test_a_rank_polling_its_own_thread_that_communicates_as_the_rank():
+    # the rank's thread keeps the turn in a plain sleep while a thread it started communicates
+    def program(comm):
+        out = {}
+
+        def worker():
+            total = torch.ones(2) * (comm.rank + 1)
+            dist.all_reduce(total)
+            out["total"] = total.tolist()
+        thread = threading.Thread(target=worker)
+        thread.start()
+        while thread.is_alive():
+            time.sleep(0.01)
+        comm.barrier()
+        return out["total"]
+
+    for world in (2, 4):
+        expected = float(sum(range(1, world + 1)))
+        assert simcomm.World(world).run(program, timeout=30) == [[expected, expected]] * world
+
+
 def test_a_sleeping_rank_lets_a_slow_rank_finish_and_the_timeout_names_the_sleeper():
     def program(comm):
         if comm.rank == 0:
