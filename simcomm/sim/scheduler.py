@@ -568,19 +568,22 @@ class RunState:
                         self.returned_at = self.pause_count
                         self.resumed = (rank, now)
                     return
-                if len(self.ready) >= len(self.sleeping) - len(self.stepped_aside):
-                    # a rank that does not pause is ready (every pausing rank but this one, and
-                    # those that stepped aside, waits in the ready queue): it runs first
+                queued = set(self.ready)
+                pausing = [r for r in self.sleeping if r in queued]   # the others wait in the queue
+                if len(self.ready) > len(pausing):
+                    # a rank that does not pause is ready: it runs first
                     self.ready.append(rank)
                     next_rank = self.ready.popleft()
                 else:
-                    # every unfinished rank is blocked or pauses: the one whose time ends first runs
-                    verdict = self._idle_verdict_locked(now) if not self.stepped_aside else None
+                    # every unfinished rank is blocked or pauses: the one whose time ends first runs.
+                    # A pausing rank neither here nor queued runs beside this one (its thread
+                    # stepped aside for a thread of its own, :meth:`_step_in_for`): no verdict then
+                    everyone = len(pausing) == len(self.sleeping) - 1
+                    verdict = self._idle_verdict_locked(now) if everyone else None
                     if verdict is not None:
                         self.abort_locked(DeadlockError(verdict))
                         raise Aborted
-                    next_rank = min((r for r in self.sleeping if r not in self.stepped_aside),
-                                    key=lambda r: self.sleeping[r].deadline)
+                    next_rank = min([*pausing, rank], key=lambda r: self.sleeping[r].deadline)
                     if next_rank == rank:
                         if now >= deadline:
                             handed = True      # nobody else may run first: the pause is over

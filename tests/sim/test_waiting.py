@@ -229,7 +229,8 @@ def test_a_poll_that_gives_up_before_the_idle_limit_fails_as_under_torchrun(caps
     result, lines, text = on_virtual_ranks("poll_forever.py", capsys, "0.5")
     assert result.returncode == 1 and result.exit_codes == [1, 1], result.summary()
     assert isinstance(result.error, RankError) and isinstance(result.error.__cause__, TimeoutError)
-    assert str(result.error.__cause__) == "rank 0: nobody wrote the flag within 0.5 s"
+    # which rank gives up first depends on the clock, as under torchrun
+    assert re.fullmatch(r"rank [01]: nobody wrote the flag within 0.5 s", str(result.error.__cause__))
     assert result.wall_s < 5
 
 
@@ -237,7 +238,7 @@ def test_a_poll_that_gives_up_before_the_idle_limit_fails_as_under_torchrun(caps
 def test_a_poll_that_gives_up_fails_under_torchrun(tmp_path):
     done, _ = under_torchrun("poll_forever.py", tmp_path, "0.5")
     assert done.returncode == 1
-    assert "TimeoutError: rank 0: nobody wrote the flag within 0.5 s" in done.stdout + done.stderr
+    assert re.search(r"TimeoutError: rank [01]: nobody wrote the flag within 0.5 s", done.stdout + done.stderr)
 
 
 def test_ranks_polling_for_a_rank_that_failed_end_with_its_failure_at_once(monkeypatch):
@@ -271,13 +272,13 @@ def test_one_long_sleep_is_never_cut_short_by_the_idle_rule(monkeypatch):
 
 def test_ranks_that_work_between_short_sleeps_are_not_cut_short(monkeypatch):
     # longer than the idle limit, nobody communicates, and every rank sleeps often: but they work
-    monkeypatch.setenv("SIMCOMM_IDLE_S", "0.3")
+    monkeypatch.setenv("SIMCOMM_IDLE_S", "1")
 
     def program(comm):
-        end = time.monotonic() + 1.0
+        end = time.monotonic() + 2.5
         while time.monotonic() < end:
             busy = time.monotonic()
-            while time.monotonic() - busy < 0.01:
+            while time.monotonic() - busy < 0.05:
                 pass
             time.sleep(0.001)
         comm.barrier()
