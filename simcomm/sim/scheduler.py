@@ -2,13 +2,17 @@
 
 Every rank of a :class:`simcomm.World` is a thread running the program, and
 the ranks take turns (:class:`RunState`): exactly one runs until it blocks in
-a communication call or finishes, then hands the turn to the next ready rank.
+a communication call, pauses (``time.sleep``, a wait for a key of a script's own
+store: :meth:`RunState.pause`) or finishes, then hands the turn to the next ready rank.
 Because it sees every rank at once, the scheduler tells at once what real
 NCCL shows as a hang:
 
 * a rank about to block when every other unfinished rank is blocked too (or
   a rank finishing while all the others are blocked) raises
   :class:`~simcomm.errors.DeadlockError`, listing who waits for whom;
+* every unfinished rank blocked or pausing, with nothing that could end the
+  wait (:meth:`RunState._idle_verdict_locked`), raises it too, naming each
+  rank's line;
 * a communicator used after its run ended raises
   :class:`~simcomm.errors.CommunicatorClosedError`, and one used from a thread
   other than its rank's raises :class:`~simcomm.errors.WrongThreadError`
@@ -248,7 +252,8 @@ class RunState:
     """Everything the ranks of one run share: the lock, whose turn it is, the first error.
 
     Ranks take turns: exactly one rank thread runs at a time, and it hands the
-    turn on only when it blocks in a communication call or finishes. A rank
+    turn on only when it blocks in a communication call, pauses (``time.sleep``,
+    a poll of a script's own store: :meth:`pause`) or finishes. A rank
     woken by a completed collective joins the ``ready`` queue instead of
     running at once, so every handoff wakes exactly one thread and no two rank
     threads compete for the interpreter lock. Runs are therefore

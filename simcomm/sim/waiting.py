@@ -21,6 +21,11 @@ runs, these therefore hand the turn on (:meth:`simcomm.sim.scheduler.RunState.pa
   the port (a server a rank created, or one outside the run). Both raise
   torch's errors after the store's timeout.
 
+A rank whose own thread is in ``time.sleep`` while a thread it started
+communicates as the rank keeps the turn in a plain sleep instead (the two
+threads would share the rank's place in the scheduler); a rank may so poll its
+own thread (``while t.is_alive(): time.sleep(0.01)``).
+
 Everywhere else (any other thread, outside a run, a rank's own
 :class:`~simcomm.sim.store.RunStore`, which the scheduler already sees) each
 call is torch's or Python's own. When every rank waits so that nothing can
