@@ -222,6 +222,27 @@ PATCHES: tuple[Patch, ...] = (
         "each World.run (the caller's saved first)", "when the run ends: the caller's put back", "run",
         ("logging.root.handlers", "logging.root.level")),
     Patch(
+        "rank-sleep", "``time.sleep``: on a rank's own thread while its program runs, the rank hands "
+        "the turn to the ranks that can run and returns once the time has passed (``time.sleep(0)``: "
+        "lets them run once)", "simcomm.sim.waiting",
+        "a process that sleeps leaves the CPU to the others: a rank polling a file "
+        "(while not exists(p): time.sleep(0.1)) kept the turn, so the rank that writes the file never "
+        "ran. On every other thread (threads a rank started too) it is Python's own",
+        "the first World.run", "never: stays for the process", "process",
+        ("time.sleep",), ("time.sleep",)),
+    Patch(
+        "rank-store-waits", "``Store.get``, ``Store.wait``, ``Store.multi_get`` (torch's TCPStore, "
+        "FileStore, HashStore, PrefixStore) and ``TCPStore.__init__``: on a rank's own thread while its "
+        "program runs, a missing key is polled with the turn handed on between polls; a TCPStore server "
+        "waits so for its clients, a client for its server", "simcomm.sim.waiting",
+        "a script's own TCPStore server on rank 0 waited for its clients holding the turn (the other "
+        "ranks never ran to connect), and a get of a key another rank sets blocked until the store's "
+        "timeout; each call is torch's own on every other thread and for the run's own store",
+        "the first World.run", "never: stays for the process", "process",
+        ("_Store.get", "_Store.wait", "_Store.multi_get", "dist.TCPStore.__init__"),
+        ("torch.distributed.Store.get", "torch.distributed.Store.wait", "torch.distributed.Store.multi_get",
+         "torch.distributed.TCPStore.__init__")),
+    Patch(
         "rank-process-settings", "``multiprocessing``'s default context (its class: the chosen start "
         "method is per rank on rank threads) and ``signal.signal``/``signal.getsignal`` (on a rank's "
         "thread: the rank's own handler table, recorded and not installed)", "simcomm.sim.process_state",
