@@ -212,7 +212,8 @@ PATCHES: tuple[Patch, ...] = (
         "thread id (``threading.get_native_id()``)", "simcomm.sim.process_state",
         "each process of a torchrun run has its own pid, and scripts name files after it "
         "(grad_{os.getpid()}.pt); a thread id is distinct per rank, stable for the run and an id of "
-        "this process to the kernel (os.kill, /proc); on every other thread it is os's own",
+        "this process to the kernel (os.kill, /proc); on every other thread, and in a child process a "
+        "rank forks (a DataLoader worker), it is os's own",
         "the first World.run", "never: stays for the process", "process", ("os.getpid",), ("os.getpid",)),
     Patch(
         "rank-logging", "``logging.root.handlers`` and ``logging.root.level``: the rank's own at each turn "
@@ -378,7 +379,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "rank-exits", "``os._exit``, ``os.abort``, ``os.kill`` and ``signal.raise_signal``: on a rank "
         "thread of a run_script launch, ``os._exit(n)``, ``os.abort()`` and a fatal signal the rank "
-        "sends its own process end that rank only, with the exit status its process would have had",
+        "sends its own process end that rank only, with the exit status its process would have had "
+        "(in a child process a rank forks, such as a DataLoader worker, they are the real calls)",
         "simcomm.run",
         "under torchrun each call ends one worker process, and the launcher reports it; on virtual "
         "ranks it would end the whole process (a notebook's kernel) and every rank with it",

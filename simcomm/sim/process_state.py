@@ -810,6 +810,15 @@ def _getpid() -> int:
 _getpid.__doc__ = _original_getpid.__doc__
 
 
+def _forget_pid_in_child() -> None:
+    """A child a rank forks (a DataLoader worker, a multiprocessing.Process) is a process of its own:
+    its ``os.getpid()`` is its real pid, as under torchrun, not the rank's."""
+    _owner.pid = None
+
+
+os.register_at_fork(after_in_child=_forget_pid_in_child)
+
+
 # -- once-per-process settings: multiprocessing's start method, signal handlers -----------------
 
 def _rank_table(name: str) -> dict | None:
