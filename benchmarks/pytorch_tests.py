@@ -29,7 +29,8 @@ torch; PyTorch's test files are not part of this repository)::
 A path may end in ``::Class`` or ``::Class::test_name``. Paths are taken relative
 to ``<pytorch>/test`` (or as given, if that file exists). Each file runs in a fresh
 interpreter (``--timeout`` seconds per test method, as ``World.run(timeout=)``).
-Needs ``expecttest`` importable (PyTorch's test utilities import it).
+PyTorch's test utilities import ``expecttest``; where it is not installed a stand-in is
+used (tests that compare against inline expected text then fail).
 
 Output: one line per test, ``PASS``/``FAIL``/``SKIP``, its class and name, and for a
 failure or skip the first line of its error or reason; then totals per file.
@@ -129,12 +130,20 @@ def _distributed_kind(cls: type) -> str | None:
 
 
 def _shim_testing_names() -> list[str]:
-    """Names newer test files import from ``common_utils`` that this torch lacks: added as
-    inert stand-ins, so such a file imports (its tests' behaviour does not depend on them)."""
+    """Stand-ins for what PyTorch's test utilities import and this environment lacks, so a
+    test file imports: the ``expecttest`` package (its ``TestCase`` is ``unittest.TestCase``
+    here; only ``assertExpectedInline`` tests need the real one), and names newer test files
+    import from ``common_utils`` that this torch lacks (inert; tests do not depend on them)."""
     import enum
+    import types
 
-    from torch.testing._internal import common_utils
     added = []
+    if importlib.util.find_spec("expecttest") is None:
+        stand_in = types.ModuleType("expecttest")
+        stand_in.TestCase = unittest.TestCase
+        sys.modules["expecttest"] = stand_in
+        added.append("the expecttest package")
+    from torch.testing._internal import common_utils
     if not hasattr(common_utils, "HardwareClassification"):
         class HardwareClassification(enum.Enum):   # a class attribute read by PyTorch's CI sharding
             GENERIC = "generic"
@@ -153,7 +162,7 @@ def run_file(path: str, selector: list[str], timeout: float) -> None:
         if entry and entry not in sys.path:
             sys.path.insert(0, entry)
     for name in _shim_testing_names():
-        print(f"note: {name} is missing from this torch; an inert stand-in was added")
+        print(f"note: {name} is missing here; a stand-in was added")
     module_name = os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
