@@ -206,6 +206,24 @@ PATCHES: tuple[Patch, ...] = (
         "each World.run (the caller's saved first)", "when the run ends: the caller's put back", "run",
         ("logging.root.handlers", "logging.root.level")),
     Patch(
+        "rank-hooks", "torch's global hook dicts (``torch.nn.modules.module._global_forward_pre_hooks``, "
+        "``_global_forward_hooks`` (with ``_always_called``, ``_with_kwargs``), ``_global_backward_pre_hooks``, "
+        "``_global_backward_hooks``, ``_global_is_full_backward_hook``, the buffer, module and parameter "
+        "registration hooks; ``torch.optim.optimizer._global_optimizer_pre_hooks``/``_post_hooks``): an empty "
+        "set in place of the caller's during a run, a rank's own set once it registers a hook, swapped at "
+        "each turn handoff", "simcomm.sim.rank_hooks",
+        "each process of a torchrun run has its own global hooks (register_module_forward_pre_hook, "
+        "register_optimizer_step_pre_hook ...); on shared dicts a hook one rank registered fired for every "
+        "rank's modules, and CommDebugMode's module tracker (ModTracker) raised 'The Module hierarchy "
+        "tracking is wrong' on ranks 1 and 2",
+        "each World.run (the caller's saved first)", "when the run ends: the caller's dicts put back, untouched",
+        "run", ("setattr(_module)", "setattr(_optimizer)", "_module._global_is_full_backward_hook"),
+        tuple(f"torch.nn.modules.module._global_{name}" for name in (
+            "forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks",
+            "buffer_registration_hooks", "module_registration_hooks", "parameter_registration_hooks",
+            "forward_hooks_always_called", "forward_hooks_with_kwargs"))
+        + ("torch.optim.optimizer._global_optimizer_pre_hooks", "torch.optim.optimizer._global_optimizer_post_hooks")),
+    Patch(
         "rank-process-settings", "``multiprocessing``'s default context (its class: the chosen start "
         "method is per rank on rank threads) and ``signal.signal``/``signal.getsignal`` (on a rank's "
         "thread: the rank's own handler table, recorded and not installed)", "simcomm.sim.process_state",
