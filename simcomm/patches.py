@@ -449,14 +449,18 @@ STACK_DECISIONS: tuple[StackDecision, ...] = (
     StackDecision("simcomm.c10d.process_group:_p2p_async", "whether a send/recv came from "
                   "dist.send/dist.recv (blocking) or anywhere else (async)",
                   "c10d calls the same ProcessGroup method for both"),
-    StackDecision("simcomm.c10d.process_group:_requested_backend", "the backend dist.new_group asked for "
-                  "(c10d's _new_group_with_tag local ``backend``)",
-                  "c10d does not pass it on to a default group's new_group"),
+    StackDecision("simcomm.c10d.process_group:_new_group_call", "the backend dist.new_group asked for "
+                  "and the ``pg_tag`` c10d._new_group_with_tag was given (its locals ``backend``, "
+                  "``pg_tag``)",
+                  "c10d passes neither on to a default group's new_group: a new_group of another backend is "
+                  "refused or made fake, and a second group asked for with the same ranks and tag is the "
+                  "first, as c10d returns it for the groups it makes itself"),
     StackDecision("simcomm.lessons.verdicts:helper_in_caller", "whether the learner's cell that calls an "
                   "exercise checker computed its answer with the lesson's own helper (the verdict names it)",
                   "a checker gets a number, which does not say how it was computed; the cell's code does"),
     StackDecision("simcomm.c10d.process_group:_register_pg_in_world", "the ``pg_tag`` new_group was "
-                  "given (c10d's _new_group_with_tag local)", "see the group-tags patch"),
+                  "given (c10d's _new_group_with_tag local), and whether the group it registers is the tagged "
+                  "group it already has (registered once, as c10d does)", "see the group-tags patch"),
     StackDecision("simcomm.sim.rank_modules:RankModules.program_import", "whether an import during a "
                   "run comes from the program (its first frame outside importlib belongs to __main__, the "
                   "World program's module or a per-rank module) or from torch, NumPy, simcomm or the "
