@@ -271,8 +271,11 @@ class SimcommProcessGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(self, output, input_, output_split_sizes, input_split_sizes, opts=None):
-        return self._submit(ops.all_to_all_single, output, input_, list(output_split_sizes or []),
-                            list(input_split_sizes or []), async_op=_async(opts),
+        rank = self.transport.rank
+        output_split_sizes = _sizes(output_split_sizes, "output_split_sizes", rank)
+        input_split_sizes = _sizes(input_split_sizes, "input_split_sizes", rank)
+        return self._submit(ops.all_to_all_single, output, input_, output_split_sizes,
+                            input_split_sizes, async_op=_async(opts),
                             route=("alltoall_base", (output, input_, output_split_sizes, input_split_sizes, opts)))
 
     alltoall_base = all_to_all_single
@@ -333,6 +336,20 @@ class SimcommProcessGroup(dist.ProcessGroup):
 
     def merge_remote_group(self, *args, **kwargs):
         raise NotImplementedError(f"merge_remote_group is not supported by the {BACKEND_NAME!r} backend")
+
+
+def _sizes(split_sizes, argument: str, rank: int) -> list:
+    """``dist.all_to_all_single``'s split sizes as a list (none: ``[]``). A tensor is refused as
+    torch's C++ ProcessGroup refuses it on gloo and NCCL (its binding takes a sequence of ints, and
+    raises TypeError "incompatible function arguments"); PyTorch's threaded test group, a Python
+    group, takes one."""
+    if split_sizes is None:
+        return []
+    if isinstance(split_sizes, torch.Tensor):
+        raise TypeError(f"all_to_all_single: rank {rank}'s {argument} is a tensor ({split_sizes!r}); "
+                        f"torch's process groups (gloo, NCCL) take a sequence of ints: pass "
+                        f"{argument}.tolist()")
+    return list(split_sizes)
 
 
 def _shape_only(transport) -> bool:
