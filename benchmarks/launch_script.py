@@ -20,6 +20,9 @@ in a fresh process with ``torch.set_num_threads(1)``: "torch only" puts back the
 before (torch's generator alone), "per-rank process state" is the current one (torch, Python
 ``random`` and NumPy state, ``sys.argv``, ``__main__``), "... drawing" makes every rank draw
 from Python's and NumPy's generators between barriers (so every handoff saves and loads them).
+"without global hooks" is the current handoff without the swap of torch's global hooks
+(:mod:`simcomm.sim.rank_hooks`); "each rank with a global hook" has every rank register a module
+forward hook first, so every handoff swaps the hook dicts.
 Time per handoff: wall and CPU (``time.process_time``).
 
     python benchmarks/launch_script.py                 # both tables
@@ -78,8 +81,14 @@ if case == "torch only":
     def take_turn(self, rank):
         self.torch.take_turn(rank)
     RankProcessState.hand_off, RankProcessState.take_turn = hand_off, take_turn
+if case == "without global hooks":
+    from simcomm.sim.rank_hooks import RankHooks
+    RankHooks.hand_off = RankHooks.take_turn = lambda self, rank: None
 drawing = case.endswith("drawing")
+hooked = case.endswith("global hook")
 def program(comm):
+    if hooked:
+        torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
     for _ in range(barriers):
         if drawing:
             random.random(); np.random.rand()
@@ -160,7 +169,8 @@ def main() -> None:
     print(f"{'ratio':14}" + "".join(f"{sim[key] / ref[key]:18.2f}" for _, key in columns)
           + "   (simcomm.run / torchrun)")
 
-    cases = ["torch only", "per-rank process state", "per-rank process state, drawing"]
+    cases = ["torch only", "without global hooks", "per-rank process state", "per-rank process state, drawing",
+             "each rank with a global hook"]
     handoff = {case: [] for case in cases}
     for _ in range(options.rounds):
         for case in cases:
