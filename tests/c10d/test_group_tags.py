@@ -82,3 +82,21 @@ def test_ranks_naming_different_groups_of_one_partition_agree_and_others_still_m
 
     with pytest.raises(CollectiveMismatchError, match=r"ranks of group \[0, 1, 2\] disagree"):
         simcomm.World(3).run(disagree)
+
+
+def _tagged_groups(comm):
+    made = c10d._find_or_create_pg_by_ranks_and_tag("made", list(range(comm.world_size)), 2)
+    first = c10d._new_group_with_tag([0, 1], pg_tag="t")
+    second = c10d._new_group_with_tag([0, 1], pg_tag="t")
+    other = c10d._new_group_with_tag([2, 3], pg_tag="t")
+    mine = first if comm.rank < 2 else other
+    ranks = dist.get_process_group_ranks(mine)
+    return (first is second, c10d._get_group_tag(mine), ranks,
+            c10d._find_pg_by_ranks_and_tag("t", ranks) is mine,
+            dist.get_process_group_ranks(made), c10d._find_pg_by_ranks_and_tag("made", ranks) is made)
+
+
+def test_tagged_groups_on_both_backends(backend):
+    world = backend(4)
+    pairs = [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert world.run(_tagged_groups) == [(True, "t", pair, True, pair, True) for pair in pairs]
