@@ -25,6 +25,18 @@ def _lines(text: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in map(_LINE.search, text.splitlines()) if m}
 
 
+def _under_torchrun(nproc: int) -> dict[int, str]:
+    """Each rank's line under torchrun (gloo). On a loaded machine a torchrun run now and then exits 0
+    without one worker's line reaching the pipe; such a run says nothing about the script (it ends
+    with 0 and a line per rank), so it is run again."""
+    for _attempt in range(3):
+        lines = _lines(launch_ok([str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT)],
+                                 ROOT, reference=True))
+        if len(lines) == nproc:
+            break
+    return lines
+
+
 def _on_virtual_ranks(capsys) -> dict[int, str]:
     result = run_script(SCRIPT, 4)
     out = capsys.readouterr()
@@ -49,8 +61,7 @@ def test_groups_by_ranks_and_tag_on_virtual_ranks(capsys):
 
 @pytest.mark.slow
 def test_groups_by_ranks_and_tag_are_what_they_are_under_torchrun(capsys):
-    reference = _lines(launch_ok([str(TORCHRUN), "--standalone", "--nproc-per-node", "4", str(SCRIPT)],
-                                 ROOT, reference=True))
+    reference = _under_torchrun(4)
     assert sorted(reference) == [0, 1, 2, 3], reference
     assert _on_virtual_ranks(capsys) == reference
 

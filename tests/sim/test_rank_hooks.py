@@ -31,6 +31,18 @@ def _fields(line: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in line.split())
 
 
+def _under_torchrun(nproc: int) -> dict[int, str]:
+    """Each rank's line under torchrun (gloo). On a loaded machine a torchrun run now and then exits 0
+    without one worker's line reaching the pipe; such a run says nothing about the script (it ends
+    with 0 and a line per rank), so it is run again."""
+    for _attempt in range(3):
+        lines = _lines(launch_ok([str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT)],
+                                 ROOT, reference=True))
+        if len(lines) == nproc:
+            break
+    return lines
+
+
 def _on_virtual_ranks(nproc: int, capsys) -> dict[int, str]:
     result = run_script(SCRIPT, nproc)
     out = capsys.readouterr()
@@ -73,8 +85,7 @@ def test_comm_debug_mode_counts_per_module_on_each_rank(nproc, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_comm_debug_mode_prints_what_it_prints_under_torchrun(nproc, capsys):
-    reference = _lines(launch_ok([str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT)],
-                                 ROOT, reference=True))
+    reference = _under_torchrun(nproc)
     assert sorted(reference) == list(range(nproc)), reference
     assert _on_virtual_ranks(nproc, capsys) == reference
 
