@@ -19,14 +19,16 @@ Handoff: a World of 4 ranks runs ``--barriers`` barriers (each is 4 turn handoff
 in a fresh process with ``torch.set_num_threads(1)``: "torch only" puts back the handoff of
 before (torch's generator alone), "per-rank process state" is the current one (torch, Python
 ``random`` and NumPy state, ``sys.argv``, ``__main__``), "... drawing" makes every rank draw
-from Python's and NumPy's generators between barriers (so every handoff saves and loads them).
-"without global hooks" is the current handoff without the swap of torch's global hooks
-(:mod:`simcomm.sim.rank_hooks`); "each rank with a global hook" has every rank register a module
-forward hook first, so every handoff swaps the hook dicts.
-Time per handoff: wall and CPU (``time.process_time``).
+from Python's and NumPy's generators between barriers (so every handoff saves and loads them),
+"... time.sleep(0)" makes every rank call ``time.sleep(0)`` before each barrier (each call hands
+the turn on once more: simcomm.sim.waiting), "without global hooks" is the current handoff without
+the swap of torch's global hooks (:mod:`simcomm.sim.rank_hooks`), and "each rank with a global hook"
+has every rank register a module forward hook first, so every handoff swaps the hook dicts. Time per
+barrier handoff: wall and CPU (``time.process_time``). ``--handoff-only`` skips the launch table.
 
     python benchmarks/launch_script.py                 # both tables
     python benchmarks/launch_script.py --rounds 5 --json out.json
+    python benchmarks/launch_script.py --handoff-only --rounds 9
 """
 from __future__ import annotations
 
@@ -86,12 +88,15 @@ if case == "without global hooks":
     RankHooks.hand_off = RankHooks.take_turn = lambda self, rank: None
 drawing = case.endswith("drawing")
 hooked = case.endswith("global hook")
+sleeping = case.endswith("time.sleep(0)")
 def program(comm):
     if hooked:
         torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
     for _ in range(barriers):
         if drawing:
             random.random(); np.random.rand()
+        if sleeping:
+            time.sleep(0)
         comm.barrier()
 world = simcomm.World(4)
 world.run(program)               # warm up
@@ -140,7 +145,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--barriers", type=int, default=2000)
     parser.add_argument("--json", help="also write the numbers to this file")
+    parser.add_argument("--handoff-only", action="store_true", help="only the handoff table")
     options = parser.parse_args()
+    samples: dict[str, list[dict]] = {}
+    medians: dict[str, dict] = {}
+    if not options.handoff_only:
+        samples, medians = launch_table(options)
+    handoff_table(options, samples, medians)
+
+
+def launch_table(options: argparse.Namespace) -> tuple[dict, dict]:
     torchrun = str(Path(sys.executable).parent / "torchrun")
     launchers = {
         "simcomm.run": [sys.executable, "-m", "simcomm.run"],
@@ -168,9 +182,12 @@ def main() -> None:
     sim, ref = medians["simcomm.run"], medians["torchrun"]
     print(f"{'ratio':14}" + "".join(f"{sim[key] / ref[key]:18.2f}" for _, key in columns)
           + "   (simcomm.run / torchrun)")
+    return samples, medians
 
+
+def handoff_table(options: argparse.Namespace, samples: dict, medians: dict) -> None:
     cases = ["torch only", "without global hooks", "per-rank process state", "per-rank process state, drawing",
-             "each rank with a global hook"]
+             "per-rank process state, time.sleep(0)", "each rank with a global hook"]
     handoff = {case: [] for case in cases}
     for _ in range(options.rounds):
         for case in cases:
@@ -178,10 +195,10 @@ def main() -> None:
     handoff_medians = {case: {key: statistics.median(s[key] for s in runs) for key in ("wall_us", "cpu_us")}
                        for case, runs in handoff.items()}
     print(f"\nhandoff: World(4), {options.barriers} barriers, median of {options.rounds} (us per handoff)")
-    print(f"{'':34}{'wall':>8}{'CPU':>8}{'ratio':>8}")
+    print(f"{'':40}{'wall':>8}{'CPU':>8}{'ratio':>8}")
     base = handoff_medians["torch only"]["wall_us"]
     for case, numbers in handoff_medians.items():
-        print(f"{case:34}{numbers['wall_us']:8.1f}{numbers['cpu_us']:8.1f}{numbers['wall_us'] / base:8.2f}")
+        print(f"{case:40}{numbers['wall_us']:8.1f}{numbers['cpu_us']:8.1f}{numbers['wall_us'] / base:8.2f}")
     if options.json:
         Path(options.json).write_text(json.dumps({"launch": samples, "launch_medians": medians,
                                                   "handoff": handoff, "handoff_medians": handoff_medians},

@@ -5,8 +5,9 @@ would be: two ``comm.subgroup`` partitions (tensor groups of 8 consecutive
 ranks, data groups of ranks ``tp * pp`` apart), each passed whole by every rank
 (as ``new_subgroups_by_enumeration`` and ``DeviceMesh`` callers do): built once by
 the script and given to every rank, or with ``--per-rank-partitions`` built by
-every rank itself at each call and dropped after it, as ``DeviceMesh`` builds its
-groups (each rank's lists are ``O(ranks)``: 0.6 MB a partition at 16,384 ranks; on
+every rank itself, each partition once, right before its call, and dropped after it, as
+``DeviceMesh`` builds its groups (each rank's lists are ``O(ranks)``: 0.6 MB a partition
+at 16,384 ranks; on
 virtual ranks ``subgroup`` does not wait for the other ranks, so a rank's lists are
 garbage before the next rank builds its own; a program that keeps its lists
 for the whole step holds ``O(ranks**2)`` in one process, as it would hold
@@ -24,7 +25,13 @@ trace on the ``h100-ndr-cluster`` preset, with as many of
 its nodes as the run has ranks (costed). Printed per size: wall and
 CPU seconds (``time.process_time``) of each phase, CPU/wall, the trace's
 events, the process's peak resident memory, and the share of fake dispatches the
-ranks' shared cache answered (:func:`simcomm.sim.shape.dispatch_cache_info`). A watchdog in the child stops
+ranks' shared cache answered (:func:`simcomm.sim.shape.dispatch_cache_info`), the run's CPU per
+rank and, with ``--per-rank-partitions``, the part of it spent in the program's own list building
+(the ranks' thread CPU time around it: what each real process pays too), and a line of the run's
+CPU per rank by part: the program's lists, its ``subgroup`` calls, the rest of the program (its
+ops, autograd, communication, hand-offs), outside the program (each rank's thread start and end,
+the first run's imports) and, within these, Python's garbage collections (``gc.callbacks``,
+during ``World.run`` only). A watchdog in the child stops
 it (exit 3) once its resident memory passes ``--max-rss`` GiB (default 12),
 so a run that grows too large never reaches the kernel's OOM killer on a
 shared machine.
@@ -65,17 +72,35 @@ from simcomm.model.topology import PRESETS
 import dataclasses
 tp, pp, dp, layers, hidden, ffn, tokens, per_rank = json.loads(sys.argv[1])
 
-def partitions(world, tp, pp):
-    # rank = (d * pp + p) * tp + t: tensor groups are tp consecutive ranks, data groups tp * pp apart
-    return ([list(range(base, base + tp)) for base in range(0, world, tp)],
-            [list(range(first, world, tp * pp)) for first in range(tp * pp)])
+# CPU seconds, all ranks (each rank's thread time): the program's own list building, its subgroup
+# calls, the whole program
+lists, spent = [0.0], {"subgroup": 0.0, "program": 0.0}
+
+def tensor_groups(world, tp):
+    # rank = (d * pp + p) * tp + t: tensor groups are tp consecutive ranks
+    return [list(range(base, base + tp)) for base in range(0, world, tp)]
+
+def data_groups(world, tp, pp):
+    # data groups: ranks tp * pp apart
+    return [list(range(first, world, tp * pp)) for first in range(tp * pp)]
 
 def step(comm, tp, pp, dp, layers, hidden, ffn, tokens, parts=None):
     if parts is not None:
+        clock = time.thread_time()
         tensor, data = comm.subgroup(parts[0]), comm.subgroup(parts[1])
-    else:   # each rank builds its own lists, as DeviceMesh does, and keeps none after the call
-        tensor = comm.subgroup(partitions(comm.world_size, tp, pp)[0])
-        data = comm.subgroup(partitions(comm.world_size, tp, pp)[1])
+        spent["subgroup"] += time.thread_time() - clock
+    else:   # each rank builds each partition itself, as DeviceMesh does, and keeps none after its call
+        clock = time.thread_time()
+        groups = tensor_groups(comm.world_size, tp)
+        built = time.thread_time()
+        tensor = comm.subgroup(groups)
+        called = time.thread_time()
+        groups = data_groups(comm.world_size, tp, pp)
+        built2 = time.thread_time()
+        data = comm.subgroup(groups)
+        lists[0] += built - clock + built2 - called
+        spent["subgroup"] += called - built + time.thread_time() - built2
+        del groups
     stage = comm.rank // tp % pp
     dtype = torch.bfloat16
     weights = [(torch.empty(ffn // tp, hidden, dtype=dtype).requires_grad_(),     # column-parallel
@@ -106,8 +131,28 @@ times = {}
 wall, cpu = time.perf_counter(), time.process_time()
 # the partitions built once and passed to every rank (a planning script's mesh), as tuples; or
 # built by every rank itself (each rank's lists are alive while it waits in subgroup: O(ranks) each)
-parts = None if per_rank else tuple(tuple(map(tuple, part)) for part in partitions(tp * pp * dp, tp, pp))
-world.run(step, tp, pp, dp, layers, hidden, ffn, tokens, parts)
+parts = None if per_rank else tuple(tuple(map(tuple, part)) for part in (tensor_groups(tp * pp * dp, tp),
+                                                                         data_groups(tp * pp * dp, tp, pp)))
+def timed(comm, *args):
+    clock = time.thread_time()
+    try:
+        return step(comm, *args)
+    finally:
+        spent["program"] += time.thread_time() - clock
+
+collector = [0.0, 0, 0.0]          # CPU seconds in garbage collections during the run, their number
+
+def on_collection(phase, info):
+    if phase == "start":
+        collector[2] = time.process_time()
+    else:
+        collector[0] += time.process_time() - collector[2]
+        collector[1] += 1
+
+import gc
+gc.callbacks.append(on_collection)
+world.run(timed, tp, pp, dp, layers, hidden, ffn, tokens, parts)
+gc.callbacks.remove(on_collection)
 times["run"] = (time.perf_counter() - wall, time.process_time() - cpu)
 wall, cpu = time.perf_counter(), time.process_time()
 per_rank = {}
@@ -135,7 +180,8 @@ except ImportError:                       # a checkout from before it
     from torch._subclasses.fake_tensor import FakeTensorMode
     cache = FakeTensorMode.cache_info()
     hit_rate = cache.hits / max(cache.hits + cache.misses + sum(cache.bypasses.values()), 1)
-print(json.dumps({"times": times, "events": len(world.trace), "modelled_step_s": step_s,
+print(json.dumps({"times": times, "lists_cpu": lists[0], "subgroup_cpu": spent["subgroup"],
+                  "program_cpu": spent["program"], "collections": collector[:2], "events": len(world.trace), "modelled_step_s": step_s,
                   "hit_rate": hit_rate,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -178,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     out(f"TP {args.tp} x PP {args.pp} x DP, {args.layers} MLP blocks per stage, hidden {args.hidden}, "
         f"ffn {args.ffn}, {args.tokens} tokens, bf16, shape-only\n")
     out("code    ranks  run wall  run CPU  CPU/wall  check wall  check CPU  cost wall  cost CPU  total wall  "
-        "total CPU  events    peak RSS  modelled step  fake dispatch hits\n")
+        "total CPU  events    peak RSS  modelled step  fake dispatch hits  run CPU per rank  "
+        "of it the program's lists\n")
     for dp in args.dp:
         ranks = args.tp * args.pp * dp
         sides = [("before", args.before)] if args.before and ranks <= args.before_max else []
@@ -193,7 +240,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{check_c:9.1f}  {cost_w:9.1f}  {cost_c:8.1f}  {run_w + check_w + cost_w:10.1f}  "
                 f"{run_c + check_c + cost_c:9.1f}  {result['events']:7d}  "
                 f"{result['peak_rss'] / 2**30:6.2f} GiB  {result['modelled_step_s'] * 1e3:9.1f} ms  "
-                f"{result['hit_rate']:.1%}\n")
+                f"{result['hit_rate']:18.1%}  {run_c / ranks * 1e6:13.0f} us  "
+                f"{result.get('lists_cpu', 0.0) / ranks * 1e6:22.0f} us\n")
+            if "program_cpu" in result:
+                lists, sub, program = (result[k] / ranks * 1e6 for k in ("lists_cpu", "subgroup_cpu", "program_cpu"))
+                collected, collections = result["collections"]
+                out(f"        per rank: the program's own lists {lists:.0f} us, its subgroup calls {sub:.0f} us, the rest "
+                    f"of the program {program - lists - sub:.0f} us, outside the program {run_c / ranks * 1e6 - program:.0f} us "
+                    f"(thread start and end, imports, the run's set-up); within all these, garbage collections "
+                    f"{collected / ranks * 1e6:.0f} us ({collections} collections)\n")
     return 0
 
 

@@ -192,11 +192,28 @@ PATCHES: tuple[Patch, ...] = (
         "never: stays for the process (a run that changed directories puts the caller's back as it "
         "ends)", "process", ("os.chdir", "os.fchdir"), ("os.chdir", "os.fchdir")),
     Patch(
+        "rank-warnings", "``warnings.filters``, ``warnings.showwarning``, ``warnings._showwarnmsg_impl``, "
+        "``warnings._defaultaction``, ``warnings._onceregistry`` and the ``__warningregistry__`` of each "
+        "module a warning was shown from during the run: each rank's own, swapped at each turn handoff once "
+        "a rank changed or used them; ``warnings._filters_mutated`` and ``warnings._showwarnmsg``: "
+        "wrapped to count those changes (a filter added by a module's import goes to every rank)",
+        "simcomm.sim.rank_warnings",
+        "each process of a torchrun run has its own warnings state: one rank's catch_warnings(record=True) "
+        "recorded, and its simplefilter silenced, the other ranks' warnings, and a warning one rank showed "
+        "was not shown by the next; a program that never touches warnings pays one integer comparison per "
+        "handoff",
+        "each World.run (the wrappers; a rank's own state once the state was touched)",
+        "when the run ends: the caller's state and Python's own functions put back", "run",
+        ("warnings._filters_mutated", "warnings._showwarnmsg", "warnings.filters", "warnings.showwarning",
+         "warnings._showwarnmsg_impl", "warnings._defaultaction", "warnings._onceregistry"),
+        ("warnings._filters_mutated", "warnings._showwarnmsg")),
+    Patch(
         "rank-pid", "``os.getpid``: on a rank's thread (or a thread it started), the rank thread's Linux "
         "thread id (``threading.get_native_id()``)", "simcomm.sim.process_state",
         "each process of a torchrun run has its own pid, and scripts name files after it "
         "(grad_{os.getpid()}.pt); a thread id is distinct per rank, stable for the run and an id of "
-        "this process to the kernel (os.kill, /proc); on every other thread it is os's own",
+        "this process to the kernel (os.kill, /proc); on every other thread, and in a child process a "
+        "rank forks (a DataLoader worker), it is os's own",
         "the first World.run", "never: stays for the process", "process", ("os.getpid",), ("os.getpid",)),
     Patch(
         "rank-logging", "``logging.root.handlers`` and ``logging.root.level``: the rank's own at each turn "
@@ -223,6 +240,27 @@ PATCHES: tuple[Patch, ...] = (
             "buffer_registration_hooks", "module_registration_hooks", "parameter_registration_hooks",
             "forward_hooks_always_called", "forward_hooks_with_kwargs"))
         + ("torch.optim.optimizer._global_optimizer_pre_hooks", "torch.optim.optimizer._global_optimizer_post_hooks")),
+    Patch(
+        "rank-sleep", "``time.sleep``: on a rank's own thread while its program runs, the rank hands "
+        "the turn to the ranks that can run and returns once the time has passed (``time.sleep(0)``: "
+        "lets them run once)", "simcomm.sim.waiting",
+        "a process that sleeps leaves the CPU to the others: a rank polling a file "
+        "(while not exists(p): time.sleep(0.1)) kept the turn, so the rank that writes the file never "
+        "ran. On every other thread (threads a rank started too) it is Python's own",
+        "the first World.run", "never: stays for the process", "process",
+        ("time.sleep",), ("time.sleep",)),
+    Patch(
+        "rank-store-waits", "``Store.get``, ``Store.wait``, ``Store.multi_get`` (torch's TCPStore, "
+        "FileStore, HashStore, PrefixStore) and ``TCPStore.__init__``: on a rank's own thread while its "
+        "program runs, a missing key is polled with the turn handed on between polls; a TCPStore server "
+        "waits so for its clients, a client for its server", "simcomm.sim.waiting",
+        "a script's own TCPStore server on rank 0 waited for its clients holding the turn (the other "
+        "ranks never ran to connect), and a get of a key another rank sets blocked until the store's "
+        "timeout; each call is torch's own on every other thread and for the run's own store",
+        "the first World.run", "never: stays for the process", "process",
+        ("_Store.get", "_Store.wait", "_Store.multi_get", "dist.TCPStore.__init__"),
+        ("torch.distributed.Store.get", "torch.distributed.Store.wait", "torch.distributed.Store.multi_get",
+         "torch.distributed.TCPStore.__init__")),
     Patch(
         "rank-process-settings", "``multiprocessing``'s default context (its class: the chosen start "
         "method is per rank on rank threads) and ``signal.signal``/``signal.getsignal`` (on a rank's "
@@ -326,10 +364,12 @@ PATCHES: tuple[Patch, ...] = (
         "while the rank threads are started", "at once after: the caller's own CPUs", "call",
         ("os.sched_setaffinity()",)),
     Patch(
-        "gc-thresholds", "Python's garbage collector thresholds: the oldest generation's raised",
+        "gc-thresholds", "Python's garbage collector thresholds: the oldest generation's raised "
+        "(and, in a shape-only World.run, the youngest's)",
         "simcomm.collector",
         "a full collection walks every object; shape-only runs of thousands of ranks and trace "
-        "building make many, and only cycles wait",
+        "building make many, and only cycles wait; a young collection walks every live young "
+        "object, and each of thousands of ranks set off several",
         "each shape-only World.run and each trace's events and timeline built",
         "at the end of the block (unless something inside changed them)", "run",
         ("gc.set_threshold()",)),
@@ -357,7 +397,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "rank-exits", "``os._exit``, ``os.abort``, ``os.kill`` and ``signal.raise_signal``: on a rank "
         "thread of a run_script launch, ``os._exit(n)``, ``os.abort()`` and a fatal signal the rank "
-        "sends its own process end that rank only, with the exit status its process would have had",
+        "sends its own process end that rank only, with the exit status its process would have had "
+        "(in a child process a rank forks, such as a DataLoader worker, they are the real calls)",
         "simcomm.run",
         "under torchrun each call ends one worker process, and the launcher reports it; on virtual "
         "ranks it would end the whole process (a notebook's kernel) and every rank with it",
@@ -429,6 +470,14 @@ PATCHES: tuple[Patch, ...] = (
         ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__"),
         ("torch._subclasses.fake_tensor.FakeTensor.__reduce_ex__", "torch.distributed.tensor.DTensor.__reduce_ex__")),
     Patch(
+        "fake-tolist", "``FakeTensor.tolist``: a fake tensor with a value (a shape-only rank's bookkeeping "
+        "computed from constants, or an index draw from a generator whose state is known) answers with "
+        "its value's list at once", "simcomm.sim.shape",
+        "torch's own reads a fake tensor element by element (one dispatched item() each): a sampler's "
+        "randperm(n).tolist() of a million indices took minutes; every other tensor gets torch's own",
+        "the first shape-only World.run", "never: stays for the process", "process",
+        ("FakeTensor.tolist",), ("torch._subclasses.fake_tensor.FakeTensor.tolist",)),
+    Patch(
         "trunc-normal", "``torch.nn.init._no_grad_trunc_normal_`` (what ``trunc_normal_`` calls): a fake "
         "tensor is left as it is", "simcomm.sim.shape",
         "torch's redraws values outside the bounds until none is left, reading ``mask.any()`` of random "
@@ -461,6 +510,13 @@ STACK_DECISIONS: tuple[StackDecision, ...] = (
     StackDecision("simcomm.c10d.process_group:_register_pg_in_world", "the ``pg_tag`` new_group was "
                   "given (c10d's _new_group_with_tag local), and whether the group it registers is the tagged "
                   "group it already has (registered once, as c10d does)", "see the group-tags patch"),
+    StackDecision("simcomm.sim.rank_warnings:_counted_filters_mutated", "whether a change of the warning "
+                  "filters is a filter added while a module is imported (``warnings._add_filter``'s locals "
+                  "``item`` and ``append``, below importlib's frame)", "the module is imported once for the "
+                  "process, where each torchrun process imports it: the filter goes to every rank"),
+    StackDecision("simcomm.sim.rank_warnings:_noted_showwarnmsg", "which module's ``__warningregistry__`` a "
+                  "shown warning was written to (the frame at the file and line the warning names)",
+                  "the registry of each such module is made per rank"),
     StackDecision("simcomm.sim.rank_modules:RankModules.program_import", "whether an import during a "
                   "run comes from the program (its first frame outside importlib belongs to __main__, the "
                   "World program's module or a per-rank module) or from torch, NumPy, simcomm or the "

@@ -59,6 +59,7 @@ import contextlib
 import io
 import math
 import os
+import posix
 import random
 import runpy
 import shutil
@@ -278,11 +279,15 @@ class _RankExits:
     def __init__(self, local: threading.local):
         self.local = local
         self.saved: tuple | None = None
+        self.pid: int | None = None
 
     def _on_rank(self) -> bool:
-        return getattr(self.local, "rank", None) is not None
+        """Whether the caller is a rank thread of the launching process: a child forked by a rank
+        (a DataLoader worker, a multiprocessing.Process) is a process of its own, whose exits are real."""
+        return getattr(self.local, "rank", None) is not None and posix.getpid() == self.pid
 
     def __enter__(self) -> _RankExits:
+        self.pid = posix.getpid()         # the real pid: os.getpid answers a rank's own on rank threads
         real_exit, real_abort, real_kill, real_raise = os._exit, os.abort, os.kill, signal.raise_signal
         self.saved = real_exit, real_abort, real_kill, real_raise
 

@@ -79,7 +79,7 @@ assert all(complete[r][(r + 1) % world_size] and sum(complete[r]) == 1 for r in 
 # section 1: rank `r` sends chunk `r - step` and receives chunk `r - 1 - step`; in the first
 # `n - 1` steps it *adds* what it receives, in the last `n - 1` it *keeps* it. (The library keeps
 # the same two functions, `simcomm.parallel.ring.ring_exchange` and
-# `simcomm.lessons.foundations.ring_all_reduce`; a test checks they behave like these.)
+# `simcomm.lessons.lesson_03.ring_all_reduce`; a test checks they behave like these.)
 
 # %%
 def ring_exchange(comm, outgoing):

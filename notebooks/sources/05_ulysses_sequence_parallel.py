@@ -31,7 +31,7 @@ import torch
 import simcomm
 import simcomm.lessons.lesson_05 as check
 from simcomm import viz
-from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
+from simcomm.parallel.sequence import attention, make_qkv
 viz.use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
 world_size, batch, seq, heads, head_dim = 4, 1, 8, 4, 2
@@ -82,10 +82,23 @@ viz.collective_figure("all_to_all_4D", world_size=world_size, shape=(batch, shar
 # %% [markdown]
 # ## 2. Ulysses attention equals single-device attention
 #
-# `simcomm.parallel.sequence.ulysses_attention(comm, q, k, v)` is three all-to-alls (q, k, v to head
-# shards), ordinary attention over the whole sequence for `h/P` heads, and one all-to-all back.
-# Each rank's output shard is its own part of the output, so the per-rank losses add up to the
-# loss of the whole output: the sum-of-losses convention holds with no extra care.
+# Ulysses attention is three all-to-alls (q, k, v to head shards), ordinary attention over the
+# whole sequence for the rank's `h/P` heads, and one all-to-all back. `attention(q, k, v)` is
+# single-device softmax attention on `(b, s, h, d)` tensors (the oracle below, too): each head
+# attends on its own, so attending over head shards computes exactly those heads' outputs.
+
+# %%
+def ulysses_attention(comm, q, k, v, *, causal=False):
+    # sequence shards (b, s/P, h, d) -> head shards (b, s, h/P, d), one all-to-all each
+    q, k, v = (comm.all_to_all_4D(t, scatter_dim=2, gather_dim=1) for t in (q, k, v))
+    out = attention(q, k, v, causal=causal)                       # the whole sequence, h/P heads
+    return comm.all_to_all_4D(out, scatter_dim=1, gather_dim=2)   # back to (b, s/P, h, d)
+
+# %% [markdown]
+# The library keeps the same function as `simcomm.parallel.sequence.ulysses_attention` (a test
+# checks that the two agree: outputs, gradients and the collectives they call). Each rank's output
+# shard is its own part of the output, so the per-rank losses add up to the loss of the whole
+# output: the sum-of-losses convention holds with no extra care.
 
 # %% expect=["causal=False output: matches the reference", "causal=False q.grad: matches the reference", "causal=False k.grad: matches the reference", "causal=False v.grad: matches the reference", "causal=True output: matches the reference", "causal=True q.grad: matches the reference", "causal=True k.grad: matches the reference", "causal=True v.grad: matches the reference"]
 q, k, v = make_qkv(batch, seq, heads, head_dim, seed=0)           # (b, s, h, d) each, float64

@@ -40,7 +40,7 @@ import simcomm.lessons.lesson_10 as check
 from simcomm.viz import scaling as figures
 from simcomm.parallel.expert import (capacity, expert, keep_mask, load_balancing_loss, load_imbalance, make_moe,
                                      moe, rows_per_rank, shard_experts, shared_output, tokens_per_expert,
-                                     train_router, train_router_reference)
+                                     train_router_reference)
 from simcomm.viz import use_export_renderer
 use_export_renderer()   # figures live in JupyterLab and survive an HTML export
 
@@ -130,7 +130,7 @@ def run_experts(arrived, from_each, shards):
 # The router is replicated: each rank's router gradient comes from its own tokens, and the sum
 # over ranks is the single-device gradient (what data parallelism's all-reduce would give). The
 # backward runs the two uneven all-to-alls again, swapped. (The library keeps the same layer,
-# `simcomm.parallel.expert.expert_parallel_moe`, which section 6 and later lessons use; a test
+# `simcomm.parallel.expert.expert_parallel_moe`, which later lessons use; a test
 # checks that the two agree: outputs, gradients, statistics and the collectives they call.)
 
 # %%
@@ -281,11 +281,42 @@ print("bytes sent: the same as without the shared expert")
 #
 # Does the loss do what it promises? Take a small layer whose router favours expert 0 (a bias of 2,
 # as in section 4), 4 ranks of 32 tokens, and train **only the router** (and its bias) for 20 SGD
-# steps on a regression task, once without and once with the auxiliary loss. `train_router` runs on
-# the expert-parallel layer: each rank adds `aux_weight / P` times the loss of its own tokens, and
-# the router's gradients are all-reduced. The weight here is 1 (Switch uses 0.01 over many thousand
-# steps; 20 steps need a stronger pull). Every step equals the same training on one device in
-# float64 (`train_router_reference`): the tokens per expert at every step, and the final router:
+# steps on a regression task, once without and once with the auxiliary loss. The training runs on
+# the expert-parallel layer of section 2. Each rank's loss is the squared error of its own tokens
+# (divided by all ranks' tokens, so the ranks' losses add up to the batch's mean) plus
+# `aux_weight / P` times the load-balancing loss of its own tokens; the router is replicated, so its
+# gradients are all-reduced (summed) before each SGD step, and every rank takes the same step.
+# Before each step (and after the last) it records the tokens each expert got, over all ranks, and
+# the mean of the ranks' load-balancing losses:
+
+# %%
+def train_router(comm, x, target, params, top_k, *, steps, lr, aux_weight, capacity_factor=None):
+    tokens, P = x.shape[0] // comm.world_size, comm.world_size
+    mine = slice(comm.rank * tokens, (comm.rank + 1) * tokens)
+    xr, target_r = x[mine], target[mine]                               # my tokens
+    router, bias = params["router"].clone(), params["bias"].clone()
+    history = {"per_expert": [], "aux": []}
+    for step in range(steps + 1):
+        shards = shard_experts({**params, "router": router, "bias": bias}, comm.rank, P)
+        out, stats = expert_parallel_moe(comm, xr, shards, top_k, capacity_factor=capacity_factor)
+        counts = comm.all_reduce(torch.tensor(stats["per_expert"], dtype=torch.int64))   # (E,) all ranks
+        history["per_expert"].append(counts.tolist())
+        aux = load_balancing_loss(xr, shards["router"], shards["bias"], top_k)   # Switch's, my tokens
+        history["aux"].append(float(comm.all_reduce(aux.detach()) / P))
+        if step == steps:
+            break
+        loss = (xr + out - target_r).pow(2).sum() / x.shape[0] + aux_weight / P * aux
+        grad_router, grad_bias = torch.autograd.grad(loss, [shards["router"], shards["bias"]])
+        with torch.no_grad():                                          # summed over the ranks: one step
+            router = router - lr * comm.all_reduce(grad_router)
+            bias = bias - lr * comm.all_reduce(grad_bias)
+    return {**history, "router": router, "bias": bias}
+
+# %% [markdown]
+# (The library keeps the same training as `simcomm.parallel.expert.train_router`; a test checks that
+# the two agree.) The weight here is 1 (Switch uses 0.01 over many thousand steps; 20 steps need a
+# stronger pull). Every step equals the same training on one device in float64
+# (`train_router_reference`): the tokens per expert at every step, and the final router:
 
 # %% expect=["no aux loss: every step matches the single-device training", "aux weight 1: every step matches the single-device training"]
 router_params = make_moe(hidden, ffn, num_experts, seed=0, shared_experts=1)

@@ -29,12 +29,12 @@
 
 # %%
 import torch
-from simcomm import World, configured_backend
+from simcomm import World, configured_backend, memory
 import simcomm.lessons.lesson_13 as check
 from simcomm.model.cost import modelled_timeline
 from simcomm.parallel import mixed_precision as mp
 from simcomm.planning import activations as act
-from simcomm.parallel.zero import MLP
+from simcomm.parallel.zero import MLP, Adam, make_batch, padded, shard
 from simcomm.viz.memory import memory_figure
 from simcomm.viz.recompute import activation_curve, trade_figure
 from simcomm.viz import use_export_renderer
@@ -152,13 +152,121 @@ trade_figure(trade)
 #
 # ## 4. Mixed precision as frameworks train
 #
-# `mp.train` trains a small MLP for 2 Adam steps, data parallel on 4 ranks, as Megatron does
+# The training below runs a small MLP (lesson 7's) for 2 Adam steps, data parallel on 4 ranks, as Megatron does
 # (picotron keeps only Megatron's fp32 `main_grad`: its `train.py` casts the model to bf16 and runs
 # `AdamW` on the bf16 parameters, so its moments are bf16 too): the forward and backward in **bf16** (2 bytes a parameter), an **fp32 master**
 # copy of the weights and Adam's two **fp32 moments** (12 bytes), and gradients either as
 # autograd makes them (bf16, 2 bytes: the ZeRO paper's `2 + 2 + 12 = 16 psi`) or accumulated over
 # micro-batches into an **fp32 `main_grad`** (4 bytes: `18 psi`; measured here with ZeRO-1, Megatron's distributed optimizer). ZeRO stage `k` shards the first
-# `k` of optimizer state, gradients, parameters. Measured at `"after step 2"` on every rank:
+# `k` of optimizer state, gradients, parameters.
+#
+# First what a rank keeps: the fp32 master (whole, or its ZeRO shard of the flat padded vector)
+# and the 16-bit copy the forward and backward run with (whole, or under ZeRO-3 its shard,
+# all-gathered layer by layer when the layer runs). Every tensor is allocated under the label
+# of what it is, which is what the memory report counts:
+
+# %%
+def keep_states(comm, stage, mlp, seed, dtype):
+    full = [torch.nn.functional.pad(p, (0, padded(p.numel(), comm.world_size) - p.numel())) for p in mlp.init(seed)]
+    with memory.label("optimizer_state"):                                  # fp32 master weights
+        master = [p.clone() if stage == 0 else shard(p, comm).clone() for p in full]
+    with memory.label("parameters"):                                       # the 16-bit copies
+        params = [(p if stage < 3 else shard(p, comm)).to(dtype).requires_grad_() for p in full]
+    if stage < 3:
+        return master, params, params.__getitem__
+    def layer(i):                          # ZeRO-3: a layer's weights gathered when it runs;
+        with memory.label("parameters"):   # the gather's backward reduce-scatters their gradient
+            return comm.all_gather(params[i], dim=0)
+    return master, params, layer
+
+# %% [markdown]
+# The forward and backward of each micro-batch run in 16 bits (the loss is fp32, from 16-bit
+# outputs). Gradients are kept one of two ways: left to autograd, which adds each micro-batch's
+# into `p.grad` in 16 bits, or added into an fp32 `main_grad` buffer after each backward (and
+# `p.grad` dropped). `scale` is 1 here; section 5 needs it for fp16:
+
+# %%
+def backward(comm, mlp, layer, params, x, y, batch_size, micro_batches, gradients, scale, stage):
+    kept, total = [None] * len(params), torch.zeros((), dtype=torch.float64)
+    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        with memory.label("activations"):
+            loss = mlp.loss(xs, ys, batch_size, layer, recompute=stage == 3)   # fp32 from 16-bit outputs
+        with memory.label("gradients"):
+            (loss * scale).backward()
+            if gradients == "fp32 main_grad":
+                for i, p in enumerate(params):                             # main_grad += grad, in fp32
+                    kept[i] = p.grad.float() if kept[i] is None else kept[i].add_(p.grad)
+                    p.grad = None
+        total = total + loss.detach().double()
+    if gradients == "16-bit":
+        kept = [p.grad for p in params]                                    # accumulated by autograd, 16-bit
+        for p in params:
+            p.grad = None
+    return kept, comm.all_reduce(total)                                    # the whole batch's loss
+
+# %% [markdown]
+# Then the gradients are summed over the ranks as lesson 7's ZeRO sums them, in their own dtype,
+# and Adam updates the **fp32 master** with the fp32 gradient; the master, cast to 16 bits, is the
+# new 16-bit copy (under ZeRO-1 and 2 each rank updated its shard: all-gathered):
+
+# %%
+def sum_gradients(comm, stage, kept):
+    mine = []                                                              # what this rank updates with
+    for i in range(len(kept)):
+        with memory.label("gradients"):
+            if stage == 0:
+                kept[i] = comm.all_reduce(kept[i])                         # the whole batch's gradient
+                mine.append(kept[i])
+            elif stage == 1:
+                mine.append(comm.reduce_scatter(kept[i], dim=0))           # the full local buffer stays
+            elif stage == 2:
+                kept[i] = comm.reduce_scatter(kept[i], dim=0)              # only my chunk of the sum stays
+                mine.append(kept[i])
+            else:
+                mine.append(kept[i])                                       # ZeRO-3: summed by the gather's backward
+    return mine
+
+def master_step(comm, stage, params, master, opt, mine, scale, dtype):
+    for p, m, adam, g in zip(params, master, opt, mine):
+        adam.update(m, g.float() / scale)                                  # fp32 update of the master
+        with torch.no_grad():
+            p.copy_(m.to(dtype) if stage in (0, 3) else comm.all_gather(m.to(dtype), dim=0))
+
+# %% [markdown]
+# The training: each rank takes its rows of the batch; every step runs the micro-batches, sums the
+# gradients and updates the master. The lines with `scaler` are section 5's loss scaling, for
+# fp16 only (bf16 needs none). (The library keeps the same training as `mp.train`; a test checks
+# that the two agree: losses, master weights, bytes per label and the collectives they call.)
+
+# %%
+def train(comm, stage=0, mlp=MLP(), *, steps=3, batch_size=8, lr=1e-2, seed=0, dtype=torch.bfloat16,
+          gradients="16-bit", loss_scale=None, growth_interval=4, micro_batches=1):
+    scaler = None if loss_scale is None else LossScaler(loss_scale, growth_interval)     # fp16: section 5
+    with memory.label("inputs"):
+        x, y = make_batch(mlp, batch_size, seed + 1)
+        rows = slice(comm.rank * batch_size // comm.world_size, (comm.rank + 1) * batch_size // comm.world_size)
+        x, y = x[rows].to(dtype), y[rows].clone()                          # my rows of the batch
+    master, params, layer = keep_states(comm, stage, mlp, seed, dtype)
+    opt = [Adam(m.numel(), lr) for m in master]                            # Adam's fp32 moments
+    losses = []
+    for k in range(1, steps + 1):
+        scale = 1.0 if scaler is None else scaler.scale
+        kept, total = backward(comm, mlp, layer, params, x, y, batch_size, micro_batches, gradients, scale, stage)
+        mine = sum_gradients(comm, stage, kept)
+        overflowed = scaler is not None and mp.any_overflow(comm, mine)   # exercise 3: until you write it
+        if scaler is not None:
+            scaler.update(k, overflowed)
+        if not overflowed:                                                 # a skipped step keeps the master
+            master_step(comm, stage, params, master, opt, mine, scale, dtype)
+        del mine
+        losses.append(total)
+        memory.mark(f"after step {k}")
+        del kept
+    out = {"losses": torch.stack(losses), "master": [m.clone() for m in master]}
+    return out if scaler is None else {**out, "history": list(scaler.history)}
+
+# %% [markdown]
+# Measured at `"after step 2"` on every rank:
 
 # %% expect=["psi = 5,768 parameters on 4 ranks (bytes per parameter: params + grads + optimizer state)", "ZeRO-0, 16-bit gradients: 2.00 + 2.00 + 12.00 = 16.00", "ZeRO-1, 16-bit gradients: 2.00 + 2.00 + 3.00 = 7.00", "ZeRO-2, 16-bit gradients: 2.00 + 0.50 + 3.00 = 5.50", "ZeRO-3, 16-bit gradients: 0.50 + 0.50 + 3.00 = 4.00", "ZeRO-1, fp32 main_grad gradients: 2.00 + 4.00 + 3.00 = 9.00"]
 psi, labels = MLP().numel, ("parameters", "gradients", "optimizer_state")
@@ -166,7 +274,7 @@ dp, runs, reports = world, {}, {}                 # the same 4 ranks, data paral
 print(f"psi = {psi:,} parameters on 4 ranks (bytes per parameter: params + grads + optimizer state)")
 for gradients, stages in (("16-bit", (0, 1, 2, 3)), ("fp32 main_grad", (1,))):   # Megatron's distributed optimizer
     for stage in stages:
-        runs[stage, gradients] = dp.run(mp.train, stage, gradients=gradients, steps=2, micro_batches=2)
+        runs[stage, gradients] = dp.run(train, stage, gradients=gradients, steps=2, micro_batches=2)
         reports[f"ZeRO-{stage} {gradients}"] = dp.memory
         expected = mp.expected_bytes(stage, psi, 4, gradients)
         for snap in dp.memory.at("after step 2"):
@@ -243,11 +351,33 @@ print(f"fp32 master moved {moved32:.4f} per weight; bf16 master moved {moved16:.
 # underflow range; dividing them by it again before the update undoes it. Too large a scale
 # overflows: then every rank must skip the step (the overflow flag is all-reduced with MAX, so
 # the replicas stay identical) and halve the scale; after `growth_interval` good steps in a row it
-# doubles again, to probe for a larger scale. Here the scale starts far too high, at `2^24`, and
-# grows after 2 good steps:
+# doubles again, to probe for a larger scale. Each rank keeps its own scale and its history:
+
+# %%
+class LossScaler:
+    def __init__(self, scale, growth_interval):
+        self.scale, self.growth_interval, self.good_steps, self.history = scale, growth_interval, 0, []
+
+    def update(self, step, overflowed):
+        self.history.append((step, self.scale, overflowed))
+        if overflowed:
+            self.scale /= 2                                  # too large: halve it, count again
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps == self.growth_interval:     # enough good steps: try twice as large
+                self.scale *= 2
+                self.good_steps = 0
+
+# %% [markdown]
+# `train` of section 4 multiplies the loss by the scale before backward (`backward`), divides the
+# gradient by it in the fp32 update (`master_step`), and asks `mp.any_overflow` whether any rank's
+# gradients hold an inf or NaN (you write that decision in exercise 3): if so, every rank skips the
+# update and halves the scale. Here the scale starts far too high, at `2^24`, and grows after 2
+# good steps:
 
 # %% tags=["nbval-ignore-output"]
-outs = world.run(mp.train, 1, dtype=torch.float16, loss_scale=2.0 ** 24, growth_interval=2, steps=10)
+outs = world.run(train, 1, dtype=torch.float16, loss_scale=2.0 ** 24, growth_interval=2, steps=10)
 history = outs[0]["history"]
 for (step, scale, overflowed), loss in zip(history, outs[0]["losses"]):
     print(f"step {step}: scale {scale:>12,.0f}, loss {loss:.4f}, "

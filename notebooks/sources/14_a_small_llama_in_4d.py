@@ -30,6 +30,8 @@
 import tempfile
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from simcomm import configured_backend
 from simcomm.backend import backend_name
 import simcomm.lessons.lesson_14 as check
@@ -204,23 +206,82 @@ def train_step(groups, layout, leaves, shapes, optimizer, sequences, config, glo
     return loss
 
 # %% [markdown]
-# The training: every step's sequences come from `lt.batches` (a `DistributedSampler` per
-# data-parallel rank, section 1). After the last step it can write a checkpoint (section 5), and
-# it returns every step's loss, the rank's final tensor shards (FSDP pieces gathered) and how many
-# elements it kept. (The library's `lt.train`, which sections 2 and 5 use, is the same training;
-# it can also resume from a checkpoint. A test checks that the two agree: losses, shards and the
-# collectives they call.)
+# After the last step the training can write a **checkpoint** that any other layout can resume
+# from (section 5). Each stage's tensor shards and Adam's two moments become DTensors on the
+# stage's `(dp_replicate, dp_shard, cp, tp)` sub-mesh (FSDP pieces gathered first, so the file does
+# not depend on `dp_shard`): a DTensor says how its local tensor lies in the whole one, along each
+# mesh dimension `Replicate()` (the same on every rank) or `Shard(dim)` (a slice along `dim`: rows,
+# or columns for `wo` and `w_down`, over the tensor ranks). `torch.distributed.checkpoint` (DCP)
+# writes each whole tensor once, from its pieces, with Adam's step count:
 
 # %%
-def train(comm, data, params, config, *, layout, steps, global_batch, lr=1e-2, max_norm=1.0, seed=0, save=None):
+STAGE_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+def stage_mesh(layout):          # this stage's 4-D sub-mesh, every dimension present (size 1 or not)
+    full = Layout(pp=layout.pp, **{dim: layout.size(dim) for dim in STAGE_DIMS})
+    return full.device_mesh("cpu")[STAGE_DIMS]
+
+def placement(name):             # along (dp_replicate, dp_shard, cp, tp)
+    kind = name.split(".")[-1]
+    dim = 1 if kind in ("wo", "w_down") else None if kind in llama.REPLICATED else 0
+    return [Replicate(), Replicate(), Replicate(), Replicate() if dim is None else Shard(dim)]
+
+def save_checkpoint(path, layout, leaves, optimizer, shard_group, shapes):
+    mesh, state = stage_mesh(layout), {}
+    for name, leaf in leaves.items():
+        moments = optimizer.state[leaf]
+        for key, local in (("model", leaf.detach()), ("exp_avg", moments["exp_avg"]),
+                           ("exp_avg_sq", moments["exp_avg_sq"])):
+            whole = llama_fsdp.gather_piece(shard_group, local, shapes[name])     # FSDP pieces gathered
+            state[f"{key}.{name}"] = DTensor.from_local(whole, mesh, placement(name), run_check=False)
+        state["step"] = moments["step"].clone()
+    dcp.save(state, checkpoint_id=path)
+
+# %% [markdown]
+# Loading runs the other way: empty DTensors laid out for *this* layout, which DCP fills from
+# the file, whatever layout wrote it (it reshards: reads the slices each rank's pieces need);
+# then each rank cuts its FSDP piece and gives the optimizer its moments and step:
+
+# %%
+def load_checkpoint(path, layout, leaves, optimizer, shapes, shard, fsdp):
+    mesh, state = stage_mesh(layout), {"step": torch.zeros((), dtype=torch.float32)}
+    for name in leaves:
+        for key in ("model", "exp_avg", "exp_avg_sq"):
+            empty = torch.zeros(shapes[name], dtype=leaves[name].dtype)              # my tensor shard's shape
+            state[f"{key}.{name}"] = DTensor.from_local(empty, mesh, placement(name), run_check=False)
+    dcp.load(state, checkpoint_id=path)                                               # filled in place
+    with torch.no_grad():
+        for name, leaf in leaves.items():
+            mine = {key: llama_fsdp.piece(state[f"{key}.{name}"].to_local(), shard, fsdp).view(leaf.shape)
+                    for key in ("model", "exp_avg", "exp_avg_sq")}
+            leaf.copy_(mine["model"])
+            optimizer.state[leaf] = {"step": state["step"].clone(), "exp_avg": mine["exp_avg"],
+                                     "exp_avg_sq": mine["exp_avg_sq"]}
+
+# %% [markdown]
+# The training: every step's sequences come from `lt.batches` (a `DistributedSampler` per
+# data-parallel rank, section 1). With `load` it first reads a checkpoint that holds `first_step`
+# steps, and its data continues where that run stopped (the global batch of a step does not
+# depend on the layout). After the last step it can write a checkpoint, and it returns every
+# step's loss, the rank's final tensor shards (FSDP pieces gathered) and how many elements it
+# kept. (The library's `lt.train`, which section 2 uses, is the same training. A test checks that
+# the two agree: losses, shards, checkpoints and the collectives they call.)
+
+# %%
+def train(comm, data, params, config, *, layout, steps, global_batch, lr=1e-2, max_norm=1.0, seed=0,
+          first_step=0, load=None, save=None):
     groups = mesh_groups(comm, layout)
     leaves, shapes = stage_leaves(params, config, layout, comm.rank)
     optimizer = torch.optim.Adam(leaves.values(), lr=lr)
-    mine = lt.batches(data, steps, global_batch, layout.dp, layout.coordinate(comm.rank, "dp"), seed)
+    if load:
+        load_checkpoint(load, layout, leaves, optimizer, shapes, layout.coordinate(comm.rank, "dp_shard"),
+                        layout.dp_shard)
+    mine = lt.batches(data, first_step + steps, global_batch, layout.dp, layout.coordinate(comm.rank, "dp"),
+                      seed)[first_step:]                                   # the steps after the checkpoint's
     losses = [train_step(groups, layout, leaves, shapes, optimizer, [data[i] for i in indices.tolist()], config,
                          global_batch, max_norm) for indices in mine]
     if save:
-        lt.save_checkpoint(save, layout, leaves, optimizer, groups["shard"], shapes)
+        save_checkpoint(save, layout, leaves, optimizer, groups["shard"], shapes)
     shards = {n: llama_fsdp.gather_piece(groups["shard"], leaf, shapes[n]) if layout.dp_shard > 1 else leaf.detach()
               for n, leaf in leaves.items()}
     coords = {dim: layout.coordinate(comm.rank, dim) for dim in ("pp", "dp", "cp", "tp")}
@@ -250,8 +311,7 @@ print(f"{steps} steps on {layout.world_size} ranks {layout}: largest |loss - one
 # %% [markdown]
 # ## 5. Checkpoint, and resume on another layout
 #
-# `save` wrote each stage's tensor shards and Adam's moments as DTensors on the stage's
-# `(dp_replicate, dp_shard, cp, tp)` sub-mesh (FSDP pieces gathered first), plus Adam's step, with
+# `save` wrote each stage's tensor shards and Adam's moments as DTensors, plus Adam's step, with
 # `torch.distributed.checkpoint`. `load` reads them into **any** layout: DCP reshards, and since
 # the global batch of a step does not depend on the layout, the data continues where it stopped.
 # Resume for 10 steps on HSDP with 4 data-parallel ranks and no context parallelism:
@@ -259,7 +319,7 @@ print(f"{steps} steps on {layout.world_size} ranks {layout}: largest |loss - one
 # %% expect=["resumed on another layout: the next 10 losses equal one device's within 1e-10"]
 resume = (Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2) if sim
           else Layout(dp_replicate=2, dp_shard=2, tp=2))
-resumed = world.run(lt.train, data, params, config, layout=resume, steps=10, global_batch=4, load=checkpoint,
+resumed = world.run(train, data, params, config, layout=resume, steps=10, global_batch=4, load=checkpoint,
                     first_step=steps)
 resume_error = max(float((out["losses"] - reference[steps:]).abs().max()) for out in resumed)
 assert resume_error < 1e-10

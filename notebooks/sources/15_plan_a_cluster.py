@@ -216,9 +216,9 @@ print(f"to fit, its activations would have to be {excess / GiB:.1f} GiB ({excess
 # * **Time.** The planner's favourite halves TP and adds CP 8 at 8K tokens, and with DP 32 gets 64
 #   micro-batches per replica, which shrinks the bubble. The plan charges CP for an all-gather of
 #   K and V and smaller GEMMs, not for the attention kernels' lower efficiency on 1K-token chunks
-#   or causal load imbalance (docs/planning_llama.md: under CP, long-context attention runs at about
-#   0.6 of the kernel's figure). The paper measured; the plan estimates, and its favourite is
-#   only 11 % faster in the model.
+#   (docs/planning_llama.md: with ring attention modelled step by step, torchtitan's long-context CP
+#   rows still run as if attention reached only 0.6-0.7 of the kernel's figure). The paper
+#   measured; the plan estimates, and its favourite is only 11 % faster in the model.
 #
 # ## 6. What a plan can and cannot tell
 #

@@ -91,6 +91,25 @@ class SimcommProcessGroup(dist.ProcessGroup):
         self.transport = transport
         self._name = ""
         self._desc = ""
+        world_device = getattr(transport, "device", None)
+        if world_device is not None and torch.device(world_device).type == "cuda":
+            self._devices = [torch.device("cuda")]         # a World on a real GPU: as NCCL's groups
+        else:
+            self._devices = [torch.device(device) for device in served_devices()]
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The device types the group serves: ``cpu``, and ``cuda`` where the backend claimed it
+        when the group was made (:func:`served_devices`); ``cuda`` alone for a World on a real GPU
+        (its tensors are CUDA tensors, as NCCL's groups serve).
+
+        c10d answers this from the backends registered with a group (gloo's: cpu and cuda,
+        NCCL's: cuda); this group is its own backend, so it answers itself. torch reads it for
+        a group's default device (``_get_pg_default_device``: cpu wherever cpu is served, as
+        for gloo), e.g. FSDP1's sharded state dict places its ShardedTensor shards there. On
+        virtual GPUs that is cpu where NCCL's is cuda: a virtual GPU's tensors are CPU
+        tensors, and ShardedTensor checks each shard's device against its placement."""
+        return list(self._devices)
 
     def _set_group_name(self, name: str) -> None:
         self._name = name

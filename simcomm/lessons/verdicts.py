@@ -7,19 +7,22 @@ and a hint for a wrong, partial or malformed answer (or code that raised,
 deadlocked or broke a rule of the exercise); ``"Correct ..."`` for a right
 one. A verdict states the problem only; the hint (how to fix it) is a second
 answer the learner asks for, by calling the checker again with
-``show_hint=True`` (:func:`hint_on_request`). The checker modules of the lessons (:mod:`simcomm.lessons.foundations`,
-:mod:`simcomm.lessons.training`, :mod:`simcomm.lessons.scaling`) share these.
+``show_hint=True`` (:func:`hint_on_request`). Every lesson's checker module
+(:mod:`simcomm.lessons.lesson_00` ...) shares these.
 """
 from __future__ import annotations
 
 import copy
 import dis
 import functools
+import math
 import numbers
+import re
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,9 +31,9 @@ from ..errors import CollectiveMismatchError, DeadlockError, RankError
 from ..reports import format_ranks
 
 __all__ = ["NOT_ANSWERED", "HINT_OFFER", "is_correct", "not_yet", "hint_on_request", "is_placeholder",
-           "as_number", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
+           "as_number", "as_numbers", "as_int", "as_ints", "not_a_function", "called", "spelled_as", "keys_spelled_as", "TRAFFIC_RULE", "rank_traffic", "reduce_scatter_traffic",
            "Forbidden", "attempt", "RanksApart", "judged_apart", "shared_state_names",
-           "uses_helper", "helper_in_caller", "helper_verdict",
+           "SharedObjects", "shared_objects_verdict", "uses_helper", "helper_in_caller", "helper_verdict",
            "cheating_verdict", "judged_as_processes"]
 
 #: what a checker returns while the exercise still holds its placeholder
@@ -89,6 +92,73 @@ def is_placeholder(answer: Any) -> bool:
         return True
     values = answer.values() if isinstance(answer, dict) else answer if isinstance(answer, (list, tuple)) else ()
     return any(value is ... for value in values)
+
+
+# -- reading an answer: what several lessons' checkers share ---------------------------------------
+
+def as_numbers(value: Any, what: str) -> tuple[torch.Tensor | None, str | None]:
+    """A float64 tensor of ``value`` (a number, a list of numbers or a tensor), or a verdict."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().double(), None
+    try:
+        return torch.as_tensor(value, dtype=torch.float64), None
+    except (TypeError, ValueError, RuntimeError):
+        return None, not_yet(f"{what}: {value!r} is not a number or a list of numbers")
+
+
+def _spelling(name: str) -> str:
+    return re.sub(r"[\s\-_]+", "_", name.strip()).lower()
+
+
+def spelled_as(name: Any, names: Iterable[str]) -> str | None:
+    """The one of ``names`` that the string ``name`` spells, whatever its capitals, the spaces around it
+    and whether its words are joined by spaces, hyphens or underscores (``"Optimizer state"`` is
+    ``"optimizer_state"``); ``None`` if it spells none of them (or several)."""
+    names = list(names)
+    if not isinstance(name, str):
+        return None
+    if name in names:
+        return name
+    matches = [known for known in names if _spelling(known) == _spelling(name)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def keys_spelled_as(answer: dict, names: Iterable[str]) -> dict:
+    """``answer`` with every key that spells one of ``names`` (:func:`spelled_as`) written as that name;
+    other keys stay as they are."""
+    names = list(names)
+    return {(spelled_as(key, names) or key): value for key, value in answer.items()}
+
+
+def not_a_function(fn: Any, name: str) -> str | None:
+    """:data:`NOT_ANSWERED` for the placeholder, a ``Not yet`` verdict naming ``name`` for an answer that
+    is not a function, else ``None``."""
+    if is_placeholder(fn):
+        return NOT_ANSWERED
+    if not callable(fn):
+        return not_yet(f"{name} must be a function, got {type(fn).__name__}")
+    return None
+
+
+def called(function: Callable, *args: Any) -> tuple[Any, str | None]:
+    """``(result, None)``, or ``(None, verdict)`` when the call raised (:func:`simcomm.lessons.verdicts.attempt`)."""
+    return attempt(lambda: function(*args))
+
+
+def as_int(value: Any) -> int | None:
+    """One whole number of any numeric type (``int``, numpy integers, 0-d tensors, ``2.0``), else ``None``."""
+    number = as_number(value)
+    return int(number) if number is not None and math.isfinite(number) and number.is_integer() else None
+
+
+def as_ints(value: Any) -> list[int] | None:
+    """A list or tuple (or 1-d tensor or array) of whole numbers of any numeric type, else ``None``."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return None
+    ints = [as_int(v) for v in value]
+    return None if any(v is None for v in ints) else ints
 
 
 #: the one traffic rule, as the lessons state it (02's all-gather backward, 07's ZeRO-2 shard)
@@ -222,11 +292,14 @@ def shared_state_names(fn: Any) -> list[str]:
         seen.add(id(function))
         code, module = function.__code__, function.__globals__
         names.update(_stored_globals(code))
-        for name in _code_names(code):
+        code_names = _code_names(code)
+        for name in code_names:
             if name not in module:
                 continue
             value = module[name]
             if isinstance(value, types.FunctionType) and value.__globals__ is module:
+                names.update(f"{name}.{attribute}" for attribute, held in vars(value).items()
+                             if attribute in code_names and _is_state(held))     # `f.cache = ...`
                 visit(value)
             elif _is_state(value):
                 names.add(name)
@@ -297,8 +370,8 @@ class RanksApart:
     data can move between ranks only through the communicator's collectives. Made once before a
     checker's runs, it hands every rank of every run a fresh copy of that snapshot.
 
-    Not covered (named in the docs of the checkers): state kept in class attributes, on imported
-    modules or on ``sys.modules["__main__"]``."""
+    What no copy can separate (attributes of modules, classes, functions and ``builtins``) is
+    watched instead (:class:`SharedObjects`): a function that writes there is refused."""
 
     def __init__(self, fn: Any):
         self.fn = fn
@@ -318,18 +391,187 @@ class RanksApart:
         return self._mine()(*args, **kwargs)
 
 
+# -- objects no copy can give each rank: modules, classes, functions, builtins ----------------------
+
+_PROGRAM = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+            types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
+            types.GetSetDescriptorType, types.MemberDescriptorType, classmethod, staticmethod, property)
+_LIBRARY_PREFIXES = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
+
+
+def _string_constants(code: types.CodeType) -> set[str]:
+    """The identifier-like strings ``code`` (or code nested in it) holds: attribute names a program may
+    pass to ``setattr``, ``getattr`` or ``vars(...)[...]``."""
+    found = {const for const in code.co_consts if isinstance(const, str) and const.isidentifier()}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _string_constants(const)
+    return found
+
+
+def _is_learners(function: Any) -> bool:
+    """Whether ``function`` is the learner's code (a notebook cell, a module of their own), not a library
+    or simcomm: only the learner's code is followed into the functions it calls."""
+    if not isinstance(function, types.FunctionType):
+        return False
+    filename = function.__code__.co_filename
+    module = function.__globals__.get("__name__") or ""
+    return not (module == "simcomm" or module.startswith("simcomm.") or filename.startswith("<frozen")
+                or any(filename.startswith(prefix) for prefix in _LIBRARY_PREFIXES))
+
+
+def _reached(fn: Any) -> tuple[set[str], dict[int, Any]]:
+    """The names the learner's function ``fn`` may use as attribute names (its code's names and string
+    constants, and those of the learner's functions and methods it reaches), and the modules, classes
+    and functions it reaches by those names (whose every attribute it could write)."""
+    names: set[str] = set()
+    holders: dict[int, Any] = {}
+    seen: set[int] = set()
+
+    def reach(value: Any, attributes: set[str] = frozenset()) -> None:
+        if isinstance(value, types.MethodType):
+            value = value.__func__
+        if isinstance(value, (types.ModuleType, type, types.FunctionType)):
+            if id(value) in holders:
+                return
+            holders[id(value)] = value
+        if isinstance(value, types.ModuleType):   # `helper.record(...)`, `argparse.Namespace`, `torch.nn.x`
+            for attribute in attributes & set(vars(value)):
+                reach(vars(value)[attribute], attributes)
+        if isinstance(value, type) and id(value) not in seen:
+            seen.add(id(value))
+            for member in list(vars(value).values()):
+                member = getattr(member, "__func__", member)
+                if _is_learners(member):
+                    visit(member)
+        if _is_learners(value):
+            visit(value)
+
+    def visit(function: types.FunctionType) -> None:
+        if id(function) in seen:
+            return
+        seen.add(id(function))
+        code = function.__code__
+        own = _code_names(code) | _string_constants(code)
+        names.update(own)
+        module = sys.modules.get(function.__globals__.get("__name__", ""))
+        if module is not None and vars(module) is function.__globals__:   # the module the function writes with `global`
+            reach(module)
+        namespace = dict(function.__globals__)
+        for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+            try:
+                namespace[name] = cell.cell_contents
+            except ValueError:
+                continue
+        for name in own | set(code.co_freevars):
+            if name not in namespace:
+                continue
+            value = namespace[name]
+            reach(value, own)
+        for value in (function.__defaults__ or ()) + tuple((function.__kwdefaults__ or {}).values()):
+            reach(value)
+
+    reach(getattr(fn, "__func__", fn))
+    return names, holders
+
+
+def _fingerprint(value: Any, depth: int = 3) -> Any:
+    """What a write to ``value`` would change: ``None`` for the program (modules, classes, functions),
+    else its identity, and for containers (to ``depth`` levels) and tensors what they hold."""
+    if isinstance(value, _PROGRAM):
+        return None
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    if depth and isinstance(value, (list, tuple)):
+        return (id(value), tuple(_fingerprint(item, depth - 1) for item in value))
+    if depth and isinstance(value, (set, frozenset)):
+        return (id(value), frozenset(id(item) for item in value))
+    if depth and isinstance(value, dict):
+        return (id(value), tuple((id(key), _fingerprint(item, depth - 1)) for key, item in value.items()))
+    if depth and isinstance(value, types.SimpleNamespace):
+        return (id(value), _fingerprint(vars(value), depth - 1))
+    return (id(value),)
+
+
+class SharedObjects:
+    """The attributes a learner's function could use to pass data between virtual ranks without a
+    collective, because all the ranks (threads of one process) share the objects that hold them and
+    no per-rank copy can separate them: attributes of the loaded modules (an imported module,
+    ``builtins``, ``sys.modules["__main__"]``) and of the classes and functions the function reaches
+    (class attributes, ``f.cache = ...``). Watched: every attribute of the modules, classes and
+    functions the function names (also through attributes, ``torch.nn.x``), of the modules its own
+    functions live in, of ``builtins`` and of ``__main__``; the values under the names its code
+    uses are followed into the lists, dicts and sets they hold. Made before a checker runs the function,
+    :meth:`written` then names those that were bound, rebound or changed in place: on real processes
+    each rank would have written its own copy, and no other rank would have seen it. (A module the
+    function reaches only through a name built at run time escapes the watch.)"""
+
+    def __init__(self, fn: Any):
+        self._names, reached = _reached(fn)
+        for always in (sys.modules.get("builtins"), sys.modules.get("__main__")):
+            if always is not None:
+                reached.setdefault(id(always), always)
+        self._holders = [holder for holder in reached.values()
+                         if isinstance(getattr(holder, "__dict__", None), (dict, types.MappingProxyType))]
+        self._before = self._snapshot()
+
+    def _snapshot(self) -> dict[tuple[int, str], Any]:
+        prints = {}
+        with warnings.catch_warnings():     # a deprecated attribute warns when its class is read
+            warnings.simplefilter("ignore")
+            for holder in self._holders:
+                for name, value in list(vars(holder).items()):
+                    prints[id(holder), name] = _fingerprint(value, 3 if name in self._names else 0)
+        return prints
+
+    def written(self) -> list[str]:
+        """``holder.name`` for every watched attribute that was bound, rebound or changed since."""
+        after = self._snapshot()
+        changed = {key for key in set(self._before) | set(after) if self._before.get(key) != after.get(key)}
+        labels = set()
+        for holder in self._holders:
+            for key, name in changed:
+                if key == id(holder):
+                    owner = holder.__name__ if isinstance(holder, types.ModuleType) else holder.__qualname__
+                    labels.add(f"{owner}.{name}")
+        return sorted(labels)
+
+
+def shared_objects_verdict(written: list[str]) -> str:
+    """The verdict on a function that kept data on objects every virtual rank shares."""
+    return not_yet(f"your function keeps data on {', '.join(written)}, which all the virtual ranks share: they "
+                   "are threads of one process, so one rank can read what another stored there, but real "
+                   "processes each have their own copy, and there no other rank would see it",
+                   "a value another rank needs must travel in a collective (all_reduce, all_gather, "
+                   "broadcast, send/recv); keep a rank's own data in local variables; comm.barrier() only "
+                   "waits, it moves no data")
+
+
+def _same_verdict(one: str, other: str) -> bool:
+    """Whether two verdicts on the same function say the same, but for the objects' addresses."""
+    address = re.compile(r"0x[0-9a-fA-F]+")
+    return address.sub("0x", one) == address.sub("0x", other)
+
+
 def judged_apart(fn: Any, judge: Callable[[Any], str | None]) -> str | None:
     """Judge a learner's distributed function by what it does on real processes.
 
     ``judge(f)`` runs the checker's cases with ``f`` as the learner's function and returns ``None``
     if all pass, else the verdict. ``fn`` is judged as :class:`RanksApart` (each rank its own Python
     state). Only when that fails is it run once more as the virtual ranks share one process: if it
-    passes there, the verdict names the mistake, data passed between ranks through Python objects."""
+    passes there, or fails otherwise while it reaches Python state (:func:`shared_state_names`), the
+    verdict names the mistake, data passed between ranks through Python objects. A function that
+    writes attributes of objects no copy separates (:class:`SharedObjects`) is refused, naming them."""
+    watch = SharedObjects(fn)
     apart = RanksApart(fn)
     verdict = judge(apart)
+    written = watch.written()
+    if written and verdict != NOT_ANSWERED:
+        return shared_objects_verdict(written)
     if verdict is None or verdict == NOT_ANSWERED:
         return verdict
-    if judge(fn) is not None:
+    shared = judge(fn)
+    if shared is not None and (_same_verdict(shared, verdict) or not shared_state_names(fn)):
         return verdict
     return cheating_verdict(fn, verdict)
 
@@ -429,8 +671,10 @@ def cheating_verdict(fn: Any, verdict: str) -> str:
 def judged_as_processes(checker: Callable[..., str]) -> Callable[..., str]:
     """Make ``checker`` (whose first argument is the learner's distributed function) judge that function
     as real processes would run it: it gets :class:`RanksApart` of the function. Only a failing
-    verdict costs a second run, with the function as the threads share it: if that one passes, the
-    verdict names the mistake (:func:`cheating_verdict`). Apply it under :func:`hint_on_request`."""
+    verdict costs a second run, with the function as the threads share it: if that one passes, or
+    fails otherwise while the function reaches Python state, the verdict names the mistake
+    (:func:`cheating_verdict`). A function that writes attributes of objects no copy separates
+    (:class:`SharedObjects`) is refused, naming them. Apply it under :func:`hint_on_request`."""
     @functools.wraps(checker)
     def judged(fn: Any, *args: Any, **kwargs: Any) -> str:
         if is_placeholder(fn):
@@ -439,8 +683,15 @@ def judged_as_processes(checker: Callable[..., str]) -> Callable[..., str]:
             own = checker(fn, *args, **kwargs)                # the checker's own words, unless it crashed
             return own if own.startswith("Not yet: ") and " raised " not in own else \
                 not_yet(f"give a function (def ...); got {type(fn).__name__} {fn!r:.60}")
+        watch = SharedObjects(fn)
         verdict = checker(RanksApart(fn), *args, **kwargs)
-        if is_correct(verdict) or verdict == NOT_ANSWERED or not is_correct(checker(fn, *args, **kwargs)):
+        written = watch.written()
+        if written and verdict != NOT_ANSWERED:
+            return shared_objects_verdict(written)
+        if is_correct(verdict) or verdict == NOT_ANSWERED:
+            return verdict
+        shared = checker(fn, *args, **kwargs)
+        if not is_correct(shared) and (_same_verdict(shared, verdict) or not shared_state_names(fn)):
             return verdict
         return cheating_verdict(fn, verdict)
     return judged

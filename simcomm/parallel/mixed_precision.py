@@ -39,7 +39,8 @@ from .. import memory
 from ..communicator import Communicator
 from .zero import MLP, STAGES, Adam, make_batch, padded, shard
 
-__all__ = ["GRADIENTS", "LossScaler", "train", "expected_bytes", "reference_losses", "BF16_TOLERANCE"]
+__all__ = ["GRADIENTS", "LossScaler", "any_overflow", "train", "expected_bytes", "reference_losses",
+           "BF16_TOLERANCE"]
 
 #: how gradients are kept: as autograd makes them (16-bit) or accumulated into an fp32 main_grad
 GRADIENTS = ("16-bit", "fp32 main_grad")
@@ -73,6 +74,13 @@ class LossScaler:
             if self.good_steps == self.growth_interval:
                 self.scale *= 2
                 self.good_steps = 0
+
+
+def any_overflow(comm: Communicator, grads: list[torch.Tensor]) -> bool:
+    """Whether any element of any rank's ``grads`` is inf or NaN: each rank's flag all-reduced with MAX,
+    so every rank gets the same answer and skips (or applies) the step with the others. Collective."""
+    finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    return bool(comm.all_reduce(torch.tensor([0.0 if finite else 1.0]), "max").item())
 
 
 def _check(stage: int, gradients: str, dtype: torch.dtype, where: str) -> None:
@@ -150,10 +158,8 @@ def train(comm: Communicator, stage: int = 0, mlp: MLP = MLP(), *, steps: int = 
                     mine.append(kept[i])
                 else:
                     mine.append(kept[i])                                   # stage 3: summed by the gather's backward
-        finite = all(bool(torch.isfinite(g).all()) for g in mine)
-        overflowed = False
+        overflowed = scaler is not None and any_overflow(comm, mine)
         if scaler is not None:
-            overflowed = bool(comm.all_reduce(torch.tensor([0.0 if finite else 1.0]), "max").item())
             scaler.update(k, overflowed)
         g = None
         if not overflowed:

@@ -30,8 +30,9 @@ recipes of published runs.
   by ``recompute``), times the stage's layers, times the micro-batches the schedule
   keeps in flight on the first stage (:func:`in_flight`);
 * ``workspace``: the transient peak of the backward: one layer's recomputed
-  activations and gradient temporaries, or on the last stage the loss's fp32
-  log-probabilities, their gradient and the logits' gradient (12 bytes per logit);
+  activations and gradient temporaries (under DTensor TP also its all-gathered inputs at
+  full width), or on the last stage the loss (:func:`loss_bytes`: 12 bytes per logit,
+  16 under DTensor's ``loss_parallel`` with the output layer's gathered input);
 * ``overhead``: the caching allocator's fragmentation, NCCL and library workspaces,
   as a fraction of the rest (``GPU.memory_overhead``, calibrated).
 
@@ -52,8 +53,9 @@ recipes of published runs.
   interleaved ``(pp - 1) / v``, zero bubble (ZB-H1) ``(pp - 1) / 3``;
 * tensor parallel collectives (sequence parallel: all-gather + reduce-scatter per
   sublayer) exposed, or with async TP only what exceeds the GEMMs they overlap;
-  context parallel K/V all-gathers exposed, or (ring attention) what exceeds the
-  attention they overlap; data parallel reduce-scatter / all-gather exposed beyond
+  context parallel K/V all-gathers exposed (the Llama 3 paper's), or ring attention
+  step by step (:func:`ring_attention_exposed`: the exchange that outlasts a ring step's
+  attention, and the fp32 merges); data parallel reduce-scatter / all-gather exposed beyond
   the compute they overlap (the whole step without pipeline parallelism, the last
   micro-batch's backward and the first one's forward with it); each collective from
   :func:`simcomm.model.cost.estimate` on the group's real GPUs.
@@ -83,7 +85,7 @@ from ..parallel.mixed_precision import expected_bytes
 
 __all__ = ["DIMENSIONS", "LABELS", "RECOMPUTE", "SCHEDULES", "STATES", "ATTENTION", "GPU", "H100_SXM",
            "H100_HBM2E", "H100_MEMORY", "Recipe", "layouts", "mesh", "plan", "memory_per_gpu", "step_time",
-           "layer_activation_bytes", "stage_parameters", "in_flight", "KERNELS", "evaluate", "stage_layers", "gemm_time", "flops_per_token", "fastest_fitting", "key",
+           "layer_activation_bytes", "loss_bytes", "ring_attention_exposed", "stage_parameters", "in_flight", "KERNELS", "evaluate", "stage_layers", "gemm_time", "flops_per_token", "fastest_fitting", "key",
            "sized", "GiB", "published_layouts", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B"]
 
 GiB = 2 ** 30
@@ -154,8 +156,14 @@ class Recipe:
     ``compiled``: torch.compile fuses the elementwise ops; ``attention``: a key of
     :data:`ATTENTION`; ``kernels``: which tensors a layer saves without checkpointing
     (:data:`KERNELS`, :func:`layer_activation_bytes`); ``balanced``: the first and last pipeline
-    stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``attention_scale``:
-    a factor on the attention kernel's efficiency (1: the published figure; what-if studies);
+    stages hold one layer fewer (the Llama 3 paper's balanced pipeline); ``repeat_kv``: the K/V heads
+    are repeated to all heads before attention (torchtitan's Llama; ring attention then sends them at full width);
+    ``dtensor_tp``: tensor parallelism through DTensor as torchtitan applies it: the loss under
+    ``torch.distributed.tensor.parallel.loss_parallel`` (:func:`loss_bytes`), each layer's all-gathered
+    attention and FFN inputs saved at full width (in the recompute working set), and with Float8 those
+    inputs cast once per sublayer before their all-gather (torchtitan's ``PrepareFloat8ModuleInput``:
+    the casts cost ``1/tp`` of the gathered input);
+    ``attention_scale``: a factor on the attention kernel's efficiency (1: the published figure; what-if studies);
     ``topology``: the network (a preset name)."""
 
     seq: int = 8192
@@ -175,6 +183,8 @@ class Recipe:
     kernels: str = "eager"
     balanced: bool = False
     attention_scale: float = 1.0
+    repeat_kv: bool = False
+    dtensor_tp: bool = False
     topology: str = "h100-ndr-cluster"
 
     def __post_init__(self) -> None:
@@ -275,6 +285,21 @@ def _working_set(model: Config, tokens: float, tp: int, recompute: str, kernels:
     return recomputed + 2 * tokens * 2 * model.ffn / tp
 
 
+def loss_bytes(model: Config, tokens: float, tp: int, dtensor_tp: bool = False) -> float:
+    """The loss's transient peak on the last stage, one micro-batch of ``tokens``, logits sharded over
+    ``tp`` by vocabulary: ``torch.nn.functional.cross_entropy`` on fp32 logits holds, at the backward's
+    peak, the saved fp32 log-probabilities, the NLL's gradient and log-softmax's gradient: 12 bytes per
+    logit. Under DTensor tensor parallelism (``dtensor_tp``) with ``loss_parallel`` (torchtitan's default), the NLL and
+    log-softmax backward are one decomposed expression, ``(grad_input + exp(x)) * grad_output``: the
+    saved log-probabilities, the zeroed ``grad_input``, their sum and the product are held at once,
+    16 bytes per logit; and the output layer keeps its all-gathered input (the final norm's output,
+    ``tokens x h`` bf16, full width) for its weight gradient."""
+    logits = tokens * model.vocab / tp
+    if tp > 1 and dtensor_tp:
+        return 16 * logits + 2 * tokens * model.hidden
+    return 12 * logits
+
+
 def in_flight(pp: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1,
               stage: int = 0) -> float:
     """How many micro-batches' worth of a stage's activations ``stage`` holds at its peak: 1F1B and
@@ -361,8 +386,10 @@ def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], recipe: Rec
         held = in_flight(pp, m, recipe.schedule, _virtual(recipe, layers), stage)
         row["activations"] = held * layers * per_layer
         working = _working_set(model, tokens, tp, recipe.recompute, recipe.kernels)
-        if last:                                   # the loss: fp32 log-probabilities, their gradient, dlogits
-            working = max(working, 12 * tokens * model.vocab / tp)
+        if tp > 1 and recipe.dtensor_tp:           # DTensor TP saves each gathered matmul input at full width
+            working += 2 * tokens * model.hidden * (1 if recipe.float8 else 2)
+        if last:
+            working = max(working, loss_bytes(model, tokens, tp, recipe.dtensor_tp))
         row["workspace"] = working
         counted = sum(row[label] for label in LABELS[:-1])
         row["overhead"] = gpu.memory_overhead * counted
@@ -373,12 +400,14 @@ def memory_per_gpu(model: Config, layout: tuple[int, int, int, int], recipe: Rec
     return best
 
 
-def gemm_time(m: float, n: float, k: float, gpu: GPU = H100_SXM, float8: bool = False) -> float:
+def gemm_time(m: float, n: float, k: float, gpu: GPU = H100_SXM, float8: bool = False,
+              input_cast: float = 1.0) -> float:
     """Seconds of one ``(m x k) @ (k x n)`` GEMM: ``2 m n k`` flops at ``gpu.peak x gpu.gemm`` (twice
     the peak in Float8) times the wave efficiency (output tiles of 128 x 256, one per SM at a time:
     ``tiles / (waves x SMs)``), or the HBM time of reading both operands and writing the bf16 result
     when that is longer; Float8 adds the casts (read bf16, take the amax, write fp8: 5 bytes per
-    operand element)."""
+    operand element; ``input_cast``: the fraction of the ``m x k`` operand this GEMM casts itself, less
+    than 1 when the cast happened once before a tensor-parallel all-gather or is shared)."""
     tiles = math.ceil(m / 128) * math.ceil(n / 256)
     waves = math.ceil(tiles / gpu.sms)
     wave_efficiency = tiles / (waves * gpu.sms)
@@ -386,7 +415,7 @@ def gemm_time(m: float, n: float, k: float, gpu: GPU = H100_SXM, float8: bool = 
     itemsize = 1 if float8 else 2
     compute = 2 * m * n * k / (peak * gpu.gemm * wave_efficiency)
     memory = (itemsize * (m * k + k * n) + 2 * m * n) / gpu.hbm
-    casts = 5 * (m * k + k * n) / gpu.hbm if float8 else 0.0
+    casts = 5 * (input_cast * m * k + k * n) / gpu.hbm if float8 else 0.0
     return max(compute, memory) + casts
 
 
@@ -400,7 +429,10 @@ def _layer_times(model: Config, recipe: Recipe, tp: int, cp: int, gpu: GPU) -> d
     shapes = {"qkv": (t, (h + 2 * kv) / tp, h), "wo": (t, h, h / tp), "w1": (t, f / tp, h),
               "w3": (t, f / tp, h), "w2": (t, h, f / tp)}
     f8 = recipe.float8
-    forward = {name: gemm_time(*mnk, gpu, f8) for name, mnk in shapes.items()}
+    cast = {name: 1.0 for name in shapes}
+    if tp > 1 and recipe.dtensor_tp:      # cast once per sublayer before the all-gather: 1/tp of it
+        cast.update(qkv=1 / tp, w1=1 / tp, w3=0.0)
+    forward = {name: gemm_time(*mnk, gpu, f8, cast[name]) for name, mnk in shapes.items()}
     backward = sum(gemm_time(m_, k_, n_, gpu, f8) + gemm_time(k_, n_, m_, gpu, f8)
                    for m_, n_, k_ in shapes.values())
     att_fwd, att_bwd = (value * recipe.attention_scale for value in ATTENTION[recipe.attention])
@@ -427,6 +459,51 @@ def flops_per_token(model: Config, seq: int, causal: bool = False) -> float:
     (the attention a causal mask leaves)."""
     n = model.parameters - model.vocab * model.hidden
     return 6 * n + (6 if causal else 12) * model.layers * model.hidden * seq
+
+
+def ring_attention_exposed(model: Config, recipe: Recipe, tp: int, cp: int, one: dict[str, float],
+                           topology: Topology, ranks: list[int], gpu: GPU = H100_SXM) -> dict[str, float]:
+    """Seconds ring attention adds to one layer and one micro-batch beyond its attention kernels, on one
+    GPU (``one``: :func:`_layer_times`), as ``torch.distributed.tensor.experimental.context_parallel``
+    runs it (torchtitan's CP; its defaults: K/V rotated by one all-gather, head-tail load balancing,
+    partial results merged and gradients accumulated in fp32):
+
+    * **load balancing**: each GPU holds two of ``2 cp`` sequence chunks (the i-th and the
+      ``(2 cp - 1 - i)``-th), so each of the ``cp`` ring steps is one kernel over an equal share of the
+      causal work: step 0 the local block (causal), every later step half a block (all local queries
+      against the first half of the arriving K/V, or the second half of the queries against all of it);
+      one step's kernel is ``1/cp`` of the layer's attention;
+    * **forward** (run twice under full recomputation): the K/V of every other GPU arrive by one
+      all-gather issued before step 0 and awaited before step 1: exposed ``max(0, all-gather - step)``;
+    * **backward**: the same all-gather for K/V, and each step's dK/dV (fp32) sent point to point to the
+      next GPU, awaited after the following step: exposed ``max(0, send - step)`` per step, and the last
+      send entirely;
+    * **merge and accumulation** at HBM bandwidth: each forward step after the first merges its partial
+      output into the fp32 running output (cast 6, difference 12, scaled 8, update 12: 38 bytes per
+      output element) and concatenates K/V for sending (4 bytes per element); each backward step adds
+      dQ, dK, dV into fp32 accumulators (10 bytes per element) and concatenates dK/dV in fp32 (8) and K/V
+      (4).
+
+    K/V travel at the width attention sees them: ``kv = h kv_heads / heads`` per token, or ``h`` when
+    ``recipe.repeat_kv`` (torchtitan's Llama repeats the K/V heads before calling SDPA). Returns
+    ``exposed`` (the sum) and its parts ``forward_comm``, ``backward_comm``, ``merge``."""
+    t = recipe.seq * recipe.micro_batch / cp
+    h = model.hidden
+    width = h if recipe.repeat_kv else h * model.kv_heads / model.heads
+    q_elems = t * h / tp
+    kv_elems = 2 * t * width / tp                                   # K and V of the local chunks
+    gather = estimate("all_gather", int(2 * kv_elems * cp), cp, topology, ranks=ranks).time
+    send = estimate("send_recv", int(4 * kv_elems), 2, topology, ranks=ranks[:2]).time
+    step_forward = one["attention_forward"] / cp
+    step_backward = one["attention_backward"] / cp
+    forwards = 2 if recipe.recompute == "full" else 1
+    forward_comm = forwards * max(0.0, gather - step_forward)
+    backward_comm = (max(0.0, gather - step_backward) + (cp - 1) * max(0.0, send - step_backward) + send)
+    merge_forward = (cp - 1) * 38 * q_elems * 0.75 + cp * 4 * kv_elems + 6 * q_elems   # partial steps: 3/4 on average
+    merge_backward = cp * (10 * q_elems + 10 * kv_elems + 8 * kv_elems + 4 * kv_elems)
+    merge = (forwards * merge_forward + merge_backward) / gpu.hbm
+    return {"exposed": forward_comm + backward_comm + merge, "forward_comm": forward_comm,
+            "backward_comm": backward_comm, "merge": merge}
 
 
 def step_time(model: Config, layout: tuple[int, int, int, int], topology: Topology | str | None = None,
@@ -464,13 +541,14 @@ def step_time(model: Config, layout: tuple[int, int, int, int], topology: Topolo
         gemms = one["gemm_forward"] + one["gemm_backward"]
         tp_layer = max(0.0, total - gemms) if recipe.async_tp else total
     if cp > 1:
-        nbytes = int(2 * 2 * t * kv / tp * cp)                       # K and V of the whole sequence
         ranks = grid.group_of(0, "cp")
-        gather = estimate("all_gather", nbytes, cp, topology, ranks=ranks).time
-        scatter = estimate("reduce_scatter", nbytes, cp, topology, ranks=ranks).time
-        total = gather * (3 if recipe.recompute == "full" else 2) + scatter
-        attention = one["attention_forward"] + one["attention_backward"]
-        cp_layer = max(0.0, total - attention) if recipe.cp_ring else total
+        if recipe.cp_ring:
+            cp_layer = ring_attention_exposed(model, recipe, tp, cp, one, topology, ranks, gpu)["exposed"]
+        else:
+            nbytes = int(2 * 2 * t * kv / tp * cp)                   # K and V of the whole sequence
+            gather = estimate("all_gather", nbytes, cp, topology, ranks=ranks).time
+            scatter = estimate("reduce_scatter", nbytes, cp, topology, ranks=ranks).time
+            cp_layer = gather * (3 if recipe.recompute == "full" else 2) + scatter
     per_micro_batch = stage + layers * (tp_layer + cp_layer)
     compute = m * stage
     if pp == 1:

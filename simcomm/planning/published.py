@@ -21,7 +21,10 @@ used in any fitting; the planner's figure is compared only):
   ``benchmarks/``; measured with torchtitan 9dec370, torch 1963fc8, 2024-12):
   Llama 3.1 8B / 70B / 405B on H100 96GB HBM2e at 500 W, Tables 1-6: TPS/GPU and
   memory (GiB, the maximum over GPUs), with FSDP2, TP, PP, CP, torch.compile,
-  Float8 and async TP as each row states.
+  Float8 and async TP as each row states. What torchtitan 9dec370 with torch 1963fc8 does
+  whichever layout is planned: its Llama repeats the K/V heads before SDPA (``repeat_kv``),
+  TP goes through DTensor with ``loss_parallel`` and Float8 inputs cast before their
+  all-gather (``dtensor_tp``), and CP is ``context_parallel``'s ring attention (``cp_ring``).
 
 ``python benchmarks/published_runs.py`` prints the table of
 ``docs/planning_llama.md``.
@@ -61,7 +64,8 @@ def published_runs() -> list[dict[str, Any]]:
         _run(PAPER, LLAMA3_405B, (8, 1, 16, 64), meta, H100_SXM, tflops=430, name="405B 8K, 8,192 GPUs"),
         _run(PAPER, LLAMA3_405B, (8, 16, 16, 8), long, H100_SXM, tflops=380, name="405B 128K, 16,384 GPUs"),
     ]
-    fsdp = Recipe(seq=8192, micro_batch=2, recompute="selective", states="fsdp2", attention="fa2")
+    fsdp = Recipe(seq=8192, micro_batch=2, recompute="selective", states="fsdp2", attention="fa2", repeat_kv=True,
+                  dtensor_tp=True, cp_ring=True)
     for table, gpus, figures in (("Table 1", 8, ((5762, 82.4), (6667, 77.0), (8532, 76.8))),
                                  ("Table 3", 128, ((5605, 67.0), (6514, 62.0), (8380, 61.8)))):
         for index, (label, compiled, float8) in enumerate((("FSDP", False, False),
@@ -73,25 +77,25 @@ def published_runs() -> list[dict[str, Any]]:
             runs.append(_run(f"{TORCHTITAN}, {table}", LLAMA3_8B, (1, 1, 1, gpus), recipe, H100_HBM2E,
                              memory_gib=memory, tps=tps, role=role, name=f"8B {label}, {gpus} GPUs"))
     long8 = Recipe(micro_batch=1, recompute="full", states="fsdp2", attention="fa2", compiled=True, float8=True,
-                   cp_ring=True)
+                   cp_ring=True, repeat_kv=True, dtensor_tp=True)
     for cp, seq, tps, memory in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
                                  (8, 262144, 548, 84.5)):
         runs.append(_run(f"{TORCHTITAN}, Table 2", LLAMA3_8B, (1, cp, 1, 8 // cp),
                          dataclasses.replace(long8, seq=seq, global_batch=8 // cp), H100_HBM2E,
                          memory_gib=memory, tps=tps, name=f"8B FSDP {8 // cp} CP {cp}, {seq // 1024}K"))
     two_d = Recipe(seq=8192, global_batch=512, micro_batch=16, recompute="full", states="fsdp2", attention="fa2",
-                   compiled=True, float8=True)
+                   compiled=True, float8=True, repeat_kv=True, dtensor_tp=True, cp_ring=True)
     for label, async_tp, tps, memory in (("2D", False, 829, 71.9), ("2D + async TP", True, 876, 67.6)):
         runs.append(_run(f"{TORCHTITAN}, Table 4", LLAMA3_70B, (8, 1, 1, 32),
                          dataclasses.replace(two_d, async_tp=async_tp), H100_HBM2E, memory_gib=memory, tps=tps,
                          name=f"70B {label}, 256 GPUs"))
     three_d = Recipe(seq=8192, global_batch=256, micro_batch=4, recompute="full", states="fsdp2", attention="fa2",
-                     compiled=True, float8=True, async_tp=True)
+                     compiled=True, float8=True, async_tp=True, repeat_kv=True, dtensor_tp=True, cp_ring=True)
     for label, schedule, tps, memory in (("1F1B", "1f1b", 100, 82.5), ("interleaved 1F1B", "interleaved", 128, 72.7)):
         runs.append(_run(f"{TORCHTITAN}, Table 5", LLAMA3_405B, (8, 1, 8, 8),
                          dataclasses.replace(three_d, schedule=schedule, virtual_stages=2), H100_HBM2E,
                          memory_gib=memory, tps=tps, name=f"405B 3D {label}, 512 GPUs"))
-    four_d = dataclasses.replace(three_d, micro_batch=1, schedule="1f1b", cp_ring=True)
+    four_d = dataclasses.replace(three_d, micro_batch=1, schedule="1f1b")
     for cp, seq, tps, memory in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
                                  (8, 262144, 16, 84.9)):
         dp = 8 // cp

@@ -45,7 +45,8 @@ code is entered at all:
 The queries torch's fake mode answers before its cache (``prim.device``,
 ``aten.size``, ``aten.stride``, ``aten.storage_offset``: autograd asks the
 device of every tensor it meets) are answered by the same handlers, without
-the fake mode's entry code.
+the fake mode's entry code (``prim.device`` on a fake tensor by the rank's dispatch mode
+itself, :class:`~simcomm.sim.shape.FunctionalCollectives`, as its handler answers it).
 
 ``TORCH_FAKE_TENSOR_DISPATCH_CACHE=0`` (or a mode with ``cache_enabled``
 false) turns this cache off with torch's. :func:`cache_info` counts hits,
@@ -62,7 +63,7 @@ import torch
 from torch._subclasses import fake_tensor as _fake
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-__all__ = ["QUERIES", "dispatch", "empty", "cache_info", "cache_clear"]
+__all__ = ["QUERIES", "dispatch", "dispatch_op", "empty", "cache_info", "cache_clear"]
 
 #: cheap key -> torch's cache entry for it (a ``_DispatchCacheValidEntry``), an :class:`_UnsafeView`,
 #: ``_COMPUTED`` or ``_UNCACHED``
@@ -90,10 +91,10 @@ def _add(parts: list, values, mode: FakeTensorMode) -> bool:
     """Append the key of each of ``values`` to ``parts``; False when one cannot be keyed."""
     for value in values:
         kind = type(value)
-        if kind in _PLAIN:
+        if kind is not FakeTensor and kind in _PLAIN:
             parts.append(kind)
             parts.append(value)
-        elif isinstance(value, FakeTensor):
+        elif kind is FakeTensor or isinstance(value, FakeTensor):     # most arguments: a fake tensor
             if value.fake_mode is not mode or value.constant is not None:
                 return False
             try:
@@ -270,6 +271,11 @@ def dispatch(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode) -> An
     handler = QUERIES.get(func)
     if handler is not None:
         return handler(args)
+    return dispatch_op(func, types, args, kwargs, mode)
+
+
+def dispatch_op(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Any:
+    """:func:`dispatch` for an op that is none of :data:`QUERIES` (the caller answered those)."""
     if not mode.cache_enabled or mode.cache_crosscheck_enabled:
         return func(*args, **kwargs)
     key = _key(func, args, kwargs, mode)

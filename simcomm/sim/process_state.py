@@ -131,6 +131,7 @@ import torch
 from ..fresh_state import numpy_seed, rank_seed, run_seed
 from .rank_hooks import RankHooks
 from .rank_modules import RankModules
+from .rank_warnings import RankWarnings
 from .rank_random import RankRandomState, cpu_raw
 
 __all__ = ["RankProcessState", "rank_environ", "rank_start_seed", "inherit_on_threads", "inherit_thread_local",
@@ -374,6 +375,8 @@ class RankProcessState:
         #: the global module and optimizer hooks, one set per rank that registers any
         #: (simcomm.sim.rank_hooks)
         self.hooks = RankHooks(world_size)
+        #: the warnings module's state, one per rank once a rank touched it (simcomm.sim.rank_warnings)
+        self.warnings = RankWarnings(world_size)
 
     def hand_off(self, rank: int) -> None:
         """``rank`` hands the turn on: keep its state."""
@@ -389,6 +392,7 @@ class RankProcessState:
         self.log_handlers[rank], self.log_levels[rank] = root.handlers, root.level
         self.modules.hand_off(rank)
         self.hooks.hand_off(rank)
+        self.warnings.hand_off(rank)
 
     def take_turn(self, rank: int) -> None:
         """``rank`` takes the turn: make its state the live one."""
@@ -423,6 +427,7 @@ class RankProcessState:
             logging.root.manager._clear_cache()    # loggers cache what their level lets through
         self.modules.take_turn(rank)
         self.hooks.take_turn(rank)
+        self.warnings.take_turn(rank)
 
     def _enter(self, folder: str) -> None:
         """Make ``folder`` the process's working directory (the rank holding the turn's)."""
@@ -450,9 +455,11 @@ class RankProcessState:
         self.caller_log = (logging.root.handlers, logging.root.level)
         self.modules.start()
         self.hooks.start()
+        self.warnings.start()
 
     def restore_caller(self) -> None:
         """After a run: the caller's state is as it was before it."""
+        self.warnings.end()
         self.modules.end()
         self.hooks.end()
         self._torch_generators.restore_caller()
@@ -815,6 +822,15 @@ def _getpid() -> int:
 
 
 _getpid.__doc__ = _original_getpid.__doc__
+
+
+def _forget_pid_in_child() -> None:
+    """A child a rank forks (a DataLoader worker, a multiprocessing.Process) is a process of its own:
+    its ``os.getpid()`` is its real pid, as under torchrun, not the rank's."""
+    _owner.pid = None
+
+
+os.register_at_fork(after_in_child=_forget_pid_in_child)
 
 
 # -- once-per-process settings: multiprocessing's start method, signal handlers -----------------

@@ -2,13 +2,17 @@
 
 Every rank of a :class:`simcomm.World` is a thread running the program, and
 the ranks take turns (:class:`RunState`): exactly one runs until it blocks in
-a communication call or finishes, then hands the turn to the next ready rank.
+a communication call, pauses (``time.sleep``, a wait for a key of a script's own
+store: :meth:`RunState.pause`) or finishes, then hands the turn to the next ready rank.
 Because it sees every rank at once, the scheduler tells at once what real
 NCCL shows as a hang:
 
 * a rank about to block when every other unfinished rank is blocked too (or
   a rank finishing while all the others are blocked) raises
   :class:`~simcomm.errors.DeadlockError`, listing who waits for whom;
+* every unfinished rank blocked or pausing, with nothing that could end the
+  wait (:meth:`RunState._idle_verdict_locked`), raises it too, naming each
+  rank's line;
 * a communicator used after its run ended raises
   :class:`~simcomm.errors.CommunicatorClosedError`, and one used from a thread
   other than its rank's raises :class:`~simcomm.errors.WrongThreadError`
@@ -46,18 +50,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 
 from ..checks import PartitionTable
 from ..errors import Aborted, CommunicatorClosedError, DeadlockError, WrongThreadError
-from ..reports import program_location
+from ..reports import format_ranks, program_location
 from .process_state import RankProcessState, own_thread, thread_owner, waited_for_at_exit
 from .rendezvous import Group
+from .waiting import install_waits
 from .waits import Wait, describe_deadlock, describe_ranks, describe_waits
 
-__all__ = ["OneCpu", "RunState", "widen_futex_hash", "new_waiter", "handoff", "HANDOFF"]
+__all__ = ["OneCpu", "RunState", "Pause", "idle_limit", "widen_futex_hash", "new_waiter", "handoff", "HANDOFF"]
 
 
 _get_ident = threading.get_ident
@@ -189,11 +195,65 @@ def _is_executor_worker(thread: threading.Thread) -> bool:
     return getattr(target, "__module__", None) == "concurrent.futures.thread"
 
 
+_real_sleep = time.sleep
+
+#: the longest piece of a real sleep of a pausing rank that holds the turn (an abort, or a rank
+#: made ready by another thread, is seen within it)
+PAUSE_SLICE_S = 0.02
+#: the default of ``SIMCOMM_IDLE_S``: how long every rank may only poll with ``time.sleep``
+#: (and wait) before the run is taken to wait forever (:meth:`RunState._idle_verdict_locked`)
+IDLE_LIMIT_S = 10.0
+
+
+def idle_limit() -> float:
+    """``SIMCOMM_IDLE_S`` (seconds; ``inf`` never), else :data:`IDLE_LIMIT_S`."""
+    text = os.environ.get("SIMCOMM_IDLE_S", "").strip()
+    if not text:
+        return IDLE_LIMIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"SIMCOMM_IDLE_S={text!r} must be a positive number of seconds (or inf)")
+    return value
+
+
+@dataclass(slots=True)
+class Pause:
+    """A rank that waits without a collective (:meth:`RunState.pause`)."""
+
+    deadline: float       # time.monotonic() when the pause ends
+    what: str             # "time.sleep(0.1)", "TCPStore.get for key 'x'"
+    frame: object
+    store: bool           # a poll of a store wait; else a time.sleep
+    number: int           # RunState.pause_count when it began
+
+
+class _Quiet:
+    """A stretch in which no rank made progress (:meth:`RunState._idle_verdict_locked`)."""
+
+    __slots__ = ("since", "blocked", "running", "begun", "busy")
+
+    def __init__(self, now: float, state: RunState):
+        self.since = now
+        self.blocked = dict(state.blocked)     # holds the Wait objects: identity is the test
+        self.running = state.running
+        self.begun = state.pause_count           # the pauses begun before the stretch
+        self.busy = state.busy
+
+    def holds(self, state: RunState) -> bool:
+        blocked = state.blocked
+        return (state.running == self.running and len(blocked) == len(self.blocked)
+                and all(blocked.get(rank) is wait for rank, wait in self.blocked.items()))
+
+
 class RunState:
     """Everything the ranks of one run share: the lock, whose turn it is, the first error.
 
     Ranks take turns: exactly one rank thread runs at a time, and it hands the
-    turn on only when it blocks in a communication call or finishes. A rank
+    turn on only when it blocks in a communication call, pauses (``time.sleep``,
+    a poll of a script's own store: :meth:`pause`) or finishes. A rank
     woken by a completed collective joins the ``ready`` queue instead of
     running at once, so every handoff wakes exactly one thread and no two rank
     threads compete for the interpreter lock. Runs are therefore
@@ -256,6 +316,26 @@ class RunState:
         #: the threads each rank started (and their threads): a rank ends once its non-daemon ones
         #: have, as a process exits once its non-daemon threads have
         self.rank_threads: list[list[threading.Thread]] = [[] for _ in range(world_size)]
+        #: ranks that wait without a collective (``time.sleep``, a poll of a script's own store):
+        #: :meth:`pause`. Touched only by pausing ranks, so a program that never sleeps pays nothing
+        self.sleeping: dict[int, Pause] = {}
+        #: pauses begun in the run (each Pause has its number), and the number at the last return
+        #: of a time.sleep to its program (which may have changed anything since)
+        self.pause_count = 0
+        self.returned_at = 0
+        #: seconds ranks spent in their programs between a time.sleep's return and their next pause
+        #: (counted against the idle rule), and the rank whose time.sleep returned last, and when
+        self.busy = 0.0
+        self.resumed: tuple[int, float] | None = None
+        self.quiet: _Quiet | None = None
+        #: ranks a thread of which would communicate while the rank's own thread pauses, and those
+        #: whose own thread then keeps the turn in a plain sleep (:meth:`_step_in_for`)
+        self.step_aside: set[int] = set()
+        self.stepped_aside: set[int] = set()
+        self.idle_limit = idle_limit()
+        #: the TCPStore servers the ranks created: port -> [clients joined + 1, world_size]
+        self.tcp_servers: dict[int, list] = {}
+        install_waits()
 
     # -- the run's life: called by World and by each rank thread (each takes the lock) --
 
@@ -373,7 +453,12 @@ class RunState:
         has ended; :class:`~simcomm.errors.WrongThreadError` (and the run fails with
         it) when the caller is not rank ``rank``'s thread.
         """
-        if (_get_ident() != self.thread_ids[rank] and thread_owner() != (self, rank)) or self.closed:
+        if _get_ident() != self.thread_ids[rank]:
+            if thread_owner() != (self, rank) or self.closed:
+                raise self._refusal(rank, op)
+            if rank in self.sleeping:     # a thread the rank started, while the rank's own pauses
+                self._step_in_for(rank)
+        elif self.closed:
             raise self._refusal(rank, op)
         self.lock.acquire()
         if self.error is not None:
@@ -436,6 +521,182 @@ class RunState:
         if self.error is not None:
             raise Aborted
         random.take_turn(rank)
+
+    # -- waiting without a collective: time.sleep, polls of a script's own store --
+
+    def pause(self, rank: int, seconds: float, what: str, frame: object, store: bool = False) -> None:
+        """Rank ``rank``'s thread, holding the turn, waits ``seconds`` without keeping the turn, as
+        a sleeping process leaves the CPU to the others (``time.sleep`` on a rank thread, and each
+        poll of a store wait: :mod:`simcomm.sim.waiting`).
+
+        The rank joins the ready queue and hands the turn on; each time it gets the turn back it
+        returns once ``seconds`` have passed, or passes the turn on again while other ranks are
+        ready. ``pause(0)`` lets the ranks that are ready run once. When no rank but pausing ones
+        can run, the one whose time ends first runs (a rank whose pause is over returns to its
+        program); if that is the caller and its time has not ended, it sleeps for real (holding the turn,
+        in short pieces, so that an abort or a rank woken by another thread is seen), and the
+        scheduler looks whether the wait can end (:meth:`_idle_verdict_locked`): if it cannot,
+        the run is aborted with a :class:`~simcomm.errors.DeadlockError` naming each rank's line.
+        ``store``: a poll of a store wait (its keys are checked by the caller between pauses).
+        Raises :class:`~simcomm.errors.Aborted` if the run is aborted meanwhile.
+        """
+        lock = self.lock
+        deadline = time.monotonic() + seconds
+        lock.acquire()
+        held = True
+        try:
+            if self.error is not None:
+                raise Aborted
+            self.pause_count += 1
+            self.sleeping[rank] = Pause(deadline, what, frame, store, self.pause_count)
+            if self.resumed is not None:
+                if self.resumed[0] == rank:
+                    self.busy += deadline - seconds - self.resumed[1]
+                self.resumed = None
+            handed = False
+            while True:
+                now = time.monotonic()
+                if rank in self.step_aside:
+                    # a thread this rank started communicates as the rank: this thread keeps the
+                    # turn and sleeps, as time.sleep did before pauses (the thread's wait then
+                    # hands the turn on); a pause would share the rank's waiter with it
+                    self.stepped_aside.add(rank)
+                    lock.release()
+                    held = False
+                    while self.error is None and time.monotonic() < deadline:
+                        _real_sleep(min(deadline - time.monotonic(), PAUSE_SLICE_S))
+                    if self.error is not None:
+                        raise Aborted
+                    return
+                if handed and now >= deadline:
+                    if not store:
+                        self.returned_at = self.pause_count
+                        self.resumed = (rank, now)
+                    return
+                queued = set(self.ready)
+                pausing = [r for r in self.sleeping if r in queued]   # the others wait in the queue
+                if len(self.ready) > len(pausing):
+                    # a rank that does not pause is ready: it runs first
+                    self.ready.append(rank)
+                    next_rank = self.ready.popleft()
+                else:
+                    # every unfinished rank is blocked or pauses: the one whose time ends first runs.
+                    # A pausing rank neither here nor queued runs beside this one (its thread
+                    # stepped aside for a thread of its own, :meth:`_step_in_for`): no verdict then
+                    everyone = len(pausing) == len(self.sleeping) - 1
+                    verdict = self._idle_verdict_locked(now) if everyone else None
+                    if verdict is not None:
+                        self.abort_locked(DeadlockError(verdict))
+                        raise Aborted
+                    next_rank = min([*pausing, rank], key=lambda r: self.sleeping[r].deadline)
+                    if next_rank == rank:
+                        if now >= deadline:
+                            handed = True      # nobody else may run first: the pause is over
+                            continue
+                        lock.release()
+                        held = False
+                        _real_sleep(min(deadline - now, PAUSE_SLICE_S))
+                        lock.acquire()
+                        held = True
+                        if self.error is not None:
+                            raise Aborted
+                        continue
+                    self.ready.remove(next_rank)
+                    self.ready.append(rank)
+                self.random.hand_off(rank)
+                lock.release()
+                held = False
+                handoff(self.waiters[next_rank], self.waiters[rank])
+                if self.error is not None:
+                    raise Aborted
+                self.random.take_turn(rank)
+                lock.acquire()
+                held = True
+                if self.error is not None:
+                    raise Aborted
+                handed = True
+        finally:
+            if not held:
+                lock.acquire()
+            self.sleeping.pop(rank, None)
+            self.stepped_aside.discard(rank)
+            lock.release()
+
+    def _step_in_for(self, rank: int) -> None:
+        """A thread rank ``rank`` started is about to communicate as the rank while the rank's own
+        thread pauses: wait until that thread holds the turn and keeps it in a plain sleep
+        (:meth:`pause`), or its pause has ended."""
+        with self.lock:
+            self.step_aside.add(rank)
+        try:
+            while self.error is None:
+                with self.lock:
+                    if rank not in self.sleeping or rank in self.stepped_aside:
+                        return
+                _real_sleep(0.001)
+        finally:
+            with self.lock:
+                self.step_aside.discard(rank)
+
+    def store_wait_ended(self) -> None:
+        """A rank's store wait found its keys: the program made progress (the idle rule starts over)."""
+        self.quiet = None
+
+    def _idle_verdict_locked(self, now: float) -> str | None:
+        """Called when every unfinished rank is blocked or pausing (the caller, holding the turn,
+        pauses too): the DeadlockError message if the wait cannot end, else None.
+
+        A *quiet stretch* begins at the first such moment and lasts while the same ranks are
+        blocked in the same calls, none has finished, and no store wait has ended (a
+        ``time.sleep`` returning to a poll loop that sleeps again does not end it). The wait is
+
+        * certain never to end when every pausing rank waits for a store key (or a TCPStore's
+          server or clients), each has looked again since the stretch began and since any
+          ``time.sleep`` last returned to its program, and no rank has a thread of its own
+          alive: only the ranks, which all wait, could set a key (the run's ranks are taken to
+          be the store's only users), so the run ends at once;
+        * taken as endless when every rank that pauses in ``time.sleep`` has woken and slept again
+          within the stretch (it polls) and the stretch has lasted :attr:`idle_limit` seconds
+          (``SIMCOMM_IDLE_S``), not counting the time ranks spent in their programs between
+          polls: a poller may wait for something outside the run (a file another program
+          writes, the clock), so this is a bound, not a certainty. One long ``time.sleep`` is
+          never cut short, nor is a rank that works between short sleeps.
+        """
+        quiet = self.quiet
+        if quiet is None or not quiet.holds(self):
+            self.quiet = _Quiet(now, self)
+            return None
+        sleepers = self.sleeping
+        if not all(pause.number > quiet.begun for pause in sleepers.values()):
+            return None
+        polls = [r for r in sleepers if not sleepers[r].store]
+        if self.rank_errors:
+            # a rank has failed (peers_run_on): the others wait for nothing but that rank, or poll;
+            # the run ends with its failure, as torchrun's agent stops its workers
+            head = "a rank has failed, and every other rank that has not finished waits or polls:"
+        elif not polls:
+            if not all(pause.number > self.returned_at for pause in sleepers.values()):
+                return None
+            if any(thread.is_alive() for threads in self.rank_threads for thread in threads):
+                return None
+            head = ("every rank that has not finished waits, and none can make progress (the ranks "
+                    "that wait for a store key have each looked again since the others began to wait):")
+        elif now - quiet.since - (self.busy - quiet.busy) >= self.idle_limit:
+            head = (f"for {now - quiet.since:.1f} s no rank has made progress: every rank that has not "
+                    f"finished is blocked or polls with time.sleep (taken as a wait nobody ends after "
+                    f"SIMCOMM_IDLE_S={self.idle_limit:g} s of it; a poll for something outside the run "
+                    f"needs a larger value):")
+        else:
+            return None
+        lines = [head, *describe_waits(self.blocked, self.world_size)]
+        lines.extend(describe_ranks({r: f"{'waits in' if p.store else 'polls with'} {p.what} at "
+                                        f"{program_location(p.frame)}" for r, p in sleepers.items()},
+                                    self.world_size))
+        done = sorted(self.finished)
+        if done:
+            lines.append(f"  {'rank' if len(done) == 1 else 'ranks'} {format_ranks(done)} "
+                         f"{'has' if len(done) == 1 else 'have'} finished")
+        return "\n".join(lines)
 
     def abort_and_release(self, error: BaseException) -> NoReturn:
         """Abort the run with ``error``. Called with the lock held; releases it and
@@ -519,6 +780,10 @@ class RunState:
             thread = self.threads[rank]
             if rank not in self.started:
                 others[rank] = "never started (waiting for a first turn)"
+            elif rank in self.sleeping:
+                pause = self.sleeping[rank]
+                others[rank] = (f"{'waits in' if pause.store else 'sleeps in'} {pause.what} at "
+                                + program_location(frames.get(thread.ident) if thread else None))
             elif rank in self.ready:
                 others[rank] = ("is ready and waits for its turn at "
                                 + program_location(frames.get(thread.ident) if thread else None))

@@ -73,11 +73,25 @@ in-place op through a view changes both, as with data. ``.item()``,
 ``torch.equal`` on tensors with values answer with those values, the same as
 the real-valued run's (computed on the CPU: for a CUDA World, float results
 as the CPU computes them). Everything else has no value: parameters (and any
-tensor that requires grad), a random op's result, uninitialised memory, data
+tensor that requires grad), a random op's result (but for index draws, below), uninitialised memory, data
 passed in, and a tensor a collective wrote; a value is lost when its storage
 is written by an op without values (``x.data.uniform_()`` too) or by a
 collective (:func:`forget_values`). The values cost memory on each rank (a
 real copy of each such tensor while it lives).
+
+**Values of random bookkeeping.** A shuffle's or a split's indices
+(``random_split``, ``RandomSampler``, ``DistributedSampler``: ``randperm(n,
+generator=g).tolist()``), a batch's ``randint`` and a sampler's seed
+(``random_``) are index draws: an integer draw of at most
+:data:`RANDOM_INDEX_LIMIT` elements from a CPU generator whose state is known
+(the rank's default generator, or one the program made and seeded, before any
+draw without values took from it) is computed for real with that generator,
+which advances as in a real-valued run, so the values are torchrun's for the
+same seeds (:func:`_draw`). Floating-point draws are data (a batch, a weight,
+dropout's mask): they have no value, and the generator they drew from is
+unknown until it is seeded again, so a later read of its draws is the named
+error. ``FakeTensor.tolist`` answers a tensor with a value at once
+(:func:`install_fake_tolist`).
 
 **Conversions that change nothing.** torch swaps a module's fake parameters on
 every conversion (``Module._apply``), and the swap fails when the fake mode
@@ -145,8 +159,8 @@ __all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_in
            "fake_arguments",
            "compute_on_meta", "own",
            "shapes", "is_shape_only", "data_dependent_error", "trace_signature", "FunctionalCollectives",
-           "install_device_mesh_values", "install_module_apply", "install_fake_pickling", "install_trunc_normal", "SAVE_NOTICE", "value_of", "forget_values",
-           "VALUE_LIMIT"]
+           "install_device_mesh_values", "install_module_apply", "install_fake_pickling", "install_trunc_normal", "install_fake_tolist", "SAVE_NOTICE", "value_of", "forget_values",
+           "VALUE_LIMIT", "RANDOM_INDEX_LIMIT"]
 
 #: the values of ``World(..., tensors=)``
 TENSOR_MODES = ("real", "shape")
@@ -482,6 +496,7 @@ def install_device_mesh_values() -> None:
     install_module_apply()      # the first shape-only run installs all four
     install_fake_pickling()
     install_trunc_normal()
+    install_fake_tolist()
 
 
 # -- a module conversion that changes nothing ----------------------------------------------------
@@ -699,6 +714,9 @@ def _functional(func, args: tuple, kwargs: dict):
 
 _get_fake_mode = torch._C._get_dispatch_mode
 _FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_PRIM_DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
+_QUERIES = _fake_cache.QUERIES
 
 
 class FunctionalCollectives(TorchDispatchMode):
@@ -733,7 +751,12 @@ class FunctionalCollectives(TorchDispatchMode):
             fake_mode = None           # another fake mode, or none, is set (the program's own, or
             #                            DeviceMesh's bookkeeping outside it): torch decides
         if fake_mode is not None:
-            query = _fake_cache.QUERIES.get(func)    # prim.device, aten.size, ...: most calls
+            if func is _PRIM_DEVICE and type(args[0]) is FakeTensor and len(args) == 1:
+                # autograd asks the device of every tensor it meets: most calls. What the fake
+                # mode's own handler answers (fake_tensor._device_handler), without the call
+                tensor = args[0]
+                return _META if tensor.fake_mode.in_kernel_invocation else tensor._fake_device
+            query = _QUERIES.get(func)    # aten.size, aten.stride, ...
             if query is not None:
                 return query(args)
         if func.namespace == "_c10d_functional":
@@ -770,11 +793,13 @@ class _Rule:
     seeded by a generator, not uninitialised memory), which arguments it writes
     (``mutated``: (position, name) pairs) and whether its outputs are views of its inputs."""
 
-    __slots__ = ("valued", "mutated")
+    __slots__ = ("valued", "mutated", "seeded")
 
     def __init__(self, func):
+        #: a random op: it draws from a generator (:func:`_draw`)
+        self.seeded = torch.Tag.nondeterministic_seeded in func.tags
         self.valued = (func.namespace in ("aten", "prims") and func not in _NO_VALUE_OPS
-                       and torch.Tag.nondeterministic_seeded not in func.tags)
+                       and not self.seeded)
         self.mutated = tuple((index, argument.name) for index, argument in enumerate(func._schema.arguments)
                              if argument.alias_info is not None and argument.alias_info.is_write)
 
@@ -933,16 +958,18 @@ def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, o
     computed on them; on any other tensor it raises as before. ``outside``: the rank's fake mode
     is set aside (the op goes to torch as it is; tensors made there are real)."""
     rule = _rule(func)
+    if rule.seeded:
+        return _draw(rule, func, types, args, kwargs, mode, outside)
     inputs = _values_in(args, kwargs) if rule.valued else None
     if inputs is not None and rule.mutated and not _writes_fakes_only(rule, args, kwargs):
         inputs = None       # the fake mode writes a fake copy of a real tensor: so do the values
     if inputs is None:
-        out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
+        out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
         if rule.mutated and getattr(mode, _LIVE, None):
             _forget_mutated(rule, args, kwargs)
         return out
     try:
-        out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
+        out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
     except _DATA_DEPENDENT as refusal:
         try:
             value = _compute(func, *inputs)
@@ -958,3 +985,105 @@ def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, o
     if rule.mutated:
         _forget_mutated(rule, args, kwargs)
     return out
+
+
+# -- values of random bookkeeping ----------------------------------------------------------------
+
+#: the most elements a random integer tensor drawn with values may have (:func:`_draw`)
+RANDOM_INDEX_LIMIT = 1 << 22
+#: the draws of index bookkeeping (a shuffle's or a split's ``randperm``, a batch's ``randint``, a
+#: sampler's seed ``random_``), with values when their result is an integer tensor
+_INDEX_DRAWS = frozenset(("randperm", "randint", "random_"))
+_SPOILED = "_simcomm_spoiled"      # a fake mode's attribute: {id(generator): (generator, its state)}
+
+
+def _generator_state(generator: torch.Generator) -> torch.Tensor:
+    with _no_fake_mode(), torch._C._DisableTorchDispatch():
+        return generator.get_state()
+
+
+def _known(generator: torch.Generator, mode: FakeTensorMode) -> bool:
+    """Whether ``generator``'s state on this rank is the one a real-valued run has: no random op
+    without values drew from it since it was last given a state (seeded, set) other than the one
+    it had then."""
+    entry = getattr(mode, _SPOILED, {}).get(id(generator))
+    if entry is None or entry[0] is not generator:
+        return True
+    with _no_fake_mode(), torch._C._DisableTorchDispatch():
+        return not torch.equal(entry[1], generator.get_state())
+
+
+def _spoil(generator: torch.Generator, mode: FakeTensorMode) -> None:
+    spoiled = getattr(mode, _SPOILED, None)
+    if spoiled is None:
+        spoiled = {}
+        setattr(mode, _SPOILED, spoiled)
+    spoiled[id(generator)] = (generator, _generator_state(generator))
+
+
+def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, outside: bool) -> Any:
+    """A random op on a shape-only rank (module docstring, "Values of random bookkeeping").
+
+    Its fake result, and where the op is an index draw (``randperm``, ``randint``, ``random_``)
+    of an integer tensor of at most :data:`RANDOM_INDEX_LIMIT` elements that requires no grad,
+    from a CPU ``torch.Generator`` whose state is known (:func:`_known`), and every other tensor
+    it is given has a value, its value too: the op is computed on the CPU with that generator,
+    which advances as in a real-valued run. Every other draw (floating-point draws are data: a
+    batch, a weight, dropout's mask) has no value, and its generator's state is unknown from
+    then on (a later draw from it has no value) until it is given another."""
+    out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
+    if outside:            # real tensors: torch drew for real
+        return out
+    if rule.mutated and getattr(mode, _LIVE, None):
+        _forget_mutated(rule, args, kwargs)
+    generator = kwargs.get("generator")
+    if generator is None and _device_of(args, kwargs, mode).type == "cpu":
+        generator = torch.default_generator
+    if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
+        return out
+    target = args[0] if rule.mutated else out
+    inputs = None
+    if (func.__name__.split(".")[0] in _INDEX_DRAWS and type(target) is FakeTensor
+            and not target.dtype.is_floating_point and not target.dtype.is_complex
+            and not target.requires_grad and target.numel() <= RANDOM_INDEX_LIMIT
+            and (not rule.mutated or (target._base is None and target is out)) and _known(generator, mode)):
+        inputs = _values_in(args[1:] if rule.mutated else args, kwargs)
+    if inputs is None:
+        _spoil(generator, mode)
+        return out
+    values, options = inputs
+    if any(argument.name == "generator" for argument in func._schema.arguments):
+        options["generator"] = generator      # else the op draws from the default generator itself
+    try:
+        with _no_fake_mode(), torch._C._DisableTorchDispatch(), torch.no_grad():
+            if rule.mutated:       # the op writes every element: a fresh tensor of the same layout
+                fresh = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype)
+                value = func(fresh, *values, **options)
+            else:
+                value = func(*values, **options)
+    except Exception:
+        _spoil(generator, mode)
+        return out
+    if isinstance(value, torch.Tensor) and value.shape == target.shape and value.dtype == target.dtype:
+        _set_value(target, value, mode)
+    return out
+
+
+_torch_fake_tolist: Callable | None = None
+
+
+def _fake_tolist(self: torch.Tensor) -> Any:
+    """``FakeTensor.tolist``: a tensor with a value (module docstring, "Values of constants")
+    answers with its value's list at once; torch's own reads element by element."""
+    value = value_of(self)
+    if value is not None:
+        return value.tolist()
+    return _torch_fake_tolist(self)
+
+
+def install_fake_tolist() -> None:
+    """Put :func:`_fake_tolist` in ``FakeTensor.tolist``'s place (once per process)."""
+    global _torch_fake_tolist
+    if _torch_fake_tolist is None:
+        _torch_fake_tolist = FakeTensor.tolist
+        FakeTensor.tolist = _fake_tolist      # simcomm.patches: "fake-tolist"

@@ -145,9 +145,11 @@ class World:
           (``torch.autograd.set_multithreading_enabled(False)``), on any device.
 
         While the ranks of a shape-only run run, Python's full garbage collections wait
-        (the oldest generation's threshold is raised to :data:`simcomm.collector.DEFERRED_FULL_COLLECTIONS`;
-        the young generations collect as usual; ``gc.get_threshold()`` shows it): thousands
-        of live ranks made each full collection walk all of them. The thresholds are set
+        (the oldest generation's threshold is raised to :data:`simcomm.collector.DEFERRED_FULL_COLLECTIONS`)
+        and the youngest generation's collections are rarer (its threshold raised to
+        :data:`simcomm.collector.YOUNG_COLLECTIONS`; ``gc.get_threshold()`` shows both): thousands
+        of live ranks made each full collection walk all of them, and every rank's allocations
+        set off young collections that walked the live ones again. The thresholds are set
         back when the run ends. A real-valued run leaves them as they are, as a process would.
 
         With ``World(n, tensors="shape")`` every rank runs under a fake tensor
@@ -222,7 +224,7 @@ class World:
         answers = cuda_answers(self.virtual_gpus, self.world_size) if self.map_cuda else _NO_MODE
         state.gpu_answers = answers.__enter__()
         # shape-only runs only: a real-valued program sees the thresholds a process has
-        collections = FullCollectionsDeferred(active=shape_only)
+        collections = FullCollectionsDeferred(active=shape_only, young=True)
         try:
             collections.__enter__()
             # a shape-only run's rank threads on one CPU (OneCpu: the caller's own CPUs are set

@@ -46,3 +46,42 @@ def test_thresholds_set_inside_the_block_are_kept():
     with FullCollectionsDeferred():
         gc.set_threshold(100, 5, 5)
     assert gc.get_threshold() == (100, 5, 5)
+
+
+def test_a_young_block_raises_the_youngest_generations_threshold_too_and_gives_it_back():
+    from simcomm.collector import YOUNG_COLLECTIONS
+
+    gc.set_threshold(500, 7, 3)
+    with FullCollectionsDeferred(young=True):
+        assert gc.get_threshold() == (YOUNG_COLLECTIONS, 7, DEFERRED_FULL_COLLECTIONS)
+        with FullCollectionsDeferred():
+            assert gc.get_threshold() == (YOUNG_COLLECTIONS, 7, DEFERRED_FULL_COLLECTIONS), "the inner block kept it"
+    assert gc.get_threshold() == (500, 7, 3)
+    gc.set_threshold(2 * YOUNG_COLLECTIONS, 7, 3)    # a threshold already above it stays
+    with FullCollectionsDeferred(young=True):
+        assert gc.get_threshold() == (2 * YOUNG_COLLECTIONS, 7, DEFERRED_FULL_COLLECTIONS)
+    assert gc.get_threshold() == (2 * YOUNG_COLLECTIONS, 7, 3)
+    with FullCollectionsDeferred(active=False, young=True):
+        assert gc.get_threshold() == (2 * YOUNG_COLLECTIONS, 7, 3)
+
+
+def test_cycles_are_still_collected_inside_a_young_block():
+    """The young generation still collects, after YOUNG_COLLECTIONS more allocations: garbage
+    cycles made inside the block do not pile up without bound."""
+    import weakref
+
+    from simcomm.collector import YOUNG_COLLECTIONS
+
+    class Node:
+        pass
+
+    gc.collect()
+    with FullCollectionsDeferred(young=True):
+        first = Node()
+        first.me = first                  # a cycle: reference counting never frees it
+        alive = weakref.ref(first)
+        del first
+        for _ in range(3):                # more than a young threshold of containers, then dropped
+            keep = [[] for _ in range(YOUNG_COLLECTIONS)]
+            del keep
+        assert alive() is None

@@ -202,3 +202,28 @@ def test_shape_only_trace_and_memory_equal_the_real_valued_run_with_the_cache(wo
     assert shape.dispatch_cache_info()["shared_hits"] > 0
     assert shape.trace_signature(real.trace) == shape.trace_signature(fake.trace)
     assert real.memory.peak == fake.memory.peak
+
+
+def test_device_queries_in_a_rank_mode_answer_what_the_fake_modes_handler_answers():
+    """The rank's dispatch mode answers autograd's device queries itself: a fake tensor's own
+    device, or meta while its fake mode runs a kernel, as torch's handler does; a query it does
+    not answer itself still reaches torch's handler (size)."""
+    from torch._subclasses.fake_tensor import _device_handler
+
+    mode = shape.rank_mode()
+    with mode, shape.FunctionalCollectives(mode):
+        x = torch.empty(2, 3)
+        y = torch.empty(4, device="cpu")
+        assert torch.ops.prim.device.default(x) == _device_handler([x]) == torch.device("cpu")
+        assert x.device == torch.device("cpu") and y.device == torch.device("cpu")
+        mode.in_kernel_invocation = True
+        try:
+            assert torch.ops.prim.device.default(x) == _device_handler([x]) == torch.device("meta")
+        finally:
+            mode.in_kernel_invocation = False
+        assert list(torch.ops.aten.size.default(x)) == [2, 3]
+        # and autograd, which asks for the device of every tensor, still gets a gradient of the
+        # parameter's device
+        w = torch.empty(3, 3).requires_grad_()
+        (x @ w).sum().backward()
+        assert w.grad.device == torch.device("cpu") and w.grad.shape == (3, 3)

@@ -425,3 +425,27 @@ def test_a_rank_does_not_hang_on_a_thread_that_never_ends(how, tmp_path, capsys,
             assert "a thread it started, 'waits-forever', is still running" in out.err, out.err
         else:
             assert "still running" not in out.err, out.err
+
+
+# -- processes a rank starts ----------------------------------------------------------------------
+
+def _children_lines_agree(lines):
+    for rank in range(2):
+        assert fields(lines[rank]) == {"total": "120.0", "summed": "240.0", "child_exitcode": "7",
+                                       "child_pid_differs": "True"}, lines
+
+
+def test_children_a_rank_forks_are_processes_whose_exits_end_only_them(capsys):
+    result = run_script(SCRIPTS / "dataloader_workers.py", 2)
+    out = capsys.readouterr()
+    assert result.returncode == 0, result.summary()
+    _children_lines_agree(report(out.out + out.err))
+    # a worker's os._exit at its end is the real one: nothing of the rank's program runs in it again
+    assert "Exception ignored" not in out.err and "_RankEnded" not in out.err, out.err[-2000:]
+
+
+@torchrun
+def test_children_a_rank_forks_are_processes_under_torchrun():
+    done, lines = under_torchrun("dataloader_workers.py")
+    assert done.returncode == 0, done.stderr[-2000:]
+    _children_lines_agree(lines)

@@ -278,7 +278,9 @@ def test_full_garbage_collections_wait_while_shape_only_ranks_run_and_the_thresh
     before = gc.get_threshold()
     seen = simcomm.World(4, tensors=tensors).run(lambda comm: gc.get_threshold())
     if tensors == "shape":
-        assert all(threshold[:2] == before[:2] and threshold[2] >= 10**6 for threshold in seen)
+        # full collections deferred, young ones rarer (simcomm.collector)
+        assert all(threshold[0] >= max(before[0], 100_000) and threshold[1] == before[1]
+                   and threshold[2] >= 10**6 for threshold in seen)
     else:   # a real-valued program sees the thresholds of a process
         assert seen == [before] * 4
     assert gc.get_threshold() == before

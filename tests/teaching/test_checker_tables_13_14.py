@@ -3,8 +3,11 @@ must accept (the solution and other correct forms).
 
 Rejected: wrong, partial, malformed, ``None``/``...``, the lesson's own helper, a number an earlier
 cell printed, and functions that pass data between virtual ranks through Python objects (a
-module-level global, a mutable default, a closure) with ``comm.barrier()`` instead of a collective:
-these would be right on threads of one process and wrong on real processes, and the verdict says so.
+module-level global, a mutable default, a closure, and through every channel of
+:mod:`tests.teaching.shared_object_cheats`: a class's, an imported class's, an imported module's,
+``__main__``'s, ``builtins``', a function's and a helper module's attributes) with ``comm.barrier()``
+instead of a collective: these would be right on threads of one process and wrong on real processes,
+and the verdict says so, naming the object.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import simcomm.lessons.lesson_13 as check13
 import simcomm.lessons.lesson_14 as check14
 from simcomm.lessons.verdicts import NOT_ANSWERED, RanksApart, shared_state_names
 from simcomm.parallel.mesh import Layout
+from tests.teaching.shared_object_cheats import CHANNELS, reset
 
 
 def kind(verdict: str) -> str:
@@ -385,3 +389,42 @@ def test_lesson14_ex2_refuses_the_helper_and_another_layout():
     assert "held_numel is the lesson's own answer" in cell["verdict"]
     easier = Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1)
     assert "the exercise asks about rank 0" in check14.check_held_bytes({"dp": DP, "fsdp": FSDP}, None, easier)
+
+
+# -- lessons 13 (exercise 3) and 14 (exercise 1): data kept on objects no per-rank copy separates --------
+
+def skip_cheat(put, take):
+    def skip(comm, grads):
+        put(comm.rank, overflowed(grads))
+        comm.barrier()
+        answer = any(take(rank) for rank in range(comm.world_size))
+        comm.barrier()
+        return answer
+    return skip
+
+
+def norm_cheat(put, take):
+    def norm(comm, sharded, replicated):
+        put(comm.rank, float(squares(sharded)))
+        comm.barrier()
+        total = sum(take(rank) for rank in range(comm.world_size))
+        comm.barrier()
+        return (total + float(squares(replicated))) ** 0.5
+    return norm
+
+
+SHARED_OBJECT_CHEATS = [(check, make, channel) for check, make in [
+    (check13.check_skip_step, skip_cheat), (check14.check_grad_norm, norm_cheat)] for channel in CHANNELS]
+
+
+@pytest.mark.parametrize("check, make, channel", SHARED_OBJECT_CHEATS,
+                         ids=[f"{check.__name__}-{channel}" for check, _, channel in SHARED_OBJECT_CHEATS])
+def test_data_kept_on_shared_objects_is_refused_naming_the_object(check, make, channel):
+    put, take, label = CHANNELS[channel]
+    reset()
+    try:
+        verdict = judged(check, make(put, take))
+    finally:
+        reset()
+    assert kind(verdict) == "not yet" and label in verdict, verdict
+    assert "real processes each have their own copy" in verdict and "comm.barrier() only waits" in verdict, verdict

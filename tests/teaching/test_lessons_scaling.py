@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from simcomm.lessons import scaling as sl
+from simcomm.parallel.expert import switch_aux_loss
 from simcomm.parallel.mesh import Layout
 from simcomm.models.transformer import make_block
 
@@ -320,6 +321,8 @@ def _aux_right(probs, experts):
     (lambda p, e: "1.0", "return a 0-d tensor"),
     (lambda p, e: 1 / 0, "ZeroDivisionError"),
     (3, "must be a function"),
+    (switch_aux_loss, "lesson's own answer"),                  # the library's copy, whole or wrapped
+    (lambda p, e: switch_aux_loss(p, e) * 1.0, "lesson's own answer"),
 ])
 def test_check_aux_loss_rejects_wrong_partial_and_malformed_answers_with_a_hint(answer, problem):
     verdict = sl.check_aux_loss(answer)

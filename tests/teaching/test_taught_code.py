@@ -115,6 +115,54 @@ def test_lesson04_tp_mlp_and_shards_are_the_library_ones(world_size, conjugate):
         shard_mlp(tensor.make_mlp(6, 6, seed=0), 0, 4)
 
 
+# -- lesson 05: Ulysses attention ------------------------------------------------------------------
+
+def _ulysses_program(comm, attend, q, k, v, weights, causal):
+    shard = q.shape[1] // comm.world_size
+    mine = slice(comm.rank * shard, (comm.rank + 1) * shard)
+    q, k, v = (t[:, mine].clone().requires_grad_() for t in (q, k, v))
+    kept = [t.detach().clone() for t in (q, k, v)]
+    out = attend(comm, q, k, v, causal=causal)
+    assert all(torch.equal(t.detach(), c) for t, c in zip((q, k, v), kept)), "Ulysses modified its input"
+    (out * weights[:, mine]).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lesson05_ulysses_attention_is_the_library_one(world_size, causal):
+    from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
+    lesson = taught("05", "ulysses_attention", attention=attention)
+    for seed, heads, seq in ((0, 4, 8), (1, 8, 4 * world_size)):
+        q, k, v = make_qkv(2, seq, heads, 3, seed=seed)
+        weights = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 5))
+        a, b = World(world_size), World(world_size)
+        got = a.run(_ulysses_program, lesson, q, k, v, weights, causal)
+        want = b.run(_ulysses_program, ulysses_attention, q, k, v, weights, causal)
+        for g, w in zip(got, want):
+            assert all(torch.equal(x, y) for x, y in zip(g, w))
+        assert _events(a.trace) == _events(b.trace)
+        assert [(e.args, e.sent) for e in a.trace.events] == [(e.args, e.sent) for e in b.trace.events]
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = attention(*ref, causal=causal)
+        (ref_out * weights).sum().backward()
+        for index, expected in enumerate([ref_out.detach()] + [t.grad for t in ref]):
+            assert (torch.cat([o[index] for o in got], dim=1) - expected).abs().max() < 1e-12
+
+
+def test_lesson05_ulysses_attention_refuses_indivisible_heads_as_the_library_does():
+    from simcomm.errors import RankError
+    from simcomm.parallel.sequence import attention, make_qkv, ulysses_attention
+    lesson = taught("05", "ulysses_attention", attention=attention)
+    q, k, v = make_qkv(1, 8, 6, 2)
+    messages = []
+    for attend in (lesson, ulysses_attention):
+        with pytest.raises(RankError, match="not divisible by the world size 4") as error:
+            World(4).run(_ulysses_program, attend, q, k, v, torch.ones(q.shape, dtype=torch.float64), False)
+        messages.append(str(error.value).splitlines()[0])     # the error; the traceback names each file
+    assert messages[0] == messages[1] and "all_to_all_4D" in messages[0]
+
+
 # -- lesson 06: the bucketed reducer ----------------------------------------------------------------
 
 def _lesson06():
@@ -341,6 +389,39 @@ def test_lesson10_expert_parallel_moe_is_the_library_layer(world_size, factor, s
         assert (sum(g[2]["router"] for g in got) - leaves["router"].grad).abs().max() < 1e-12
 
 
+def _lesson10_train_router():
+    from simcomm.parallel import expert as ep
+    names = ("capacity", "expert", "keep_mask", "rows_per_rank", "shared_output", "tokens_per_expert",
+             "shard_experts", "load_balancing_loss")
+    return taught("10", "train_router", "expert_parallel_moe", "route", "run_experts",
+                  **{n: getattr(ep, n) for n in names})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("factor", [None, 1.0])
+def test_lesson10_train_router_is_the_library_training(world_size, factor):
+    from simcomm.parallel import expert as ep
+    train_router = _lesson10_train_router()
+    params = ep.make_moe(8, 16, 8, seed=0, shared_experts=1)
+    params["bias"][0] = 2.0
+    gen = torch.Generator().manual_seed(5)
+    x, target = (torch.randn(world_size * 8, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+    for weight in (0.0, 1.0):
+        kwargs = dict(steps=3, lr=2.0, aux_weight=weight, capacity_factor=factor)
+        a, b = World(world_size), World(world_size)
+        got = a.run(train_router, x, target, params, 2, **kwargs)
+        want = b.run(ep.train_router, x, target, params, 2, **kwargs)
+        for g, w in zip(got, want):
+            assert g.keys() == w.keys() and g["per_expert"] == w["per_expert"] and g["aux"] == w["aux"]
+            assert torch.equal(g["router"], w["router"]) and torch.equal(g["bias"], w["bias"])
+        assert _events(a.trace) == _events(b.trace)
+        assert [(e.args, e.sent) for e in a.trace.events] == [(e.args, e.sent) for e in b.trace.events]
+        one = ep.train_router_reference(x, target, params, 2, groups=world_size, **kwargs)
+        assert got[0]["per_expert"] == one["per_expert"]
+        assert (got[0]["router"] - one["router"]).abs().max() < 1e-12
+    assert got[0]["per_expert"][0] != got[0]["per_expert"][-1]        # the router moved
+
+
 # -- lesson 12: the 3-D step ----------------------------------------------------------------------------
 
 def _lesson12_step():
@@ -381,13 +462,85 @@ def test_lesson12_block_step_is_the_library_step(world_size):
         assert all((grads[k] - leaves[k].grad).abs().max() < 1e-9 for k in grads)
 
 
+# -- lesson 13: mixed-precision training ------------------------------------------------------------------
+
+def _lesson13_train():
+    from simcomm import memory
+    from simcomm.parallel import mixed_precision as mp
+    from simcomm.parallel.zero import MLP, Adam, make_batch, padded, shard
+    return taught("13", "train", "keep_states", "backward", "sum_gradients", "master_step", "LossScaler",
+                  memory=memory, mp=mp, MLP=MLP, Adam=Adam, make_batch=make_batch, padded=padded, shard=shard)
+
+
+def _compare_mixed_precision(world_size, stage, **kwargs):
+    from simcomm.parallel import mixed_precision as mp
+    train = _lesson13_train()
+    a, b = World(world_size, memory=True), World(world_size, memory=True)
+    got, want = a.run(train, stage, **kwargs), b.run(mp.train, stage, **kwargs)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() and torch.equal(g["losses"], w["losses"])
+        assert all(torch.equal(m, n) for m, n in zip(g["master"], w["master"]))
+        assert g.get("history") == w.get("history")
+    assert ops(a.trace) == ops(b.trace)
+    assert [(e.op, e.phase, e.args) for e in a.trace.events] == [(e.op, e.phase, e.args) for e in b.trace.events]
+    for k in range(1, kwargs["steps"] + 1):                # the same bytes under the same labels, every rank
+        assert a.memory.at(f"after step {k}") == b.memory.at(f"after step {k}")
+    assert [r.peak_bytes for r in a.memory.ranks] == [r.peak_bytes for r in b.memory.ranks]
+    return got
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("gradients", ["16-bit", "fp32 main_grad"])
+def test_lesson13_mixed_precision_training_is_the_library_training(world_size, stage, gradients):
+    from simcomm.parallel import mixed_precision as mp
+    got = _compare_mixed_precision(world_size, stage, gradients=gradients, steps=2, micro_batches=2, seed=1)
+    error = ((got[0]["losses"] - mp.reference_losses(steps=2, seed=1)).abs() / mp.reference_losses(steps=2, seed=1))
+    assert 0 < error.max() < 2.0 ** -9                     # bf16: close to float64, not equal to it
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 2])
+def test_lesson13_loss_scaling_is_the_library_loss_scaling(world_size, stage):
+    got = _compare_mixed_precision(world_size, stage, dtype=torch.float16, loss_scale=2.0 ** 24, growth_interval=2,
+                                   steps=10)
+    overflowed = [over for _, _, over in got[0]["history"]]
+    assert any(overflowed) and not all(overflowed)           # skipped, halved, applied and grown: every branch
+
+
+def test_lesson13_exercise3_refuses_the_library_decision_the_lesson_trains_with():
+    import simcomm.lessons.lesson_13 as check
+    from simcomm.parallel import mixed_precision as mp
+    assert "mp.any_overflow(comm, mine)" in lesson_cells("13", "train")
+    for answer in (mp.any_overflow, lambda comm, grads: mp.any_overflow(comm, grads)):
+        verdict = check.check_skip_step(answer)
+        assert verdict.startswith("Not yet") and "mixed_precision.any_overflow" in verdict, verdict
+
+
+def test_lesson13_loss_scaler_is_the_library_scaler():
+    from simcomm.parallel.mixed_precision import LossScaler
+    lesson = _lesson13_train().__globals__["LossScaler"]
+    flags = [True, True, False, False, False, True, False, False, False, False, False]
+    for interval in (1, 2, 3):
+        mine, theirs = lesson(2.0 ** 10, interval), LossScaler(2.0 ** 10, interval)
+        for step, flag in enumerate(flags):
+            mine.update(step, flag)
+            theirs.update(step, flag)
+            assert mine.scale == theirs.scale and mine.good_steps == theirs.good_steps
+        assert mine.history == theirs.history and len({s for _, s, _ in mine.history}) > 2
+
+
 # -- lesson 14: the 4-D training -------------------------------------------------------------------------
 
 def _lesson14_train():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from simcomm.models import llama, llama_pipeline, llama_training as lt
     from simcomm.parallel import llama_fsdp
-    return taught("14", "train", "mesh_groups", "stage_leaves", "train_step", llama=llama,
-                  llama_pipeline=llama_pipeline, lt=lt, llama_fsdp=llama_fsdp)
+    from simcomm.parallel.mesh import Layout
+    return taught("14", "train", "mesh_groups", "stage_leaves", "train_step", "save_checkpoint", "load_checkpoint",
+                  llama=llama, llama_pipeline=llama_pipeline, lt=lt, llama_fsdp=llama_fsdp, dcp=dcp,
+                  DTensor=DTensor, Replicate=Replicate, Shard=Shard, Layout=Layout)
 
 
 def _compare_llama_training(layout, steps, tmp_path=None):
@@ -419,13 +572,23 @@ def test_lesson14_train_is_the_library_training(sizes):
     _compare_llama_training(Layout(**sizes), steps=2)
 
 
-def test_lesson14_checkpoint_resumes_as_the_library_one(tmp_path):
+@pytest.mark.parametrize("saved, resume", [(dict(pp=2, dp_shard=2, tp=2), dict(dp_replicate=2, tp=2)),
+                                           (dict(dp_replicate=2, cp=2), dict(pp=2, dp_shard=2))])
+def test_lesson14_checkpoint_and_resume_are_the_library_ones(tmp_path, saved, resume):
     from simcomm.models import llama_training as lt
     from simcomm.parallel.mesh import Layout
-    (mine, theirs), data, params, config = _compare_llama_training(Layout(pp=2, dp_shard=2, tp=2), 2, tmp_path)
-    resume = Layout(dp_replicate=2, tp=2)
-    runs = [World(4).run(lt.train, data, params, config, layout=resume, steps=2, global_batch=4, load=str(path),
-                         first_step=2) for path in (mine, theirs)]
-    assert all(torch.equal(g["losses"], w["losses"]) for g, w in zip(*runs))
-    reference = lt.reference_losses(data, params, config, dp=2, steps=4, global_batch=4)
-    assert (runs[0][0]["losses"] - reference[2:]).abs().max() < 1e-10
+    (mine, theirs), data, params, config = _compare_llama_training(Layout(**saved), 2, tmp_path)
+    train, resume = _lesson14_train(), Layout(**resume)
+    kwargs = dict(layout=resume, steps=2, global_batch=4, first_step=2)
+    runs, traces = [], []
+    for fn, path in ((train, mine), (lt.train, theirs), (train, theirs), (lt.train, mine)):   # and crossed
+        world = World(resume.world_size)
+        runs.append(world.run(fn, data, params, config, load=str(path), **kwargs))
+        traces.append(ops(world.trace))
+    for run in runs[1:]:
+        for g, w in zip(runs[0], run):
+            assert torch.equal(g["losses"], w["losses"]) and g["held"] == w["held"]
+            assert all(torch.equal(g["shards"][k], w["shards"][k]) for k in w["shards"])
+    assert all(trace == traces[0] for trace in traces)
+    reference = lt.reference_losses(data, params, config, dp=resume.dp, steps=4, global_batch=4)
+    assert (runs[0][0]["losses"] - reference[2:]).abs().max() < 1e-10          # steps 3 and 4: the checkpoint's
