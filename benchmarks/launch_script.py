@@ -21,8 +21,10 @@ before (torch's generator alone), "per-rank process state" is the current one (t
 ``random`` and NumPy state, ``sys.argv``, ``__main__``), "... drawing" makes every rank draw
 from Python's and NumPy's generators between barriers (so every handoff saves and loads them),
 "... time.sleep(0)" makes every rank call ``time.sleep(0)`` before each barrier (each call hands
-the turn on once more: simcomm.sim.waiting). Time per barrier handoff: wall and CPU
-(``time.process_time``). ``--handoff-only`` skips the launch table.
+the turn on once more: simcomm.sim.waiting), "without global hooks" is the current handoff without
+the swap of torch's global hooks (:mod:`simcomm.sim.rank_hooks`), and "each rank with a global hook"
+has every rank register a module forward hook first, so every handoff swaps the hook dicts. Time per
+barrier handoff: wall and CPU (``time.process_time``). ``--handoff-only`` skips the launch table.
 
     python benchmarks/launch_script.py                 # both tables
     python benchmarks/launch_script.py --rounds 5 --json out.json
@@ -81,9 +83,15 @@ if case == "torch only":
     def take_turn(self, rank):
         self.torch.take_turn(rank)
     RankProcessState.hand_off, RankProcessState.take_turn = hand_off, take_turn
+if case == "without global hooks":
+    from simcomm.sim.rank_hooks import RankHooks
+    RankHooks.hand_off = RankHooks.take_turn = lambda self, rank: None
 drawing = case.endswith("drawing")
+hooked = case.endswith("global hook")
 sleeping = case.endswith("time.sleep(0)")
 def program(comm):
+    if hooked:
+        torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
     for _ in range(barriers):
         if drawing:
             random.random(); np.random.rand()
@@ -178,8 +186,8 @@ def launch_table(options: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def handoff_table(options: argparse.Namespace, samples: dict, medians: dict) -> None:
-    cases = ["torch only", "per-rank process state", "per-rank process state, drawing",
-             "per-rank process state, time.sleep(0)"]
+    cases = ["torch only", "without global hooks", "per-rank process state", "per-rank process state, drawing",
+             "per-rank process state, time.sleep(0)", "each rank with a global hook"]
     handoff = {case: [] for case in cases}
     for _ in range(options.rounds):
         for case in cases:

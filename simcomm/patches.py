@@ -223,6 +223,24 @@ PATCHES: tuple[Patch, ...] = (
         "each World.run (the caller's saved first)", "when the run ends: the caller's put back", "run",
         ("logging.root.handlers", "logging.root.level")),
     Patch(
+        "rank-hooks", "torch's global hook dicts (``torch.nn.modules.module._global_forward_pre_hooks``, "
+        "``_global_forward_hooks`` (with ``_always_called``, ``_with_kwargs``), ``_global_backward_pre_hooks``, "
+        "``_global_backward_hooks``, ``_global_is_full_backward_hook``, the buffer, module and parameter "
+        "registration hooks; ``torch.optim.optimizer._global_optimizer_pre_hooks``/``_post_hooks``): an empty "
+        "set in place of the caller's during a run, a rank's own set once it registers a hook, swapped at "
+        "each turn handoff", "simcomm.sim.rank_hooks",
+        "each process of a torchrun run has its own global hooks (register_module_forward_pre_hook, "
+        "register_optimizer_step_pre_hook ...); on shared dicts a hook one rank registered fired for every "
+        "rank's modules, and CommDebugMode's module tracker (ModTracker) raised 'The Module hierarchy "
+        "tracking is wrong' on ranks 1 and 2",
+        "each World.run (the caller's saved first)", "when the run ends: the caller's dicts put back, untouched",
+        "run", ("setattr(_module)", "setattr(_optimizer)", "_module._global_is_full_backward_hook"),
+        tuple(f"torch.nn.modules.module._global_{name}" for name in (
+            "forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks",
+            "buffer_registration_hooks", "module_registration_hooks", "parameter_registration_hooks",
+            "forward_hooks_always_called", "forward_hooks_with_kwargs"))
+        + ("torch.optim.optimizer._global_optimizer_pre_hooks", "torch.optim.optimizer._global_optimizer_post_hooks")),
+    Patch(
         "rank-sleep", "``time.sleep``: on a rank's own thread while its program runs, the rank hands "
         "the turn to the ranks that can run and returns once the time has passed (``time.sleep(0)``: "
         "lets them run once)", "simcomm.sim.waiting",
@@ -480,14 +498,18 @@ STACK_DECISIONS: tuple[StackDecision, ...] = (
     StackDecision("simcomm.c10d.process_group:_p2p_async", "whether a send/recv came from "
                   "dist.send/dist.recv (blocking) or anywhere else (async)",
                   "c10d calls the same ProcessGroup method for both"),
-    StackDecision("simcomm.c10d.process_group:_requested_backend", "the backend dist.new_group asked for "
-                  "(c10d's _new_group_with_tag local ``backend``)",
-                  "c10d does not pass it on to a default group's new_group"),
+    StackDecision("simcomm.c10d.process_group:_new_group_call", "the backend dist.new_group asked for "
+                  "and the ``pg_tag`` c10d._new_group_with_tag was given (its locals ``backend``, "
+                  "``pg_tag``)",
+                  "c10d passes neither on to a default group's new_group: a new_group of another backend is "
+                  "refused or made fake, and a second group asked for with the same ranks and tag is the "
+                  "first, as c10d returns it for the groups it makes itself"),
     StackDecision("simcomm.lessons.verdicts:helper_in_caller", "whether the learner's cell that calls an "
                   "exercise checker computed its answer with the lesson's own helper (the verdict names it)",
                   "a checker gets a number, which does not say how it was computed; the cell's code does"),
     StackDecision("simcomm.c10d.process_group:_register_pg_in_world", "the ``pg_tag`` new_group was "
-                  "given (c10d's _new_group_with_tag local)", "see the group-tags patch"),
+                  "given (c10d's _new_group_with_tag local), and whether the group it registers is the tagged "
+                  "group it already has (registered once, as c10d does)", "see the group-tags patch"),
     StackDecision("simcomm.sim.rank_warnings:_counted_filters_mutated", "whether a change of the warning "
                   "filters is a filter added while a module is imported (``warnings._add_filter``'s locals "
                   "``item`` and ``append``, below importlib's frame)", "the module is imported once for the "

@@ -149,10 +149,15 @@ class SimcommProcessGroup(dist.ProcessGroup):
         ranks, as torch requires: the call is the world's collective ``subgroup`` with the
         parts ``(ranks, the other ranks)``, checked and traced like ``comm.subgroup``, so a
         rank that names other ranks, or never calls, is a CollectiveMismatchError or a
-        DeadlockError on both backends, never a hang. Each call makes a group of its own,
-        even with the same ranks as another (or as the world).
+        DeadlockError on both backends, never a hang. The parts are compared as a partition,
+        so ranks that each name their own part (``c10d._find_or_create_pg_by_ranks_and_tag``:
+        ranks 0 and 1 ask for ``[0, 1]`` while ranks 2 and 3 ask for ``[2, 3]``) agree, as c10d
+        lets them. Each call makes a group of its own, even with the same ranks as another (or
+        as the world), except one given a ``pg_tag`` (``c10d._new_group_with_tag``) under which
+        the rank already has a group of these ranks: that group is returned, as c10d returns
+        it (the call is still the world's ``subgroup`` step, which the other ranks take too).
         """
-        backend = _requested_backend(sys._getframe(1))
+        backend, tag = _new_group_call(sys._getframe(1))
         ranks = [int(rank) for rank in ranks]
         me = self.transport.global_rank
         name = "" if group_name is None else str(group_name)
@@ -164,15 +169,23 @@ class SimcommProcessGroup(dist.ProcessGroup):
             others = tuple(rank for rank in self.transport.ranks if rank not in ranks)
             local = {rank: index for index, rank in enumerate(self.transport.ranks)}
             parts = (tuple(local[rank] for rank in ranks),) + ((tuple(local[r] for r in others),) if others else ())
+            if others and parts[1][0] < parts[0][0]:  # the same partition, whichever part a rank names
+                parts = parts[::-1]
             # one copy of the partition for every rank that passes it (checks.PartitionTable)
             child = self.transport.subgroup(self.transport.partitions.check(
                 "new_group", parts, self.transport.world_size, self.transport.rank))
             if me not in ranks:
                 return None
+            existing = _tagged_group(tag, ranks)
+            if existing is not None:
+                return existing
             group = self._wrap_subgroup(child)
         else:
             if me not in ranks:
                 return None
+            existing = _tagged_group(tag, ranks)
+            if existing is not None:
+                return existing
             group = self._local_subgroup(ranks, name, program_location(sys._getframe(1)))
         group._set_group_name(name)
         group._set_group_desc("" if group_desc is None else str(group_desc))
@@ -277,8 +290,11 @@ class SimcommProcessGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(self, output, input_, output_split_sizes, input_split_sizes, opts=None):
-        return self._submit(ops.all_to_all_single, output, input_, list(output_split_sizes or []),
-                            list(input_split_sizes or []), async_op=_async(opts),
+        rank = self.transport.rank
+        output_split_sizes = _sizes(output_split_sizes, "output_split_sizes", rank)
+        input_split_sizes = _sizes(input_split_sizes, "input_split_sizes", rank)
+        return self._submit(ops.all_to_all_single, output, input_, output_split_sizes,
+                            input_split_sizes, async_op=_async(opts),
                             route=("alltoall_base", (output, input_, output_split_sizes, input_split_sizes, opts)))
 
     alltoall_base = all_to_all_single
@@ -341,21 +357,46 @@ class SimcommProcessGroup(dist.ProcessGroup):
         raise NotImplementedError(f"merge_remote_group is not supported by the {BACKEND_NAME!r} backend")
 
 
+def _sizes(split_sizes, argument: str, rank: int) -> list:
+    """``dist.all_to_all_single``'s split sizes as a list (none: ``[]``). A tensor is refused as
+    torch's C++ ProcessGroup refuses it on gloo and NCCL (its binding takes a sequence of ints, and
+    raises TypeError "incompatible function arguments"); PyTorch's threaded test group, a Python
+    group, takes one."""
+    if split_sizes is None:
+        return []
+    if isinstance(split_sizes, torch.Tensor):
+        raise TypeError(f"all_to_all_single: rank {rank}'s {argument} is a tensor ({split_sizes!r}); "
+                        f"torch's process groups (gloo, NCCL) take a sequence of ints: pass "
+                        f"{argument}.tolist()")
+    return list(split_sizes)
+
+
 def _shape_only(transport) -> bool:
     """Whether ``transport`` belongs to a shape-only run of virtual ranks (real workers' are never)."""
     state = getattr(transport, "state", None)
     return state is not None and state.shape_only
 
 
-def _requested_backend(frame) -> str | None:
-    """The backend name ``dist.new_group`` resolved (c10d's ``_new_group_with_tag`` holds it
-    in its local ``backend``; c10d does not pass it on to ``new_group``), or None."""
+def _new_group_call(frame) -> tuple[str | None, str | None]:
+    """The backend name ``dist.new_group`` resolved and the ``pg_tag`` it was given (c10d's
+    ``_new_group_with_tag`` holds them in its locals ``backend`` and ``pg_tag``; c10d passes
+    neither on to ``new_group``), each None where there is none."""
     while frame is not None and frame.f_code.co_name != "_new_group_with_tag":
         frame = frame.f_back
     if frame is None:
+        return None, None
+    values = frame.f_locals
+    backend, tag = values.get("backend"), values.get("pg_tag")
+    return (None if backend is None else str(backend)), (None if tag in (None, "") else str(tag))
+
+
+def _tagged_group(tag: str | None, ranks: list[int]) -> dist.ProcessGroup | None:
+    """The group of ``ranks`` this rank already has under ``tag`` (c10d's lookup), if a tag was
+    given: c10d returns it for a second ``_new_group_with_tag(ranks, pg_tag=tag)`` rather than
+    make another (``_new_process_group_helper``), for the groups it makes itself."""
+    if tag is None:
         return None
-    backend = frame.f_locals.get("backend")
-    return None if backend is None else str(backend)
+    return c10d._find_pg_by_ranks_and_tag(tag, ranks)
 
 
 def _fake_group(ranks: list[int], me: int, name: str, desc: str, timeout, pg_options) -> dist.ProcessGroup | None:
@@ -419,6 +460,8 @@ def _register_pg_in_world(pg, *args, **kwargs):
     if _made_by_simcomm_default(pg) and not ({"pg_tag", "user_tag", "add_to_default_tag"} & kwargs.keys()):
         caller = sys._getframe(1)
         if caller.f_code.co_name == "_new_group_with_tag":
+            if pg in c10d._world.pg_map:      # the tagged group new_group returned again: c10d
+                return None                   # registers it once (it keeps its name)
             tag = caller.f_locals.get("pg_tag")
             if tag in (None, ""):
                 kwargs["add_to_default_tag"] = True

@@ -81,6 +81,12 @@ tests when no rank changed them), so each rank's ``logging.basicConfig``
 configures its own root logger, as in a process. Named loggers' own handlers
 and levels stay shared.
 
+**Global module and optimizer hooks** (``register_module_forward_hook`` and
+the rest, the ``rank-hooks`` row of :mod:`simcomm.patches`) are per rank:
+torch's hook dicts are swapped at each handoff (:mod:`simcomm.sim.rank_hooks`),
+so a hook a rank registers fires for its own modules only, as CommDebugMode's
+and MemTracker's module trackers expect.
+
 **Once-per-process settings** (the ``rank-process-settings`` row of
 :mod:`simcomm.patches`): multiprocessing's start method is chosen per rank
 (each rank's first ``mp.set_start_method`` succeeds, a second raises as in a
@@ -123,6 +129,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..fresh_state import numpy_seed, rank_seed, run_seed
+from .rank_hooks import RankHooks
 from .rank_modules import RankModules
 from .rank_warnings import RankWarnings
 from .rank_random import RankRandomState, cpu_raw
@@ -365,6 +372,9 @@ class RankProcessState:
         self.caller_log: tuple | None = None
         #: the program's own modules, one copy per rank (simcomm.sim.rank_modules)
         self.modules = RankModules(world_size)
+        #: the global module and optimizer hooks, one set per rank that registers any
+        #: (simcomm.sim.rank_hooks)
+        self.hooks = RankHooks(world_size)
         #: the warnings module's state, one per rank once a rank touched it (simcomm.sim.rank_warnings)
         self.warnings = RankWarnings(world_size)
 
@@ -381,6 +391,7 @@ class RankProcessState:
         root = logging.root
         self.log_handlers[rank], self.log_levels[rank] = root.handlers, root.level
         self.modules.hand_off(rank)
+        self.hooks.hand_off(rank)
         self.warnings.hand_off(rank)
 
     def take_turn(self, rank: int) -> None:
@@ -415,6 +426,7 @@ class RankProcessState:
             logging.root.level = self.log_levels[rank]
             logging.root.manager._clear_cache()    # loggers cache what their level lets through
         self.modules.take_turn(rank)
+        self.hooks.take_turn(rank)
         self.warnings.take_turn(rank)
 
     def _enter(self, folder: str) -> None:
@@ -442,12 +454,14 @@ class RankProcessState:
         self._caller_sys = (sys.argv, sys.modules.get("__main__"))
         self.caller_log = (logging.root.handlers, logging.root.level)
         self.modules.start()
+        self.hooks.start()
         self.warnings.start()
 
     def restore_caller(self) -> None:
         """After a run: the caller's state is as it was before it."""
         self.warnings.end()
         self.modules.end()
+        self.hooks.end()
         self._torch_generators.restore_caller()
         if self.python.caller is not None:
             _random.setstate(self.python.caller)

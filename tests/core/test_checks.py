@@ -116,7 +116,7 @@ def test_new_group_partitions_are_shared_by_the_ranks_too():
     assert world.run(program) == [None, (0, 2), None, (1, 2)]
     recorded = [event.args["groups"] for event in world.trace.events if event.op == "subgroup"]
     assert len(recorded) == 4 and len({id(groups) for groups in recorded}) == 1
-    assert recorded[0] == ((1, 3), (0, 2))
+    assert recorded[0] == ((0, 2), (1, 3))      # the partition: its parts in the order of their first rank
 
 
 @pytest.mark.parametrize("last", [299.0, True, "299"])
