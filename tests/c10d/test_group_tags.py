@@ -15,7 +15,7 @@ import torch.distributed.distributed_c10d as c10d
 import simcomm
 from simcomm.errors import CollectiveMismatchError
 from simcomm.run import run_script
-from tests.launchers import ROOT, TORCHRUN, launch_ok
+from tests.launchers import torchrun_lines
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "group_tags.py"
 _LINE = re.compile(r"(?:\[rank \d+\]\s*)?rank(\d+): (.*)")
@@ -26,15 +26,8 @@ def _lines(text: str) -> dict[int, str]:
 
 
 def _under_torchrun(nproc: int) -> dict[int, str]:
-    """Each rank's line under torchrun (gloo). On a loaded machine a torchrun run now and then exits 0
-    without one worker's line reaching the pipe; such a run says nothing about the script (it ends
-    with 0 and a line per rank), so it is run again."""
-    for _attempt in range(3):
-        lines = _lines(launch_ok([str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT)],
-                                 ROOT, reference=True))
-        if len(lines) == nproc:
-            break
-    return lines
+    """Each rank's line under torchrun (gloo)."""
+    return torchrun_lines(SCRIPT, nproc, _lines)
 
 
 def _on_virtual_ranks(capsys) -> dict[int, str]:

@@ -17,7 +17,7 @@ import torch.optim.optimizer as optimizer_globals
 import simcomm
 from simcomm.run import run_script
 from simcomm.sim.rank_hooks import HOOK_DICTS
-from tests.launchers import ROOT, TORCHRUN, launch_ok
+from tests.launchers import torchrun_lines
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "comm_debug_modules.py"
 _LINE = re.compile(r"(?:\[rank \d+\]\s*)?rank(\d+): (.*)")
@@ -32,15 +32,8 @@ def _fields(line: str) -> dict[str, str]:
 
 
 def _under_torchrun(nproc: int) -> dict[int, str]:
-    """Each rank's line under torchrun (gloo). On a loaded machine a torchrun run now and then exits 0
-    without one worker's line reaching the pipe; such a run says nothing about the script (it ends
-    with 0 and a line per rank), so it is run again."""
-    for _attempt in range(3):
-        lines = _lines(launch_ok([str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT)],
-                                 ROOT, reference=True))
-        if len(lines) == nproc:
-            break
-    return lines
+    """Each rank's line under torchrun (gloo)."""
+    return torchrun_lines(SCRIPT, nproc, _lines)
 
 
 def _on_virtual_ranks(nproc: int, capsys) -> dict[int, str]:
