@@ -497,6 +497,8 @@ def install_device_mesh_values() -> None:
     install_fake_pickling()
     install_trunc_normal()
     install_fake_tolist()
+    from .shape_ddp import install_shape_ddp
+    install_shape_ddp()         # DDP(...) of a module with fake tensors: the Python ShapeOnlyDDP
 
 
 # -- a module conversion that changes nothing ----------------------------------------------------
