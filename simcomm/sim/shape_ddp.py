@@ -178,7 +178,7 @@ class ShapeOnlyDDP(DistributedDataParallel):
         table[group_rank] = [(tuple(p.shape), tuple(p.stride())) for p in params]
         count = torch.tensor([len(params)], dtype=torch.int64)
         outputs = [torch.empty_like(count) for _ in self._group_ranks]
-        dist.all_gather(outputs, count, group=group)
+        dist.all_gather(outputs, count, group=group, async_op=True).wait()
         counts = {r: len(table[r]) for r in sorted(table)}
         for other, n in counts.items():
             if n != len(params):
@@ -186,7 +186,7 @@ class ShapeOnlyDDP(DistributedDataParallel):
                     f"DDP expects same model across all ranks, but Rank {group_rank} has "
                     f"{len(params)} params, while rank {other} has inconsistent {n} params.")
         metadata = torch.empty(sum(2 * p.dim() for p in params), dtype=torch.int64)
-        dist.broadcast(metadata, group=group, group_src=0)
+        dist.broadcast(metadata, group=group, group_src=0, async_op=True).wait()
         for index, (mine, theirs) in enumerate(zip(table[group_rank], table[0])):
             if mine[0] != theirs[0]:
                 raise RuntimeError(
@@ -263,10 +263,10 @@ class ShapeOnlyDDP(DistributedDataParallel):
         table = _table(self._next_key("rebuild"))
         table[dist.get_rank(self.process_group)] = [list(b) for b in buckets]
         indices = torch.empty(sum(len(b) for b in buckets) + 1, dtype=torch.int32)
-        dist.broadcast(indices, group=self.process_group, group_src=0)
+        dist.broadcast(indices, group=self.process_group, group_src=0, async_op=True).wait()
         chosen = table[0]
         sizes = torch.empty(len(chosen), dtype=torch.int32)
-        dist.broadcast(sizes, group=self.process_group, group_src=0)
+        dist.broadcast(sizes, group=self.process_group, group_src=0, async_op=True).wait()
         self._buckets = chosen
         self._rebuilt = True
 

@@ -63,7 +63,7 @@ def _program(kind, no_sync, cap):
 
 
 def _collectives(world, rank):
-    return [(e.op, e.shape, e.dtype, e.nbytes, e.group, e.root, e.args, e.out_shape)
+    return [(e.op, e.shape, e.dtype, e.nbytes, e.group, e.root, e.args, e.out_shape, e.async_op)
             for e in world.trace.events if e.rank == rank]
 
 
