@@ -18,6 +18,10 @@ and issues the same collectives, in the same order, with the same sizes and dtyp
   ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (or ``bucket_cap_mb`` when given), the next ones up
   to ``bucket_cap_mb`` (25 MiB by default).
 
+Each bucket's flat gradient buffer is allocated at construction and again at the rebuild, and
+kept, as the reducer's are (a rank's memory accounting sees them); with
+``gradient_as_bucket_view=True`` the gradients become views into them after the first reduction.
+
 A different model on another rank is a ``RuntimeError`` naming the rank and the parameter,
 as torch's. ``find_unused_parameters=True``, ``static_graph=True``, ``mixed_precision``,
 ``bucket_cap_mb`` as a list, delayed all-reduce and communication hooks are refused with a
@@ -141,6 +145,7 @@ class ShapeOnlyDDP(DistributedDataParallel):
         buckets, _ = dist._compute_bucket_assignment_by_size(
             self._ddp_params, [2 ** 63 - 1], [False] * len(self._ddp_params))
         self._buckets = [list(bucket) for bucket in reversed(buckets)]
+        self._bucket_buffers = self._allocate(self._buckets)
         self._rebuilt = False
         self._ready_order: list[int] | None = None     # the first reducing backward's ready order
         self._backward: dict | None = None               # the backward in progress
@@ -268,9 +273,18 @@ class ShapeOnlyDDP(DistributedDataParallel):
         sizes = torch.empty(len(chosen), dtype=torch.int32)
         dist.broadcast(sizes, group=self.process_group, group_src=0, async_op=True).wait()
         self._buckets = chosen
+        self._bucket_buffers = self._allocate(chosen)
         self._rebuilt = True
 
     # -- backward --------------------------------------------------------------------------
+
+    def _allocate(self, buckets: list[list[int]]) -> list[torch.Tensor]:
+        """The reducer's flat gradient buffer of each bucket, kept for the model's life (as
+        torch's, whose memory a rank's accounting sees)."""
+        with torch.no_grad():
+            return [torch.empty(sum(self._ddp_params[i].numel() for i in bucket),
+                                dtype=self._ddp_params[bucket[0]].dtype,
+                                device=self._ddp_params[bucket[0]].device) for bucket in buckets]
 
     def _make_hook(self, index: int):
         def hook(parameter: torch.Tensor) -> None:
@@ -293,8 +307,16 @@ class ShapeOnlyDDP(DistributedDataParallel):
             bucket = self._buckets[backward["launched"]]
             if not all(i in backward["ready"] for i in bucket):
                 break
-            grads = [self._ddp_params[i].grad for i in bucket]
-            flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
+            flat = self._bucket_buffers[backward["launched"]]
+            offset = 0
+            with torch.no_grad():
+                for i in bucket:
+                    grad = self._ddp_params[i].grad
+                    flat[offset:offset + grad.numel()].copy_(grad.reshape(-1))
+                    if self.gradient_as_bucket_view:     # torch's: the gradient becomes a view
+                        self._ddp_params[i].grad = flat[offset:offset + grad.numel()].view_as(grad)
+                    offset += grad.numel()
+                flat.div_(world)
             work = dist.all_reduce(flat, group=self.process_group, async_op=True)
             backward["works"].append((work, flat, bucket))
             backward["launched"] += 1

@@ -145,3 +145,22 @@ def test_real_valued_ranks_keep_torchs_ddp():
     def program(comm):
         return type(DDP(_mlp())) is DDP
     assert simcomm.World(2).run(program) == [True, True]
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_the_bucket_buffers_count_in_a_ranks_memory_as_torchs(as_view):
+    """torch's reducer keeps a flat gradient buffer per bucket for the model's life: a rank's
+    memory after construction and one no_sync backward (no collective in flight) is the same
+    shape-only as real-valued."""
+    def program(comm):
+        model = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]), gradient_as_bucket_view=as_view)
+        with model.no_sync():
+            model(torch.ones(4, 256)).sum().backward()
+        model.zero_grad()
+    peaks = []
+    for tensors in ("real", "shape"):
+        world = simcomm.World(2, tensors=tensors, memory=True)
+        world.run(program)
+        peaks.append(world.memory.ranks[1].peak)
+    parameters = 4 * (256 * 256 + 256) * 4
+    assert peaks[0] == peaks[1] and peaks[1] >= 3 * parameters, peaks   # parameters, buckets, grads
