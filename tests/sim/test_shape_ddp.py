@@ -164,3 +164,19 @@ def test_the_bucket_buffers_count_in_a_ranks_memory_as_torchs(as_view):
         peaks.append(world.memory.ranks[1].peak)
     parameters = 4 * (256 * 256 + 256) * 4
     assert peaks[0] == peaks[1] and peaks[1] >= 3 * parameters, peaks   # parameters, buckets, grads
+
+
+def test_a_subgroup_broadcasts_from_its_first_rank():
+    def program(comm):
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        model = DDP(_mlp(), process_group=groups[comm.rank // 2], bucket_cap_mb=0.01)
+        for _ in range(2):
+            model(torch.ones(8, 16)).sum().backward()
+    real, shape = simcomm.World(4), simcomm.World(4, tensors="shape")
+    real.run(program)
+    shape.run(program)
+    for rank in range(4):
+        assert _collectives(real, rank) == _collectives(shape, rank), rank
+    ddp_ops = [e for e in _collectives(shape, 3) if e[0] in ("all_gather", "broadcast", "all_reduce")]
+    assert {e[4] for e in ddp_ops} == {(2, 3)} and len(ddp_ops) >= 6, ddp_ops
+    assert {e[5] for e in _collectives(shape, 3) if e[0] == "broadcast"} == {2}
