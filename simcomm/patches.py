@@ -431,6 +431,16 @@ PATCHES: tuple[Patch, ...] = (
         "nothing; elsewhere, and for a conversion that changes something, it is torch's own _apply",
         "the first shape-only World.run", "never: stays for the process", "process",
         ("torch.nn.Module._apply",), ("torch.nn.Module._apply",)),
+    Patch(
+        "shape-only-ddp", "``torch.nn.parallel.DistributedDataParallel.__new__``: "
+        "``DistributedDataParallel(module, ...)`` of a module with fake tensors (a shape-only rank) "
+        "makes a ``simcomm.sim.shape_ddp.ShapeOnlyDDP``, a subclass that issues DDP's collectives "
+        "from Python", "simcomm.sim.shape_ddp",
+        "torch's DDP checks parameter shapes, broadcasts module states and reduces gradient buckets "
+        "in C++ that reads tensor data, which fake tensors do not have; a module with real tensors "
+        "gets torch's own DDP",
+        "the first shape-only World.run", "never: stays for the process", "process",
+        ("DistributedDataParallel.__new__",), ("torch.nn.parallel.DistributedDataParallel.__new__",)),
     # -- the worker processes real starts (never the caller's process) --------------------------
     Patch(
         "worker-process", "SIGINT ignored, ``GLOO_SOCKET_IFNAME``, faulthandler on SIGUSR1, "

@@ -124,10 +124,10 @@ module's dtype in place (``Module.double()``) works only when torch can swap
 the fake parameters (it refuses when something holds a weak reference to
 them, depending on torch's state in the process); its refusal is a
 :class:`~simcomm.errors.ShapeOnlyError` too: create the module with ``dtype=`` instead.
-``DistributedDataParallel`` does not run shape-only: its C++ code reads
-parameter and gradient data (the check of parameter shapes across ranks, the
-reducer's buckets); the error is a :class:`~simcomm.errors.ShapeOnlyError` that says so and
-names FSDP2 and DTensor, which do run shape-only.
+``DistributedDataParallel`` of a module with fake tensors is
+:class:`simcomm.sim.shape_ddp.ShapeOnlyDDP`: torch's C++ reads parameter and gradient data
+(the check of parameter shapes across ranks, the reducer's buckets), so the same collectives
+are issued from Python (:func:`install_device_mesh_values` installs it).
 """
 from __future__ import annotations
 
@@ -497,6 +497,8 @@ def install_device_mesh_values() -> None:
     install_fake_pickling()
     install_trunc_normal()
     install_fake_tolist()
+    from .shape_ddp import install_shape_ddp
+    install_shape_ddp()         # DDP(...) of a module with fake tensors: the Python ShapeOnlyDDP
 
 
 # -- a module conversion that changes nothing ----------------------------------------------------

@@ -217,7 +217,7 @@ def test_a_run_installs_the_listed_patches_and_removes_the_run_long_ones():
     assert report["before"] == [], "importing simcomm changed torch"
     rows = {attribute: row for row in PATCHES for attribute in row.attributes}
     shape_only = {attribute for attribute in rows if rows[attribute].name in ("mesh-values", "module-apply", "fake-pickling",
-                                                                                  "trunc-normal", "fake-tolist")}
+                                                                                  "trunc-normal", "fake-tolist", "shape-only-ddp")}
     every = {attribute for attribute in rows if not attribute.endswith(".*")}
     assert set(report["during"]) == every - shape_only
     process_long = {attribute for attribute in every if rows[attribute].lifetime == "process"}
