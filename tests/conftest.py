@@ -8,6 +8,9 @@ under nbval, the handout and the browser tests (``browser``). Every test marked
 """
 from __future__ import annotations
 
+import signal
+import warnings
+
 import pytest
 
 
@@ -15,6 +18,19 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("real") or item.get_closest_marker("browser"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def sigint_handler_kept(request):
+    """Each test starts with the SIGINT handler the session had, as a fresh process has Python's:
+    the Ctrl-C tests depend on it. A test that leaves another one behind is named in a warning and
+    the handler is put back."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before and after != before:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} left SIGINT's handler as {after!r} (put back)", stacklevel=1)
 
 
 @pytest.fixture(scope="session")

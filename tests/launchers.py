@@ -42,13 +42,13 @@ def launch_ok(command: list[str], cwd: Path, **options) -> str:
     return done.stdout + done.stderr
 
 
-def torchrun_lines(script: Path, nproc: int, parse, *, cwd: Path = ROOT) -> dict:
+def torchrun_lines(script: Path, nproc: int, parse, *, cwd: Path = ROOT, env: dict | None = None) -> dict:
     """Each rank's report, ``parse(output)``, of ``script`` under ``torchrun --standalone`` on ``nproc``
     gloo processes. On a loaded machine a torchrun run now and then exits 0 without one worker's line
     reaching the pipe; such a run says nothing about the script, so it is run again."""
     for _attempt in range(REFERENCE_ATTEMPTS):
         lines = parse(launch_ok([str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(script)],
-                                cwd, reference=True))
+                                cwd, reference=True, env=env))
         if len(lines) == nproc:
             break
     return lines
