@@ -246,7 +246,8 @@ PATCHES: tuple[Patch, ...] = (
         "lets them run once)", "simcomm.sim.waiting",
         "a process that sleeps leaves the CPU to the others: a rank polling a file "
         "(while not exists(p): time.sleep(0.1)) kept the turn, so the rank that writes the file never "
-        "ran. On every other thread (threads a rank started too) it is Python's own",
+        "ran. On every other thread (threads a rank started too), and in a child process a rank "
+        "forks (a DataLoader worker), it is Python's own",
         "the first World.run", "never: stays for the process", "process",
         ("time.sleep",), ("time.sleep",)),
     Patch(

@@ -35,6 +35,7 @@ change, the scheduler ends the run with a :class:`~simcomm.errors.DeadlockError`
 from __future__ import annotations
 
 import datetime
+import posix
 import socket
 import sys
 import threading
@@ -54,6 +55,8 @@ _original_sleep = time.sleep
 _Store = dist.Store
 _original_get, _original_wait, _original_multi_get = _Store.get, _Store.wait, _Store.multi_get
 _original_tcp_init = dist.TCPStore.__init__
+#: the process whose ranks take turns (a child a rank forks, a DataLoader worker, sleeps and waits for real)
+_PROCESS_ID = posix.getpid()
 _installed = False
 
 
@@ -61,7 +64,7 @@ def _turn(store: Any = None) -> tuple[Any, int] | None:
     """``(run, rank)`` when the caller is a rank's own thread holding the turn in a live run (and
     ``store``, if given, is one of torch's, not the run's own), else None."""
     owner = thread_owner()
-    if owner is None:
+    if owner is None or posix.getpid() != _PROCESS_ID:     # a child a rank forked is a process of its own
         return None
     run, rank = owner
     if (run.closed or run.error is not None or run.thread_ids[rank] != threading.get_ident()

@@ -1,11 +1,22 @@
-"""A DataLoader with worker processes on each rank, and a multiprocessing.Process that ends with
-os._exit: the children are processes of their own (torchrun: each rank sums 0..15 = 120.0)."""
+"""A DataLoader with worker processes on each rank (its dataset sleeps, as one reading files might),
+and a multiprocessing.Process that ends with os._exit: the children are processes of their own
+(torchrun: each rank sums 0..15 = 120.0)."""
 import multiprocessing
 import os
+import time
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
+
+
+class Numbers(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        time.sleep(0.001)          # in a worker process: a real sleep, nobody's turn to hand on
+        return torch.tensor(float(index))
 
 
 def child(connection):
@@ -16,8 +27,8 @@ def child(connection):
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    loader = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=4, num_workers=2)
-    total = sum(batch[0].sum().item() for batch in loader)
+    loader = DataLoader(Numbers(), batch_size=4, num_workers=2)
+    total = sum(batch.sum().item() for batch in loader)
     summed = torch.tensor([total])
     dist.all_reduce(summed)
     receiving, sending = multiprocessing.get_context("fork").Pipe(duplex=False)
