@@ -24,6 +24,7 @@ import torch
 
 import simcomm
 from simcomm.run import main, run_script
+from tests.launchers import default_sigint, in_fresh_process
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 ROOT = Path(__file__).parents[2]
@@ -150,6 +151,7 @@ def test_os_exit_and_fatal_signals_are_the_real_calls_outside_rank_threads(tmp_p
     assert signal.raise_signal.__module__ in ("_signal", "signal")
 
 
+@in_fresh_process
 def test_keyboard_interrupt_in_a_rank_ends_it_as_sigint_ends_a_process(tmp_path, capsys):
     script = tmp_path / "interrupted.py"
     script.write_text("import os, signal\nif os.environ['RANK'] == '1':\n"
@@ -158,6 +160,7 @@ def test_keyboard_interrupt_in_a_rank_ends_it_as_sigint_ends_a_process(tmp_path,
     assert result.exit_codes == [0, -2] and "exitcode -2 (SIGINT: KeyboardInterrupt)" in result.summary()
 
 
+@in_fresh_process
 def test_ctrl_c_to_the_caller_returns_a_summary_with_each_ranks_line(tmp_path, capsys):
     script = tmp_path / "spins.py"
     script.write_text("import os, time\n"
@@ -170,8 +173,11 @@ def test_ctrl_c_to_the_caller_returns_a_summary_with_each_ranks_line(tmp_path, c
                       "dist.barrier()\n")
     import threading
 
+    warm = tmp_path / "warm.py"          # the process's first launch imports and starts what it needs
+    warm.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.barrier()\n")
+    assert run_script(warm, 2).returncode == 0
     # Ctrl-C, as a terminal sends it (from a thread that is no rank's: the real os.kill)
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
         result = run_script(script, 2)
@@ -289,7 +295,7 @@ def test_ctrl_c_to_the_launcher_is_status_1_both_ways(tmp_path):
     for launcher in ([sys.executable, "-m", "simcomm.run"], [str(TORCHRUN), "--tee", "3"]):
         process = subprocess.Popen([*launcher, "--nproc-per-node", "2", str(script)], cwd=tmp_path, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                   preexec_fn=default_sigint)
         seen = ""
         while seen.count("started") < 1:
             line = process.stdout.readline()

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.launchers import default_sigint
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "01_collectives.ipynb"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -141,7 +143,8 @@ def serving_lesson(notebook: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--allow-root")      # containers and CI run as root
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=lab_root)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=lab_root,
+                                preexec_fn=default_sigint)    # stopped by SIGINT below
     base_url = f"http://127.0.0.1:{port}"
     try:
         _wait_for_server(f"{base_url}/api/status?token={token}", proc, log)
