@@ -38,9 +38,15 @@ def on_virtual_ranks(script: str, capsys, *args: str, timeout: float = 60):
 
 
 def under_torchrun(script: str, cwd: Path, *args: str):
-    done = launch([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(SCRIPTS / script), *args], cwd,
-                  reference=True, timeout=240)
-    return done, report(done.stdout + done.stderr)
+    """The script under torchrun on 2 gloo processes; run again while two workers' lines run together
+    or one is lost (torchrun's own output, on a loaded machine), as tests/launchers.py does."""
+    for _attempt in range(3):
+        done = launch([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(SCRIPTS / script), *args],
+                      cwd, reference=True, timeout=240)
+        lines = report(done.stdout + done.stderr)
+        if len(lines) == 2 and not any(re.search(r"rank\d+:", line) for line in lines.values()):
+            break
+    return done, lines
 
 
 def free_port() -> int:
