@@ -154,6 +154,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ShapeOnlyError
 from . import fake_cache as _fake_cache
+from . import shape_amp as _shape_amp
 
 __all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_info", "dispatch_cache_clear",
            "fake_arguments",
@@ -795,7 +796,7 @@ class _Rule:
     seeded by a generator, not uninitialised memory), which arguments it writes
     (``mutated``: (position, name) pairs) and whether its outputs are views of its inputs."""
 
-    __slots__ = ("valued", "mutated", "seeded")
+    __slots__ = ("valued", "mutated", "seeded", "without_values")
 
     def __init__(self, func):
         #: a random op: it draws from a generator (:func:`_draw`)
@@ -804,6 +805,8 @@ class _Rule:
                        and not self.seeded)
         self.mutated = tuple((index, argument.name) for index, argument in enumerate(func._schema.arguments)
                              if argument.alias_info is not None and argument.alias_info.is_write)
+        #: what the op writes where its tensors have no values, by a rule (shape_amp: GradScaler)
+        self.without_values = _shape_amp.WITHOUT_OVERFLOW.get(func)
 
 
 def _rule(func) -> _Rule:
@@ -967,7 +970,9 @@ def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, o
         inputs = None       # the fake mode writes a fake copy of a real tensor: so do the values
     if inputs is None:
         out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
-        if rule.mutated and getattr(mode, _LIVE, None):
+        if rule.without_values is not None and not outside:
+            rule.without_values(args, kwargs)       # module docstring, "Loss scaling"
+        elif rule.mutated and getattr(mode, _LIVE, None):
             _forget_mutated(rule, args, kwargs)
         return out
     try:
