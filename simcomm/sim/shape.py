@@ -90,7 +90,8 @@ which advances as in a real-valued run, so the values are torchrun's for the
 same seeds (:func:`_draw`). Floating-point draws are data (a batch, a weight,
 dropout's mask): they have no value, and the generator they drew from is
 unknown until it is seeded again, so a later read of its draws is the named
-error. ``FakeTensor.tolist`` answers a tensor with a value at once
+error. ``FakeTensor.tolist`` answers a tensor with a value at once, and a 0-dim
+tensor with a value formats as its number (``f"{t:.4f}"``) as a plain tensor does
 (:func:`install_fake_tolist`).
 
 **Conversions that change nothing.** torch swaps a module's fake parameters on
@@ -1088,9 +1089,25 @@ def _fake_tolist(self: torch.Tensor) -> Any:
     return _torch_fake_tolist(self)
 
 
+def _fake_format(self: torch.Tensor, format_spec: str) -> str:
+    """``FakeTensor.__format__``: a 0-dim tensor formats as its number, as torch formats a plain
+    tensor (``f"{loss:.4f}"``: ``.item()``), where it has a value or a format spec is given (then
+    a tensor without a value is a value read: the named error); torch formats any other fake
+    tensor as an object (a format spec: ``TypeError``)."""
+    if self.dim() == 0 and (format_spec or value_of(self) is not None):
+        return self.detach().item().__format__(format_spec)
+    return _torch_fake_format(self, format_spec)
+
+
+_torch_fake_format: Callable | None = None
+
+
 def install_fake_tolist() -> None:
-    """Put :func:`_fake_tolist` in ``FakeTensor.tolist``'s place (once per process)."""
-    global _torch_fake_tolist
+    """Put :func:`_fake_tolist` in ``FakeTensor.tolist``'s place and :func:`_fake_format` in
+    ``FakeTensor.__format__``'s (once per process)."""
+    global _torch_fake_tolist, _torch_fake_format
     if _torch_fake_tolist is None:
         _torch_fake_tolist = FakeTensor.tolist
         FakeTensor.tolist = _fake_tolist      # simcomm.patches: "fake-tolist"
+        _torch_fake_format = FakeTensor.__format__
+        FakeTensor.__format__ = _fake_format      # simcomm.patches: "fake-tolist"

@@ -158,3 +158,25 @@ def test_a_loss_read_is_still_the_named_error():
         simcomm.World(2, tensors="shape").run(program)
     assert isinstance(caught.value.error, ShapeOnlyError)
     assert "aten._local_scalar_dense" in str(caught.value.error) and "rank 0" in str(caught.value.error)
+
+
+def test_a_number_the_rank_knows_formats_as_with_values():
+    """A training loop's log line: ``f"{t:.4f}"`` of a 0-dim tensor formats its number (the scale, a
+    mean of constants), as a plain tensor does; of one without a value, it is a value read."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    def program(comm):
+        known = torch.zeros(4).mean() + torch.full((), 65536.0).log2()
+        loss = torch.randn(()) * 2
+        try:
+            read = f"{loss:.4f}"
+        except DataDependentOutputException:
+            read = "a value read"
+        return f"{known:.4f} {known}", read, f"{loss}"
+
+    real = simcomm.World(2).run(program)
+    shape = simcomm.World(2, tensors="shape").run(program)
+    assert [known for known, _, _ in shape] == [known for known, _, _ in real] == ["16.0000 16.0"] * 2
+    assert all(read == "a value read" for _, read, _ in shape)
+    # no format spec, no value: torch's own text of a fake tensor (the real run prints the number)
+    assert all(text.startswith("FakeTensor(") for _, _, text in shape)
