@@ -94,6 +94,13 @@ error. ``FakeTensor.tolist`` answers a tensor with a value at once, and a 0-dim
 tensor with a value formats as its number (``f"{t:.4f}"``) as a plain tensor does
 (:func:`install_fake_tolist`).
 
+**Loss scaling.** A ``GradScaler`` step on a shape-only rank is the step without overflow
+(:mod:`simcomm.sim.shape_amp`): where the gradients have no values,
+``_amp_foreach_non_finite_check_and_unscale_`` unscales them as fake tensors and leaves
+``found_inf`` with the value it had (``GradScaler``'s constant 0), so ``step`` runs the optimizer
+and ``_amp_update_scale_`` computes the scale and growth tracker with values, as a real-valued run
+without overflow does; stderr says so once per run (:data:`simcomm.sim.shape_amp.AMP_NOTICE`).
+
 **Conversions that change nothing.** torch swaps a module's fake parameters on
 every conversion (``Module._apply``), and the swap fails when the fake mode
 holds a weak reference to them ("Couldn't swap"), also for ``Module.to("cpu")``

@@ -42,6 +42,7 @@ import torch
 
 __all__ = ["AMP_NOTICE", "WITHOUT_OVERFLOW", "unscale_without_overflow"]
 
+#: the line a run that applies the rule prints to stderr, once
 AMP_NOTICE = ("simcomm: shape-only ranks (tensors='shape') take every GradScaler step as one without "
               "overflow: the fake gradients hold no inf or NaN, so the optimizer steps and the scale "
               "grows as in a real-valued run without overflow")
