@@ -19,15 +19,17 @@ PARAMETERS = LAYERS * (WIDTH * WIDTH + WIDTH)
 
 
 def train(comm, device_name: str, dtype: torch.dtype, scaler_kind: str, steps: int = 3,
-          growth_interval: int = 2) -> dict:
+          growth_interval: int = 2, fused: bool = False) -> dict:
     """A mixed-precision DDP-style loop: autocast, GradScaler, gradients averaged with all_reduce,
-    AdamW. Returns the scale and growth tracker after every step and the scaler's state."""
+    AdamW (``fused``: the fused kernel, which unscales and skips itself, given the scaler's
+    ``grad_scale`` and ``found_inf``). Returns the scale and growth tracker after every step and
+    the scaler's state."""
     if device_name == "cuda":
         torch.cuda.set_device(dist.get_rank())
     device = torch.device(device_name)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": False}))
     if scaler_kind == "torch.cuda.amp":
         with pytest.warns(FutureWarning):
             scaler = torch.cuda.amp.GradScaler(growth_interval=growth_interval)
@@ -54,6 +56,7 @@ def train(comm, device_name: str, dtype: torch.dtype, scaler_kind: str, steps: i
 
 CASES = [
     pytest.param("cpu", torch.bfloat16, "torch.amp", {}, id="cpu-bf16"),
+    pytest.param("cpu", torch.bfloat16, "fused", {}, id="cpu-bf16-fused-adamw"),
     pytest.param("cuda", torch.float16, "torch.amp", {"map_cuda": True}, id="virtual-gpu-fp16"),
     pytest.param("cuda", torch.float16, "torch.cuda.amp", {"map_cuda": True}, id="virtual-gpu-fp16-cuda-amp"),
 ]
@@ -63,10 +66,11 @@ CASES = [
 def test_a_gradscaler_loop_finishes_shape_only_with_the_scale_of_a_run_without_overflow(
         device_name, dtype, scaler_kind, options, capsys):
     real_world = simcomm.World(2, memory=True, **options)
-    real = real_world.run(train, device_name, dtype, scaler_kind)
+    fused = scaler_kind == "fused"
+    real = real_world.run(train, device_name, dtype, scaler_kind, fused=fused)
     assert "GradScaler" not in capsys.readouterr().err
     shape_world = simcomm.World(2, tensors="shape", memory=True, **options)
-    shape = shape_world.run(train, device_name, dtype, scaler_kind)
+    shape = shape_world.run(train, device_name, dtype, scaler_kind, fused=fused)
     err = capsys.readouterr().err
     assert err.count(AMP_NOTICE) == 1           # once per run, not per rank or per step
     # the real-valued run has no overflow: the scale doubles every growth_interval (2) steps
