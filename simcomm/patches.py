@@ -483,11 +483,16 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fake-tolist", "``FakeTensor.tolist``: a fake tensor with a value (a shape-only rank's bookkeeping "
         "computed from constants, or an index draw from a generator whose state is known) answers with "
-        "its value's list at once", "simcomm.sim.shape",
+        "its value's list at once; ``FakeTensor.__format__``: a 0-dim fake tensor formats as its number "
+        "(``.item()``) where it has a value or a format spec is given, as torch formats a plain tensor",
+        "simcomm.sim.shape",
         "torch's own reads a fake tensor element by element (one dispatched item() each): a sampler's "
-        "randperm(n).tolist() of a million indices took minutes; every other tensor gets torch's own",
+        "randperm(n).tolist() of a million indices took minutes; torch formats a fake tensor as an object, "
+        "so ``f\"{t:.4f}\"`` of a number the rank knows raised TypeError (and of one it does not know, "
+        "TypeError instead of the named error); every other tensor gets torch's own",
         "the first shape-only World.run", "never: stays for the process", "process",
-        ("FakeTensor.tolist",), ("torch._subclasses.fake_tensor.FakeTensor.tolist",)),
+        ("FakeTensor.tolist", "FakeTensor.__format__"),
+        ("torch._subclasses.fake_tensor.FakeTensor.tolist", "torch._subclasses.fake_tensor.FakeTensor.__format__")),
     Patch(
         "trunc-normal", "``torch.nn.init._no_grad_trunc_normal_`` (what ``trunc_normal_`` calls): a fake "
         "tensor is left as it is", "simcomm.sim.shape",

@@ -90,8 +90,16 @@ which advances as in a real-valued run, so the values are torchrun's for the
 same seeds (:func:`_draw`). Floating-point draws are data (a batch, a weight,
 dropout's mask): they have no value, and the generator they drew from is
 unknown until it is seeded again, so a later read of its draws is the named
-error. ``FakeTensor.tolist`` answers a tensor with a value at once
+error. ``FakeTensor.tolist`` answers a tensor with a value at once, and a 0-dim
+tensor with a value formats as its number (``f"{t:.4f}"``) as a plain tensor does
 (:func:`install_fake_tolist`).
+
+**Loss scaling.** A ``GradScaler`` step on a shape-only rank is the step without overflow
+(:mod:`simcomm.sim.shape_amp`): where the gradients have no values,
+``_amp_foreach_non_finite_check_and_unscale_`` unscales them as fake tensors and leaves
+``found_inf`` with the value it had (``GradScaler``'s constant 0), so ``step`` runs the optimizer
+and ``_amp_update_scale_`` computes the scale and growth tracker with values, as a real-valued run
+without overflow does; stderr says so once per run (:data:`simcomm.sim.shape_amp.AMP_NOTICE`).
 
 **Conversions that change nothing.** torch swaps a module's fake parameters on
 every conversion (``Module._apply``), and the swap fails when the fake mode
@@ -154,6 +162,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ShapeOnlyError
 from . import fake_cache as _fake_cache
+from . import shape_amp as _shape_amp
 
 __all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_info", "dispatch_cache_clear",
            "fake_arguments",
@@ -795,7 +804,7 @@ class _Rule:
     seeded by a generator, not uninitialised memory), which arguments it writes
     (``mutated``: (position, name) pairs) and whether its outputs are views of its inputs."""
 
-    __slots__ = ("valued", "mutated", "seeded")
+    __slots__ = ("valued", "mutated", "seeded", "without_values")
 
     def __init__(self, func):
         #: a random op: it draws from a generator (:func:`_draw`)
@@ -804,6 +813,8 @@ class _Rule:
                        and not self.seeded)
         self.mutated = tuple((index, argument.name) for index, argument in enumerate(func._schema.arguments)
                              if argument.alias_info is not None and argument.alias_info.is_write)
+        #: what the op writes where its tensors have no values, by a rule (shape_amp: GradScaler)
+        self.without_values = _shape_amp.WITHOUT_OVERFLOW.get(func)
 
 
 def _rule(func) -> _Rule:
@@ -967,7 +978,9 @@ def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, o
         inputs = None       # the fake mode writes a fake copy of a real tensor: so do the values
     if inputs is None:
         out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
-        if rule.mutated and getattr(mode, _LIVE, None):
+        if rule.without_values is not None and not outside:
+            rule.without_values(args, kwargs)       # module docstring, "Loss scaling"
+        elif rule.mutated and getattr(mode, _LIVE, None):
             _forget_mutated(rule, args, kwargs)
         return out
     try:
@@ -1083,9 +1096,25 @@ def _fake_tolist(self: torch.Tensor) -> Any:
     return _torch_fake_tolist(self)
 
 
+def _fake_format(self: torch.Tensor, format_spec: str) -> str:
+    """``FakeTensor.__format__``: a 0-dim tensor formats as its number, as torch formats a plain
+    tensor (``f"{loss:.4f}"``: ``.item()``), where it has a value or a format spec is given (then
+    a tensor without a value is a value read: the named error); torch formats any other fake
+    tensor as an object (a format spec: ``TypeError``)."""
+    if self.dim() == 0 and (format_spec or value_of(self) is not None):
+        return self.detach().item().__format__(format_spec)
+    return _torch_fake_format(self, format_spec)
+
+
+_torch_fake_format: Callable | None = None
+
+
 def install_fake_tolist() -> None:
-    """Put :func:`_fake_tolist` in ``FakeTensor.tolist``'s place (once per process)."""
-    global _torch_fake_tolist
+    """Put :func:`_fake_tolist` in ``FakeTensor.tolist``'s place and :func:`_fake_format` in
+    ``FakeTensor.__format__``'s (once per process)."""
+    global _torch_fake_tolist, _torch_fake_format
     if _torch_fake_tolist is None:
         _torch_fake_tolist = FakeTensor.tolist
         FakeTensor.tolist = _fake_tolist      # simcomm.patches: "fake-tolist"
+        _torch_fake_format = FakeTensor.__format__
+        FakeTensor.__format__ = _fake_format      # simcomm.patches: "fake-tolist"

@@ -2,7 +2,8 @@
 ``torch.cuda.set_device(local_rank)``, ``init_process_group("nccl", device_id=...)``,
 ``.to(local_rank)``, ``DDP(device_ids=[local_rank])``, pinned non-blocking copies, bf16
 autocast with a ``GradScaler``, CUDA events, TF32 flags and memory statistics. Rank 0 prints
-the loss averaged over the ranks each step and saves the model.
+the loss averaged over the ranks every ``--log-every`` steps (each step by default; 0: never,
+as a shape-only run, which has no loss values, needs), the scaler's state, and saves the model.
 
 Under torchrun it needs one GPU per process; ``python -m simcomm.run`` runs it unmodified on
 virtual GPUs. Its CPU twin (tests/sim/test_cuda.py, ``cpu_twin``) is the same text with
@@ -21,6 +22,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--log-every", type=int, default=1, help="print the loss every N steps (0: never)")
+    parser.add_argument("--growth-interval", type=int, default=2000, help="the GradScaler's growth_interval")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     if not torch.cuda.is_available() or torch.cuda.device_count() < int(os.environ["LOCAL_WORLD_SIZE"]):  # gpu
@@ -38,7 +41,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to(local_rank)
     model = DDP(model, device_ids=[local_rank], output_device=local_rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cuda")
+    scaler = torch.amp.GradScaler("cuda", growth_interval=args.growth_interval)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # gpu
     torch.cuda.reset_peak_memory_stats()  # gpu
     start.record()  # gpu
@@ -57,9 +60,11 @@ def main() -> None:
         scaler.update()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        if rank == 0:
+        if rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
             print(f"loss step={step} {total.item() / world_size:.9e} scale={scaler.get_scale()}")
 
+    if rank == 0:
+        print(f"scaler {scaler.state_dict()}")
     end.record()  # gpu
     torch.cuda.synchronize()  # gpu
     print(f"gpu name={torch.cuda.get_device_name(local_rank)} count={torch.cuda.device_count()} "  # gpu

@@ -133,11 +133,12 @@ def test_each_rank_has_its_own_cuda_random_state():
 
 import ast  # noqa: E402
 import re  # noqa: E402
+import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from simcomm.errors import RankError  # noqa: E402
+from simcomm.errors import RankError, ShapeOnlyError  # noqa: E402
 from simcomm.run import main as run_main  # noqa: E402
 from simcomm.run import run_script  # noqa: E402
 from simcomm.sim.cuda_map import GPUS, VirtualGPUs, gpu_preset, parse_bytes  # noqa: E402
@@ -198,6 +199,7 @@ def test_a_gpu_ddp_script_on_virtual_gpus_prints_and_saves_what_its_cpu_twin_doe
     assert "each rank gets a virtual GPU" in gpu_out.err and "virtual GPU" not in cpu_out.err
     losses = tagged(gpu_out.out, "loss")
     assert len(losses[0]) == 4 and losses == tagged(cpu_out.out, "loss")
+    assert len(tagged(gpu_out.out, "scaler")[0]) == 1 and tagged(gpu_out.out, "scaler") == tagged(cpu_out.out, "scaler")
     saved, expected = torch.load(tmp_path / "gpu" / "model.pt"), torch.load(tmp_path / "cpu" / "model.pt")
     assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
     for rank, lines in sorted(tagged(gpu_out.out, "gpu").items()):
@@ -207,6 +209,40 @@ def test_a_gpu_ddp_script_on_virtual_gpus_prints_and_saves_what_its_cpu_twin_doe
         assert 0 < int(fields["allocated"]) <= int(fields["peak"])
         assert fields["elapsed"] == "0.0" and fields["out_dtype"] == "torch.bfloat16"
     assert gpu.memory is not None and all(peak > 0 for peak in gpu.memory.peak)   # tracked on virtual GPUs
+
+
+@no_gpu
+def test_the_gpu_ddp_script_finishes_shape_only_with_the_scalers_state_of_its_valued_run(tmp_path, capsys):
+    # a GradScaler step shape-only is the step without overflow (simcomm.sim.shape_amp); the valued
+    # run has none, so the scale grows the same way (growth_interval 2: 65536 -> 262144 in 4 steps)
+    args = ["--log-every", "0", "--growth-interval", "2"]
+    (tmp_path / "real").mkdir()
+    (tmp_path / "shape").mkdir()
+    real = run_script(SCRIPTS / "gpu_ddp.py", 2, [*args, "--out", str(tmp_path / "real")])
+    real_out = capsys.readouterr()
+    shape = run_script(SCRIPTS / "gpu_ddp.py", 2, [*args, "--out", str(tmp_path / "shape")], tensors="shape",
+                       memory=True)
+    shape_out = capsys.readouterr()
+    assert real.returncode == 0 and shape.returncode == 0, real.summary() + shape.summary()
+    assert shape_out.err.count("take every GradScaler step as one without overflow") == 1
+    scaler = tagged(shape_out.out, "scaler")
+    assert scaler == tagged(real_out.out, "scaler") and "'scale': 262144.0" in scaler[0][0]
+    for rank, lines in tagged(shape_out.out, "gpu").items():
+        fields = dict(item.split("=", 1) for item in lines[0].split(" ")[1:] if "=" in item)
+        assert (fields["count"], fields["current"], fields["out_dtype"]) == ("2", str(rank), "torch.bfloat16")
+        assert 0 < int(fields["allocated"]) <= int(fields["peak"])
+    saved, expected = torch.load(tmp_path / "shape" / "model.pt"), torch.load(tmp_path / "real" / "model.pt")
+    assert saved.keys() == expected.keys()
+    assert all(saved[k].is_meta and (saved[k].shape, saved[k].dtype) == (expected[k].shape, expected[k].dtype)
+               for k in saved)
+    # printing the loss every step reads data: past the GradScaler, the named error at that read
+    logged = run_script(SCRIPTS / "gpu_ddp.py", 2, tensors="shape")
+    capsys.readouterr()
+    assert logged.returncode == 1 and isinstance(logged.error, RankError)
+    assert isinstance(logged.error.error, ShapeOnlyError) and "aten._local_scalar_dense" in str(logged.error)
+    read = logged.error.error.__cause__         # torch's refusal, raised at the script's line
+    frames = [frame for frame in traceback.extract_tb(read.__traceback__) if frame.filename.endswith("gpu_ddp.py")]
+    assert frames and "total.item()" in frames[-1].line
 
 
 def dcp_model(folder: Path) -> dict:
