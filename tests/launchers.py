@@ -7,12 +7,14 @@ Such a run says nothing about the script, so a reference run that ends that way 
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -65,6 +67,43 @@ def default_sigint() -> None:
     them (an ignored disposition and a blocked mask are inherited across exec)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+class _Sigaction(ctypes.Structure):
+    """glibc's ``struct sigaction`` (its handler first), with room to spare for the rest."""
+    _fields_ = [("sa_handler", ctypes.c_void_p), ("sa_mask", ctypes.c_ulong * 16),
+                ("sa_flags", ctypes.c_int), ("sa_restorer", ctypes.c_void_p), ("spare", ctypes.c_char * 64)]
+
+
+def _status_bit(path: str, field: str, signum: int) -> bool | None:
+    try:
+        with open(path) as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return bool(int(line.split(":")[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return None
+
+
+def sigint_state() -> dict:
+    """SIGINT in this process below Python, where ``signal.getsignal`` does not look: whether the
+    kernel ignores it (``/proc/self/status`` SigIgn), whether the main thread blocks it (the main
+    thread's SigBlk) and the handler C sees (``sigaction``: "SIG_DFL", "SIG_IGN" or an address).
+    Python's ``signal.signal`` sets all three; a background job of a non-interactive shell starts
+    with SIGINT ignored, and native code can change them behind Python's back."""
+    handler: str | None = None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        old = _Sigaction()
+        if libc.sigaction(signal.SIGINT, None, ctypes.byref(old)) == 0:
+            handler = {0: "SIG_DFL", 1: "SIG_IGN"}.get(old.sa_handler or 0, hex(old.sa_handler or 0))
+    except (OSError, AttributeError):
+        pass
+    main = threading.main_thread().native_id
+    return {"ignored": _status_bit("/proc/self/status", "SigIgn", signal.SIGINT),
+            "blocked_in_main_thread": _status_bit(f"/proc/self/task/{main}/status", "SigBlk", signal.SIGINT),
+            "c_handler": handler}
 
 
 def in_fresh_process(test):
