@@ -8,8 +8,6 @@ Such a run says nothing about the script, so a reference run that ends that way 
 from __future__ import annotations
 
 import ctypes
-import functools
-import inspect
 import os
 import signal
 import subprocess
@@ -59,8 +57,6 @@ def torchrun_lines(script: Path, nproc: int, parse, *, cwd: Path = ROOT, env: di
     return lines
 
 
-FRESH_PROCESS = "SIMCOMM_TEST_IN_FRESH_PROCESS"
-
 
 def default_sigint() -> None:
     """In the child, before exec: SIGINT's disposition and mask as a process a terminal starts has
@@ -104,20 +100,3 @@ def sigint_state() -> dict:
     return {"ignored": _status_bit("/proc/self/status", "SigIgn", signal.SIGINT),
             "blocked_in_main_thread": _status_bit(f"/proc/self/task/{main}/status", "SigBlk", signal.SIGINT),
             "c_handler": handler}
-
-
-def in_fresh_process(test):
-    """Run ``test`` in a fresh pytest process with SIGINT as a new process has it. For the Ctrl-C
-    tests: native code an earlier test ran in the session's process (gloo, inductor's workers) may
-    change SIGINT's disposition or mask below Python, which no fixture can see or put back."""
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        if os.environ.get(FRESH_PROCESS) == "1":
-            return test(*args, **kwargs)
-        node = f"{inspect.getsourcefile(test)}::{test.__name__}"
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
-                              capture_output=True, text=True, timeout=300, cwd=ROOT,
-                              env={**os.environ, FRESH_PROCESS: "1"}, preexec_fn=default_sigint)
-        assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
-        return None
-    return run
