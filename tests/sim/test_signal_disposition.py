@@ -184,3 +184,39 @@ def test_a_launcher_started_with_sigint_ignored_stops_on_ctrl_c(tmp_path, launch
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+#: what a worker has for three signals its launcher's process ignores
+INHERITED = ("import signal\n"
+             "print('inherited', *(signal.getsignal(s).name for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)))\n")
+
+
+def test_a_rank_inherits_an_ignored_signal_unless_torchruns_agent_catches_it():
+    # torchrun's agent catches SIGTERM, SIGINT, SIGHUP and SIGQUIT before it starts its workers, so
+    # they start with them at their default; another ignored signal a worker inherits ignored
+    # (the torchrun side: the slow test below)
+    signals = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+    saved = [signal.getsignal(each) for each in signals]
+    try:
+        for each in signals:
+            signal.signal(each, signal.SIG_IGN)
+        seen = simcomm.World(2).run(lambda comm: [signal.getsignal(each) for each in signals])
+        assert [signal.getsignal(each) for each in signals] == [signal.SIG_IGN] * 3
+    finally:
+        for each, handler in zip(signals, saved):
+            signal.signal(each, handler)
+    assert seen == [[signal.SIG_DFL, signal.SIG_DFL, signal.SIG_IGN]] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_worker_inherits_an_ignored_signal_unless_torchruns_agent_catches_it(tmp_path, launcher):
+    path = tmp_path / "inherited.py"
+    path.write_text(INHERITED)
+    ignoring = [sys.executable, "-c", "import os, signal, sys\n"
+                "for each in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):\n"
+                "    signal.signal(each, signal.SIG_IGN)\n"
+                "os.execv(sys.argv[1], sys.argv[1:])"]
+    done = launch(ignoring + LAUNCHERS[launcher] + ["--standalone", "--nproc-per-node", "1", str(path)],
+                  tmp_path, reference=launcher == "torchrun")
+    assert "inherited SIG_DFL SIG_DFL SIG_IGN" in done.stdout, done.stdout + done.stderr
