@@ -406,6 +406,13 @@ PATCHES: tuple[Patch, ...] = (
         "each run_script launch", "when the launch ends", "run",
         ("os._exit", "os.abort", "os.kill", "signal.raise_signal")),
     Patch(
+        "run-command-sigint", "SIGINT's handler: Python's ``default_int_handler`` where the process "
+        "started with SIGINT ignored", "simcomm.run",
+        "python -m simcomm.run stops on Ctrl-C as torchrun does, whose agent catches SIGINT itself; "
+        "started as a background job of a non-interactive shell (SIGINT ignored) it ignored Ctrl-C",
+        "when python -m simcomm.run starts (the command only, never run_script)",
+        "never: the command's process ends with the run", "process", ("signal.signal()",)),
+    Patch(
         "plotly-renderer", "plotly's renderers: a ``\"simcomm\"`` renderer registered and made the "
         "default", "simcomm.viz.render",
         "figures shown in JupyterLab also survive an HTML export of the notebook",

@@ -883,5 +883,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _catch_sigint() -> None:
+    """The command stops on Ctrl-C as torchrun does, also where it started with SIGINT ignored
+    (a background job of a non-interactive shell): torchrun's agent catches SIGINT itself."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)    # simcomm.patches: "run-command-sigint"
+
+
 if __name__ == "__main__":
+    _catch_sigint()
     sys.exit(main())

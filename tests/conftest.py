@@ -13,6 +13,8 @@ import warnings
 
 import pytest
 
+from tests.launchers import sigint_state
+
 
 def pytest_collection_modifyitems(items):
     for item in items:
@@ -20,17 +22,52 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+_SIGINT_AT_START: list[str] = []      # what pytest_configure found and put right, for the header
+
+
+def pytest_configure(config):
+    """SIGINT as a process a terminal starts has it: Python's handler, not ignored, not blocked.
+    A pytest started as a background job of a non-interactive shell (``cmd &`` in a script,
+    ``nohup cmd &``) inherits SIGINT ignored, so Python installs no handler: the Ctrl-C tests then
+    fail and JupyterLab started by the browser tests ignores the SIGINT that stops it. The session
+    puts SIGINT right and says so in its header."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        _SIGINT_AT_START.append(f"handler {signal.getsignal(signal.SIGINT)!r}")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}):
+        _SIGINT_AT_START.append("blocked")
+    _SIGINT_AT_START.append(repr(sigint_state()))
+
+
+def pytest_report_header(config):
+    if len(_SIGINT_AT_START) > 1:
+        return (f"SIGINT when pytest started: {', '.join(_SIGINT_AT_START[:-1])} (as in a background job "
+                "of a non-interactive shell); Python's handler is installed for the session")
+    return None
+
+
+def _put_sigint_back(handler) -> None:
+    signal.signal(signal.SIGINT, handler)        # sets the disposition below Python too
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.fixture(autouse=True)
 def sigint_handler_kept(request):
-    """Each test starts with the SIGINT handler the session had, as a fresh process has Python's:
-    the Ctrl-C tests depend on it. A test that leaves another one behind is named in a warning and
-    the handler is put back."""
-    before = signal.getsignal(signal.SIGINT)
+    """Each test starts with SIGINT as the session has it, as a fresh process has it: the Ctrl-C
+    tests and the JupyterLab teardowns depend on it. A test that leaves another Python handler is
+    named in a warning and the handler is put back. A test after which SIGINT is ignored, blocked
+    in the main thread or caught by a C handler other than Python's (below what
+    ``signal.getsignal`` sees: native code) errors, naming what changed; SIGINT is put back."""
+    before, below = signal.getsignal(signal.SIGINT), sigint_state()
     yield
-    after = signal.getsignal(signal.SIGINT)
+    after, after_below = signal.getsignal(signal.SIGINT), sigint_state()
     if after is not before and after != before:
-        signal.signal(signal.SIGINT, before)
+        _put_sigint_back(before)
         warnings.warn(f"{request.node.nodeid} left SIGINT's handler as {after!r} (put back)", stacklevel=1)
+    elif after_below != below:
+        _put_sigint_back(before)
+        pytest.fail(f"{request.node.nodeid} left SIGINT changed below Python: {after_below} "
+                    f"(before the test: {below}; put back)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -7,12 +7,12 @@ Such a run says nothing about the script, so a reference run that ends that way 
 """
 from __future__ import annotations
 
-import functools
-import inspect
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -57,8 +57,6 @@ def torchrun_lines(script: Path, nproc: int, parse, *, cwd: Path = ROOT, env: di
     return lines
 
 
-FRESH_PROCESS = "SIMCOMM_TEST_IN_FRESH_PROCESS"
-
 
 def default_sigint() -> None:
     """In the child, before exec: SIGINT's disposition and mask as a process a terminal starts has
@@ -67,18 +65,38 @@ def default_sigint() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def in_fresh_process(test):
-    """Run ``test`` in a fresh pytest process with SIGINT as a new process has it. For the Ctrl-C
-    tests: native code an earlier test ran in the session's process (gloo, inductor's workers) may
-    change SIGINT's disposition or mask below Python, which no fixture can see or put back."""
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        if os.environ.get(FRESH_PROCESS) == "1":
-            return test(*args, **kwargs)
-        node = f"{inspect.getsourcefile(test)}::{test.__name__}"
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
-                              capture_output=True, text=True, timeout=300, cwd=ROOT,
-                              env={**os.environ, FRESH_PROCESS: "1"}, preexec_fn=default_sigint)
-        assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
-        return None
-    return run
+class _Sigaction(ctypes.Structure):
+    """glibc's ``struct sigaction`` (its handler first), with room to spare for the rest."""
+    _fields_ = [("sa_handler", ctypes.c_void_p), ("sa_mask", ctypes.c_ulong * 16),
+                ("sa_flags", ctypes.c_int), ("sa_restorer", ctypes.c_void_p), ("spare", ctypes.c_char * 64)]
+
+
+def _status_bit(path: str, field: str, signum: int) -> bool | None:
+    try:
+        with open(path) as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return bool(int(line.split(":")[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return None
+
+
+def sigint_state() -> dict:
+    """SIGINT in this process below Python, where ``signal.getsignal`` does not look: whether the
+    kernel ignores it (``/proc/self/status`` SigIgn), whether the main thread blocks it (the main
+    thread's SigBlk) and the handler C sees (``sigaction``: "SIG_DFL", "SIG_IGN" or an address).
+    Python's ``signal.signal`` sets all three; a background job of a non-interactive shell starts
+    with SIGINT ignored, and native code can change them behind Python's back."""
+    handler: str | None = None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        old = _Sigaction()
+        if libc.sigaction(signal.SIGINT, None, ctypes.byref(old)) == 0:
+            handler = {0: "SIG_DFL", 1: "SIG_IGN"}.get(old.sa_handler or 0, hex(old.sa_handler or 0))
+    except (OSError, AttributeError):
+        pass
+    main = threading.main_thread().native_id
+    return {"ignored": _status_bit("/proc/self/status", "SigIgn", signal.SIGINT),
+            "blocked_in_main_thread": _status_bit(f"/proc/self/task/{main}/status", "SigBlk", signal.SIGINT),
+            "c_handler": handler}

@@ -865,6 +865,22 @@ class _RankDefaultContext(multiprocessing.context.DefaultContext):
 
 _original_signal, _original_getsignal = signal.signal, signal.getsignal
 
+#: the signals torchrun's agent catches itself (``TORCHELASTIC_SIGNALS_TO_HANDLE``) before it starts
+#: its workers, so that a worker never inherits them ignored
+_AGENT_CAUGHT = frozenset(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+                          if hasattr(signal, name))
+
+
+def _inherited(number: signal.Signals) -> Any:
+    """A rank's handler for ``number`` before the rank sets one: the process's, except a signal
+    the process ignores that torchrun's agent catches, which a worker starts with as a fresh
+    Python process has it (SIGINT: ``signal.default_int_handler``). A process started as a
+    background job of a non-interactive shell ignores SIGINT; torchrun's workers there do not."""
+    handler = _original_getsignal(number)
+    if handler == signal.SIG_IGN and number in _AGENT_CAUGHT:
+        return signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
+    return handler
+
 
 def _signal(signalnum: Any, handler: Any) -> Any:
     mine = _rank_table("signal") if threading.current_thread() is not threading.main_thread() else None
@@ -875,7 +891,7 @@ def _signal(signalnum: Any, handler: Any) -> Any:
         raise OSError(22, "Invalid argument")
     if not callable(handler) and handler not in (signal.SIG_IGN, signal.SIG_DFL):
         raise TypeError("signal handler must be signal.SIG_IGN, signal.SIG_DFL, or a callable object")
-    previous = mine.get(number, _original_getsignal(number))
+    previous = mine.get(number, _inherited(number))
     mine[number] = handler
     return previous
 
@@ -885,7 +901,7 @@ def _getsignal(signalnum: Any) -> Any:
     if mine is None:
         return _original_getsignal(signalnum)
     number = signal.Signals(signalnum)
-    return mine.get(number, _original_getsignal(number))
+    return mine.get(number, _inherited(number))
 
 
 _signal.__doc__, _getsignal.__doc__ = _original_signal.__doc__, _original_getsignal.__doc__

@@ -24,7 +24,7 @@ import torch
 
 import simcomm
 from simcomm.run import main, run_script
-from tests.launchers import default_sigint, in_fresh_process
+from tests.launchers import default_sigint
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 ROOT = Path(__file__).parents[2]
@@ -151,7 +151,6 @@ def test_os_exit_and_fatal_signals_are_the_real_calls_outside_rank_threads(tmp_p
     assert signal.raise_signal.__module__ in ("_signal", "signal")
 
 
-@in_fresh_process
 def test_keyboard_interrupt_in_a_rank_ends_it_as_sigint_ends_a_process(tmp_path, capsys):
     script = tmp_path / "interrupted.py"
     script.write_text("import os, signal\nif os.environ['RANK'] == '1':\n"
@@ -160,7 +159,6 @@ def test_keyboard_interrupt_in_a_rank_ends_it_as_sigint_ends_a_process(tmp_path,
     assert result.exit_codes == [0, -2] and "exitcode -2 (SIGINT: KeyboardInterrupt)" in result.summary()
 
 
-@in_fresh_process
 def test_ctrl_c_to_the_caller_returns_a_summary_with_each_ranks_line(tmp_path, capsys):
     script = tmp_path / "spins.py"
     script.write_text("import os, time\n"

@@ -19,7 +19,6 @@ from simcomm.errors import CommunicatorClosedError, SimcommError, WrongThreadErr
 from simcomm.errors import Aborted
 
 from ..foreign_thread import ForeignThread
-from ..launchers import in_fresh_process
 
 
 def rank_threads() -> list[threading.Thread]:
@@ -205,7 +204,6 @@ def test_timeout_stops_a_spinning_rank():
     assert rank_threads() == []
 
 
-@in_fresh_process
 def test_ctrl_c_reaches_the_caller_promptly_and_stops_a_sleeping_rank():
     # time.sleep on a rank hands the turn on and sleeps in short pieces: Ctrl-C stops it at once
     def program(comm):
