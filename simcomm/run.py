@@ -569,7 +569,7 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
                timeout: float | None = None, device: str | torch.device = "cpu",
                tag_output: bool = True, master_addr: str = "127.0.0.1", master_port: int = 29500,
                run_id: str | None = None, virtual_gpus: bool | None = None, gpu: str = "H100",
-               gpu_memory: int | str | None = None) -> ScriptRun:
+               gpu_memory: int | str | None = None, scalar_reads: str = "error") -> ScriptRun:
     """Run ``script`` (a path, or a module name with ``module=True``) on ``nproc_per_node
     x nnodes`` virtual ranks, as ``torchrun --nproc-per-node N --nnodes M script args``.
 
@@ -578,8 +578,9 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     a deadlock, a timeout, or Ctrl-C (``KeyboardInterrupt`` in the caller) end up in
     the returned :class:`ScriptRun` (``exit_codes``, ``error``, ``summary()``). When a
     rank fails, the others run on until they need it (:class:`ScriptRun`).
-    ``tensors="shape"`` runs shape-only ranks, ``memory=True`` fills
-    ``ScriptRun.memory``. Raises ``ValueError`` for a bad ``nproc_per_node``/``nnodes``
+    ``tensors="shape"`` runs shape-only ranks (with ``scalar_reads="nan"``, a read of a
+    floating-point value they do not have, such as a logged loss, answers ``nan``:
+    :mod:`simcomm.sim.shape_reads`), ``memory=True`` fills ``ScriptRun.memory``. Raises ``ValueError`` for a bad ``nproc_per_node``/``nnodes``
     or ``timeout``, ``FileNotFoundError`` for a script that does not exist.
 
     The caller finds its working directory, torch's default dtype, ``sys.argv``,
@@ -617,7 +618,7 @@ def run_script(script: str | os.PathLike, nproc_per_node: int = 1, args: Sequenc
     # which may have thousands of ranks, only when asked (memory=True)
     world = World(world_size, device=device, tensors=tensors,
                   memory=memory or (gpus is not None and tensors == "real"), map_cuda=gpus or False,
-                  peers_run_on=True, explicit_init=True)
+                  peers_run_on=True, explicit_init=True, scalar_reads=scalar_reads)
     if gpus is not None:
         print(f"simcomm.run: no GPU here; each rank gets a virtual GPU backed by the CPU, a "
               f"{gpus.describe()} (--no-virtual-gpus turns this off)", file=sys.stderr)
@@ -706,6 +707,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--trace", metavar="PATH", help="write the run's trace as Chrome/Perfetto JSON to PATH")
     add("--tensors", choices=["real", "shape"], default="real",
         help="'shape': shape-only ranks (fake tensors: shapes, trace and memory, no values)")
+    add("--scalar-reads", choices=["error", "nan"], default="error",
+        help="with --tensors shape: 'nan' answers a read of a floating-point value a shape-only rank "
+             "does not have (a logged loss's .item()) with nan, so the script runs on; integer and "
+             "bool reads stay errors (default 'error': the read stops the run, naming it)")
     add("--memory", action="store_true", help="print each rank's peak memory by label")
     add("--timeout", default=None, metavar="S",
         help="stop the run after S seconds (a positive, finite number)")
@@ -835,6 +840,9 @@ def _main(argv: Sequence[str] | None) -> int:
             parse_bytes(options.gpu_memory)
     except (TypeError, ValueError) as bad:
         raise _Refused(str(bad)) from None
+    if options.scalar_reads != "error" and options.tensors != "shape":
+        raise _Refused(f"--scalar-reads {options.scalar_reads} needs --tensors shape (--tensors "
+                       f"{options.tensors}: real-valued ranks read their own values)")
     nnodes = _count("--nnodes", options.nnodes)
     timeout = _check_options(options)
     ignored = [name for name in _IGNORED if getattr(options, name) is not None]
@@ -855,7 +863,7 @@ def _main(argv: Sequence[str] | None) -> int:
                         master_addr=options.master_addr or ("localhost" if standalone else "127.0.0.1"),
                         master_port=master_port,
                         run_id=run_id, virtual_gpus=options.virtual_gpus, gpu=options.gpu,
-                        gpu_memory=options.gpu_memory)
+                        gpu_memory=options.gpu_memory, scalar_reads=options.scalar_reads)
     status = result.returncode
     if options.trace:
         try:

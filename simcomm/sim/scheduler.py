@@ -300,6 +300,7 @@ class RunState:
         self.partitions = PartitionTable()
         #: fake tensors on every rank (simcomm.sim.shape): collective math on meta tensors
         self.shape_only = False
+        self.scalar_reads = "error"     # shape-only ranks' reads of values they lack (shape_reads)
         #: after a rank fails, the others run on until none can make progress (each waits for
         #: the failed rank, or for a rank that does), as processes do until torchrun's agent
         #: stops them; False: the failure stops every rank at once (World.run's default)

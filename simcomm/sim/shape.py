@@ -140,8 +140,6 @@ are issued from Python (:func:`install_device_mesh_values` installs it).
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
 import traceback
 import weakref
 from collections import OrderedDict
@@ -163,6 +161,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import ShapeOnlyError
 from . import fake_cache as _fake_cache
 from . import shape_amp as _shape_amp
+from . import shape_reads as _shape_reads
 
 __all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_info", "dispatch_cache_clear",
            "fake_arguments",
@@ -179,6 +178,7 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Un
 
 
 #: how a program reads values, by the aten op torch reports
+_SCALAR_READ = torch.ops.aten._local_scalar_dense.default
 _VALUE_READS = {"aten._local_scalar_dense.default": "a value read (.item(), .tolist(), bool(t), int(t): "
                                                     "aten._local_scalar_dense)"}
 
@@ -208,9 +208,12 @@ def check_shape_device(device: torch.device) -> None:
             f"report device cpu)")
 
 
-def rank_mode() -> FakeTensorMode:
-    """A fresh ``FakeTensorMode`` for one rank thread (see the module docstring)."""
+def rank_mode(scalar_reads: str = "error") -> FakeTensorMode:
+    """A fresh ``FakeTensorMode`` for one rank thread (see the module docstring); ``scalar_reads``:
+    the run's rule for reads of floating-point values the rank does not have
+    (:mod:`simcomm.sim.shape_reads`)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _shape_reads.set_scalar_reads(mode, scalar_reads)
     _RANK_MODES.add(mode)
     return mode
 
@@ -587,32 +590,10 @@ def install_trunc_normal() -> None:
 
 _RANK_MODES: weakref.WeakSet = weakref.WeakSet()     # the fake modes rank_mode made
 _torch_fake_reduce_ex: Callable | None = None
-_noticed: weakref.WeakSet = weakref.WeakSet()        # the runs (RunState) that printed the notice
-_noticed_outside_runs = False
-_notice_lock = threading.Lock()
 
 SAVE_NOTICE = ("simcomm: checkpoints written by shape-only ranks (tensors='shape') hold shapes and "
                "dtypes only: torch.save wrote each fake tensor as a meta tensor, and torch.load gives "
                "meta tensors")
-
-
-def _notice_once() -> None:
-    """Print :data:`SAVE_NOTICE` to stderr, once per run (once for pickling outside any run)."""
-    global _noticed_outside_runs
-    from .dist_world import _local as _rank_local
-
-    context = getattr(_rank_local, "rank", None)
-    run = context.state if context is not None else None
-    with _notice_lock:
-        if run is None:
-            if _noticed_outside_runs:
-                return
-            _noticed_outside_runs = True
-        else:
-            if run in _noticed:
-                return
-            _noticed.add(run)
-    print(SAVE_NOTICE, file=sys.stderr, flush=True)
 
 
 def _fake_reduce_ex(self: torch.Tensor, proto: int):
@@ -621,7 +602,7 @@ def _fake_reduce_ex(self: torch.Tensor, proto: int):
     own reduction of a meta tensor; ``torch.load`` gives that meta tensor); any other fake
     tensor as torch pickles it."""
     if self.fake_mode in _RANK_MODES:
-        _notice_once()
+        _shape_reads.notice_once(SAVE_NOTICE)
         if getattr(self, "_is_param", False):       # a fake nn.Parameter: a meta Parameter
             with _no_fake_mode(), torch._C._DisableTorchDispatch():
                 data = torch.empty_strided(self.size(), self.stride(), dtype=self.dtype, device="meta")
@@ -977,6 +958,10 @@ def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, o
     if inputs is not None and rule.mutated and not _writes_fakes_only(rule, args, kwargs):
         inputs = None       # the fake mode writes a fake copy of a real tensor: so do the values
     if inputs is None:
+        if func is _SCALAR_READ and not outside:
+            stand_in = _shape_reads.stand_in(func, args, mode)   # scalar_reads="nan" (shape_reads)
+            if stand_in is not None:
+                return stand_in
         out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
         if rule.without_values is not None and not outside:
             rule.without_values(args, kwargs)       # module docstring, "Loss scaling"

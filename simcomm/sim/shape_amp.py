@@ -33,9 +33,6 @@ state exists from the first step on (as after a step without overflow).
 """
 from __future__ import annotations
 
-import sys
-import threading
-import weakref
 from typing import Any
 
 import torch
@@ -47,42 +44,20 @@ AMP_NOTICE = ("simcomm: shape-only ranks (tensors='shape') take every GradScaler
               "overflow: the fake gradients hold no inf or NaN, so the optimizer steps and the scale "
               "grows as in a real-valued run without overflow")
 
-_noticed: weakref.WeakSet = weakref.WeakSet()        # the runs (RunState) that printed the notice
-_noticed_outside_runs = False
-_lock = threading.Lock()
-
-
-def _notice_once() -> None:
-    """Print :data:`AMP_NOTICE` to stderr, once per run (once for ops outside any run)."""
-    global _noticed_outside_runs
-    from .dist_world import _local as _rank_local
-
-    context = getattr(_rank_local, "rank", None)
-    run = context.state if context is not None else None
-    with _lock:
-        if run is None:
-            if _noticed_outside_runs:
-                return
-            _noticed_outside_runs = True
-        else:
-            if run in _noticed:
-                return
-            _noticed.add(run)
-    print(AMP_NOTICE, file=sys.stderr, flush=True)
-
 
 def unscale_without_overflow(args: tuple, kwargs: dict) -> None:
     """After ``_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)`` ran on
     fake gradients without values: the gradients' storage loses its values (the op wrote them),
     ``found_inf`` keeps its own (no gradient was found infinite), and stderr says so once per run."""
     from .shape import forget_values, value_of
+    from .shape_reads import notice_once
 
     grads = args[0] if args else kwargs.get("self", ())
     for grad in grads:
         forget_values(grad)
     found_inf = args[1] if len(args) > 1 else kwargs.get("found_inf")
     if value_of(found_inf) is not None:
-        _notice_once()
+        notice_once(AMP_NOTICE)
 
 
 #: the ops whose writes a shape-only rank answers by a rule of this module where their tensors

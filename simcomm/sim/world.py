@@ -22,6 +22,7 @@ from ..errors import RankError, RunTimeoutError
 from ..reports import format_ranks, program_location
 from ..trace import Trace
 from . import shape as _shape
+from . import shape_reads as _shape_reads
 from .cuda_map import CudaAsDevice, VirtualGPUs, cuda_answers
 from .dist_world import rank_process_group
 from .flops import FlopCounter
@@ -70,13 +71,16 @@ class World:
     def __init__(self, world_size: int, *, device: str | torch.device = "cpu", trace: bool = True,
                  memory: bool = False, tensors: str = "real", count_flops: bool = False,
                  map_cuda: bool | VirtualGPUs = False, peers_run_on: bool = False,
-                 explicit_init: bool = False):
+                 explicit_init: bool = False, scalar_reads: str = "error"):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size={world_size!r} must be a positive int")
         if tensors not in _shape.TENSOR_MODES:
             raise ValueError(f"World: tensors={tensors!r} must be one of {list(_shape.TENSOR_MODES)}")
         self.world_size = world_size
         self.tensors = tensors
+        #: shape-only ranks' answer to a read of a floating-point value they do not have: "error"
+        #: (ShapeOnlyError naming the read) or "nan" (simcomm.sim.shape_reads)
+        self.scalar_reads = _shape_reads.check_scalar_reads(scalar_reads, tensors)
         self.device = torch.device(device)
         if tensors == "shape":
             _shape.check_shape_device(self.device)
@@ -204,6 +208,7 @@ class World:
             rank_args = [(_copy_arguments(args, kwargs, self.device), None) for _ in range(self.world_size)]
         state = RunState(self.world_size, self.device, self.tracing)
         state.shape_only = shape_only
+        state.scalar_reads = self.scalar_reads
         state.flop_totals = [0] * self.world_size if self.count_flops else None
         state.map_cuda = self.map_cuda
         state.virtual_gpus = self.virtual_gpus
@@ -432,7 +437,7 @@ def _run_rank(state: RunState, rank: int, program: Callable, args: tuple, kwargs
         torch.autograd.set_multithreading_enabled(False)
         state.wait_turn(rank)
         if fake_arguments is not None:
-            fake_mode = _shape.rank_mode()
+            fake_mode = _shape.rank_mode(state.scalar_reads)
             if fake_arguments:
                 args, kwargs = _shape.fake_arguments(args, kwargs, fake_mode, state.device, _own_copy)
         # shape-only: this thread's own fake mode (simcomm.sim.shape), innermost, for the whole program
