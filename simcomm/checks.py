@@ -228,7 +228,10 @@ class PartitionTable:
               ) -> tuple[tuple[int, ...], ...]:
         """:func:`check_partition`'s result for ``groups``, shared with every rank that passed
         an equal partition (see the class docstring); raises as :func:`check_partition` does."""
-        bucket = _bucket(groups, world_size)
+        # the bucket without _nested_sequences' look at every part's type: an accepted
+        # partition's bytes encode each part's type (a list or a tuple), so bytes equal to them
+        # are of lists and tuples alone; anything else misses and takes the whole check below
+        bucket = _bucket_of_sequence(groups, world_size)
         known = self._known.get(bucket, ()) if bucket is not None else ()
         key = _UNWRITTEN
         for raw, raw_key, normalized in reversed(known):
@@ -240,6 +243,7 @@ class PartitionTable:
             if key == raw_key:
                 self.hits += 1
                 return normalized
+        bucket = _bucket(groups, world_size)
         normalized = check_partition(op, groups, world_size, rank)
         self.misses += 1
         # the same partition given another way (tuples for lists, unsorted parts): one copy
@@ -263,6 +267,19 @@ def _bucket(groups: object, world_size: int) -> tuple | None:
     """Where the table files ``groups``: its world size, number of parts and first part; ``None``
     for what it does not compare (not a list or tuple of lists and tuples of hashable entries)."""
     if not _nested_sequences(groups) or not groups:
+        return None
+    try:
+        return (world_size, len(groups), tuple(groups[0]))
+    except TypeError:
+        return None
+
+
+def _bucket_of_sequence(groups: object, world_size: int) -> tuple | None:
+    """:func:`_bucket` of a list or tuple whose parts' types are not looked at (``None`` for what
+    has no such bucket): where :meth:`PartitionTable.check` looks for an accepted partition. Only
+    an accepted partition's own object or its bytes match there, so ``groups`` matches only if it
+    is a list or tuple of lists and tuples too."""
+    if type(groups) not in (list, tuple) or not groups:
         return None
     try:
         return (world_size, len(groups), tuple(groups[0]))

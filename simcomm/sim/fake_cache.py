@@ -83,6 +83,9 @@ _dispatch_keys = torch._C._dispatch_keys
 _get_default_device = torch._C._get_default_device
 _get_default_dtype = torch.get_default_dtype
 _inference = torch.is_inference_mode_enabled
+_DisableTorchDispatch = torch._C._DisableTorchDispatch
+_empty_strided = torch.empty_strided
+_META = torch.device("meta")
 #: the queries a fake mode answers before its cache, with its own handlers (op -> handler(args))
 QUERIES = _fake._DISPATCH_META_HANDLERS
 
@@ -130,6 +133,12 @@ def _build(entry, func, args, mode: FakeTensorMode) -> Any:
     """The outputs of a hit for the rank of ``mode``, built from torch's ``entry`` as torch's
     ``_get_output_tensor_from_cache_entry`` builds them (a mode without a shape environment,
     so no symbolic sizes)."""
+    if not entry.is_output_tuple:       # most ops: one output, not in place, no constant
+        info = entry.output_infos[0]
+        metadata = info.metadata
+        if info.inplace_idx is None and metadata is not None:
+            storage = args[info.view_idx].untyped_storage() if info.view_idx is not None else None
+            return _fake_tensor(mode, _meta(metadata, storage), metadata.device)
     outputs = []
     for info in entry.output_infos:
         metadata = info.metadata
@@ -148,9 +157,9 @@ def _build(entry, func, args, mode: FakeTensorMode) -> Any:
 def _meta(metadata, storage: torch.UntypedStorage | None) -> torch.Tensor:
     """A meta tensor of ``metadata`` (torch's ``TensorMetadata``): on ``storage`` when given,
     with ``set_``, which makes it no view of what else lies there and gives it its own version."""
-    with torch._C._DisableTorchDispatch():
-        empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype,
-                                    layout=metadata.layout, device="meta", requires_grad=metadata.requires_grad)
+    with _DisableTorchDispatch():
+        empty = _empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype,
+                               layout=metadata.layout, device=_META, requires_grad=metadata.requires_grad)
         if metadata.is_conj:
             torch._C._set_conj(empty, True)
         if metadata.is_neg:
@@ -183,9 +192,9 @@ def _fake_tensor(mode: FakeTensorMode, elem: torch.Tensor, device: torch.device)
         torch._C._set_warn_deprecated_on_mutable_data_ptr(tensor)
     else:
         torch._C._set_throw_on_mutable_data_ptr(tensor)
-    attributes = vars(tensor)
-    attributes.update(template)
+    attributes = template.copy()      # the new tensor's __dict__ is empty: replaced, not updated
     attributes["fake_mode"] = mode
+    tensor.__dict__ = attributes
     return tensor
 
 
@@ -194,8 +203,8 @@ def empty(mode: FakeTensorMode, shape, stride, dtype: torch.dtype, device: torch
     ``mode`` (a new fake tensor of its own meta storage, no gradient), without the dispatch.
     For a ``device`` that needs no normalizing (one with its index, or the CPU) and no other
     dispatch mode set (``tests/sim/test_fake_cache.py`` compares the two)."""
-    with torch._C._DisableTorchDispatch():
-        elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    with _DisableTorchDispatch():
+        elem = _empty_strided(shape, stride, dtype=dtype, device=_META)
     return _fake_tensor(mode, elem, device)
 
 

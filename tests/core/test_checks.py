@@ -136,3 +136,39 @@ def test_int_subclasses_are_accepted_as_check_partition_accepts_them():
     first = table.check("subgroup", [[0, 1], [2, 3]], 4, 0)
     assert table.check("subgroup", [[Rank(0), 1], [2, Rank(3)]], 4, 1) == first
     assert table.check("subgroup", [[0, 1], [2, 3]], 4, 2) is first
+
+
+class _Part(list):
+    """A list subclass: parts that are no plain list or tuple (marshal does not write them)."""
+
+
+@pytest.mark.parametrize("other", [
+    [[0, 1], {2, 3}],                      # a set for a part: same first part, same length
+    [[0, 1], range(2, 4)],                 # a range
+    [[0, 1], _Part([2, 3])],               # a list subclass
+    [[0, 1], [2, 3.0]],                    # a float entry in a later part
+    [[0, 1], [3, 2]],                      # the same partition with a part unsorted
+])
+def test_parts_of_other_types_after_an_accepted_partition_get_check_partitions_answer(other):
+    # an accepted partition is looked up by its first part and length alone, without each part's
+    # type: what is not the accepted partition's own bytes is checked by check_partition
+    table = PartitionTable()
+    first = table.check("subgroup", [[0, 1], [2, 3]], 4, 0)
+    try:
+        expected = check_partition("subgroup", other, 4, 1)
+    except ValueError as refusal:
+        with pytest.raises(ValueError) as caught:
+            table.check("subgroup", other, 4, 1)
+        assert str(caught.value) == str(refusal)
+    else:
+        assert table.check("subgroup", other, 4, 1) == expected == first
+        assert table.misses == 2
+
+
+def test_what_is_no_partition_at_all_is_refused_after_an_accepted_one():
+    table = PartitionTable()
+    table.check("subgroup", [[0, 1]], 2, 0)
+    for bad in ([0, 1], [[0, 1], 5], "01", [["0", "1"]]):
+        with pytest.raises(ValueError) as caught:
+            table.check("subgroup", bad, 2, 1)
+        assert str(caught.value) == _refusal(bad)

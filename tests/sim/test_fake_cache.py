@@ -227,3 +227,25 @@ def test_device_queries_in_a_rank_mode_answer_what_the_fake_modes_handler_answer
         w = torch.empty(3, 3).requires_grad_()
         (x @ w).sum().backward()
         assert w.grad.device == torch.device("cpu") and w.grad.shape == (3, 3)
+
+
+def _metadata_changed_without_an_op(comm):
+    # each change below reaches no dispatch mode, so the cache sees only the tensor's metadata
+    # when the next op comes: an op seen before the change must not answer from the old entry
+    out = []
+    x = torch.empty(4, 4)
+    out.append((x * 2).stride())          # files the entry of a contiguous 4 x 4 argument
+    x.data = x.t()                        # same storage, shape and offset; strides (1, 4)
+    out.append((x * 2).stride())
+    y = torch.empty(4, 4)
+    out.append(y.t().contiguous().stride())
+    y.data = torch.empty(2, 8, dtype=torch.float64)
+    out.append(((y * 2).shape, (y * 2).dtype))
+    return out
+
+
+def test_metadata_changed_outside_any_op_gives_the_real_valued_runs_outputs():
+    real = simcomm.World(1).run(_metadata_changed_without_an_op)[0]
+    fake = simcomm.World(1, tensors="shape").run(_metadata_changed_without_an_op)[0]
+    assert real[1] == (1, 4) and real[0] == (4, 1)
+    assert fake == real
