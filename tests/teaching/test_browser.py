@@ -312,8 +312,11 @@ def lesson_after_run_all(served: tuple[str, str], notebook: Path, tmp_path: Path
     ``(base_url, token)`` of :func:`serving_lesson`): its kernel idle, then Run All Cells
     clicked. Yields the page; on a failure inside the block saves a full-page screenshot in
     ``tmp_path`` and prints its path."""
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
+    # expect()'s own default is 5 s: a widget's kernel round trip on a loaded 2-core machine can
+    # take longer (the page's default timeout does not apply to expect)
+    expect.set_options(timeout=60_000)
     base_url, token = served
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
