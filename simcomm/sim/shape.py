@@ -154,6 +154,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ShapeOnlyError
 from . import fake_cache as _fake_cache
+from . import shape_random as _shape_random
 
 __all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_info", "dispatch_cache_clear",
            "fake_arguments",
@@ -561,6 +562,8 @@ def _trunc_normal(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tens
     (ShapeOnlyError), though the result is a tensor of the same shape whose values a shape-only
     rank never has either. Any other tensor (real values, on every thread) gets torch's own."""
     if is_fake(tensor):
+        if type(tensor) is FakeTensor:
+            _shape_random.follow_trunc_normal(_torch_trunc_normal, tensor, args, kwargs, tensor.fake_mode)
         return tensor
     return _torch_trunc_normal(tensor, *args, **kwargs)
 
@@ -1010,9 +1013,9 @@ def _known(generator: torch.Generator, mode: FakeTensorMode) -> bool:
     it had then."""
     entry = getattr(mode, _SPOILED, {}).get(id(generator))
     if entry is None or entry[0] is not generator:
-        return True
+        return _shape_random.known(generator, mode)
     with _no_fake_mode(), torch._C._DisableTorchDispatch():
-        return not torch.equal(entry[1], generator.get_state())
+        return not torch.equal(entry[1], generator.get_state()) and _shape_random.known(generator, mode)
 
 
 def _spoil(generator: torch.Generator, mode: FakeTensorMode) -> None:
@@ -1033,9 +1036,13 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
     which advances as in a real-valued run. Every other draw (floating-point draws are data: a
     batch, a weight, dropout's mask) has no value, and its generator's state is unknown from
     then on (a later draw from it has no value) until it is given another."""
-    out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
-    if outside:            # real tensors: torch drew for real
-        return out
+    if outside:            # real tensors: torch draws for real, from the real state a stand-in stands for
+        generator = kwargs.get("generator") or (torch.default_generator if _device_of(args, kwargs, mode).type == "cpu"
+                                                else None)
+        if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
+            _shape_random.settle(generator, mode)
+        return func(*args, **kwargs)
+    out = _fake_cache.dispatch(func, types, args, kwargs, mode)
     if rule.mutated and getattr(mode, _LIVE, None):
         _forget_mutated(rule, args, kwargs)
     generator = kwargs.get("generator")
@@ -1051,7 +1058,11 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
             and (not rule.mutated or (target._base is None and target is out)) and _known(generator, mode)):
         inputs = _values_in(args[1:] if rule.mutated else args, kwargs)
     if inputs is None:
-        _spoil(generator, mode)
+        if not _shape_random.follow(func, args, kwargs, target, generator, mode):
+            _shape_random.spoil(generator, mode, f"{func} drew from it without values, and what it takes "
+                                                 f"from the generator is not followed")
+        return out
+    if not _shape_random.settle(generator, mode):     # the real state a stand-in stands for
         return out
     values, options = inputs
     if any(argument.name == "generator" for argument in func._schema.arguments):
