@@ -409,7 +409,8 @@ def _refusal(error: BaseException, rank: int) -> ShapeOnlyError | None:
                 f"nonzero, or split sizes read from a tensor): it knows the values of small tensors "
                 f"computed from constants only (arange, linspace, torch.tensor, zeros/ones/full, eye "
                 f"and ops on them), not of data, parameters, random ops or what a collective wrote; "
-                f"run this program with tensors='real', or compute the value from shapes or Python numbers")
+                f"run this program with tensors='real', or compute the value from shapes or Python numbers"
+                f"{getattr(error, 'simcomm_note', '')}")
         if isinstance(error, RuntimeError) and str(error).startswith(_NUMPY_REFUSAL):
             return ShapeOnlyError(
                 f"rank {rank}: .numpy() needs tensor values, which a shape-only run "
@@ -969,7 +970,12 @@ def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, o
     if inputs is not None and rule.mutated and not _writes_fakes_only(rule, args, kwargs):
         inputs = None       # the fake mode writes a fake copy of a real tensor: so do the values
     if inputs is None:
-        out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
+        try:
+            out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
+        except _DATA_DEPENDENT as refusal:
+            if getattr(mode, _RANDOM_WHY, None):
+                _note_refusal(refusal, args, mode)
+            raise
         if rule.mutated and getattr(mode, _LIVE, None):
             _forget_mutated(rule, args, kwargs)
         return out
@@ -1000,6 +1006,7 @@ RANDOM_INDEX_LIMIT = 1 << 22
 #: sampler's seed ``random_``), with values when their result is an integer tensor
 _INDEX_DRAWS = frozenset(("randperm", "randint", "random_"))
 _SPOILED = "_simcomm_spoiled"      # a fake mode's attribute: {id(generator): (generator, its state)}
+_RANDOM_WHY = "_simcomm_random_why"    # a fake mode's attribute: {storage key: (weakref to a draw, why it has no value)}
 
 
 def _generator_state(generator: torch.Generator) -> torch.Tensor:
@@ -1026,6 +1033,37 @@ def _spoil(generator: torch.Generator, mode: FakeTensorMode) -> None:
     spoiled[id(generator)] = (generator, _generator_state(generator))
 
 
+def _note_unknown_draw(target: torch.Tensor, why: str, mode: FakeTensorMode) -> None:
+    """An index draw into ``target`` has no value because its generator's state is unknown: a read
+    of it (or of a view of it) says why (:func:`_refusal`)."""
+    notes = getattr(mode, _RANDOM_WHY, None)
+    if notes is None:
+        notes = {}
+        setattr(mode, _RANDOM_WHY, notes)
+    notes[_storage_key(target)] = (weakref.ref(target), why)
+
+
+def _note_refusal(refusal: BaseException, args: tuple, mode: FakeTensorMode) -> None:
+    notes = getattr(mode, _RANDOM_WHY, None)
+    for argument in args:
+        if type(argument) is FakeTensor:
+            entry = notes.get(_storage_key(argument))
+            if entry is not None and entry[0]() is not None:
+                refusal.simcomm_note = (f"; this tensor is a random draw from a generator whose state is "
+                                        f"unknown here: {entry[1]}")
+                return
+
+
+def _generator_of(args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The generator a random op is given (by name or by position), or None."""
+    generator = kwargs.get("generator")
+    if generator is None:
+        for argument in args:
+            if isinstance(argument, torch.Generator):
+                return argument
+    return generator
+
+
 def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, outside: bool) -> Any:
     """A random op on a shape-only rank (module docstring, "Values of random bookkeeping").
 
@@ -1037,7 +1075,7 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
     batch, a weight, dropout's mask) has no value, and its generator's state is unknown from
     then on (a later draw from it has no value) until it is given another."""
     if outside:            # real tensors: torch draws for real, from the real state a stand-in stands for
-        generator = kwargs.get("generator") or (torch.default_generator if _device_of(args, kwargs, mode).type == "cpu"
+        generator = _generator_of(args, kwargs) or (torch.default_generator if _device_of(args, kwargs, mode).type == "cpu"
                                                 else None)
         if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
             _shape_random.settle(generator, mode)
@@ -1045,7 +1083,7 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
     out = _fake_cache.dispatch(func, types, args, kwargs, mode)
     if rule.mutated and getattr(mode, _LIVE, None):
         _forget_mutated(rule, args, kwargs)
-    generator = kwargs.get("generator")
+    generator = _generator_of(args, kwargs)
     if generator is None and _device_of(args, kwargs, mode).type == "cpu":
         generator = torch.default_generator
     if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
@@ -1058,6 +1096,10 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
             and (not rule.mutated or (target._base is None and target is out)) and _known(generator, mode)):
         inputs = _values_in(args[1:] if rule.mutated else args, kwargs)
     if inputs is None:
+        if func.__name__.split(".")[0] in _INDEX_DRAWS and type(target) is FakeTensor:
+            why = _shape_random.reason(generator, mode)     # its state before this draw
+            if why is not None:
+                _note_unknown_draw(target, why, mode)
         if not _shape_random.follow(func, args, kwargs, target, generator, mode):
             _shape_random.spoil(generator, mode, f"{func} drew from it without values, and what it takes "
                                                  f"from the generator is not followed")
@@ -1065,7 +1107,8 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
     if not _shape_random.settle(generator, mode):     # the real state a stand-in stands for
         return out
     values, options = inputs
-    if any(argument.name == "generator" for argument in func._schema.arguments):
+    if (any(argument.name == "generator" for argument in func._schema.arguments)
+            and not any(value is generator for value in values)):
         options["generator"] = generator      # else the op draws from the default generator itself
     try:
         with _no_fake_mode(), torch._C._DisableTorchDispatch(), torch.no_grad():

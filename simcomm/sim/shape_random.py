@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -208,8 +209,10 @@ def settle(generator: torch.Generator, mode: Any) -> bool:
     with _no_dispatch():
         if node.settled is None:
             generator.set_state(node.base)
-            for step in node.steps:
-                step(generator)
+            with warnings.catch_warnings():      # torch warned at the program's own draw already
+                warnings.simplefilter("ignore")
+                for step in node.steps:
+                    step(generator)
             node.settled = generator.get_state()
             node.base, node.steps = node.settled, ()
         else:
@@ -280,6 +283,7 @@ def _step(func, args: tuple, kwargs: dict, target: Any) -> tuple[Callable, int] 
     if not isinstance(target, torch.Tensor) or target.layout != torch.strided:
         return None
     name, overload = func.__name__.split(".")[0], func._overloadname
+    args = tuple(argument for argument in args if not isinstance(argument, torch.Generator))
     numel, dtype = target.numel(), target.dtype
     if name in _NORMAL:
         return _normal(target) if dtype in _FLOATS else None
