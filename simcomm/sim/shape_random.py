@@ -73,17 +73,20 @@ FOLLOW_LIMIT = 2_000_000_000
 
 _VIRTUAL = "_simcomm_virtual_rng"      # a fake mode's attribute: {token: (stand-in state, _Node)}
 _TOKEN_WORDS = 4
+_MT_WORDS = 624                        # the Mersenne Twister's state words, 8 bytes each in get_state()
 _layout: list = []                     # [offset of the Mersenne Twister's words in get_state(), or None]
 
 
 class _Node:
-    """A generator state a stand-in stands for: a real ``base`` state and the draws after it
-    (``steps``: callables drawing from a generator), or ``unknown`` (why)."""
+    """A generator state a stand-in stands for: the state ``parent`` stands for (or the real state
+    ``base``) and one draw after it (``step``: a callable drawing from a generator), or ``unknown``
+    (why). A chain, so that following a draw costs the same however many came before."""
 
-    __slots__ = ("base", "steps", "outputs", "unknown", "settled")
+    __slots__ = ("parent", "base", "step", "outputs", "unknown", "settled")
 
-    def __init__(self, base: torch.Tensor | None, steps: tuple, outputs: int, unknown: str | None = None):
-        self.base, self.steps, self.outputs, self.unknown = base, steps, outputs, unknown
+    def __init__(self, parent: "_Node | None", base: torch.Tensor | None, step: Callable | None, outputs: int,
+                 unknown: str | None = None):
+        self.parent, self.base, self.step, self.outputs, self.unknown = parent, base, step, outputs, unknown
         self.settled: torch.Tensor | None = None     # the real state, once worked out
 
 
@@ -141,6 +144,13 @@ class _no_dispatch:
         return self._modes.__exit__(*exc)
 
 
+def _fingerprint(state: torch.Tensor, offset: int) -> bytes:
+    """A stand-in state's header (seed, position in the Mersenne Twister's words), token and tail
+    (the cached normal samples): a real draw from it changes them."""
+    raw = state.numpy().tobytes()
+    return raw[:offset + 8 * (_TOKEN_WORDS + 1)] + raw[offset + 8 * _MT_WORDS:]
+
+
 def _node(generator: torch.Generator, mode: Any) -> _Node | None:
     """What ``generator``'s state on this rank stands for: None for a real state."""
     table = getattr(mode, _VIRTUAL, None)
@@ -150,7 +160,7 @@ def _node(generator: torch.Generator, mode: Any) -> _Node | None:
     with _no_dispatch():
         state = generator.get_state()
         entry = table.get(_token_of(state, offset))
-        if entry is None or not torch.equal(entry[0], state):
+        if entry is None or entry[0] != _fingerprint(state, offset):
             return None
     return entry[1]
 
@@ -168,7 +178,7 @@ def _stand_in(generator: torch.Generator, node: _Node, mode: Any) -> bool:
     with _no_dispatch():
         marked = _with_token(generator.get_state(), offset, token)
         generator.set_state(marked)
-    table[token] = (marked, node)
+        table[token] = (_fingerprint(marked, offset), node)
     return True
 
 
@@ -189,7 +199,7 @@ def spoil(generator: torch.Generator, mode: Any, why: str) -> None:
     node = _node(generator, mode)
     if node is not None and node.unknown is not None:
         return
-    if not _stand_in(generator, _Node(None, (), 0, why), mode):
+    if not _stand_in(generator, _Node(None, None, None, 0, why), mode):
         _legacy_spoil(generator, mode)
 
 
@@ -206,16 +216,29 @@ def settle(generator: torch.Generator, mode: Any) -> bool:
         return True
     if node.unknown is not None:
         return False
-    with _no_dispatch():
-        if node.settled is None:
-            generator.set_state(node.base)
+    if node.settled is None:
+        chain = []                           # the draws since the last real state, oldest first
+        link = node
+        while True:
+            if link.settled is not None:     # worked out before: the state after its draw
+                start = link.settled
+                break
+            chain.append(link.step)
+            if link.parent is None:          # the first draw after a real state
+                start = link.base
+                break
+            link = link.parent
+        chain.reverse()
+        with _no_dispatch():
+            generator.set_state(start)
             with warnings.catch_warnings():      # torch warned at the program's own draw already
                 warnings.simplefilter("ignore")
-                for step in node.steps:
+                for step in chain:
                     step(generator)
             node.settled = generator.get_state()
-            node.base, node.steps = node.settled, ()
-        else:
+        node.parent = node.base = None       # the draws before are worked out: let them go
+    else:
+        with _no_dispatch():
             generator.set_state(node.settled)
     return True
 
@@ -346,13 +369,13 @@ def _follow_step(generator: torch.Generator, mode: Any, step: Callable, outputs:
     if node is None:
         with _no_dispatch():
             base = generator.get_state()
-        new = _Node(base, (step,), outputs)
+        new = _Node(None, base, step, outputs)
     elif node.settled is not None:
-        new = _Node(node.settled, (step,), outputs)
+        new = _Node(None, node.settled, step, outputs)
     else:
-        new = _Node(node.base, node.steps + (step,), node.outputs + outputs)
+        new = _Node(node, None, step, node.outputs + outputs)
     if new.outputs > FOLLOW_LIMIT:
-        new = _Node(None, (), 0, f"the generator's state after more than {FOLLOW_LIMIT:,} outputs of draws "
+        new = _Node(None, None, None, 0, f"the generator's state after more than {FOLLOW_LIMIT:,} outputs of draws "
                                  f"without values (a model's initialisation) is too costly to work out")
     return _stand_in(generator, new, mode)
 

@@ -110,6 +110,17 @@ def _mixed(comm_or_none=None) -> list:
     with torch.random.fork_rng():
         torch.randn(10_000)
     out.append(_reads(None))
+    torch.randn(100)
+    first = torch.get_rng_state()
+    torch.randn(50)
+    second = torch.get_rng_state()
+    torch.set_rng_state(first)
+    out.append(_reads(None))                    # the state saved first, worked out
+    torch.set_rng_state(second)
+    out.append(_reads(None))                    # and the one saved after it, from there
+    for _ in range(2000):                       # a training loop's dropout masks
+        F.dropout(torch.empty(64), 0.1)
+    out.append(_reads(None))
     big = torch.randint(0, 10, (simcomm.sim.shape.RANDOM_INDEX_LIMIT + 1,))     # too large for values: followed
     out.append((big.shape[0], _reads(None)))
     return out
