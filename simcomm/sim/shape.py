@@ -81,17 +81,24 @@ real copy of each such tensor while it lives).
 
 **Values of random bookkeeping.** A shuffle's or a split's indices
 (``random_split``, ``RandomSampler``, ``DistributedSampler``: ``randperm(n,
-generator=g).tolist()``), a batch's ``randint`` and a sampler's seed
-(``random_``) are index draws: an integer draw of at most
+generator=g).tolist()``), a batch's ``randint`` and a sampler's or a
+DataLoader's seed (``random_``) are index draws: an integer draw of at most
 :data:`RANDOM_INDEX_LIMIT` elements from a CPU generator whose state is known
-(the rank's default generator, or one the program made and seeded, before any
-draw without values took from it) is computed for real with that generator,
-which advances as in a real-valued run, so the values are torchrun's for the
-same seeds (:func:`_draw`). Floating-point draws are data (a batch, a weight,
-dropout's mask): they have no value, and the generator they drew from is
-unknown until it is seeded again, so a later read of its draws is the named
-error. ``FakeTensor.tolist`` answers a tensor with a value at once
-(:func:`install_fake_tolist`).
+is computed for real with that generator, which advances as in a real-valued
+run, so the values are torchrun's for the same seeds (:func:`_draw`).
+Floating-point draws are data (a batch, a weight, dropout's mask): they have
+no value, but what they take from the generator depends on their size, dtype
+and layout only, so the generator's state is followed through them
+(:mod:`simcomm.sim.shape_random`: ``normal_``, ``uniform_``, ``bernoulli_``,
+``exponential_``, ``random_``, ``randn``/``rand`` and their ``_like``, the
+``nn.init`` functions, dropout): the generator holds a stand-in state until a
+value is needed, and is then given the real state, worked out by drawing as
+many outputs for real. So a script that builds its model and then a
+DataLoader gets torchrun's base seed and shuffle. A draw that is not followed
+(one whose consumption depends on values, as ``multinomial``) leaves the
+generator unknown until it is seeded again, and a read of a later draw from
+it is the named error, saying why. ``FakeTensor.tolist`` answers a tensor
+with a value at once (:func:`install_fake_tolist`).
 
 **Conversions that change nothing.** torch swaps a module's fake parameters on
 every conversion (``Module._apply``), and the swap fails when the fake mode
@@ -1071,9 +1078,11 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
     of an integer tensor of at most :data:`RANDOM_INDEX_LIMIT` elements that requires no grad,
     from a CPU ``torch.Generator`` whose state is known (:func:`_known`), and every other tensor
     it is given has a value, its value too: the op is computed on the CPU with that generator,
-    which advances as in a real-valued run. Every other draw (floating-point draws are data: a
-    batch, a weight, dropout's mask) has no value, and its generator's state is unknown from
-    then on (a later draw from it has no value) until it is given another."""
+    which advances as in a real-valued run (from the real state a stand-in state stands for:
+    :func:`simcomm.sim.shape_random.settle`). Every other draw (floating-point draws are data: a
+    batch, a weight, dropout's mask) has no value; its generator's state is followed through it
+    where what it takes is known (:func:`simcomm.sim.shape_random.follow`), and is unknown from
+    then on otherwise (a later draw from it has no value) until it is given another."""
     if outside:            # real tensors: torch draws for real, from the real state a stand-in stands for
         generator = _generator_of(args, kwargs) or (torch.default_generator if _device_of(args, kwargs, mode).type == "cpu"
                                                 else None)
