@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
+from collections import OrderedDict
 import warnings
 from typing import Any, Callable
 
@@ -71,6 +73,11 @@ REPLAY_LIMIT = 1 << 22
 #: the most generator outputs a stand-in state may stand for past its real base
 FOLLOW_LIMIT = 2_000_000_000
 
+#: real states worked out, by the state they started from and what was drawn after it: ranks that
+#: seed alike and build the same model (every rank of a data-parallel script) work it out once
+_WORKED_OUT: OrderedDict = OrderedDict()
+_WORKED_OUT_SIZE = 64
+_worked_out_lock = threading.Lock()
 _VIRTUAL = "_simcomm_virtual_rng"      # a fake mode's attribute: {token: (stand-in state, _Node)}
 _TOKEN_WORDS = 4
 _MT_WORDS = 624                        # the Mersenne Twister's state words, 8 bytes each in get_state()
@@ -230,12 +237,25 @@ def settle(generator: torch.Generator, mode: Any) -> bool:
             link = link.parent
         chain.reverse()
         with _no_dispatch():
-            generator.set_state(start)
-            with warnings.catch_warnings():      # torch warned at the program's own draw already
-                warnings.simplefilter("ignore")
-                for step in chain:
-                    step(generator)
-            node.settled = generator.get_state()
+            key = (start.numpy().tobytes(), tuple(step.key for step in chain))
+            with _worked_out_lock:
+                settled = _WORKED_OUT.get(key)
+                if settled is not None:
+                    _WORKED_OUT.move_to_end(key)
+            if settled is None:
+                generator.set_state(start)
+                with warnings.catch_warnings():      # torch warned at the program's own draw already
+                    warnings.simplefilter("ignore")
+                    for step in chain:
+                        step(generator)
+                settled = generator.get_state()
+                with _worked_out_lock:
+                    _WORKED_OUT[key] = settled
+                    while len(_WORKED_OUT) > _WORKED_OUT_SIZE:
+                        _WORKED_OUT.popitem(last=False)
+            else:
+                generator.set_state(settled)
+            node.settled = settled
         node.parent = node.base = None       # the draws before are worked out: let them go
     else:
         with _no_dispatch():
@@ -259,6 +279,11 @@ def _chunks(numel: int):
         done += size
 
 
+def _keyed(step: Callable, key: tuple) -> Callable:
+    step.key = key        # what it draws: equal keys take the same outputs (:data:`_WORKED_OUT`)
+    return step
+
+
 def _serial_step(method: str, dtype: torch.dtype, numel: int, args: tuple, p_dtype: torch.dtype | None) -> Callable:
     def step(generator: torch.Generator) -> None:
         for size in _chunks(numel):
@@ -267,21 +292,21 @@ def _serial_step(method: str, dtype: torch.dtype, numel: int, args: tuple, p_dty
                 getattr(fresh, method)(torch.zeros(size, dtype=p_dtype), generator=generator)
             else:
                 getattr(fresh, method)(*args, generator=generator)
-    return step
+    return _keyed(step, ("serial", method, dtype, numel, args, p_dtype))
 
 
 def _uniform_outputs(count: int) -> Callable:
     def step(generator: torch.Generator) -> None:
         for size in _chunks(count):
             torch.empty(size, dtype=torch.float32).uniform_(generator=generator)
-    return step
+    return _keyed(step, ("outputs", count))
 
 
 def _scalar_normal_step(dtype: torch.dtype, numel: int) -> Callable:
     def step(generator: torch.Generator) -> None:
         for size in _chunks(numel):          # not contiguous: torch's scalar path, element by element
             torch.empty((size, 2), dtype=dtype)[:, 0].normal_(generator=generator)
-    return step
+    return _keyed(step, ("scalar normal", dtype, numel))
 
 
 def _normal(target: torch.Tensor) -> tuple[Callable, int]:
@@ -401,4 +426,5 @@ def follow_trunc_normal(replay: Callable, tensor: torch.Tensor, args: tuple, kwa
     def step(g: torch.Generator) -> None:
         replay(torch.empty_strided(shape, stride, dtype=dtype), *numbers, generator=g)
 
-    _follow_step(generator, mode, step, 4 * tensor.numel())
+    _follow_step(generator, mode, _keyed(step, ("trunc_normal_", shape, stride, dtype, tuple(numbers))),
+                 4 * tensor.numel())

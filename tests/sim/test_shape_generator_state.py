@@ -70,7 +70,7 @@ def _reads(g) -> list:
 
 def _cases(draw, own_generator: bool) -> list:
     out = []
-    for dtype in DTYPES:
+    for dtype in (DTYPES if not own_generator else DTYPES[:1]):     # a generator of its own: float32
         for n in SIZES:
             torch.manual_seed(n)
             g = torch.Generator().manual_seed(n + 1) if own_generator else None
