@@ -49,7 +49,12 @@ it stands for. ``get_state``/``set_state`` (``torch.random.fork_rng``, activatio
 checkpointing's ``preserve_rng_state``, a checkpoint of the RNG state) carry the token, so a state
 saved and set again stands for the same real state, as in a real-valued run; ``manual_seed``
 replaces it (known again). ``initial_seed()`` is kept. What differs: the bytes of ``get_state()``
-after such a draw are the stand-in's, not torchrun's, until a value is needed.
+after such a draw are the stand-in's, not torchrun's, until a value is needed. A rank keeps its
+last :data:`KEEP` stand-ins (and those the draws since a worked-out state build on); a state saved
+before those and set again is unknown (its token starts with a fixed word, so it is recognised:
+the named error, never a wrong value). Draws that are counts of outputs (``normal_`` of a
+contiguous tensor, ``uniform_``, ``bernoulli_``, ``exponential_``, ``cauchy_``, ``geometric_``)
+in a row are one count, so a training loop's dropout masks do not grow the chain.
 
 **Cost.** Following a draw costs a few microseconds (the state read and set); working a state
 out costs about 6 ns per generator output (0.6 s for a 100M-parameter model's initialisation),
@@ -69,12 +74,13 @@ import os
 import struct
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["CHUNK", "REPLAY_LIMIT", "FOLLOW_LIMIT", "follow", "follow_trunc_normal", "spoil", "known", "settle",
+__all__ = ["CHUNK", "REPLAY_LIMIT", "FOLLOW_LIMIT", "KEEP", "follow", "follow_trunc_normal", "spoil", "known", "settle",
            "reason"]
 
 #: the most elements a followed draw is worked out on at a time (:func:`settle`)
@@ -89,8 +95,14 @@ FOLLOW_LIMIT = 2_000_000_000
 _WORKED_OUT: OrderedDict = OrderedDict()
 _WORKED_OUT_SIZE = 64
 _worked_out_lock = threading.Lock()
-_VIRTUAL = "_simcomm_virtual_rng"      # a fake mode's attribute: {token: (stand-in's fingerprint, _Node)}
+_VIRTUAL = "_simcomm_virtual_rng"      # a fake mode's attribute: {token: _Node}, the rank's stand-ins
+#: every live stand-in by its token: a generator object the ranks share finds another rank's
+_STAND_INS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _TOKEN_WORDS = 4
+_MAGIC = b"\x5e\xed\x51\xc0"           # a stand-in's first token word (a real state has it 1 time in 2**32)
+#: the most stand-ins a rank keeps resolvable (a state saved longer ago than this many followed
+#: draws is unknown when it is set again: the named error, not a wrong value)
+KEEP = 1024
 _MT_WORDS = 624                        # the Mersenne Twister's state words, 8 bytes each in get_state()
 _layout: list = []                     # [offset of the Mersenne Twister's words in get_state(), or None]
 
@@ -100,12 +112,17 @@ class _Node:
     ``base``) and one draw after it (``step``: a callable drawing from a generator), or ``unknown``
     (why). A chain, so that following a draw costs the same however many came before."""
 
-    __slots__ = ("parent", "base", "step", "outputs", "unknown", "settled")
+    __slots__ = ("parent", "base", "step", "outputs", "unknown", "settled", "fingerprint", "__weakref__")
 
     def __init__(self, parent: "_Node | None", base: torch.Tensor | None, step: Callable | None, outputs: int,
                  unknown: str | None = None):
         self.parent, self.base, self.step, self.outputs, self.unknown = parent, base, step, outputs, unknown
         self.settled: torch.Tensor | None = None     # the real state, once worked out
+        self.fingerprint = b""                         # its stand-in state's (:func:`_fingerprint`)
+
+
+_STALE = _Node(None, None, None, 0, f"it was given a state saved more than {KEEP:,} followed draws earlier "
+                                    f"(or after the run that followed it), which is no longer known")
 
 
 def _words_offset() -> int | None:
@@ -171,16 +188,16 @@ def _fingerprint(state: torch.Tensor, offset: int) -> bytes:
 
 def _node(generator: torch.Generator, mode: Any) -> _Node | None:
     """What ``generator``'s state on this rank stands for: None for a real state."""
-    table = getattr(mode, _VIRTUAL, None)
     offset = _words_offset()
-    if not table or offset is None:
+    if not _STAND_INS or offset is None:
         return None
     with _no_dispatch():
         state = generator.get_state()
-        entry = table.get(_token_of(state, offset))
-        if entry is None or entry[0] != _fingerprint(state, offset):
-            return None
-    return entry[1]
+        token = _token_of(state, offset)
+        node = _STAND_INS.get(token)
+        if node is None or node.fingerprint != _fingerprint(state, offset):
+            return _STALE if node is None and token.startswith(_MAGIC) else None
+    return node
 
 
 def _stand_in(generator: torch.Generator, node: _Node, mode: Any) -> bool:
@@ -190,13 +207,16 @@ def _stand_in(generator: torch.Generator, node: _Node, mode: Any) -> bool:
         return False
     table = getattr(mode, _VIRTUAL, None)
     if table is None:
-        table = {}
+        table = OrderedDict()
         setattr(mode, _VIRTUAL, table)
-    token = os.urandom(4 * _TOKEN_WORDS)
+    token = _MAGIC + os.urandom(4 * _TOKEN_WORDS - len(_MAGIC))
     with _no_dispatch():
         marked = _with_token(generator.get_state(), offset, token)
         generator.set_state(marked)
-        table[token] = (_fingerprint(marked, offset), node)
+        node.fingerprint = _fingerprint(marked, offset)
+    table[token] = _STAND_INS[token] = node
+    while len(table) > KEEP:
+        table.popitem(last=False)
     return True
 
 
@@ -385,6 +405,14 @@ def _step(func, args: tuple, kwargs: dict, target: Any) -> tuple[Callable, int] 
         extra = (args[1] if len(args) > 1 else kwargs.get("p"),)
     if any(isinstance(value, torch.Tensor) for value in extra) or None in extra:
         return None
+    if method in ("uniform_", "bernoulli_", "exponential_", "cauchy_", "geometric_"):    # a count of outputs
+        if method == "uniform_":
+            per_element = 2 if dtype == torch.float64 else 1
+        elif method == "bernoulli_" and p_dtype is not None:
+            per_element = 2 if p_dtype == torch.float64 else 1
+        else:                                 # a double uniform per element
+            per_element = 2
+        return _uniform_outputs(per_element * numel), per_element * numel
     return _serial_step(method, dtype, numel, extra, p_dtype), 2 * numel
 
 
@@ -408,6 +436,8 @@ def _follow_step(generator: torch.Generator, mode: Any, step: Callable, outputs:
         new = _Node(None, base, step, outputs)
     elif node.settled is not None:
         new = _Node(None, node.settled, step, outputs)
+    elif node.step.key[0] == "outputs" and step.key[0] == "outputs":     # one count: the chain does not grow
+        new = _Node(node.parent, node.base, _uniform_outputs(node.step.key[1] + step.key[1]), node.outputs + outputs)
     else:
         new = _Node(node, None, step, node.outputs + outputs)
     if new.outputs > FOLLOW_LIMIT:

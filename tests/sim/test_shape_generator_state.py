@@ -232,3 +232,25 @@ def test_a_reseeded_generator_is_known_again_and_other_ranks_are_not_touched():
         torch.manual_seed(42)
         torch.randn(100)
         assert out[0] == torch.randperm(6).tolist()
+
+
+def test_a_state_saved_too_many_followed_draws_ago_is_the_named_error_not_a_wrong_value(monkeypatch):
+    monkeypatch.setattr(shape_random, "KEEP", 4)
+
+    def program(comm, draws):
+        torch.manual_seed(0)
+        torch.randn(100)
+        saved = torch.get_rng_state()
+        torch.randn(3)
+        torch.randint(0, 5, (2,)).tolist()      # worked out: the draws before it are let go
+        for _ in range(draws):
+            torch.randn(3)
+        torch.set_rng_state(saved)
+        return torch.randperm(5).tolist()
+
+    assert "followed draws earlier" in _refused(program, 10)
+    out = simcomm.World(1, tensors="shape").run(program, 1)[0]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        torch.randn(100)
+        assert out == torch.randperm(5).tolist()
