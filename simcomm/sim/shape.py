@@ -1013,7 +1013,8 @@ RANDOM_INDEX_LIMIT = 1 << 22
 #: sampler's seed ``random_``), with values when their result is an integer tensor
 _INDEX_DRAWS = frozenset(("randperm", "randint", "random_"))
 _SPOILED = "_simcomm_spoiled"      # a fake mode's attribute: {id(generator): (generator, its state)}
-_RANDOM_WHY = "_simcomm_random_why"    # a fake mode's attribute: {storage key: (weakref to a draw, why it has no value)}
+#: a fake mode's attribute: {storage key: (weakref to an index draw, why it has no value)}
+_RANDOM_WHY = "_simcomm_random_why"
 
 
 def _generator_state(generator: torch.Generator) -> torch.Tensor:
@@ -1084,8 +1085,9 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
     where what it takes is known (:func:`simcomm.sim.shape_random.follow`), and is unknown from
     then on otherwise (a later draw from it has no value) until it is given another."""
     if outside:            # real tensors: torch draws for real, from the real state a stand-in stands for
-        generator = _generator_of(args, kwargs) or (torch.default_generator if _device_of(args, kwargs, mode).type == "cpu"
-                                                else None)
+        generator = _generator_of(args, kwargs)
+        if generator is None and _device_of(args, kwargs, mode).type == "cpu":
+            generator = torch.default_generator
         if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
             _shape_random.settle(generator, mode)
         return func(*args, **kwargs)

@@ -162,7 +162,8 @@ def _train_setup(rank: int, world: int) -> dict:
     shuffled = DataLoader(dataset, batch_size=8, shuffle=True, num_workers=0)
     loader_iter = iter(shuffled)
     out = {"base_seed": loader_iter._base_seed, "batches": [batch.tolist() for batch in loader_iter]}
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=torch.randint(0, 99, ()).item())
+    seed = torch.randint(0, 99, ()).item()
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     out["distributed"] = list(sampler)
     return out
 
