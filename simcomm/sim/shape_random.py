@@ -56,7 +56,9 @@ the named error, never a wrong value). Draws that are counts of outputs (``norma
 contiguous tensor, ``uniform_``, ``bernoulli_``, ``exponential_``, ``cauchy_``, ``geometric_``)
 in a row are one count, so a training loop's dropout masks do not grow the chain.
 
-**Cost.** Following a draw costs a few microseconds (the state read and set); working a state
+**Cost.** Following a draw costs its rank the state read, marked and set: about 17 us more per
+draw than leaving the state unknown did (40 us against 23 us per ``uniform_`` of a fake tensor,
+one rank, on a shared 2-core machine under load); working a state
 out costs about 6 ns per generator output (0.6 s for a 100M-parameter model's initialisation),
 once per distinct start and chain of draws: the ranks of a data-parallel script, seeded alike
 and building the same model, share the result (:data:`_WORKED_OUT`).
@@ -78,6 +80,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
+import numpy
 import torch
 
 __all__ = ["CHUNK", "REPLAY_LIMIT", "FOLLOW_LIMIT", "KEEP", "follow", "follow_trunc_normal", "spoil", "known", "settle",
@@ -103,6 +106,7 @@ _MAGIC = b"\x5e\xed\x51\xc0"           # a stand-in's first token word (a real s
 #: the most stand-ins a rank keeps resolvable (a state saved longer ago than this many followed
 #: draws is unknown when it is set again: the named error, not a wrong value)
 KEEP = 1024
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
 _MT_WORDS = 624                        # the Mersenne Twister's state words, 8 bytes each in get_state()
 _layout: list = []                     # [offset of the Mersenne Twister's words in get_state(), or None]
 
@@ -137,7 +141,7 @@ def _words_offset() -> int | None:
                 raw = scratch.get_state().numpy().tobytes()
                 found = raw.find(struct.pack("<Q", 0x1234_ABCD), 8)     # mt19937's first word: the seed's low half
                 if found > 0 and found + 8 * (_TOKEN_WORDS + 1) <= len(raw):
-                    marked = _with_token(scratch.get_state(), found, b"\x01" * 4 * _TOKEN_WORDS)
+                    marked = _with_token(scratch.get_state(), found, _wide(b"\x01" * 4 * _TOKEN_WORDS))
                     scratch.set_state(marked)
                     if torch.equal(scratch.get_state(), marked):
                         offset = found
@@ -147,52 +151,56 @@ def _words_offset() -> int | None:
     return _layout[0]
 
 
-def _with_token(state: torch.Tensor, offset: int, token: bytes) -> torch.Tensor:
+def _wide(token: bytes) -> bytes:
+    """A token of 4-byte words as the Mersenne Twister's words lie in ``get_state()`` (8 bytes each)."""
+    return b"".join(token[index:index + 4] + b"\x00" * 4 for index in range(0, len(token), 4))
+
+
+def _with_token(state: torch.Tensor, offset: int, wide: bytes) -> torch.Tensor:
     marked = state.clone()
-    view = marked.numpy()
-    for index in range(_TOKEN_WORDS):
-        start = offset + 8 * (index + 1)
-        view[start:start + 8] = list(token[4 * index:4 * index + 4] + b"\x00" * 4)
+    marked.numpy()[offset + 8:offset + 8 + len(wide)] = numpy.frombuffer(wide, dtype=numpy.uint8)
     return marked
 
 
 def _token_of(state: torch.Tensor, offset: int) -> bytes:
-    raw = state.numpy()
-    return b"".join(bytes(raw[offset + 8 * (index + 1):offset + 8 * (index + 1) + 4]) for index in range(_TOKEN_WORDS))
+    return state.numpy()[offset + 8:offset + 8 + 8 * _TOKEN_WORDS].tobytes()
 
 
 class _no_dispatch:
     """Outside the rank's fake mode and every dispatch mode: generator states are real tensors."""
 
     def __enter__(self):
-        from .shape import _no_fake_mode
-        self._modes = _no_fake_mode()
-        self._modes.__enter__()
+        self._mode = torch._C._unset_dispatch_mode(_FAKE_KEY)
         self._disable = torch._C._DisableTorchDispatch()
         self._disable.__enter__()
-        self._grad = torch.no_grad()
-        self._grad.__enter__()
 
     def __exit__(self, *exc):
-        self._grad.__exit__(*exc)
         self._disable.__exit__(*exc)
-        return self._modes.__exit__(*exc)
+        if self._mode is not None:
+            torch._C._set_dispatch_mode(self._mode)
+
+
+def _real_state(generator: torch.Generator) -> torch.Tensor:
+    with _no_dispatch():
+        return generator.get_state()
 
 
 def _fingerprint(state: torch.Tensor, offset: int) -> bytes:
     """A stand-in state's header (seed, position in the Mersenne Twister's words), token and tail
     (the cached normal samples): a real draw from it changes them."""
-    raw = state.numpy().tobytes()
-    return raw[:offset + 8 * (_TOKEN_WORDS + 1)] + raw[offset + 8 * _MT_WORDS:]
+    raw = state.numpy()
+    return raw[:offset + 8 * (_TOKEN_WORDS + 1)].tobytes() + raw[offset + 8 * _MT_WORDS:].tobytes()
 
 
-def _node(generator: torch.Generator, mode: Any) -> _Node | None:
-    """What ``generator``'s state on this rank stands for: None for a real state."""
+def _node(generator: torch.Generator, mode: Any, state: torch.Tensor | None = None) -> _Node | None:
+    """What ``generator``'s state on this rank (``state``, where read already) stands for: None for a
+    real state."""
     offset = _words_offset()
     if not _STAND_INS or offset is None:
         return None
-    with _no_dispatch():
-        state = generator.get_state()
+    with _no_dispatch():                     # .numpy() of a tensor: no dispatch mode sees it
+        if state is None:
+            state = generator.get_state()
         token = _token_of(state, offset)
         node = _STAND_INS.get(token)
         if node is None or node.fingerprint != _fingerprint(state, offset):
@@ -200,8 +208,9 @@ def _node(generator: torch.Generator, mode: Any) -> _Node | None:
     return node
 
 
-def _stand_in(generator: torch.Generator, node: _Node, mode: Any) -> bool:
-    """Set ``generator`` to a new stand-in state for ``node``; False where states have no known layout."""
+def _stand_in(generator: torch.Generator, node: _Node, mode: Any, state: torch.Tensor | None = None) -> bool:
+    """Set ``generator`` (in ``state``, where read already) to a new stand-in state for ``node``; False
+    where states have no known layout."""
     offset = _words_offset()
     if offset is None:
         return False
@@ -209,9 +218,9 @@ def _stand_in(generator: torch.Generator, node: _Node, mode: Any) -> bool:
     if table is None:
         table = OrderedDict()
         setattr(mode, _VIRTUAL, table)
-    token = _MAGIC + os.urandom(4 * _TOKEN_WORDS - len(_MAGIC))
+    token = _wide(_MAGIC + os.urandom(4 * _TOKEN_WORDS - len(_MAGIC)))
     with _no_dispatch():
-        marked = _with_token(generator.get_state(), offset, token)
+        marked = _with_token(generator.get_state() if state is None else state, offset, token)
         generator.set_state(marked)
         node.fingerprint = _fingerprint(marked, offset)
     table[token] = _STAND_INS[token] = node
@@ -427,13 +436,12 @@ def follow(func, args: tuple, kwargs: dict, target: Any, generator: torch.Genera
 
 
 def _follow_step(generator: torch.Generator, mode: Any, step: Callable, outputs: int) -> bool:
-    node = _node(generator, mode)
+    state = _real_state(generator)
+    node = _node(generator, mode, state)
     if node is not None and node.unknown is not None:
         return True                         # unknown stays unknown
     if node is None:
-        with _no_dispatch():
-            base = generator.get_state()
-        new = _Node(None, base, step, outputs)
+        new = _Node(None, state, step, outputs)
     elif node.settled is not None:
         new = _Node(None, node.settled, step, outputs)
     elif node.step.key[0] == "outputs" and step.key[0] == "outputs":     # one count: the chain does not grow
@@ -443,7 +451,7 @@ def _follow_step(generator: torch.Generator, mode: Any, step: Callable, outputs:
     if new.outputs > FOLLOW_LIMIT:
         new = _Node(None, None, None, 0, f"the generator's state after more than {FOLLOW_LIMIT:,} outputs of draws "
                                  f"without values (a model's initialisation) is too costly to work out")
-    return _stand_in(generator, new, mode)
+    return _stand_in(generator, new, mode, state)
 
 
 def follow_trunc_normal(replay: Callable, tensor: torch.Tensor, args: tuple, kwargs: dict,
