@@ -81,18 +81,25 @@ real copy of each such tensor while it lives).
 
 **Values of random bookkeeping.** A shuffle's or a split's indices
 (``random_split``, ``RandomSampler``, ``DistributedSampler``: ``randperm(n,
-generator=g).tolist()``), a batch's ``randint`` and a sampler's seed
-(``random_``) are index draws: an integer draw of at most
+generator=g).tolist()``), a batch's ``randint`` and a sampler's or a
+DataLoader's seed (``random_``) are index draws: an integer draw of at most
 :data:`RANDOM_INDEX_LIMIT` elements from a CPU generator whose state is known
-(the rank's default generator, or one the program made and seeded, before any
-draw without values took from it) is computed for real with that generator,
-which advances as in a real-valued run, so the values are torchrun's for the
-same seeds (:func:`_draw`). Floating-point draws are data (a batch, a weight,
-dropout's mask): they have no value, and the generator they drew from is
-unknown until it is seeded again, so a later read of its draws is the named
-error. ``FakeTensor.tolist`` answers a tensor with a value at once, and a 0-dim
-tensor with a value formats as its number (``f"{t:.4f}"``) as a plain tensor does
-(:func:`install_fake_tolist`).
+is computed for real with that generator, which advances as in a real-valued
+run, so the values are torchrun's for the same seeds (:func:`_draw`).
+Floating-point draws are data (a batch, a weight, dropout's mask): they have
+no value, but what they take from the generator depends on their size, dtype
+and layout only, so the generator's state is followed through them
+(:mod:`simcomm.sim.shape_random`: ``normal_``, ``uniform_``, ``bernoulli_``,
+``exponential_``, ``random_``, ``randn``/``rand`` and their ``_like``, the
+``nn.init`` functions, dropout): the generator holds a stand-in state until a
+value is needed, and is then given the real state, worked out by drawing as
+many outputs for real. So a script that builds its model and then a
+DataLoader gets torchrun's base seed and shuffle. A draw that is not followed
+(one whose consumption depends on values, as ``multinomial``) leaves the
+generator unknown until it is seeded again, and a read of a later draw from
+it is the named error, saying why. ``FakeTensor.tolist`` answers a tensor
+with a value at once, and a 0-dim tensor with a value formats as its number
+(``f"{t:.4f}"``) as a plain tensor does (:func:`install_fake_tolist`).
 
 **Loss scaling.** A ``GradScaler`` step on a shape-only rank is the step without overflow
 (:mod:`simcomm.sim.shape_amp`): where the gradients have no values,
@@ -161,6 +168,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import ShapeOnlyError
 from . import fake_cache as _fake_cache
 from . import shape_amp as _shape_amp
+from . import shape_random as _shape_random
 from . import shape_reads as _shape_reads
 
 __all__ = ["TENSOR_MODES", "check_shape_device", "rank_mode", "dispatch_cache_info", "dispatch_cache_clear",
@@ -420,7 +428,8 @@ def _refusal(error: BaseException, rank: int) -> ShapeOnlyError | None:
                 f"nonzero, or split sizes read from a tensor): it knows the values of small tensors "
                 f"computed from constants only (arange, linspace, torch.tensor, zeros/ones/full, eye "
                 f"and ops on them), not of data, parameters, random ops or what a collective wrote; "
-                f"run this program with tensors='real', or compute the value from shapes or Python numbers")
+                f"run this program with tensors='real', or compute the value from shapes or Python numbers"
+                f"{getattr(error, 'simcomm_note', '')}")
         if isinstance(error, RuntimeError) and str(error).startswith(_NUMPY_REFUSAL):
             return ShapeOnlyError(
                 f"rank {rank}: .numpy() needs tensor values, which a shape-only run "
@@ -573,6 +582,8 @@ def _trunc_normal(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tens
     (ShapeOnlyError), though the result is a tensor of the same shape whose values a shape-only
     rank never has either. Any other tensor (real values, on every thread) gets torch's own."""
     if is_fake(tensor):
+        if type(tensor) is FakeTensor:
+            _shape_random.follow_trunc_normal(_torch_trunc_normal, tensor, args, kwargs, tensor.fake_mode)
         return tensor
     return _torch_trunc_normal(tensor, *args, **kwargs)
 
@@ -962,7 +973,12 @@ def _with_values(func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, o
             stand_in = _shape_reads.stand_in(func, args, mode)   # scalar_reads="nan" (shape_reads)
             if stand_in is not None:
                 return stand_in
-        out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
+        try:
+            out = func(*args, **kwargs) if outside else _fake_cache.dispatch_op(func, types, args, kwargs, mode)
+        except _DATA_DEPENDENT as refusal:
+            if getattr(mode, _RANDOM_WHY, None):
+                _note_refusal(refusal, args, mode)
+            raise
         if rule.without_values is not None and not outside:
             rule.without_values(args, kwargs)       # module docstring, "Loss scaling"
         elif rule.mutated and getattr(mode, _LIVE, None):
@@ -995,6 +1011,8 @@ RANDOM_INDEX_LIMIT = 1 << 22
 #: sampler's seed ``random_``), with values when their result is an integer tensor
 _INDEX_DRAWS = frozenset(("randperm", "randint", "random_"))
 _SPOILED = "_simcomm_spoiled"      # a fake mode's attribute: {id(generator): (generator, its state)}
+#: a fake mode's attribute: {storage key: (weakref to an index draw, why it has no value)}
+_RANDOM_WHY = "_simcomm_random_why"
 
 
 def _generator_state(generator: torch.Generator) -> torch.Tensor:
@@ -1008,9 +1026,9 @@ def _known(generator: torch.Generator, mode: FakeTensorMode) -> bool:
     it had then."""
     entry = getattr(mode, _SPOILED, {}).get(id(generator))
     if entry is None or entry[0] is not generator:
-        return True
+        return _shape_random.known(generator, mode)
     with _no_fake_mode(), torch._C._DisableTorchDispatch():
-        return not torch.equal(entry[1], generator.get_state())
+        return not torch.equal(entry[1], generator.get_state()) and _shape_random.known(generator, mode)
 
 
 def _spoil(generator: torch.Generator, mode: FakeTensorMode) -> None:
@@ -1021,6 +1039,37 @@ def _spoil(generator: torch.Generator, mode: FakeTensorMode) -> None:
     spoiled[id(generator)] = (generator, _generator_state(generator))
 
 
+def _note_unknown_draw(target: torch.Tensor, why: str, mode: FakeTensorMode) -> None:
+    """An index draw into ``target`` has no value because its generator's state is unknown: a read
+    of it (or of a view of it) says why (:func:`_refusal`)."""
+    notes = getattr(mode, _RANDOM_WHY, None)
+    if notes is None:
+        notes = {}
+        setattr(mode, _RANDOM_WHY, notes)
+    notes[_storage_key(target)] = (weakref.ref(target), why)
+
+
+def _note_refusal(refusal: BaseException, args: tuple, mode: FakeTensorMode) -> None:
+    notes = getattr(mode, _RANDOM_WHY, None)
+    for argument in args:
+        if type(argument) is FakeTensor:
+            entry = notes.get(_storage_key(argument))
+            if entry is not None and entry[0]() is not None:
+                refusal.simcomm_note = (f"; this tensor is a random draw from a generator whose state is "
+                                        f"unknown here: {entry[1]}")
+                return
+
+
+def _generator_of(args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The generator a random op is given (by name or by position), or None."""
+    generator = kwargs.get("generator")
+    if generator is None:
+        for argument in args:
+            if isinstance(argument, torch.Generator):
+                return argument
+    return generator
+
+
 def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorMode, outside: bool) -> Any:
     """A random op on a shape-only rank (module docstring, "Values of random bookkeeping").
 
@@ -1028,15 +1077,22 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
     of an integer tensor of at most :data:`RANDOM_INDEX_LIMIT` elements that requires no grad,
     from a CPU ``torch.Generator`` whose state is known (:func:`_known`), and every other tensor
     it is given has a value, its value too: the op is computed on the CPU with that generator,
-    which advances as in a real-valued run. Every other draw (floating-point draws are data: a
-    batch, a weight, dropout's mask) has no value, and its generator's state is unknown from
-    then on (a later draw from it has no value) until it is given another."""
-    out = func(*args, **kwargs) if outside else _fake_cache.dispatch(func, types, args, kwargs, mode)
-    if outside:            # real tensors: torch drew for real
-        return out
+    which advances as in a real-valued run (from the real state a stand-in state stands for:
+    :func:`simcomm.sim.shape_random.settle`). Every other draw (floating-point draws are data: a
+    batch, a weight, dropout's mask) has no value; its generator's state is followed through it
+    where what it takes is known (:func:`simcomm.sim.shape_random.follow`), and is unknown from
+    then on otherwise (a later draw from it has no value) until it is given another."""
+    if outside:            # real tensors: torch draws for real, from the real state a stand-in stands for
+        generator = _generator_of(args, kwargs)
+        if generator is None and _device_of(args, kwargs, mode).type == "cpu":
+            generator = torch.default_generator
+        if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
+            _shape_random.settle(generator, mode)
+        return func(*args, **kwargs)
+    out = _fake_cache.dispatch(func, types, args, kwargs, mode)
     if rule.mutated and getattr(mode, _LIVE, None):
         _forget_mutated(rule, args, kwargs)
-    generator = kwargs.get("generator")
+    generator = _generator_of(args, kwargs)
     if generator is None and _device_of(args, kwargs, mode).type == "cpu":
         generator = torch.default_generator
     if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
@@ -1049,10 +1105,19 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
             and (not rule.mutated or (target._base is None and target is out)) and _known(generator, mode)):
         inputs = _values_in(args[1:] if rule.mutated else args, kwargs)
     if inputs is None:
-        _spoil(generator, mode)
+        if func.__name__.split(".")[0] in _INDEX_DRAWS and type(target) is FakeTensor:
+            why = _shape_random.reason(generator, mode)     # its state before this draw
+            if why is not None:
+                _note_unknown_draw(target, why, mode)
+        if not _shape_random.follow(func, args, kwargs, target, generator, mode):
+            _shape_random.spoil(generator, mode, f"{func} drew from it without values, and what it takes "
+                                                 f"from the generator is not followed")
+        return out
+    if not _shape_random.settle(generator, mode):     # the real state a stand-in stands for
         return out
     values, options = inputs
-    if any(argument.name == "generator" for argument in func._schema.arguments):
+    if (any(argument.name == "generator" for argument in func._schema.arguments)
+            and not any(value is generator for value in values)):
         options["generator"] = generator      # else the op draws from the default generator itself
     try:
         with _no_fake_mode(), torch._C._DisableTorchDispatch(), torch.no_grad():

@@ -1,7 +1,8 @@
 """Random bookkeeping on shape-only ranks: a shuffle's or a split's indices drawn from a generator
 whose state is known (seeded by the program, or the rank's default generator before any random op
-without values drew from it) have values, the same as the same computation without simcomm;
-a draw from a generator whose state is unknown still stops with the named error."""
+without a followed consumption drew from it) have values, the same as the same computation without
+simcomm; a draw from a generator whose state is unknown still stops with the named error (draws
+without values whose consumption is followed: tests/sim/test_shape_generator_state.py)."""
 from __future__ import annotations
 
 import pytest
@@ -33,7 +34,7 @@ def _bookkeeping(rank: int) -> dict:
 def test_seeded_index_draws_on_shape_only_ranks_equal_the_same_computation_without_simcomm():
     def program(comm):
         out = _bookkeeping(comm.rank)
-        torch.nn.Linear(8, 8)                 # its initialisation draws without values
+        torch.multinomial(torch.ones(8), 3)   # a draw that leaves the default generator unknown
         torch.manual_seed(99)                 # a new state: known again
         out["reseeded"] = torch.randperm(6).tolist()
         return out
@@ -42,27 +43,29 @@ def test_seeded_index_draws_on_shape_only_ranks_equal_the_same_computation_witho
     with torch.random.fork_rng():
         for rank in range(2):
             expected = _bookkeeping(rank)
-            torch.nn.Linear(8, 8)
+            torch.multinomial(torch.ones(8), 3)
             torch.manual_seed(99)
             expected["reseeded"] = torch.randperm(6).tolist()
             assert shape[rank] == expected
     assert shape[0]["perm"] != shape[1]["perm"]
 
 
-def test_a_draw_from_a_generator_a_fake_initialisation_drew_from_stops_with_the_named_error():
-    def program(comm):
+def test_a_draw_after_a_fake_initialisation_has_the_values_torch_draws_after_it():
+    def program(comm=None):
         torch.manual_seed(0)
-        torch.nn.Linear(8, 8)                 # fake parameters: the default generator did not advance
-        return torch.randperm(10).tolist()    # so torchrun's values here are unknown
+        torch.nn.Linear(8, 8)                 # fake parameters: their draws are followed (shape_random)
+        return torch.randperm(10).tolist()
 
-    _refused(program, 2)
+    shape = simcomm.World(2, tensors="shape").run(program)
+    with torch.random.fork_rng():
+        assert shape == [program(), program()]
 
 
-def test_a_large_draw_a_draw_into_a_parameter_and_a_draw_after_a_float_draw_have_no_values():
+def test_a_large_draw_a_draw_into_a_parameter_and_a_draw_after_an_unfollowed_draw_have_no_values():
     def program(comm, what):
         g = torch.Generator().manual_seed(1)
-        if what == "after a float draw":
-            torch.rand(4, generator=g)             # data: no value, and g's stream unknown since
+        if what == "after an unfollowed draw":
+            torch.multinomial(torch.ones(4), 2, generator=g)   # takes what its values need: g unknown
             return torch.randint(0, 9, (3,), generator=g).tolist()
         if what == "large":
             return torch.randperm(simcomm.sim.shape.RANDOM_INDEX_LIMIT + 1, generator=g)[:3].tolist()
@@ -71,7 +74,7 @@ def test_a_large_draw_a_draw_into_a_parameter_and_a_draw_after_a_float_draw_have
             weight.uniform_(generator=g)      # model data: no value, even drawn from a known state
         return weight.tolist()
 
-    for what in ("large", "parameter", "after a float draw"):
+    for what in ("large", "parameter", "after an unfollowed draw"):
         _refused(program, 1, what)
 
 
