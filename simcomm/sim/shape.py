@@ -147,6 +147,7 @@ are issued from Python (:func:`install_device_mesh_values` installs it).
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 import weakref
 from collections import OrderedDict
@@ -601,6 +602,7 @@ def install_trunc_normal() -> None:
 
 _RANK_MODES: weakref.WeakSet = weakref.WeakSet()     # the fake modes rank_mode made
 _torch_fake_reduce_ex: Callable | None = None
+_torch_rebuild_tensor: Callable | None = None
 
 SAVE_NOTICE = ("simcomm: checkpoints written by shape-only ranks (tensors='shape') hold shapes and "
                "dtypes only: torch.save wrote each fake tensor as a meta tensor, and torch.load gives "
@@ -637,16 +639,52 @@ def _dtensor_reduce_ex(self: torch.Tensor, proto: int):
     return reduced
 
 
+def _rank_mode_here() -> FakeTensorMode | None:
+    """The fake mode of the shape-only rank this thread runs, where it is set; else None."""
+    mode = _get_fake_mode(_FAKE_KEY)
+    return mode if mode is not None and mode in _RANK_MODES else None
+
+
+def _rebuild_tensor_received(cls: type, storage: Any, metadata: Any) -> torch.Tensor:
+    """``torch.multiprocessing.reductions.rebuild_tensor``: a tensor another process sent (a
+    DataLoader worker's batch, on shared memory) is data, and on a shape-only rank it is rebuilt
+    as the real tensor it is, outside the rank's fake mode (torch's own, under the fake mode,
+    fails to set a fake tensor's storage to the real shared one); the program then meets it as
+    it meets any real tensor it made outside its ranks."""
+    if _rank_mode_here() is None:
+        return _torch_rebuild_tensor(cls, storage, metadata)
+    with _no_fake_mode():
+        return _torch_rebuild_tensor(cls, storage, metadata)
+
+
+def _leave_rank_mode_in_child() -> None:
+    """In a process a shape-only rank forks (a DataLoader worker): the child is a process of its
+    own, whose dataset reads and collates real data, as under torchrun; the rank's fake mode,
+    set on the forking thread, is not set in it."""
+    if _rank_mode_here() is not None:
+        torch._C._unset_dispatch_mode(_FAKE_KEY)
+
+
 def install_fake_pickling() -> None:
-    """Put :func:`_fake_reduce_ex` in ``FakeTensor.__reduce_ex__``'s place and
-    :func:`_dtensor_reduce_ex` in ``DTensor.__reduce_ex__``'s (once per process)."""
-    global _torch_fake_reduce_ex
+    """Put :func:`_fake_reduce_ex` in ``FakeTensor.__reduce_ex__``'s place,
+    :func:`_dtensor_reduce_ex` in ``DTensor.__reduce_ex__``'s and
+    :func:`_rebuild_tensor_received` in ``torch.multiprocessing.reductions.rebuild_tensor``'s,
+    and have a child a shape-only rank forks leave its fake mode (:func:`_leave_rank_mode_in_child`;
+    once per process)."""
+    global _torch_fake_reduce_ex, _torch_rebuild_tensor
     if _torch_fake_reduce_ex is None:
         from torch.distributed.tensor import DTensor
+        from torch.multiprocessing import reductions
 
         _torch_fake_reduce_ex = FakeTensor.__reduce_ex__
         FakeTensor.__reduce_ex__ = _fake_reduce_ex      # simcomm.patches: "fake-pickling"
         DTensor.__reduce_ex__ = _dtensor_reduce_ex      # simcomm.patches: "fake-pickling"
+        _torch_rebuild_tensor = reductions.rebuild_tensor
+        # pickled by name: the stand-in is found as torch's function is, in a process that has it or not
+        _rebuild_tensor_received.__module__ = reductions.__name__
+        _rebuild_tensor_received.__qualname__ = _rebuild_tensor_received.__name__ = "rebuild_tensor"
+        reductions.rebuild_tensor = _rebuild_tensor_received   # simcomm.patches: "fake-pickling"
+        os.register_at_fork(after_in_child=_leave_rank_mode_in_child)
 
 
 # -- functional collectives ----------------------------------------------------------------------

@@ -425,9 +425,23 @@ def _step(func, args: tuple, kwargs: dict, target: Any) -> tuple[Callable, int] 
     return _serial_step(method, dtype, numel, extra, p_dtype), 2 * numel
 
 
+def _takes_nothing(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the seeded op ``func`` takes no output from a CPU generator with these arguments:
+    the CPU's flash attention (it refuses ``dropout_p > 0``) and dropout outside training."""
+    name = func.__name__.split(".")[0]
+    if name == "_scaled_dot_product_flash_attention_for_cpu":
+        return True
+    if name == "native_dropout":
+        train = args[2] if len(args) > 2 else kwargs.get("train")
+        return train is False
+    return False
+
+
 def follow(func, args: tuple, kwargs: dict, target: Any, generator: torch.Generator, mode: Any) -> bool:
     """Follow the draw ``func`` (into ``target``, a fake tensor) from ``generator`` on this rank;
     False where it is not followed (the caller then makes the state unknown)."""
+    if _takes_nothing(func, args, kwargs):
+        return True
     found = _step(func, args, kwargs, target)
     if found is None:
         return False

@@ -447,6 +447,20 @@ def test_children_a_rank_forks_are_processes_whose_exits_end_only_them(capsys):
     assert "Exception ignored" not in out.err and "_RankEnded" not in out.err, out.err[-2000:]
 
 
+def test_dataloader_workers_of_shape_only_ranks_load_real_batches(capsys):
+    # the worker leaves the rank's fake mode (its dataset and collate run on real data) and the
+    # rank rebuilds the batch it receives as the real tensor it is: the same total as torchrun's;
+    # what the all-reduce wrote has no value (nan with scalar_reads="nan")
+    result = run_script(SCRIPTS / "dataloader_workers.py", 2, tensors="shape", scalar_reads="nan")
+    out = capsys.readouterr()
+    assert result.returncode == 0, result.summary()
+    lines = report(out.out + out.err)
+    for rank in range(2):
+        assert fields(lines[rank]) == {"total": "120.0", "summed": "nan", "child_exitcode": "7",
+                                       "child_pid_differs": "True"}, lines
+    assert "Attempted to set the storage" not in out.err, out.err[-2000:]
+
+
 @torchrun
 def test_children_a_rank_forks_are_processes_under_torchrun():
     done, lines = under_torchrun("dataloader_workers.py")

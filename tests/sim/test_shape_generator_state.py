@@ -255,3 +255,20 @@ def test_a_state_saved_too_many_followed_draws_ago_is_the_named_error_not_a_wron
         torch.manual_seed(0)
         torch.randn(100)
         assert out == torch.randperm(5).tolist()
+
+
+def _attention_then_reads() -> list:
+    """Draws that take nothing from the generator: the CPU's flash attention (dropout_p 0, what
+    nanoGPT's default config runs) and dropout outside training, between followed draws."""
+    torch.manual_seed(3)
+    nn.Linear(16, 16)
+    q = torch.randn(2, 2, 8, 16, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    torch.ops.aten.native_dropout(torch.randn(5), 0.5, False)
+    return _reads(None)
+
+
+def test_draws_that_take_nothing_leave_the_generator_followed():
+    shape = simcomm.World(1, tensors="shape").run(lambda comm: _attention_then_reads())[0]
+    with torch.random.fork_rng():
+        assert shape == _attention_then_reads()
