@@ -122,11 +122,23 @@ def _fsdp_test_class() -> type | None:
 
 def _distributed_kind(cls: type) -> str | None:
     from torch.testing._internal.common_distributed import MultiProcessTestCase, MultiThreadedTestCase
+    if _single_process_dtensor(cls):
+        return None
     if issubclass(cls, MultiProcessTestCase):
         return "process"
     if issubclass(cls, MultiThreadedTestCase):
         return "thread"
     return None
+
+
+def _single_process_dtensor(cls: type) -> bool:
+    """DTensor's ``LocalDTensorTestBase`` and ``LocalDTensorOpTestBase`` classes (made by
+    ``create_local_tensor_test_class``) run every rank in one process on a ``"fake"`` group
+    with local tensors; they start no processes or threads."""
+    module = sys.modules.get("torch.testing._internal.distributed._tensor.common_dtensor")
+    bases = tuple(base for base in (getattr(module, "LocalDTensorTestBase", None),
+                                    getattr(module, "LocalDTensorOpTestBase", None)) if base)
+    return bool(bases) and issubclass(cls, bases)
 
 
 def _shim_testing_names() -> list[str]:
