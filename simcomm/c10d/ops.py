@@ -58,8 +58,8 @@ def _reduction(c10d_op: str, opts, transport: Transport, tensors: Sequence[torch
     """The canonical reduction name of ``opts.reduceOp`` (:func:`simcomm.checks.reduce_op_and_factor`)
     and the transport's ``factor`` for it: ``f`` for ``PREMUL_SUM(f)`` (the factor
     ``torch.distributed._make_nccl_premul_sum`` stored, read from ``opts.reduceOp.factor``),
-    None otherwise. NotImplementedError for the bitwise ops, which the simulator's math has
-    no rule for; ValueError for a PREMUL_SUM of integers or with a bad factor, as NCCL refuses them."""
+    None otherwise. RuntimeError for a bitwise op (BAND, BOR, BXOR) of floating-point tensors,
+    as gloo refuses it; ValueError for a PREMUL_SUM of integers or with a bad factor, as NCCL refuses them."""
     red = opts.reduceOp
     for member, name in _PLAIN_REDUCTIONS:
         if red == member:
