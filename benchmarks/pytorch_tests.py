@@ -18,7 +18,9 @@ it creates one, as in a freshly spawned process. The device is the CPU.
 A skip is what the base class counts as one: ``unittest.SkipTest`` or a
 ``sys.exit`` with one of ``TEST_SKIPS``' exit codes (``skip_if_lt_x_gpu`` and its
 kind). Classes that are neither multi-process nor multi-threaded run in one
-process under PyTorch's own runner; they are listed and not run.
+process under PyTorch's own runner; they are listed and not run, as are DTensor's
+``...WithLocalTensor`` classes (``create_local_tensor_test_class``), which simulate every
+rank in one process.
 
 Usage (the PyTorch checkout's ``test/`` tree should be the release of the installed
 torch; PyTorch's test files are not part of this repository)::
