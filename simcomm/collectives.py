@@ -45,8 +45,8 @@ __all__ = [
     "reduce_to", "scatter_from", "all_to_all_single", "premultiply", "on_the_wire",
 ]
 
-_NEEDS_FLOAT = ("avg", PREMUL_SUM)
-_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}   # reductions check_avg_dtype refuses for integer dtypes
+_NEEDS_FLOAT = ("avg", PREMUL_SUM)   # reductions check_avg_dtype refuses for integer dtypes
+_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 
 
 def premultiply(tensor: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
