@@ -18,7 +18,9 @@ it creates one, as in a freshly spawned process. The device is the CPU.
 A skip is what the base class counts as one: ``unittest.SkipTest`` or a
 ``sys.exit`` with one of ``TEST_SKIPS``' exit codes (``skip_if_lt_x_gpu`` and its
 kind). Classes that are neither multi-process nor multi-threaded run in one
-process under PyTorch's own runner; they are listed and not run.
+process under PyTorch's own runner; they are listed and not run, as are DTensor's
+``...WithLocalTensor`` classes (``create_local_tensor_test_class``), which simulate every
+rank in one process.
 
 Usage (the PyTorch checkout's ``test/`` tree should be the release of the installed
 torch; PyTorch's test files are not part of this repository)::
@@ -122,11 +124,23 @@ def _fsdp_test_class() -> type | None:
 
 def _distributed_kind(cls: type) -> str | None:
     from torch.testing._internal.common_distributed import MultiProcessTestCase, MultiThreadedTestCase
+    if _single_process_dtensor(cls):
+        return None
     if issubclass(cls, MultiProcessTestCase):
         return "process"
     if issubclass(cls, MultiThreadedTestCase):
         return "thread"
     return None
+
+
+def _single_process_dtensor(cls: type) -> bool:
+    """DTensor's ``LocalDTensorTestBase`` and ``LocalDTensorOpTestBase`` classes (made by
+    ``create_local_tensor_test_class``) run every rank in one process on a ``"fake"`` group
+    with local tensors; they start no processes or threads."""
+    module = sys.modules.get("torch.testing._internal.distributed._tensor.common_dtensor")
+    bases = tuple(base for base in (getattr(module, "LocalDTensorTestBase", None),
+                                    getattr(module, "LocalDTensorOpTestBase", None)) if base)
+    return bool(bases) and issubclass(cls, bases)
 
 
 def _shim_testing_names() -> list[str]:

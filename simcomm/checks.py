@@ -314,16 +314,19 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 #: rank multiplying its own input by its own factor before the sum, as NCCL does. Not in
 #: :data:`REDUCE_OPS`: a name alone does not make it.
 PREMUL_SUM = "premul_sum"
+#: The bitwise reductions (``ReduceOp.BAND``, ``BOR``, ``BXOR``): gloo and c10d's other CPU
+#: backends take them for integer and bool tensors only. Not in :data:`REDUCE_OPS`.
+BITWISE_OPS = ("band", "bor", "bxor")
 _ALIASES = {"mean": "avg", "prod": "product"}
 
 
-_NAMES: dict = {**{getattr(ReduceOp, name.upper()): name for name in (*REDUCE_OPS, PREMUL_SUM)},
-                **{name: name for name in (*REDUCE_OPS, PREMUL_SUM)}}
+_NAMES: dict = {**{getattr(ReduceOp, name.upper()): name for name in (*REDUCE_OPS, PREMUL_SUM, *BITWISE_OPS)},
+                **{name: name for name in (*REDUCE_OPS, PREMUL_SUM, *BITWISE_OPS)}}
 
 
 def reduce_op_name(op: ReduceOp | str) -> str:
     """The canonical name (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``,
-    ``"premul_sum"``) of ``op``.
+    ``"premul_sum"``, or a bitwise ``"band"``, ``"bor"``, ``"bxor"``) of ``op``.
 
     Accepts ``torch.distributed.ReduceOp`` members, ``ReduceOp`` objects (such as
     ``ReduceOp.PREMUL_SUM(0.5)``) and their names as strings. The factor of a
@@ -338,11 +341,20 @@ def reduce_op_name(op: ReduceOp | str) -> str:
         if name in _NAMES:
             return name
     else:
-        for name in (*REDUCE_OPS, PREMUL_SUM):
+        for name in (*REDUCE_OPS, PREMUL_SUM, *BITWISE_OPS):
             if op == getattr(ReduceOp, name.upper()):
                 return name
-    raise ValueError(f"unsupported reduce op {op!r}; use one of ReduceOp.SUM, AVG, MAX, MIN, PRODUCT "
-                     f"or ReduceOp.PREMUL_SUM(factor)")
+    raise ValueError(f"unsupported reduce op {op!r}; use one of ReduceOp.SUM, AVG, MAX, MIN, PRODUCT, "
+                     f"BAND, BOR, BXOR or ReduceOp.PREMUL_SUM(factor)")
+
+
+def check_bitwise_dtype(call: str, tensor: torch.Tensor, op: str, rank: int | None = None) -> None:
+    """A bitwise reduction (:data:`BITWISE_OPS`) of a tensor that is not integer or bool raises
+    RuntimeError, as gloo does ("Cannot use ReduceOp.BAND with non-integral dtype")."""
+    if op in BITWISE_OPS and (tensor.is_floating_point() or tensor.is_complex()):
+        where = f" on rank {rank}" if rank is not None else ""
+        raise RuntimeError(f"{call}{where}: cannot use ReduceOp.{op.upper()} with non-integral dtype "
+                           f"{tensor.dtype}; the bitwise reductions take integer or bool tensors")
 
 
 def reduce_op_and_factor(call: str, op: ReduceOp | str, rank: int | None = None

@@ -31,12 +31,14 @@ and exactly for integers, bools, MAX and MIN.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch.distributed import ReduceOp
 
-from .checks import PREMUL_SUM, check_avg_dtype, check_premul_factor, check_same, check_splits, reduce_op_name
+from .checks import (BITWISE_OPS, PREMUL_SUM, check_avg_dtype, check_bitwise_dtype, check_premul_factor, check_same,
+                     check_splits, reduce_op_name)
 
 __all__ = [
     "reduce", "all_reduce", "all_gather", "reduce_scatter", "scatter", "all_to_all", "gather", "broadcast",
@@ -44,6 +46,7 @@ __all__ = [
 ]
 
 _NEEDS_FLOAT = ("avg", PREMUL_SUM)   # reductions check_avg_dtype refuses for integer dtypes
+_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 
 
 def premultiply(tensor: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
@@ -99,6 +102,9 @@ def reduce(inputs: Sequence[torch.Tensor], op: ReduceOp | str = "sum", factors: 
     name = reduce_op_name(op)
     if name in _NEEDS_FLOAT:
         check_avg_dtype("reduce", inputs[0], name)
+    if name in BITWISE_OPS:
+        check_bitwise_dtype("reduce", inputs[0], name)
+        return functools.reduce(_BITWISE[name], inputs[1:], inputs[0].clone())
     if factors is not None or name == PREMUL_SUM:
         factors = _factors(name, inputs, factors)
         return reduce([premultiply(tensor, factor) for tensor, factor in zip(inputs, factors)], "sum")

@@ -10,7 +10,8 @@ transport and the transport to its caller:
 
 * ``tensor`` is contiguous, ``dim`` arguments are non-negative and in range,
   sizes split evenly over the group, reduce ops are canonical names
-  (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``, ``"premul_sum"``;
+  (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``, ``"premul_sum"``, and the
+  bitwise ``"band"``, ``"bor"``, ``"bxor"`` for integer and bool tensors;
   the reducing primitives take PREMUL_SUM's factor as ``factor=``, this rank's
   own), ``src``/``dst`` are group-local ranks;
 * inputs are never modified; outputs are new tensors on the transport's device;

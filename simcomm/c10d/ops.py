@@ -29,7 +29,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from .. import memory
-from ..checks import check_avg_dtype, check_premul_factor, reduce_op_and_factor
+from ..checks import BITWISE_OPS, check_avg_dtype, check_bitwise_dtype, check_premul_factor, reduce_op_and_factor
 from ..buffers import set_versions, write_into
 from ..transport import Transport
 
@@ -58,8 +58,8 @@ def _reduction(c10d_op: str, opts, transport: Transport, tensors: Sequence[torch
     """The canonical reduction name of ``opts.reduceOp`` (:func:`simcomm.checks.reduce_op_and_factor`)
     and the transport's ``factor`` for it: ``f`` for ``PREMUL_SUM(f)`` (the factor
     ``torch.distributed._make_nccl_premul_sum`` stored, read from ``opts.reduceOp.factor``),
-    None otherwise. NotImplementedError for the bitwise ops, which the simulator's math has
-    no rule for; ValueError for a PREMUL_SUM of integers or with a bad factor, as NCCL refuses them."""
+    None otherwise. RuntimeError for a bitwise op (BAND, BOR, BXOR) of floating-point tensors,
+    as gloo refuses it; ValueError for a PREMUL_SUM of integers or with a bad factor, as NCCL refuses them."""
     red = opts.reduceOp
     for member, name in _PLAIN_REDUCTIONS:
         if red == member:
@@ -71,8 +71,11 @@ def _reduction(c10d_op: str, opts, transport: Transport, tensors: Sequence[torch
             raise
         raise NotImplementedError(
             f"{c10d_op} with reduce op {getattr(red, 'op', red)} is not supported by the 'simcomm' backend; "
-            f"use SUM, AVG, MAX, MIN, PRODUCT or PREMUL_SUM") from None
+            f"use SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR or PREMUL_SUM") from None
     if factor is None:
+        if name in BITWISE_OPS:
+            for tensor in tensors:
+                check_bitwise_dtype(c10d_op, tensor, name, transport.rank)
         return name, None
     for tensor in tensors:
         check_avg_dtype(c10d_op, tensor, name, transport.rank)

@@ -29,7 +29,7 @@ TOY = textwrap.dedent('''
         MultiProcessTestCase, MultiThreadedTestCase, skip_if_lt_x_gpu)
     from torch.testing._internal.common_utils import TestCase
     from torch.testing._internal.distributed._tensor.common_dtensor import (
-        DTensorTestBase, with_comms)
+        DTensorTestBase, create_local_tensor_test_class, with_comms)
 
 
     class ToyProcessTest(MultiProcessTestCase):
@@ -72,6 +72,9 @@ TOY = textwrap.dedent('''
             shard = distribute_tensor(full, mesh, [Shard(0)])
             self.assertEqual(shard.to_local(), full[2 * self.rank:2 * self.rank + 2])
             self.assertEqual(shard.full_tensor(), full)
+
+
+    ToyDTensorTestWithLocalTensor = create_local_tensor_test_class(ToyDTensorTest)
 
 
     class ToyThreadTest(MultiThreadedTestCase):
@@ -131,3 +134,10 @@ def test_totals_and_single_process_classes(harness_output):
     assert "ToySingleProcess: 1 single-process tests, not run here" in harness_output, harness_output
     assert "ToySingleProcess.test_alone" not in harness_output.replace(
         "ToySingleProcess: 1", ""), harness_output
+
+
+def test_local_tensor_classes_are_listed_as_single_process(harness_output):
+    # create_local_tensor_test_class: every rank simulated in one process on a "fake" group
+    assert "ToyDTensorTestWithLocalTensor: 1 single-process tests, not run here" in harness_output, \
+        harness_output
+    assert "ToyDTensorTestWithLocalTensor.test_full_tensor" not in harness_output, harness_output
