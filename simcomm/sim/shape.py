@@ -188,6 +188,9 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Un
 
 #: how a program reads values, by the aten op torch reports
 _SCALAR_READ = torch.ops.aten._local_scalar_dense.default
+#: what a refused read adds: a floating-point value a program only prints can read nan instead
+_STAND_IN_HINT = ("; a floating-point value the program only prints or logs (a loss) can read nan "
+                  "instead: scalar_reads='nan' (python -m simcomm.run --scalar-reads nan)")
 _VALUE_READS = {"aten._local_scalar_dense.default": "a value read (.item(), .tolist(), bool(t), int(t): "
                                                     "aten._local_scalar_dense)"}
 
@@ -430,7 +433,7 @@ def _refusal(error: BaseException, rank: int) -> ShapeOnlyError | None:
                 f"computed from constants only (arange, linspace, torch.tensor, zeros/ones/full, eye "
                 f"and ops on them), not of data, parameters, random ops or what a collective wrote; "
                 f"run this program with tensors='real', or compute the value from shapes or Python numbers"
-                f"{getattr(error, 'simcomm_note', '')}")
+                f"{_STAND_IN_HINT if op is _SCALAR_READ else ''}{getattr(error, 'simcomm_note', '')}")
         if isinstance(error, RuntimeError) and str(error).startswith(_NUMPY_REFUSAL):
             return ShapeOnlyError(
                 f"rank {rank}: .numpy() needs tensor values, which a shape-only run "

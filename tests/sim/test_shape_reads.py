@@ -49,6 +49,7 @@ def test_without_the_option_the_read_is_the_named_error():
         simcomm.World(2, tensors="shape").run(_train)
     assert isinstance(failure.value.__cause__, ShapeOnlyError)
     assert "aten._local_scalar_dense" in str(failure.value.__cause__)
+    assert "scalar_reads='nan' (python -m simcomm.run --scalar-reads nan)" in str(failure.value.__cause__)
 
 
 @pytest.mark.parametrize("read", [
