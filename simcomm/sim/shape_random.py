@@ -59,15 +59,18 @@ in a row are one count, so a training loop's dropout masks do not grow the chain
 **Cost.** Following a draw costs its rank the state read, marked and set: about 17 us more per
 draw than leaving the state unknown did (40 us against 23 us per ``uniform_`` of a fake tensor,
 one rank, on a shared 2-core machine under load); working a state
-out costs about 6 ns per generator output (0.6 s for a 100M-parameter model's initialisation),
-once per distinct start and chain of draws: the ranks of a data-parallel script, seeded alike
-and building the same model, share the result (:data:`_WORKED_OUT`).
+out costs about 6 ns per generator output drawn (0.6 s for a 100M-parameter model's
+initialisation), once per distinct start and chain of draws: the ranks of a data-parallel script,
+seeded alike and building the same model, share the result (:data:`_WORKED_OUT`). A count of at
+least :data:`simcomm.sim.mt_jump.JUMP_FROM` outputs (a training loop's dropout masks merge into
+one) is not drawn but jumped over, in about 20 ms however large (:mod:`simcomm.sim.mt_jump`), so
+a DataLoader's base seed read at the next epoch costs that, not minutes.
 
 **Unknown.** A draw that is not followed (an op whose consumption depends on values, such as
 ``multinomial`` or ``poisson``, or a ``trunc_normal_`` too large to run again) leaves a stand-in
 that names no state, so a later index draw from it has no value and reading it is the named
-error, which says why (:func:`reason`); so is a followed state more than :data:`FOLLOW_LIMIT`
-generator outputs past its real base (working it out would cost more than it is worth). A CUDA
+error, which says why (:func:`reason`); so is a followed state whose working out would draw
+more than :data:`FOLLOW_LIMIT` generator outputs (a jumped count costs the threshold). A CUDA
 generator (fake ``"cuda"`` tensors) is not followed; its draws leave the CPU generator as it is.
 """
 from __future__ import annotations
@@ -83,6 +86,8 @@ from typing import Any, Callable
 import numpy
 import torch
 
+from . import mt_jump as _mt_jump
+
 __all__ = ["CHUNK", "REPLAY_LIMIT", "FOLLOW_LIMIT", "KEEP", "follow", "follow_trunc_normal", "spoil", "known", "settle",
            "reason"]
 
@@ -90,7 +95,8 @@ __all__ = ["CHUNK", "REPLAY_LIMIT", "FOLLOW_LIMIT", "KEEP", "follow", "follow_tr
 CHUNK = 1 << 20
 #: the most elements of a value-dependent draw (``trunc_normal_``) followed by running it again
 REPLAY_LIMIT = 1 << 22
-#: the most generator outputs a stand-in state may stand for past its real base
+#: the most generator outputs working a stand-in state out may draw (a jumped count costs
+#: :data:`simcomm.sim.mt_jump.JUMP_FROM`)
 FOLLOW_LIMIT = 2_000_000_000
 
 #: real states worked out, by the state they started from and what was drawn after it: ranks that
@@ -337,6 +343,8 @@ def _serial_step(method: str, dtype: torch.dtype, numel: int, args: tuple, p_dty
 
 def _uniform_outputs(count: int) -> Callable:
     def step(generator: torch.Generator) -> None:
+        if count >= _mt_jump.JUMP_FROM and _mt_jump.advance(generator, count):
+            return                           # many outputs: jumped over (simcomm.sim.mt_jump)
         for size in _chunks(count):
             torch.empty(size, dtype=torch.float32).uniform_(generator=generator)
     return _keyed(step, ("outputs", count))
@@ -449,19 +457,28 @@ def follow(func, args: tuple, kwargs: dict, target: Any, generator: torch.Genera
     return _follow_step(generator, mode, step, outputs)
 
 
+def _cost(step: Callable, outputs: int) -> int:
+    """What working ``step`` out costs, in generator outputs drawn: a count of at least
+    :data:`simcomm.sim.mt_jump.JUMP_FROM` outputs is jumped over, at a fixed cost."""
+    return min(outputs, _mt_jump.JUMP_FROM) if step.key[0] == "outputs" else outputs
+
+
 def _follow_step(generator: torch.Generator, mode: Any, step: Callable, outputs: int) -> bool:
     state = _real_state(generator)
     node = _node(generator, mode, state)
     if node is not None and node.unknown is not None:
         return True                         # unknown stays unknown
+    cost = _cost(step, outputs)
     if node is None:
-        new = _Node(None, state, step, outputs)
+        new = _Node(None, state, step, cost)
     elif node.settled is not None:
-        new = _Node(None, node.settled, step, outputs)
+        new = _Node(None, node.settled, step, cost)
     elif node.step.key[0] == "outputs" and step.key[0] == "outputs":     # one count: the chain does not grow
-        new = _Node(node.parent, node.base, _uniform_outputs(node.step.key[1] + step.key[1]), node.outputs + outputs)
+        merged = _uniform_outputs(node.step.key[1] + step.key[1])
+        new = _Node(node.parent, node.base, merged,
+                    node.outputs - _cost(node.step, node.step.key[1]) + _cost(merged, merged.key[1]))
     else:
-        new = _Node(node, None, step, node.outputs + outputs)
+        new = _Node(node, None, step, node.outputs + cost)
     if new.outputs > FOLLOW_LIMIT:
         new = _Node(None, None, None, 0, f"the generator's state after more than {FOLLOW_LIMIT:,} outputs of draws "
                                  f"without values (a model's initialisation) is too costly to work out")
