@@ -483,14 +483,16 @@ PATCHES: tuple[Patch, ...] = (
         "shapes and dtypes only; ``torch.multiprocessing.reductions.rebuild_tensor``: a tensor another "
         "process sent (a DataLoader worker's batch) is rebuilt on a shape-only rank as the real tensor it "
         "is, outside the rank's fake mode; and a child a shape-only rank forks leaves the fake mode "
-        "(``os.register_at_fork``)", "simcomm.sim.shape",
+        "(``os.register_at_fork``); ``FakeTensor.__deepcopy__``: torch's, with the real constant a rank's "
+        "fake tensor keeps copied outside the fake mode (``copy.deepcopy`` of an optimizer's state)",
+        "simcomm.sim.shape",
         "a program that trains and then ``torch.save``s its state dict fails on a shape-only rank with "
         "torch's own reduction (it pickles the fake mode: \"Can't pickle local object\"); every other "
         "fake tensor, and every DTensor over other tensors, pickles as torch pickles it",
         "the first shape-only World.run", "never: stays for the process", "process",
-        ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__", "reductions.rebuild_tensor"),
+        ("FakeTensor.__reduce_ex__", "DTensor.__reduce_ex__", "FakeTensor.__deepcopy__", "reductions.rebuild_tensor"),
         ("torch._subclasses.fake_tensor.FakeTensor.__reduce_ex__", "torch.distributed.tensor.DTensor.__reduce_ex__",
-         "torch.multiprocessing.reductions.rebuild_tensor")),
+         "torch._subclasses.fake_tensor.FakeTensor.__deepcopy__", "torch.multiprocessing.reductions.rebuild_tensor")),
     Patch(
         "fake-tolist", "``FakeTensor.tolist``: a fake tensor with a value (a shape-only rank's bookkeeping "
         "computed from constants, or an index draw from a generator whose state is known) answers with "

@@ -147,6 +147,7 @@ are issued from Python (:func:`install_device_mesh_values` installs it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
 import weakref
@@ -226,8 +227,16 @@ def rank_mode(scalar_reads: str = "error") -> FakeTensorMode:
     (:mod:`simcomm.sim.shape_reads`)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _shape_reads.set_scalar_reads(mode, scalar_reads)
+    # copy.deepcopy of a fake tensor copies its __dict__, the fake mode with it: the copy of a rank's
+    # tensor (a snapshot's state dict, dataclasses.asdict) belongs to the rank's own mode, as every
+    # tensor a rank makes does (a copied mode would copy the rank's bookkeeping, real tensors among it)
+    mode.__deepcopy__ = functools.partial(_same_mode, weakref.ref(mode))
     _RANK_MODES.add(mode)
     return mode
+
+
+def _same_mode(mode: "weakref.ref[FakeTensorMode]", memo: dict) -> FakeTensorMode | None:
+    return mode()
 
 
 def dispatch_cache_info() -> dict[str, Any]:
@@ -648,6 +657,20 @@ def _rank_mode_here() -> FakeTensorMode | None:
     return mode if mode is not None and mode in _RANK_MODES else None
 
 
+def _fake_deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
+    """``FakeTensor.__deepcopy__``: torch's (``Tensor.__deepcopy__``: a clone, then a deep copy of
+    the tensor's ``__dict__``), where the real constant a shape-only rank's fake tensor keeps (a
+    scalar made from a Python number, as an optimizer's ``step``) is copied outside the rank's fake
+    mode: under it, the copy of a real tensor's storage fails ("set the storage of a tensor on
+    device meta"), so ``copy.deepcopy`` of an optimizer's state dict did. Any other fake tensor:
+    torch's own."""
+    constant = self.__dict__.get("constant")
+    if self.fake_mode in _RANK_MODES and isinstance(constant, torch.Tensor) and id(constant) not in memo:
+        with _no_fake_mode(), torch._C._DisableTorchDispatch():
+            memo[id(constant)] = constant.clone()
+    return torch.Tensor.__deepcopy__(self, memo)
+
+
 def _rebuild_tensor_received(cls: type, storage: Any, metadata: Any) -> torch.Tensor:
     """``torch.multiprocessing.reductions.rebuild_tensor``: a tensor another process sent (a
     DataLoader worker's batch, on shared memory) is data, and on a shape-only rank it is rebuilt
@@ -670,8 +693,8 @@ def _leave_rank_mode_in_child() -> None:
 
 def install_fake_pickling() -> None:
     """Put :func:`_fake_reduce_ex` in ``FakeTensor.__reduce_ex__``'s place,
-    :func:`_dtensor_reduce_ex` in ``DTensor.__reduce_ex__``'s and
-    :func:`_rebuild_tensor_received` in ``torch.multiprocessing.reductions.rebuild_tensor``'s,
+    :func:`_dtensor_reduce_ex` in ``DTensor.__reduce_ex__``'s, :func:`_fake_deepcopy` as
+    ``FakeTensor.__deepcopy__`` and :func:`_rebuild_tensor_received` in ``torch.multiprocessing.reductions.rebuild_tensor``'s,
     and have a child a shape-only rank forks leave its fake mode (:func:`_leave_rank_mode_in_child`;
     once per process)."""
     global _torch_fake_reduce_ex, _torch_rebuild_tensor
@@ -682,6 +705,7 @@ def install_fake_pickling() -> None:
         _torch_fake_reduce_ex = FakeTensor.__reduce_ex__
         FakeTensor.__reduce_ex__ = _fake_reduce_ex      # simcomm.patches: "fake-pickling"
         DTensor.__reduce_ex__ = _dtensor_reduce_ex      # simcomm.patches: "fake-pickling"
+        FakeTensor.__deepcopy__ = _fake_deepcopy        # simcomm.patches: "fake-pickling"
         _torch_rebuild_tensor = reductions.rebuild_tensor
         # pickled by name: the stand-in is found as torch's function is, in a process that has it or not
         _rebuild_tensor_received.__module__ = reductions.__name__
@@ -820,6 +844,18 @@ class FunctionalCollectives(TorchDispatchMode):
 VALUE_LIMIT = 65536
 
 _VALUE = "_simcomm_value"          # a fake tensor's attribute: (value, storage key, token)
+
+
+class _ValueEntry(tuple):
+    """A fake tensor's value, its storage's key and token. ``copy.deepcopy`` of the tensor copies its
+    ``__dict__``; the copy has a storage of its own, so this entry (kept as it is, not copied: its
+    value is a real tensor, which cannot be copied under the fake mode) does not match it, and the
+    copy has no value, as a copy made by an op without values."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict) -> "_ValueEntry":
+        return self
 _LIVE = "_simcomm_values"          # a fake mode's attribute: {storage key: token} of valid values
 _NO_VALUE_OPS = frozenset({
     # uninitialised memory: no values to know
@@ -892,7 +928,7 @@ def _set_value(tensor: torch.Tensor, value: torch.Tensor, mode: FakeTensorMode) 
     token = live.get(key)
     if token is None:
         token = live[key] = object()
-    setattr(tensor, _VALUE, (value, key, token))
+    setattr(tensor, _VALUE, _ValueEntry((value, key, token)))
 
 
 class _NoValue(Exception):
