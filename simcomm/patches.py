@@ -333,6 +333,21 @@ PATCHES: tuple[Patch, ...] = (
         ("torch.amp.autocast_mode.autocast.__init__", "torch.nn.parallel.DistributedDataParallel.__init__",
          "torch.load", "torch.get_device_module", "torch.utils.data._utils.pin_memory.pin_memory")),
     Patch(
+        "sdpa-cpu-sharding", "DTensor's sharding propagator "
+        "(``DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs``): strategies registered for "
+        "``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (replicated, sharded on "
+        "the heads ``Shard(1)``, sharded on the batch ``Shard(0)``), with DTensor's own "
+        "``register_op_strategy``", "simcomm.sim.sdpa_cpu",
+        "virtual GPUs compute with the CPU's kernels: F.scaled_dot_product_attention runs the CPU's flash "
+        "attention where a real GPU runs _scaled_dot_product_flash_attention, which DTensor shards by heads, "
+        "so a tensor-parallel attention block (PyTorch's FSDP+TP example) stopped in its first forward. "
+        "The strategies answer only on a rank thread with virtual GPUs; everywhere else (plain CPU ranks, "
+        "every other thread) they raise DTensor's own 'does not have a sharding strategy registered', as "
+        "a gloo process under torchrun does. An op that already has a strategy (a later torch's) keeps it",
+        "the first World(map_cuda=True).run (python -m simcomm.run with virtual GPUs)",
+        "never: stays for the process (torch has no unregister)", "process",
+        ("propagator.register_op_strategy()",)),
+    Patch(
         "storage-resize", "``torch.UntypedStorage.resize_``: the same call, then the counted size "
         "follows the storage", "simcomm.memory",
         "FSDP2 frees and re-allocates unsharded parameters with resize_, outside the dispatcher, "

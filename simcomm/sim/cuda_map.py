@@ -78,7 +78,7 @@ from torch.overrides import TorchFunctionMode
 from .. import memory
 from .process_state import inherit_on_threads, inherit_thread_local, rank_start_seed
 
-__all__ = ["mesh_device_type", "CudaAsDevice", "cuda_answers", "is_cuda_name", "GPU", "GPUS", "VirtualGPUs", "parse_bytes",
+__all__ = ["mesh_device_type", "CudaAsDevice", "on_virtual_gpu", "cuda_answers", "is_cuda_name", "GPU", "GPUS", "VirtualGPUs", "parse_bytes",
            "gpu_preset"]
 
 _local = threading.local()     # per rank thread: .index (set_device), .mapped (the World's device), .generator
@@ -192,6 +192,11 @@ def is_cuda_name(value: Any) -> bool:
     if isinstance(value, torch.device):
         return value.type == "cuda"
     return isinstance(value, str) and (value == "cuda" or value.startswith("cuda:"))
+
+
+def on_virtual_gpu() -> bool:
+    """Whether the calling thread is a rank thread with virtual GPUs (inside :class:`CudaAsDevice`)."""
+    return getattr(_local, "mapped", None) is not None
 
 
 def _is_device_int(value: Any) -> bool:
@@ -795,6 +800,8 @@ def cuda_answers(gpus: VirtualGPUs | int, world_size: int | None = None) -> Iter
     if isinstance(gpus, int):
         gpus, world_size = VirtualGPUs(), gpus
     answers = _Answers(gpus, world_size or 1)
+    from .sdpa_cpu import install as install_sdpa_sharding
+    install_sdpa_sharding()                      # once per process (simcomm.patches: "sdpa-cpu-sharding")
     cuda, accelerator = answers.cuda(), answers.accelerator()
     _ddp_class()                                 # torch.nn.parallel imported
     saved_cuda = {name: getattr(torch.cuda, name) for name in cuda}

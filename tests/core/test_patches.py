@@ -32,7 +32,7 @@ ROOT_MODULES = ("torch", "os", "sys", "numpy", "random", "gc", "plotly", "signal
 PROCESS_CALLS = ("gc.set_threshold", "torch.set_num_threads", "signal.signal", "faulthandler.register",
                  "_set_thread_isolation_mode", "set_multithreading_enabled", "register_backend",
                  "sys.path.insert", "sys.path.remove", "sys.path.append", "os.putenv",
-                 "sys.setswitchinterval", "sched_setaffinity", "prctl")
+                 "sys.setswitchinterval", "sched_setaffinity", "prctl", "register_op_strategy")
 
 
 def _root(node: ast.AST) -> str | None:
