@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,20 @@ def launch_ok(command: list[str], cwd: Path, **options) -> str:
     done = launch(command, cwd, **options)
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout + done.stderr
+
+
+_REPORT = re.compile(r"rank(\d+): (.*?)(?=rank\d+: |$)")
+
+
+def rank_reports(text: str) -> dict[int, str]:
+    """Each rank's ``rankN: ...`` report line in a launcher's output, tagged (``[rank r]`` by
+    simcomm.run) or not (torchrun). Two torchrun workers' lines can run together in the pipe
+    ("...=Falserank1: ..."): each report ends where the next begins."""
+    reports = {}
+    for raw in text.splitlines():
+        for match in _REPORT.finditer(raw):
+            reports[int(match.group(1))] = match.group(2).rstrip()
+    return reports
 
 
 def torchrun_lines(script: Path, nproc: int, parse, *, cwd: Path = ROOT, env: dict | None = None) -> dict:

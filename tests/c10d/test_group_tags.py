@@ -4,7 +4,6 @@ processes: tests/scripts/group_tags.py on 4 ranks with ``simcomm.run`` (fast tie
 torchrun on gloo (slow tier)."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,13 @@ import torch.distributed.distributed_c10d as c10d
 import simcomm
 from simcomm.errors import CollectiveMismatchError
 from simcomm.run import run_script
-from tests.launchers import torchrun_lines
+from tests.launchers import rank_reports, torchrun_lines
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "group_tags.py"
-_LINE = re.compile(r"(?:\[rank \d+\]\s*)?rank(\d+): (.*)")
 
 
 def _lines(text: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(2) for m in map(_LINE.search, text.splitlines()) if m}
+    return rank_reports(text)
 
 
 def _under_torchrun(nproc: int) -> dict[int, str]:

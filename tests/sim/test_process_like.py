@@ -14,22 +14,15 @@ import torch
 
 from simcomm.fresh_state import DEFAULT_RUN_SEED, SEED_VARIABLE
 from simcomm.run import run_script
-from tests.launchers import torchrun_lines
+from tests.launchers import rank_reports, torchrun_lines
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 ROOT = Path(__file__).parents[2]
-_LINE = re.compile(r"rank(\d+): (.*?)(?=rank\d+: |$)")
 
 
 def report(text: str) -> dict[int, str]:
     """Each rank's ``rankN: ...`` line, tagged (simcomm.run) or not (torchrun)."""
-    lines = {}
-    for raw in text.splitlines():
-        # two torchrun workers' lines can run together in the pipe ("...=Falserank1: ..."): each
-        # report ends where the next begins
-        for match in _LINE.finditer(raw):
-            lines[int(match.group(1))] = match.group(2).rstrip()
-    return lines
+    return rank_reports(text)
 
 
 def fields(line: str) -> dict[str, str]:

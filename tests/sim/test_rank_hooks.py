@@ -5,7 +5,6 @@ MemTracker's module trackers on a tensor-parallel module, on 2 and 3 ranks, with
 from __future__ import annotations
 
 import json
-import re
 import runpy
 from pathlib import Path
 
@@ -17,14 +16,13 @@ import torch.optim.optimizer as optimizer_globals
 import simcomm
 from simcomm.run import run_script
 from simcomm.sim.rank_hooks import HOOK_DICTS
-from tests.launchers import torchrun_lines
+from tests.launchers import rank_reports, torchrun_lines
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "comm_debug_modules.py"
-_LINE = re.compile(r"(?:\[rank \d+\]\s*)?rank(\d+): (.*)")
 
 
 def _lines(text: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(2) for m in map(_LINE.search, text.splitlines()) if m}
+    return rank_reports(text)
 
 
 def _fields(line: str) -> dict[str, str]:

@@ -20,15 +20,14 @@ import simcomm
 from simcomm.errors import DeadlockError, RankError, RunTimeoutError
 from simcomm.run import run_script
 
-from ..launchers import TORCHRUN, launch
+from ..launchers import TORCHRUN, launch, rank_reports
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
-_LINE = re.compile(r"(?:\[rank \d+\]:?\s*)?rank(\d+): (.*)")
 
 
 def report(text: str) -> dict[int, str]:
     """Each rank's ``rankN: ...`` line, tagged (simcomm.run) or not (torchrun)."""
-    return {int(match.group(1)): match.group(2) for match in map(_LINE.search, text.splitlines()) if match}
+    return rank_reports(text)
 
 
 def on_virtual_ranks(script: str, capsys, *args: str, timeout: float = 60):
