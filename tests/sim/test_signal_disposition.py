@@ -31,12 +31,15 @@ UNRULY = ("import os, signal\n"
           "assert os.system('true') == 0\n"
           "print('ignored', signal.getsignal(signal.SIGINT) == signal.SIG_IGN)\n")
 
-#: rank 1 interrupts itself
-INTERRUPTED = ("import os, signal\n"
-               "print('python handler', signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n"
+#: rank 1 interrupts itself. Each line is one write: under PYTHONUNBUFFERED a print of two values
+#: is several writes, and two torchrun workers' pieces interleave in the pipe
+INTERRUPTED = ("import os, signal, sys\n"
+               "sys.stdout.write(f'python handler {signal.getsignal(signal.SIGINT) is signal.default_int_handler}\\n')\n"
+               "sys.stdout.flush()\n"
                "if os.environ['RANK'] == '1':\n"
                "    signal.raise_signal(signal.SIGINT)\n"
-               "print('alive', flush=True)\n")
+               "sys.stdout.write('alive\\n')\n"
+               "sys.stdout.flush()\n")
 
 
 def _caller():
