@@ -241,9 +241,14 @@ def test_a_poll_that_gives_up_before_the_idle_limit_fails_as_under_torchrun(caps
 
 @pytest.mark.slow
 def test_a_poll_that_gives_up_fails_under_torchrun(tmp_path):
-    done, _ = under_torchrun("poll_forever.py", tmp_path, "0.5")
-    assert done.returncode == 1
-    assert re.search(r"TimeoutError: rank [01]: nobody wrote the flag within 0.5 s", done.stdout + done.stderr)
+    # both workers raise at about the same time: their tracebacks go to one pipe a piece at a time
+    # ("TimeoutError", ": " and the message are separate writes) and can interleave, so the type
+    # and the message are looked for apart; the message is one write
+    done = launch([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "poll_forever.py"), "0.5"],
+                  tmp_path, reference=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "TimeoutError" in output and re.search(r"rank [01]: nobody wrote the flag within 0\.5 s", output), output
 
 
 def test_ranks_polling_for_a_rank_that_failed_end_with_its_failure_at_once(monkeypatch):
