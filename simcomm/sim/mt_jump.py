@@ -120,6 +120,8 @@ def _characteristic() -> tuple[int, list[int]] | None:
     return None if poly is None else (poly, _cache["table"])
 
 
+#: each byte with a zero bit put after each of its bits (bit i moves to bit 2i): squaring a
+#: polynomial over GF(2) spreads its coefficients so, since the cross terms cancel in pairs
 _SPREAD = numpy.array([int(bin(byte)[2:].replace("", "0")[:-1] or "0", 2) for byte in range(256)],
                       dtype=numpy.uint16)
 
