@@ -72,7 +72,6 @@ def torchrun_lines(script: Path, nproc: int, parse, *, cwd: Path = ROOT, env: di
     return lines
 
 
-
 def default_sigint() -> None:
     """In the child, before exec: SIGINT's disposition and mask as a process a terminal starts has
     them (an ignored disposition and a blocked mask are inherited across exec)."""

@@ -39,8 +39,8 @@ from collections.abc import Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from ..checks import PREMUL_SUM, check_avg_dtype, check_bitwise_dtype, check_same, reduce_op_name
-from ..collectives import scatter
+from ..checks import BITWISE_OPS, PREMUL_SUM, check_avg_dtype, check_bitwise_dtype, check_same, reduce_op_name
+from ..collectives import reduce as reduce_in_any_order, scatter
 
 __all__ = ["reduce", "all_reduce", "reduce_scatter", "reduce_to", "ORDERS"]
 
@@ -48,8 +48,7 @@ __all__ = ["reduce", "all_reduce", "reduce_scatter", "reduce_to", "ORDERS"]
 ORDERS = ("all_reduce", "reduce")
 #: gloo's ``kMaxSegmentSize`` (gloo/allreduce.h, gloo/reduce.h): the most bytes its ring moves at once
 _GLOO_SEGMENT_BYTES = 1 << 20
-_RING_REDUCTIONS = ("sum", "avg", "product")
-_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}   # the reductions whose float result depends on the order
+_RING_REDUCTIONS = ("sum", "avg", "product")   # the reductions whose float result depends on the order
 _LONG_CHUNK = 1 << 12           # elements from which the ring's chunks are summed one at a time
 _STACK_AT_MOST = 1 << 22        # ranks x elements up to which short chunks are summed from one stack
 _ACCUMULATE_FROM = 1 << 16      # elements per rank from which exact reductions accumulate in place
@@ -146,11 +145,8 @@ def _reduce(inputs: Sequence[torch.Tensor], name: str, order: str) -> torch.Tens
     first = inputs[0]
     if name in _RING_REDUCTIONS and first.numel() and (first.is_floating_point() or first.is_complex()):
         return _ring_reduce(inputs, name, order)
-    if name in _BITWISE:        # BAND, BOR, BXOR: integers and bools, exact in any order
-        out = _BITWISE[name](first, inputs[1])
-        for tensor in inputs[2:]:
-            out = _BITWISE[name](out, tensor)
-        return out
+    if name in BITWISE_OPS:     # BAND, BOR, BXOR: integers and bools, exact in any order
+        return reduce_in_any_order(inputs, name)
     # integers and bools (exact in any order), MAX and MIN (exact), and empty tensors
     large = first.numel() >= _ACCUMULATE_FROM
     if large and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):

@@ -856,6 +856,8 @@ class _ValueEntry(tuple):
 
     def __deepcopy__(self, memo: dict) -> "_ValueEntry":
         return self
+
+
 _LIVE = "_simcomm_values"          # a fake mode's attribute: {storage key: token} of valid values
 _NO_VALUE_OPS = frozenset({
     # uninitialised memory: no values to know
@@ -1159,19 +1161,16 @@ def _draw(rule: _Rule, func, types, args: tuple, kwargs: dict, mode: FakeTensorM
     batch, a weight, dropout's mask) has no value; its generator's state is followed through it
     where what it takes is known (:func:`simcomm.sim.shape_random.follow`), and is unknown from
     then on otherwise (a later draw from it has no value) until it is given another."""
+    generator = _generator_of(args, kwargs)
+    if generator is None and _device_of(args, kwargs, mode).type == "cpu":
+        generator = torch.default_generator
     if outside:            # real tensors: torch draws for real, from the real state a stand-in stands for
-        generator = _generator_of(args, kwargs)
-        if generator is None and _device_of(args, kwargs, mode).type == "cpu":
-            generator = torch.default_generator
         if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
             _shape_random.settle(generator, mode)
         return func(*args, **kwargs)
     out = _fake_cache.dispatch(func, types, args, kwargs, mode)
     if rule.mutated and getattr(mode, _LIVE, None):
         _forget_mutated(rule, args, kwargs)
-    generator = _generator_of(args, kwargs)
-    if generator is None and _device_of(args, kwargs, mode).type == "cpu":
-        generator = torch.default_generator
     if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
         return out
     target = args[0] if rule.mutated else out
