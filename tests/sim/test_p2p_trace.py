@@ -114,3 +114,43 @@ def test_tracing_can_be_switched_off():
     world = simcomm.World(2, trace=False)
     world.run(lambda comm: comm.all_reduce(torch.ones(1)))
     assert len(world.trace) == 0
+
+
+def test_an_event_built_from_a_kept_record_equals_one_built_by_the_dataclass():
+    """Trace.events builds each event without the dataclass's __init__; it must be the same event:
+    equal, the same fields in the same order, the same types, a subclass through its own __init__."""
+    import dataclasses
+
+    from simcomm.trace import Record, TraceEvent
+
+    def program(comm):
+        comm.all_reduce(torch.ones(2, 3, dtype=torch.bfloat16))
+        if comm.rank == 0:
+            comm.send(torch.zeros(4), 1)
+        else:
+            comm.recv((4,), torch.float32, 0)
+        return None
+
+    world = simcomm.World(2)
+    world.run(program)
+    events = world.trace.events
+    assert [e.op for e in events if e.rank == 0] == ["all_reduce", "send"]
+    for event in events:
+        fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(TraceEvent)}
+        built = TraceEvent(**fields)
+        assert built == event and list(vars(built)) == list(vars(event))
+        assert [type(v) for v in vars(built).values()] == [type(v) for v in vars(event).values()]
+    assert {e.dtype for e in events} == {"bfloat16", "float32", None}     # a recv has no input
+
+    class Tagged(TraceEvent):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.tag = "mine"
+
+    record = Record("all_reduce", (0, 1), 0, 0, "forward", torch.Size([2]), torch.float16, None, 0.5, None,
+                    (("op", "sum"),))
+    record.end = 1.0
+    plain, tagged = TraceEvent.from_record(record.kept()), Tagged.from_record(record.kept())
+    assert type(tagged) is Tagged and tagged.tag == "mine"
+    assert vars(plain) == {k: v for k, v in vars(tagged).items() if k != "tag"}
+    assert plain.nbytes == 4 and plain.dtype == "float16" and plain.args == {"op": "sum"} and plain.shape == (2,)
