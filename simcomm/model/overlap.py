@@ -190,30 +190,53 @@ def _actions(events: list[TraceEvent], groups: GroupIndex) -> list[tuple]:
     ``("collective", op, group, step)`` (``group`` numbered by ``groups``), None for rank-local
     events (compute, and calls on a group of one)."""
     known = groups._by_object.get       # a group object seen before: its number without a call
+    starts = [e.start for e in events]
+    if all(map(le, starts, islice(starts, 1, None))):
+        # program order is the order of the issues' (time, position): the actions in one pass,
+        # unless an async call is waited on (its wait goes where its time puts it)
+        out: list[tuple] = []
+        append = out.append
+        for event in events:
+            if event.async_op and event.waited is not None:
+                break
+            op = event.op
+            if op == "compute":
+                append((_COMPUTE, event, None))
+                continue
+            group = event.group
+            if op == "send" or op == "recv":
+                sender, receiver = (event.rank, event.root) if op == "send" else (event.root, event.rank)
+                number = known(id(group))
+                key = ("p2p", sender, receiver, groups(group) if number is None else number, event.step)
+                append((_P2P, event, key))
+            elif len(group) < 2:
+                append((_ALONE, event, None))
+                continue
+            else:
+                number = known(id(group))
+                key = ("collective", op, groups(group) if number is None else number, event.step)
+                append((_COLLECTIVE, event, key))
+            if not event.async_op:
+                append((_WAIT, event, key))
+        else:
+            return out
     keys = []
     for event in events:
         op, group = event.op, event.group
         if op == "send" or op == "recv":
             sender, receiver = (event.rank, event.root) if op == "send" else (event.root, event.rank)
-            number = known(id(group))
-            keys.append(("p2p", sender, receiver, groups(group) if number is None else number, event.step))
+            keys.append(("p2p", sender, receiver, groups(group), event.step))
         elif op == "compute" or len(group) < 2:
             keys.append(None)
         else:
-            number = known(id(group))
-            keys.append(("collective", op, groups(group) if number is None else number, event.step))
-    waits = [i for i, e in enumerate(events) if e.async_op and e.waited is not None]
-    starts = [e.start for e in events]
-    if not waits and all(map(le, starts, islice(starts, 1, None))):       # program order is already the order of (time, position)
-        sequence = (("issue", e, k) for e, k in zip(events, keys))
-    else:
-        actions = [(e.start, 0, i, "issue", e) for i, e in enumerate(events)]
-        actions += [(events[i].waited, 1, i, "wait", events[i]) for i in waits]
-        # (time, issue before wait, position) is unique: the sort never compares further
-        sequence = ((kind, event, keys[i]) for _, _, i, kind, event in sorted(actions))
+            keys.append(("collective", op, groups(group), event.step))
+    actions = [(e.start, 0, i, "issue", e) for i, e in enumerate(events)]
+    actions += [(e.waited, 1, i, "wait", e) for i, e in enumerate(events) if e.async_op and e.waited is not None]
     out = []
     append = out.append
-    for kind, event, key in sequence:
+    # (time, issue before wait, position) is unique: the sort never compares further
+    for _, _, i, kind, event in sorted(actions):
+        key = keys[i]
         if kind == "wait":
             append((_WAIT_ALONE if key is None else _WAIT, event, key))
         elif key is None:
@@ -238,7 +261,7 @@ def layout(trace: Trace) -> Timeline:
 
 
 _first, _second = itemgetter(0), itemgetter(1)
-_first_modelled = attrgetter("modelled")
+_modelled = attrgetter("modelled")
 _by_start_then_rank = attrgetter("start", "event.rank")
 _stall_order = attrgetter("start", "rank")
 
@@ -288,7 +311,7 @@ def _layout(trace: Trace) -> Timeline:
             members = members_of[key[2]]
             free = max(map(max, map(lane_free.__getitem__, members), map(p2p_free.__getitem__, members)))
             start = max(max(map(_second, issues)), free)
-            end = start + max(map(_first_modelled, map(_first, issues)))
+            end = start + max(map(_modelled, map(_first, issues)))
             enabled = []
             for member in members:
                 lane_free[member] = end
@@ -300,7 +323,7 @@ def _layout(trace: Trace) -> Timeline:
         else:
             members = key[1:3]
             start = max(max(map(_second, issues)), max(map(lane_free.__getitem__, members)))
-            end = start + max(map(_first_modelled, map(_first, issues)))
+            end = start + max(map(_modelled, map(_first, issues)))
             enabled = []
             for member in members:
                 p2p_free[member] = max(p2p_free[member], end)
@@ -417,25 +440,33 @@ def _layout(trace: Trace) -> Timeline:
 
 def _summaries(by_rank, placed, stalls, cpu, lane_free) -> dict[int, RankSummary]:
     summaries = {}
-    placed_by: dict[int, list[Placed]] = {}
-    for p in placed:
-        mine = placed_by.get(p.event.rank)
+    # per rank, in the timeline's order: its compute events' durations, its communication
+    # events' intervals of positive length, every event's end
+    parts: dict[int, tuple[list, list, list]] = {}
+    for event, start, end in placed:
+        mine = parts.get(event.rank)
         if mine is None:
-            placed_by[p.event.rank] = [p]
+            mine = parts[event.rank] = ([], [], [])
+        if event.op == "compute":
+            mine[0].append(end - start)
+        elif end > start:
+            mine[1].append((start, end))
+        mine[2].append(end)
+    waited: dict[int, list[tuple[float, float]]] = {}
+    for rank, start, end, _ in stalls:
+        mine = waited.get(rank)
+        if mine is None:
+            waited[rank] = [(start, end)]
         else:
-            mine.append(p)
-    stalls_by: dict[int, list[Stall]] = {}
-    for s in stalls:
-        stalls_by.setdefault(s.rank, []).append(s)
+            mine.append((start, end))
+    nothing = ([], [], [])
     for rank in sorted(by_rank):
-        mine = placed_by.get(rank, [])
-        compute = [p for p in mine if p.event.op == "compute"]
-        comm = _union([(p.start, p.end) for p in mine if p.event.op != "compute" and p.end > p.start])
-        waits = _union([(s.start, s.end) for s in stalls_by.get(rank, [])])
+        durations, busy, ends = parts.get(rank, nothing)
+        comm = _union(busy)
+        waits = _union(waited.get(rank, []))
         exposed = _overlap_of_unions(waits, comm)
         summaries[rank] = RankSummary(
-            rank=rank, compute=sum(p.end - p.start for p in compute),
-            communication=sum(end - start for start, end in comm), exposed=exposed,
-            waiting=sum(end - start for start, end in waits) - exposed,
-            end=max([cpu[rank], lane_free[rank]] + [p.end for p in mine]))
+            rank=rank, compute=sum(durations), communication=sum(end - start for start, end in comm),
+            exposed=exposed, waiting=sum(end - start for start, end in waits) - exposed,
+            end=max([cpu[rank], lane_free[rank]] + ends))
     return summaries
