@@ -260,6 +260,7 @@ def layout(trace: Trace) -> Timeline:
         return _layout(trace)
 
 
+# getters and sort keys that run in C: no Python-level call per event
 _first, _second = itemgetter(0), itemgetter(1)
 _modelled = attrgetter("modelled")
 _by_start_then_rank = attrgetter("start", "event.rank")
