@@ -147,15 +147,21 @@ def _members(key: tuple, groups: GroupIndex) -> tuple[int, ...]:
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of ``intervals`` as disjoint intervals of positive length, in order."""
-    merged: list[list[float]] = []
+    merged: list[tuple[float, float]] = []
+    first = last = None                         # the interval being merged
     for start, end in sorted(intervals):
         if end <= start:
             continue
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
+        if last is not None and start <= last:
+            if end > last:
+                last = end
         else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
+            if last is not None:
+                merged.append((first, last))
+            first, last = start, end
+    if last is not None:
+        merged.append((first, last))
+    return merged
 
 
 def _overlap(intervals: list[tuple[float, float]], others: list[tuple[float, float]]) -> float:
