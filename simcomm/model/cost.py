@@ -382,6 +382,10 @@ def _splits(event: TraceEvent, name: str, rows: int, n: int) -> list[int]:
     return splits
 
 
+#: the ops whose nccl-tests size depends on all the events of the call (:func:`_call_size`)
+_WHOLE_CALL = ("all_to_all_single", "scatter")
+
+
 def _call_size(event: TraceEvent, call: list[TraceEvent]) -> int:
     """An event's call in nccl-tests' size convention (the trace records each rank's input)."""
     n = len(event.group)
@@ -434,32 +438,52 @@ def annotate(trace: Trace, topology: str | Topology) -> Trace:
     as 0. The events themselves are kept and modified in place.
     """
     topology = get_topology(topology)
+    events = trace.events
     groups = overlap.GroupIndex()       # a call's key by group number: no hash of a long tuple per event
-    keys = [(event.op, groups(event.group), event.step) for event in trace.events]
+    known = groups._by_object.get       # a group object seen before: its number without a call
+    # the size of an all_to_all_single or scatter call depends on all its events: gathered first
     calls: dict[tuple, list[TraceEvent]] = {}
-    for event, key in zip(trace.events, keys):
-        calls.setdefault(key, []).append(event)
-    # a collective's members share its estimate (op, group and call size): computed once per call
-    # and input size, not once per member (placing a group on the topology costs O(group size))
+    for event in events:
+        if event.op in _WHOLE_CALL:
+            calls.setdefault((event.op, groups(event.group), event.step), []).append(event)
+    # a collective's estimate depends on its op, group and call size only: computed once per
+    # op, group and input size (per call for the two above), not once per member (placing a
+    # group on the topology costs O(group size))
     shared: dict[tuple, float] = {}
     hops: dict[tuple, float] = {}       # a send's or recv's estimate: its bytes, and whether the peers share a node
-    for event, key in zip(trace.events, keys):
-        if event.op == "compute":
-            event.modelled = _event_duration(event, calls[key], topology)
+    node_of, max_ranks, compute_flops = topology.node_of, topology.max_ranks, topology.compute_flops
+    for event in events:
+        op = event.op
+        if op == "compute":
+            seconds = event.args.get("seconds")
+            if seconds is not None:
+                event.modelled = float(seconds)
+                continue
+            flops = event.args.get("flops")
+            if flops is None or compute_flops <= 0:         # the errors of _event_duration
+                event.modelled = _event_duration(event, [event], topology)
+            else:
+                event.modelled = float(flops) / compute_flops
             continue
-        if event.op in ("send", "recv"):
-            peer = event.root if event.root is not None else event.rank
-            memo = (event.nbytes, None if peer == event.rank else topology.node_of(event.rank) == topology.node_of(peer))
-            inside = 0 <= event.rank < topology.max_ranks and 0 <= peer < topology.max_ranks
+        if op == "send" or op == "recv":
+            rank = event.rank
+            peer = event.root if event.root is not None else rank
+            memo = (event.nbytes, None if peer == rank else node_of(rank) == node_of(peer))
+            inside = 0 <= rank < max_ranks and 0 <= peer < max_ranks
             modelled = hops.get(memo) if inside else None      # (a GPU outside: the estimate's error)
             if modelled is None:
-                modelled = hops[memo] = _event_duration(event, calls[key], topology)
+                modelled = hops[memo] = _event_duration(event, [event], topology)
             event.modelled = modelled
             continue
-        memo = (key, event.nbytes)
+        group = event.group
+        number = known(id(group))
+        if number is None:
+            number = groups(group)
+        whole = op in _WHOLE_CALL
+        memo = (op, number, event.step, event.nbytes) if whole else (op, number, event.nbytes)
         modelled = shared.get(memo)
         if modelled is None:
-            modelled = shared[memo] = _event_duration(event, calls[key], topology)
+            modelled = shared[memo] = _event_duration(event, calls[memo[:3]] if whole else [event], topology)
         event.modelled = modelled
     return trace
 

@@ -34,6 +34,8 @@ import heapq
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
+from operator import attrgetter, itemgetter, le
 from typing import NamedTuple
 
 from ..collector import FullCollectionsDeferred
@@ -139,41 +141,36 @@ class GroupIndex:
         return number
 
 
-def _key(event: TraceEvent, groups: GroupIndex) -> tuple | None:
-    """What identifies one call across its participants; None for rank-local events."""
-    if event.op in ("send", "recv"):
-        sender, receiver = (event.rank, event.root) if event.op == "send" else (event.root, event.rank)
-        return ("p2p", sender, receiver, groups(event.group), event.step)
-    if event.op == "compute" or len(event.group) < 2:
-        return None
-    return ("collective", event.op, groups(event.group), event.step)
-
-
 def _members(key: tuple, groups: GroupIndex) -> tuple[int, ...]:
     return key[1:3] if key[0] == "p2p" else groups.members[key[2]]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of ``intervals`` as disjoint intervals of positive length, in order."""
-    merged: list[list[float]] = []
+    merged: list[tuple[float, float]] = []
+    first = last = None                         # the interval being merged
     for start, end in sorted(intervals):
         if end <= start:
             continue
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
+        if last is not None and start <= last:
+            if end > last:
+                last = end
         else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    return sum(end - start for start, end in _union(intervals))
+            if last is not None:
+                merged.append((first, last))
+            first, last = start, end
+    if last is not None:
+        merged.append((first, last))
+    return merged
 
 
 def _overlap(intervals: list[tuple[float, float]], others: list[tuple[float, float]]) -> float:
-    """Length of (union of ``intervals``) intersected with (union of ``others``): one sweep over
-    the two unions, each in order."""
-    a, b = _union(intervals), _union(others)
+    """Length of (union of ``intervals``) intersected with (union of ``others``)."""
+    return _overlap_of_unions(_union(intervals), _union(others))
+
+
+def _overlap_of_unions(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two unions (:func:`_union`): one sweep over both, in order."""
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
         (a_start, a_end), (b_start, b_end) = a[i], b[j]
@@ -187,14 +184,74 @@ def _overlap(intervals: list[tuple[float, float]], others: list[tuple[float, flo
     return total
 
 
-def _actions(events: list[TraceEvent], groups: GroupIndex) -> deque:
-    """A rank's calls and waits in program order, each with its call's :func:`_key`: issues at
-    ``start``, async waits at ``waited``."""
-    keys = [_key(e, groups) for e in events]
+# what a rank does next (the first item of each action of :func:`_actions`)
+_COMPUTE, _ALONE, _COLLECTIVE, _P2P, _WAIT, _WAIT_ALONE = range(6)
+_new = tuple.__new__            # a Placed or Stall without the Python-level __new__ of a NamedTuple
+
+
+def _actions(events: list[TraceEvent], groups: GroupIndex) -> list[tuple]:
+    """A rank's calls and waits in program order, as ``(kind, event, key)``: issues at ``start``,
+    async waits at ``waited``, a blocking call's wait right after its issue. ``key`` identifies
+    the call across its participants: ``("p2p", sender, receiver, group, step)``,
+    ``("collective", op, group, step)`` (``group`` numbered by ``groups``), None for rank-local
+    events (compute, and calls on a group of one)."""
+    known = groups._by_object.get       # a group object seen before: its number without a call
+    starts = [e.start for e in events]
+    if all(map(le, starts, islice(starts, 1, None))):
+        # program order is the order of the issues' (time, position): the actions in one pass,
+        # unless an async call is waited on (its wait goes where its time puts it)
+        out: list[tuple] = []
+        append = out.append
+        for event in events:
+            if event.async_op and event.waited is not None:
+                break
+            op = event.op
+            if op == "compute":
+                append((_COMPUTE, event, None))
+                continue
+            group = event.group
+            if op == "send" or op == "recv":
+                sender, receiver = (event.rank, event.root) if op == "send" else (event.root, event.rank)
+                number = known(id(group))
+                key = ("p2p", sender, receiver, groups(group) if number is None else number, event.step)
+                append((_P2P, event, key))
+            elif len(group) < 2:
+                append((_ALONE, event, None))
+                continue
+            else:
+                number = known(id(group))
+                key = ("collective", op, groups(group) if number is None else number, event.step)
+                append((_COLLECTIVE, event, key))
+            if not event.async_op:
+                append((_WAIT, event, key))
+        else:
+            return out
+    keys = []
+    for event in events:
+        op, group = event.op, event.group
+        if op == "send" or op == "recv":
+            sender, receiver = (event.rank, event.root) if op == "send" else (event.root, event.rank)
+            keys.append(("p2p", sender, receiver, groups(group), event.step))
+        elif op == "compute" or len(group) < 2:
+            keys.append(None)
+        else:
+            keys.append(("collective", op, groups(group), event.step))
     actions = [(e.start, 0, i, "issue", e) for i, e in enumerate(events)]
     actions += [(e.waited, 1, i, "wait", e) for i, e in enumerate(events) if e.async_op and e.waited is not None]
+    out = []
+    append = out.append
     # (time, issue before wait, position) is unique: the sort never compares further
-    return deque((kind, event, keys[i]) for _, _, i, kind, event in sorted(actions))
+    for _, _, i, kind, event in sorted(actions):
+        key = keys[i]
+        if kind == "wait":
+            append((_WAIT_ALONE if key is None else _WAIT, event, key))
+        elif key is None:
+            append((_COMPUTE if event.op == "compute" else _ALONE, event, None))
+        else:
+            append((_P2P if key[0] == "p2p" else _COLLECTIVE, event, key))
+            if not event.async_op:
+                append((_WAIT, event, key))
+    return out
 
 
 def layout(trace: Trace) -> Timeline:
@@ -209,15 +266,28 @@ def layout(trace: Trace) -> Timeline:
         return _layout(trace)
 
 
+# getters and sort keys that run in C: no Python-level call per event
+_first, _second = itemgetter(0), itemgetter(1)
+_modelled = attrgetter("modelled")
+_by_start_then_rank = attrgetter("start", "event.rank")
+_stall_order = attrgetter("start", "rank")
+
+
 def _layout(trace: Trace) -> Timeline:
     by_rank: dict[int, list[TraceEvent]] = {}
     for event in trace.events:      # ordered by start: each rank's calls in program order
         if event.modelled is None:
             raise ValueError(f"modelled_timeline: {event.op} of rank {event.rank} (step {event.step}) "
                              f"has no modelled duration; call simcomm.model.cost.annotate(trace, topology) first")
-        by_rank.setdefault(event.rank, []).append(event)
+        mine = by_rank.get(event.rank)
+        if mine is None:
+            by_rank[event.rank] = [event]
+        else:
+            mine.append(event)
     groups = GroupIndex()
-    actions = {rank: _actions(events, groups) for rank, events in by_rank.items()}
+    ranks = list(by_rank)
+    actions = [_actions(by_rank[rank], groups) for rank in ranks]
+    done = [0] * len(ranks)                    # per rank position: its actions taken so far
     cpu = dict.fromkeys(by_rank, 0.0)
     lane_free = dict.fromkeys(by_rank, 0.0)    # after the last collective on the lane
     p2p_free = dict.fromkeys(by_rank, 0.0)     # after the last point-to-point message
@@ -226,9 +296,11 @@ def _layout(trace: Trace) -> Timeline:
     ends: dict[tuple, float] = {}
     placed: list[Placed] = []
     stalls: list[Stall] = []
+    place_one = placed.append
+    stall = stalls.append
+    members_of = groups.members
 
     order: dict[tuple, int] = {}                # each call's position in issue order
-    candidates: list[tuple] = []                # calls that may have become placeable
 
     def placeable(key: tuple) -> bool:
         if key in ends:
@@ -240,31 +312,38 @@ def _layout(trace: Trace) -> Timeline:
 
     def place(key: tuple) -> list[tuple]:
         """Place one call; return the calls its placement may make placeable (new lane heads)."""
-        members, calls = _members(key, groups), issued[key]
-        collective = key[0] == "collective"
-        free = [max(lane_free[m], p2p_free[m]) if collective else lane_free[m] for m in members]
-        start = max(max(t for _, t in calls.values()), max(free))
-        end = start + max(e.modelled for e, _ in calls.values())
-        enabled = []
-        for member in members:
-            if collective:
+        calls = issued[key]
+        issues = calls.values()
+        if key[0] == "collective":
+            members = members_of[key[2]]
+            free = max(map(max, map(lane_free.__getitem__, members), map(p2p_free.__getitem__, members)))
+            start = max(max(map(_second, issues)), free)
+            end = start + max(map(_modelled, map(_first, issues)))
+            enabled = []
+            for member in members:
                 lane_free[member] = end
-                lane_queue[member].popleft()
-                if lane_queue[member]:
-                    enabled.append(lane_queue[member][0])
-            else:
+                queue = lane_queue[member]
+                queue.popleft()
+                if queue:
+                    enabled.append(queue[0])
+                place_one(_new(Placed, (calls[member][0], start, end)))
+        else:
+            members = key[1:3]
+            start = max(max(map(_second, issues)), max(map(lane_free.__getitem__, members)))
+            end = start + max(map(_modelled, map(_first, issues)))
+            enabled = []
+            for member in members:
                 p2p_free[member] = max(p2p_free[member], end)
-            placed.append(Placed(calls[member][0], start, end))
+                place_one(_new(Placed, (calls[member][0], start, end)))
         ends[key] = end
         woken(key)
         return enabled
 
-    def place_ready() -> None:
+    def place_ready(first: tuple) -> None:
         # passes over the candidates in issue order, as a scan of every unplaced call would
         # make them: a call enabled by a placement later in the order is placed in the same
         # pass, one earlier in the order in the next pass
-        pending = sorted(set(candidates), key=order.__getitem__)
-        candidates.clear()
+        pending = [first]
         while pending:
             heap = [(order[k], k) for k in pending]
             heapq.heapify(heap)
@@ -282,16 +361,10 @@ def _layout(trace: Trace) -> Timeline:
                             pending.append(other)
             pending = sorted(set(pending), key=order.__getitem__)
 
-    def wait(rank: int, event: TraceEvent, end: float) -> None:
-        if end > cpu[rank]:
-            stalls.append(Stall(rank, cpu[rank], end, event))
-            cpu[rank] = end
-
     # Passes over the ranks in the order of their first events, each rank going on until it
     # waits on a call not yet placed. A rank that waits is visited again only once its call is
     # placed: later in the same pass when it comes after the rank whose issue placed the call,
     # in the next pass otherwise, the order a scan of every rank in every pass would visit it in.
-    ranks = list(actions)
     waiting: dict[tuple, list[int]] = {}       # a call not yet placed -> positions of ranks waiting on it
     this_pass, next_pass = list(range(len(ranks))), []
     visiting = -1
@@ -309,68 +382,98 @@ def _layout(trace: Trace) -> Timeline:
             this_pass, next_pass = sorted(next_pass), []
         visiting = heapq.heappop(this_pass)
         rank = ranks[visiting]
-        queue = actions[rank]
-        while queue:
-            kind, event, key = queue[0]
-            if kind == "issue" and key is None:
-                if event.op == "compute":
-                    placed.append(Placed(event, cpu[rank], cpu[rank] + event.modelled))
-                    cpu[rank] += event.modelled
-                else:               # a call on a group of one: its own lane only
-                    start = max(cpu[rank], lane_free[rank])
-                    lane_free[rank] = start + event.modelled
-                    placed.append(Placed(event, start, lane_free[rank]))
-                    if event.async_op:
-                        alone_end[id(event)] = lane_free[rank]
-                    else:
-                        wait(rank, event, lane_free[rank])
-                queue.popleft()
-            elif kind == "issue":
-                if event.op not in ("send", "recv"):
-                    lane_queue[rank].append(key)
-                issued.setdefault(key, {})[rank] = (event, cpu[rank])
-                order.setdefault(key, len(order))
-                candidates.append(key)
-                queue.popleft()
-                if not event.async_op:
-                    queue.appendleft(("wait", event, key))
-                place_ready()
-            else:
-                if key is None:     # an async call on a group of one
-                    wait(rank, event, alone_end.pop(id(event)))
-                elif key not in ends:
+        todo = actions[visiting]
+        i, count = done[visiting], len(todo)
+        now = cpu[rank]
+        while i < count:
+            kind, event, key = todo[i]
+            if kind == _COMPUTE:
+                place_one(_new(Placed, (event, now, now + event.modelled)))
+                now += event.modelled
+            elif kind == _WAIT:
+                end = ends.get(key)
+                if end is None:
                     waiting.setdefault(key, []).append(visiting)
                     break
+                if end > now:
+                    stall(_new(Stall, (rank, now, end, event)))
+                    now = end
+            elif kind == _COLLECTIVE or kind == _P2P:
+                if kind == _COLLECTIVE:
+                    lane_queue[rank].append(key)
+                    needed = len(members_of[key[2]])
                 else:
-                    wait(rank, event, ends[key])
-                queue.popleft()
-    stuck = {rank: f"{'waits on' if q[0][0] == 'wait' else 'issues'} {q[0][1].op} step {q[0][1].step} "
-                   f"group {q[0][1].group}" for rank, q in actions.items() if q}
+                    needed = 2
+                calls = issued.get(key)
+                if calls is None:
+                    calls = issued[key] = {}
+                calls[rank] = (event, now)
+                if key not in order:
+                    order[key] = len(order)
+                if len(calls) >= needed and key not in ends:    # else it cannot be placed yet
+                    place_ready(key)
+            elif kind == _ALONE:    # a call on a group of one: its own lane only
+                start = max(now, lane_free[rank])
+                lane_free[rank] = start + event.modelled
+                place_one(_new(Placed, (event, start, lane_free[rank])))
+                if event.async_op:
+                    alone_end[id(event)] = lane_free[rank]
+                elif lane_free[rank] > now:
+                    stall(_new(Stall, (rank, now, lane_free[rank], event)))
+                    now = lane_free[rank]
+            else:                   # the wait on an async call on a group of one
+                end = alone_end.pop(id(event))
+                if end > now:
+                    stall(_new(Stall, (rank, now, end, event)))
+                    now = end
+            i += 1
+        done[visiting] = i
+        cpu[rank] = now
+    stuck = {}
+    for position, rank in enumerate(ranks):
+        if done[position] < len(actions[position]):
+            kind, event, _ = actions[position][done[position]]
+            stuck[rank] = (f"{'waits on' if kind >= _WAIT else 'issues'} {event.op} step {event.step} "
+                           f"group {event.group}")
     unplaced = [key for key in issued if key not in ends]
     if stuck or unplaced:
         raise ValueError(f"modelled_timeline: the ranks' events do not match up (each rank's next "
                          f"event: {stuck}; calls some member never issued: "
                          f"{[f'{k[1]} step {k[-1]}' for k in unplaced]}); is the trace filtered or incomplete?")
-    placed.sort(key=lambda p: (p.start, p.event.rank))
-    stalls.sort(key=lambda s: (s.start, s.rank))
+    placed.sort(key=_by_start_then_rank)
+    stalls.sort(key=_stall_order)
     return Timeline(placed, stalls, _summaries(by_rank, placed, stalls, cpu, lane_free))
 
 
 def _summaries(by_rank, placed, stalls, cpu, lane_free) -> dict[int, RankSummary]:
     summaries = {}
-    placed_by: dict[int, list[Placed]] = {}
-    for p in placed:
-        placed_by.setdefault(p.event.rank, []).append(p)
-    stalls_by: dict[int, list[Stall]] = {}
-    for s in stalls:
-        stalls_by.setdefault(s.rank, []).append(s)
+    # per rank, in the timeline's order: its compute events' durations, its communication
+    # events' intervals of positive length, every event's end
+    parts: dict[int, tuple[list, list, list]] = {}
+    for event, start, end in placed:
+        mine = parts.get(event.rank)
+        if mine is None:
+            mine = parts[event.rank] = ([], [], [])
+        if event.op == "compute":
+            mine[0].append(end - start)
+        elif end > start:
+            mine[1].append((start, end))
+        mine[2].append(end)
+    waited: dict[int, list[tuple[float, float]]] = {}
+    for rank, start, end, _ in stalls:
+        mine = waited.get(rank)
+        if mine is None:
+            waited[rank] = [(start, end)]
+        else:
+            mine.append((start, end))
+    nothing = ([], [], [])
     for rank in sorted(by_rank):
-        mine = placed_by.get(rank, [])
-        comm = [(p.start, p.end) for p in mine if p.lane == "communication" and p.end > p.start]
-        waits = [(s.start, s.end) for s in stalls_by.get(rank, [])]
-        exposed = _overlap(waits, comm)
+        durations, busy, ends = parts.get(rank, nothing)
+        comm = _union(busy)
+        waits = _union(waited.get(rank, []))
+        exposed = _overlap_of_unions(waits, comm)
         summaries[rank] = RankSummary(
-            rank=rank, compute=sum(p.end - p.start for p in mine if p.lane == "compute"),
-            communication=_union_length(comm), exposed=exposed,
-            waiting=_union_length(waits) - exposed, end=max([cpu[rank], lane_free[rank]] + [p.end for p in mine]))
+            rank=rank, compute=sum(durations), communication=sum(end - start for start, end in comm),
+            exposed=exposed, waiting=sum(end - start for start, end in waits) - exposed,
+            end=max([cpu[rank], lane_free[rank]] + ends))
     return summaries
