@@ -440,7 +440,6 @@ def annotate(trace: Trace, topology: str | Topology) -> Trace:
     topology = get_topology(topology)
     events = trace.events
     groups = overlap.GroupIndex()       # a call's key by group number: no hash of a long tuple per event
-    known = groups._by_object.get       # a group object seen before: its number without a call
     # the size of an all_to_all_single or scatter call depends on all its events: gathered first
     calls: dict[tuple, list[TraceEvent]] = {}
     for event in events:
@@ -451,19 +450,11 @@ def annotate(trace: Trace, topology: str | Topology) -> Trace:
     # group on the topology costs O(group size))
     shared: dict[tuple, float] = {}
     hops: dict[tuple, float] = {}       # a send's or recv's estimate: its bytes, and whether the peers share a node
-    node_of, max_ranks, compute_flops = topology.node_of, topology.max_ranks, topology.compute_flops
+    node_of, max_ranks = topology.node_of, topology.max_ranks
     for event in events:
         op = event.op
         if op == "compute":
-            seconds = event.args.get("seconds")
-            if seconds is not None:
-                event.modelled = float(seconds)
-                continue
-            flops = event.args.get("flops")
-            if flops is None or compute_flops <= 0:         # the errors of _event_duration
-                event.modelled = _event_duration(event, [event], topology)
-            else:
-                event.modelled = float(flops) / compute_flops
+            event.modelled = _event_duration(event, [event], topology)
             continue
         if op == "send" or op == "recv":
             rank = event.rank
@@ -475,10 +466,7 @@ def annotate(trace: Trace, topology: str | Topology) -> Trace:
                 modelled = hops[memo] = _event_duration(event, [event], topology)
             event.modelled = modelled
             continue
-        group = event.group
-        number = known(id(group))
-        if number is None:
-            number = groups(group)
+        number = groups(event.group)
         whole = op in _WHOLE_CALL
         memo = (op, number, event.step, event.nbytes) if whole else (op, number, event.nbytes)
         modelled = shared.get(memo)
