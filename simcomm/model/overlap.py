@@ -189,43 +189,54 @@ _COMPUTE, _ALONE, _COLLECTIVE, _P2P, _WAIT, _WAIT_ALONE = range(6)
 _new = tuple.__new__            # a Placed or Stall without the Python-level __new__ of a NamedTuple
 
 
+def _issue(event: TraceEvent, groups: GroupIndex) -> tuple[int, tuple | None]:
+    """What issuing ``event`` is (:data:`_COMPUTE`, :data:`_ALONE`, :data:`_P2P` or
+    :data:`_COLLECTIVE`) and the key that identifies its call across its participants:
+    ``("p2p", sender, receiver, group, step)``, ``("collective", op, group, step)`` (``group``
+    numbered by ``groups``), None for rank-local events (compute, and calls on a group of one)."""
+    op = event.op
+    if op == "compute":
+        return _COMPUTE, None
+    if op == "send" or op == "recv":
+        sender, receiver = (event.rank, event.root) if op == "send" else (event.root, event.rank)
+        return _P2P, ("p2p", sender, receiver, groups(event.group), event.step)
+    if len(event.group) < 2:
+        return _ALONE, None
+    return _COLLECTIVE, ("collective", op, groups(event.group), event.step)
+
+
 def _actions(events: list[TraceEvent], groups: GroupIndex) -> list[tuple]:
-    """A rank's calls and waits in program order, as ``(kind, event, key)``: issues at ``start``,
-    async waits at ``waited``, a blocking call's wait right after its issue. ``key`` identifies
-    the call across its participants: ``("p2p", sender, receiver, group, step)``,
-    ``("collective", op, group, step)`` (``group`` numbered by ``groups``), None for rank-local
-    events (compute, and calls on a group of one)."""
-    known = groups._by_object.get       # a group object seen before: its number without a call
+    """A rank's calls and waits in program order, as ``(kind, event, key)`` (:func:`_issue`):
+    issues at ``start``, async waits at ``waited``, a blocking call's wait right after its issue."""
+    out: list[tuple] = []
+    append = out.append
     starts = [e.start for e in events]
     if all(map(le, starts, islice(starts, 1, None))):
         # program order is the order of the issues' (time, position): the actions in one pass,
         # unless an async call is waited on (its wait goes where its time puts it)
-        out: list[tuple] = []
-        append = out.append
         for event in events:
             if event.async_op and event.waited is not None:
+                out.clear()
                 break
-            op = event.op
-            if op == "compute":
-                append((_COMPUTE, event, None))
-                continue
-            group = event.group
-            if op == "send" or op == "recv":
-                sender, receiver = (event.rank, event.root) if op == "send" else (event.root, event.rank)
-                number = known(id(group))
-                key = ("p2p", sender, receiver, groups(group) if number is None else number, event.step)
-                append((_P2P, event, key))
-            elif len(group) < 2:
-                append((_ALONE, event, None))
-                continue
-            else:
-                number = known(id(group))
-                key = ("collective", op, groups(group) if number is None else number, event.step)
-                append((_COLLECTIVE, event, key))
-            if not event.async_op:
+            kind, key = _issue(event, groups)
+            append((kind, event, key))
+            if key is not None and not event.async_op:
                 append((_WAIT, event, key))
         else:
             return out
+    issues = [_issue(event, groups) for event in events]
+    actions = [(e.start, 0, i, "issue", e) for i, e in enumerate(events)]
+    actions += [(e.waited, 1, i, "wait", e) for i, e in enumerate(events) if e.async_op and e.waited is not None]
+    # (time, issue before wait, position) is unique: the sort never compares further
+    for _, _, i, what, event in sorted(actions):
+        kind, key = issues[i]
+        if what == "wait":
+            append((_WAIT_ALONE if key is None else _WAIT, event, key))
+        else:
+            append((kind, event, key))
+            if key is not None and not event.async_op:
+                append((_WAIT, event, key))
+    return out
     keys = []
     for event in events:
         op, group = event.op, event.group
