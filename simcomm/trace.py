@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import operator
 import os
 import threading
 import time
@@ -268,22 +267,12 @@ class TraceEvent:
             args = dict(args)
         if nbytes is None:
             nbytes = math.prod(shape) * dtype.itemsize if shape is not None else 0
-        if dtype is not None:
-            name = _DTYPE_NAMES.get(dtype)
-            if name is None:
-                name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-            dtype = name
-        fields = {"op": op, "group": group, "rank": rank, "step": step, "phase": phase,
-                  "shape": tuple(shape) if shape is not None else None, "dtype": dtype, "nbytes": nbytes,
-                  "start": start, "end": end, "out_shape": tuple(out_shape) if out_shape is not None else None,
-                  "root": root, "args": args, "modelled": None, "async_op": async_op, "waited": waited}
-        if cls is not TraceEvent:       # a subclass: through its own __init__
-            return cls(**fields)
-        # what the dataclass's __init__ sets, in its order (tests/core/test_trace.py compares the two),
-        # without its call: a large run's trace builds hundreds of thousands of events at once
-        event = _new_event(cls)
-        event.__dict__ = fields
-        return event
+        return cls(op=op, group=group, rank=rank, step=step, phase=phase,
+                   shape=tuple(shape) if shape is not None else None,
+                   dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+                   nbytes=nbytes, start=start, end=end,
+                   out_shape=tuple(out_shape) if out_shape is not None else None,
+                   root=root, args=args, async_op=async_op, waited=waited)
 
     def _peer_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
         dtype = self.dtype if self.dtype is not None else self.args.get("dtype")   # scatter off src
@@ -305,12 +294,6 @@ class TraceEvent:
         return self._peer_bytes()[1]
 
 
-_START_RANK = operator.attrgetter("start", "rank")
-#: dtype -> its name in events ("bfloat16"), filled as met
-_DTYPE_NAMES: dict = {}
-_new_event = object.__new__
-
-
 class Trace:
     """The events of one run, ordered by start time, with summaries and export."""
 
@@ -328,7 +311,7 @@ class Trace:
             with FullCollectionsDeferred():     # every event built stays alive
                 events = [item if isinstance(item, TraceEvent) else TraceEvent.from_record(item)
                           for item in self._items]
-                self._events = sorted(events, key=_START_RANK)
+                self._events = sorted(events, key=lambda e: (e.start, e.rank))
             self._items = []
         return self._events
 

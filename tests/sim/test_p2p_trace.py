@@ -117,8 +117,9 @@ def test_tracing_can_be_switched_off():
 
 
 def test_an_event_built_from_a_kept_record_equals_one_built_by_the_dataclass():
-    """Trace.events builds each event without the dataclass's __init__; it must be the same event:
-    equal, the same fields in the same order, the same types, a subclass through its own __init__."""
+    """Trace.events builds each event from the tuple a transport kept (TraceEvent.from_record): the
+    same event as the dataclass's own constructor gives, the dtype's name, the bytes worked out
+    from shape and dtype, the arguments as a dict, and a subclass through its own __init__."""
     import dataclasses
 
     from simcomm.trace import Record, TraceEvent
