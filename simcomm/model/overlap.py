@@ -237,32 +237,6 @@ def _actions(events: list[TraceEvent], groups: GroupIndex) -> list[tuple]:
             if key is not None and not event.async_op:
                 append((_WAIT, event, key))
     return out
-    keys = []
-    for event in events:
-        op, group = event.op, event.group
-        if op == "send" or op == "recv":
-            sender, receiver = (event.rank, event.root) if op == "send" else (event.root, event.rank)
-            keys.append(("p2p", sender, receiver, groups(group), event.step))
-        elif op == "compute" or len(group) < 2:
-            keys.append(None)
-        else:
-            keys.append(("collective", op, groups(group), event.step))
-    actions = [(e.start, 0, i, "issue", e) for i, e in enumerate(events)]
-    actions += [(e.waited, 1, i, "wait", e) for i, e in enumerate(events) if e.async_op and e.waited is not None]
-    out = []
-    append = out.append
-    # (time, issue before wait, position) is unique: the sort never compares further
-    for _, _, i, kind, event in sorted(actions):
-        key = keys[i]
-        if kind == "wait":
-            append((_WAIT_ALONE if key is None else _WAIT, event, key))
-        elif key is None:
-            append((_COMPUTE if event.op == "compute" else _ALONE, event, None))
-        else:
-            append((_P2P if key[0] == "p2p" else _COLLECTIVE, event, key))
-            if not event.async_op:
-                append((_WAIT, event, key))
-    return out
 
 
 def layout(trace: Trace) -> Timeline:
@@ -461,11 +435,12 @@ def _summaries(by_rank, placed, stalls, cpu, lane_free) -> dict[int, RankSummary
     # per rank, in the timeline's order: its compute events' durations, its communication
     # events' intervals of positive length, every event's end
     parts: dict[int, tuple[list, list, list]] = {}
-    for event, start, end in placed:
+    for placement in placed:
+        event, start, end = placement
         mine = parts.get(event.rank)
         if mine is None:
             mine = parts[event.rank] = ([], [], [])
-        if event.op == "compute":
+        if placement.lane == "compute":
             mine[0].append(end - start)
         elif end > start:
             mine[1].append((start, end))
